@@ -1,0 +1,181 @@
+"""The ``asyncinfer`` command: up, worker, infer, submit, result, status, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _models(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def _read_inputs(path: str, datatype: str | None) -> tuple[Any, dict[str, Any]]:
+    """Inputs and parameters from a JSON file or stdin.
+
+    Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
+    name → (nested) list, or a bare (nested) list for the input named ``input``.
+    """
+    from asyncinfer.protocol import to_input_payload
+
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    doc = json.loads(text)
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
+        return doc["inputs"], dict(doc.get("parameters") or {})
+    if isinstance(doc, dict):
+        return [to_input_payload(str(k), v, datatype=datatype) for k, v in doc.items()], {}
+    return [to_input_payload("input", doc, datatype=datatype)], {}
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from asyncinfer.client import Client
+
+    return Client(broker_url=args.broker_url, serializer=getattr(args, "serializer", None))
+
+
+def _print_response(response: Any) -> None:
+    print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
+
+
+def _bytes_as_list(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from asyncinfer.workers.launch import run_worker
+
+    if args.broker_url:
+        import os
+
+        os.environ["ASYNCINFER_BROKER_URL"] = args.broker_url
+    run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,
+               loglevel=args.loglevel, hostname=args.hostname)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from asyncinfer.up import run_up
+
+    return run_up(broker_url=args.broker_url, devices=_models(args.devices or ""),
+                  models=_models(args.models or ""), concurrency=args.concurrency)
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    inputs, parameters = _read_inputs(args.input, args.datatype)
+    with _client(args) as client:
+        _print_response(client.infer(args.model, inputs, parameters=parameters,
+                                     timeout_s=args.timeout_s))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    inputs, parameters = _read_inputs(args.input, args.datatype)
+    with _client(args) as client:
+        future = client.submit(args.model, inputs, parameters=parameters,
+                               request_id=args.request_id)
+        print(future.id)
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        _print_response(client.result(args.request_id, timeout_s=args.timeout_s))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from asyncinfer.status import cluster_status, format_status
+
+    with _client(args) as client:
+        print(format_status(cluster_status(client.app, timeout_s=args.timeout_s)))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from asyncinfer.config.settings import Settings, settings_table
+
+    if args.table:
+        print(settings_table())
+        return 0
+    settings = Settings.from_env()
+    print(f"broker_url      {settings.resolved_broker_url()}")
+    print(f"result_backend  {settings.resolved_result_backend()}")
+    for key, value in vars(settings).items():
+        if key not in ("broker_url", "result_backend"):
+            print(f"{key:15} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``asyncinfer`` command."""
+    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
+    parser.add_argument("--broker-url", help="broker URL (default: ASYNCINFER_BROKER_URL)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="broker (embedded Redis if none configured) + a worker per device")
+    p.add_argument("--devices", help="comma-separated devices (default: every accelerator, else cpu)")
+    p.add_argument("--models", help="comma-separated models (default: every registered model)")
+    p.add_argument("--concurrency", type=int, help="task threads per worker")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("worker", help="one device worker")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda:N, npu:N (default auto)")
+    p.add_argument("--models", help="comma-separated models (default: every registered model)")
+    p.add_argument("--concurrency", type=int, help="task threads (requests in flight)")
+    p.add_argument("--hostname", help="Celery node name (default DEVICE@host)")
+    p.add_argument("--loglevel", help="log level (default ASYNCINFER_LOG_LEVEL or info)")
+    p.set_defaults(func=cmd_worker)
+
+    for name, func, text in (("infer", cmd_infer, "send one request and print the response"),
+                             ("submit", cmd_submit, "send one request and print its request ID")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("model")
+        p.add_argument("--input", required=True, help="JSON file, or - for stdin")
+        p.add_argument("--datatype", help="v2 datatype for list inputs (default: inferred)")
+        p.add_argument("--serializer", choices=("json", "msgpack"))
+        if name == "infer":
+            p.add_argument("--timeout-s", type=float, default=60.0)
+        else:
+            p.add_argument("--request-id", help="request ID (default: a new UUID)")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("result", help="wait for a request's response and print it")
+    p.add_argument("request_id")
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.set_defaults(func=cmd_result)
+
+    p = sub.add_parser("status", help="workers, devices, models, queue depths")
+    p.add_argument("--timeout-s", type=float, default=1.0)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("config", help="the effective settings (or --table: every variable)")
+    p.add_argument("--table", action="store_true", help="print the Markdown table of variables")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``asyncinfer`` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    from asyncinfer.errors import AsyncInferError
+
+    try:
+        return int(args.func(args))
+    except (AsyncInferError, TimeoutError, ValueError, OSError) as exc:
+        print(f"asyncinfer {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Producer API: submit requests, get futures, look results up by request ID from any process.
+
+    from asyncinfer import Client
+    with Client() as client:
+        future = client.submit("mlp", np.ones((2, 16), np.float32))
+        print(future.result(timeout=10)["output"])
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from celery import Celery, states
+from celery.exceptions import TaskRevokedError
+from celery.result import AsyncResult
+
+from asyncinfer.celery_app import create_app
+from asyncinfer.config.settings import Settings
+from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
+from asyncinfer.result_watcher import ResultWatcher
+
+__all__ = ["Client", "InferFuture", "InferResponse"]
+
+
+class InferResponse:
+    """A v2 inference response; ``response["output"]`` is that output as a numpy array."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = dict(raw)
+        self.id: str = raw["id"]
+        self.model_name: str = raw["model_name"]
+        self.parameters: dict[str, Any] = dict(raw.get("parameters") or {})
+        self.outputs: dict[str, dict[str, Any]] = {o["name"]: o for o in raw["outputs"]}
+
+    def _output(self, name: str | None) -> dict[str, Any]:
+        if name is None:
+            return next(iter(self.outputs.values()))
+        try:
+            return self.outputs[name]
+        except KeyError:
+            raise KeyError(f"response {self.id} has no output {name!r} "
+                           f"(outputs: {', '.join(self.outputs)})") from None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return output_to_numpy(self._output(name))
+
+    def as_numpy(self, name: str | None = None) -> np.ndarray:
+        """Output ``name`` (default: the first) as a numpy array."""
+        return output_to_numpy(self._output(name))
+
+    def as_torch(self, name: str | None = None) -> Any:
+        """Output ``name`` (default: the first) as a torch tensor (numeric outputs)."""
+        return output_to_torch(self._output(name))
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{n}: {o['datatype']}{o['shape']}" for n, o in self.outputs.items())
+        return f"InferResponse(id={self.id!r}, model={self.model_name!r}, outputs={{{shapes}}})"
+
+
+class InferFuture(concurrent.futures.Future[InferResponse]):
+    """A ``concurrent.futures.Future`` for one request; ``cancel()`` revokes it in Celery."""
+
+    def __init__(self, request_id: str, client: Client) -> None:
+        super().__init__()
+        self.id = request_id
+        self._client = client
+
+    @property
+    def async_result(self) -> AsyncResult:
+        """Celery's view of the same request."""
+        return AsyncResult(self.id, app=self._client.app)
+
+    def cancel(self) -> bool:
+        """Revoke the request (it will not run if it has not started) and cancel this future."""
+        if self.done():
+            return False
+        self._client.app.control.revoke(self.id)
+        self._client.watcher.unwatch(self.id)
+        return super().cancel()
+
+    def _settle(self, meta: dict[str, Any]) -> None:
+        if self.done():
+            return
+        status = meta.get("status")
+        if status == states.SUCCESS:
+            self.set_result(InferResponse(meta["result"]))
+        elif status == states.REVOKED:
+            self.set_exception(TaskRevokedError(f"request {self.id} was revoked"))
+        else:
+            self.set_exception(self._client.app.backend.exception_to_python(meta.get("result")))
+
+    def __repr__(self) -> str:
+        return f"<InferFuture {self.id} {self._state}>"
+
+
+class Client:
+    """Sends ``asyncinfer.infer`` requests and waits for their results.
+
+    Args:
+        broker_url: default ``ASYNCINFER_BROKER_URL`` (or what ``asyncinfer up`` published).
+        result_backend: default ``ASYNCINFER_RESULT_BACKEND``, else the broker URL.
+        serializer: ``json`` (flat lists on the wire) or ``msgpack`` (raw bytes).
+        settings: full settings instead of the environment.
+    """
+
+    def __init__(self, broker_url: str | None = None, result_backend: str | None = None, *,
+                 serializer: str | None = None, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env(
+            broker_url=broker_url, result_backend=result_backend, task_serializer=serializer)
+        self.app: Celery = create_app(self.settings)
+        self._watcher: ResultWatcher | None = None
+
+    @property
+    def watcher(self) -> ResultWatcher:
+        """The result watcher (started on first use)."""
+        if self._watcher is None:
+            self._watcher = ResultWatcher(self.app.backend)
+        return self._watcher
+
+    def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
+               parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
+               binary: bool | None = None, link: Any = None, link_error: Any = None,
+               expires: float | None = None) -> InferFuture:
+        """Send one request and return its future at once.
+
+        Args:
+            model: a registered model; the request goes to queue ``infer.<model>``.
+            inputs: a mapping of input name → value, or one value (named ``input``). Values may
+                be numpy arrays, torch tensors, (nested) lists, strings or bytes.
+            request_id: the request (task) ID; default a new UUID.
+            parameters: the v2 request's ``parameters``.
+            serializer: ``json`` or ``msgpack``; default the client's.
+            binary: send tensor data as raw bytes; default True for msgpack, False for json.
+            link, link_error: Celery signatures called with the result or on failure.
+            expires: seconds after which a request not yet started is not run.
+        """
+        serializer = serializer or self.settings.task_serializer
+        if serializer not in ("json", "msgpack"):
+            raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
+        if binary is None:
+            binary = serializer == "msgpack"
+        request_id = request_id or str(uuid.uuid4())
+        payload = {"model": model, "inputs": _payloads(inputs, binary),
+                   "parameters": dict(parameters or {})}
+        future = InferFuture(request_id, self)
+        self.watcher.watch(request_id, future._settle)
+        self.app.send_task(TASK_NAME, kwargs=payload, task_id=request_id, queue=queue_for(model),
+                           serializer=serializer, link=link, link_error=link_error,
+                           expires=expires)
+        return future
+
+    def infer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
+              **options: Any) -> InferResponse:
+        """Send one request and wait for its response."""
+        return self.submit(model, inputs, **options).result(timeout=timeout_s)
+
+    def map(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
+            **options: Any) -> Iterator[InferResponse]:
+        """Send every request at once; yield the responses in input order."""
+        futures = [self.submit(model, one, **options) for one in inputs]
+        try:
+            for future in futures:
+                yield future.result(timeout=timeout_s)
+        finally:
+            for future in futures:
+                if not future.done():
+                    self.watcher.unwatch(future.id)
+
+    def future(self, request_id: str) -> InferFuture:
+        """The future of a request sent by anyone, looked up by its ID."""
+        future = InferFuture(request_id, self)
+        self.watcher.watch(request_id, future._settle)
+        return future
+
+    def result(self, request_id: str, timeout_s: float | None = None) -> InferResponse:
+        """Wait for the response of the request ``request_id``."""
+        return self.future(request_id).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Stop the result watcher and release connections."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        self.app.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _payloads(inputs: Any, binary: bool) -> list[dict[str, Any]]:
+    if isinstance(inputs, Mapping):
+        return [to_input_payload(str(name), value, binary=binary) for name, value in inputs.items()]
+    if isinstance(inputs, list) and inputs and all(
+            isinstance(i, Mapping) and {"name", "datatype", "shape", "data"} <= i.keys()
+            for i in inputs):
+        return [dict(i) for i in inputs]  # already v2 input dicts
+    return [to_input_payload("input", inputs, binary=binary)]

@@ -1,0 +1,152 @@
+"""Typed settings read from ``ASYNCINFER_*`` environment variables.
+
+Every setting is one field of :class:`Settings`; its metadata holds the environment variable and the
+line of documentation that the README's configuration table shows (``asyncinfer config`` prints it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Settings", "settings_table", "default_state_dir", "DEFAULT_BROKER_URL"]
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+
+
+def default_state_dir() -> Path:
+    """Where ``asyncinfer up`` keeps its embedded Redis (data, log) and publishes the broker URL."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "asyncinfer"
+
+
+def _setting(default: Any, env: str, doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All knobs of asyncinfer. Build with :meth:`from_env`; override with keyword arguments."""
+
+    broker_url: str = _setting(
+        "", "ASYNCINFER_BROKER_URL",
+        "Broker URL (`redis://`, `rediss://`, `amqp://`). Unset: the URL that `asyncinfer up` "
+        f"published in the state dir, else `{DEFAULT_BROKER_URL}`.")
+    result_backend: str = _setting(
+        "", "ASYNCINFER_RESULT_BACKEND",
+        "Result backend URL (Redis). Unset: the broker URL when it is a Redis URL.")
+    visibility_timeout_s: float = _setting(
+        3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
+        "Seconds before an unacknowledged request is redelivered to another worker (Redis broker).")
+    result_expires_s: float = _setting(
+        86400.0, "ASYNCINFER_RESULT_EXPIRES_S", "Seconds a stored result lives in the backend.")
+    task_serializer: str = _setting(
+        "json", "ASYNCINFER_TASK_SERIALIZER",
+        "Serializer clients send requests with: `json` or `msgpack` (pickle is never accepted).")
+    result_serializer: str = _setting(
+        "json", "ASYNCINFER_RESULT_SERIALIZER",
+        "Serializer results are stored with: `json` (readable from any language) or `msgpack`.")
+    device: str = _setting(
+        "auto", "ASYNCINFER_DEVICE",
+        "Device a worker binds: `auto`, `cpu`, `cuda:N`, `npu:N`.")
+    models: tuple[str, ...] = _setting(
+        (), "ASYNCINFER_MODELS",
+        "Comma-separated models a worker hosts. Unset: those of the `infer.*` queues it consumes, "
+        "else every registered model.")
+    model_factories: tuple[str, ...] = _setting(
+        (), "ASYNCINFER_MODEL_FACTORIES",
+        "Comma-separated `name=package.module:factory` entries registering user models.")
+    model_dir: str = _setting(
+        "", "ASYNCINFER_MODEL_DIR",
+        "Folder of TorchScript (`NAME.pt`) and `torch.export` (`NAME.pt2`) model files.")
+    concurrency: int = _setting(
+        16, "ASYNCINFER_CONCURRENCY", "Task threads per worker process (requests in flight).")
+    prefetch_multiplier: int = _setting(
+        4, "ASYNCINFER_PREFETCH_MULTIPLIER",
+        "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
+    max_batch_size: int = _setting(
+        32, "ASYNCINFER_MAX_BATCH_SIZE", "Most rows the batcher puts in one device batch.")
+    max_delay_ms: float = _setting(
+        2.0, "ASYNCINFER_MAX_DELAY_MS",
+        "Longest a batch waits for requests still being decoded; a lone request never waits.")
+    state_dir: str = _setting(
+        "", "ASYNCINFER_STATE_DIR",
+        "Folder for `asyncinfer up`'s embedded Redis. Unset: `$XDG_STATE_HOME/asyncinfer` "
+        "or `~/.local/state/asyncinfer`.")
+    redis_port: int = _setting(
+        0, "ASYNCINFER_REDIS_PORT", "Port of the embedded Redis that `asyncinfer up` starts (0: a free one).")
+    log_level: str = _setting("info", "ASYNCINFER_LOG_LEVEL", "Worker log level.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read every ``ASYNCINFER_*`` variable; keyword arguments that are not None win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["env"])
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        for name in ("task_serializer", "result_serializer"):
+            if getattr(self, name) not in ("json", "msgpack"):
+                raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(self, name)!r}")
+        for name in ("concurrency", "prefetch_multiplier", "max_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("visibility_timeout_s", "result_expires_s", "max_delay_ms"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def state_path(self) -> Path:
+        """The state folder as a path."""
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    def resolved_broker_url(self) -> str:
+        """The configured broker URL, else the one `asyncinfer up` published, else the default."""
+        if self.broker_url:
+            return self.broker_url
+        from asyncinfer.redis_server import published_url
+
+        return published_url(self.state_path) or DEFAULT_BROKER_URL
+
+    def resolved_result_backend(self) -> str:
+        """The configured result backend, else the broker URL when that is Redis."""
+        if self.result_backend:
+            return self.result_backend
+        broker = self.resolved_broker_url()
+        if broker.startswith(("redis://", "rediss://", "unix://")):
+            return broker
+        raise ValueError(
+            f"ASYNCINFER_RESULT_BACKEND must be set when the broker is not Redis (broker: {broker})")
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = type(f.default)
+    try:
+        if kind is tuple:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{f.metadata['env']} must be a {kind.__name__}, got {raw!r}") from None
+    return raw
+
+
+def settings_table() -> str:
+    """The Markdown table of every environment variable, its default and meaning."""
+    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        default = f.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        lines.append(f"| `{f.metadata['env']}` | `{shown}` | {f.metadata['doc']} |")
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""Names on the wire and Redis key prefixes: the fixed part of the contract, in one place."""
+
+from __future__ import annotations
+
+__all__ = [
+    "TASK_NAME",
+    "QUEUE_PREFIX",
+    "queue_for",
+    "model_from_queue",
+    "RESULT_KEY_PREFIX",
+    "KEY_PREFIX",
+]
+
+#: The one task every producer sends; its task ID is the request ID.
+TASK_NAME = "asyncinfer.infer"
+
+#: Requests for model ``M`` go to the Celery queue ``infer.M``.
+QUEUE_PREFIX = "infer."
+
+#: Celery's Redis result backend stores each result under this prefix + request ID.
+RESULT_KEY_PREFIX = "celery-task-meta-"
+
+#: Every other key asyncinfer writes in Redis starts with this.
+KEY_PREFIX = "asyncinfer:"
+
+
+def queue_for(model: str) -> str:
+    """Return the Celery queue that carries requests for ``model``."""
+    return QUEUE_PREFIX + model
+
+
+def model_from_queue(queue: str) -> str | None:
+    """Return the model a queue carries, or None for a queue that is not an inference queue."""
+    if queue.startswith(QUEUE_PREFIX) and len(queue) > len(QUEUE_PREFIX):
+        return queue[len(QUEUE_PREFIX):]
+    return None

@@ -1,0 +1,358 @@
+"""The Open Inference Protocol v2 datatypes and how each maps to torch and numpy.
+
+One table, :data:`SPECS`, says for every v2 datatype name which torch dtype holds its values,
+which little-endian numpy dtype its raw bytes have on the wire, what kind of Python element a
+JSON list may carry, and the range of its integers.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from asyncinfer.errors import InvalidRequest
+
+__all__ = [
+    "DATATYPES",
+    "SPECS",
+    "DatatypeSpec",
+    "datatype_of",
+    "decode_data",
+    "encode_data",
+    "spec_for",
+]
+
+_RAW = (bytes, bytearray, memoryview)
+_SEQ = (list, tuple)
+#: The Python element types a JSON/msgpack list may carry, by datatype kind.
+_ALLOWED: dict[str, frozenset[type]] = {
+    "bool": frozenset({bool, int}),
+    "int": frozenset({int}),
+    "float": frozenset({int, float}),
+    "bytes": frozenset({str, bytes}),
+}
+_RULE = {
+    "bool": "elements must be true/false (or 0/1)",
+    "int": "elements must be integers (not float, bool or str)",
+    "float": "elements must be numbers (int or float, not bool or str)",
+    "bytes": "elements must be str or bytes",
+}
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class DatatypeSpec:
+    """How one v2 datatype is held in memory and carried on the wire.
+
+    Attributes:
+        name: The v2 name, e.g. ``"FP32"``.
+        torch_dtype: The torch dtype that holds decoded values; None for BYTES.
+        wire: The little-endian numpy dtype of the raw bytes (``<u2`` bit patterns for BF16,
+            ``u1`` holding 0/1 for BOOL); None for BYTES.
+        kind: ``"bool"``, ``"int"``, ``"float"`` or ``"bytes"``: what list elements must be.
+        lo: The smallest integer the datatype holds (integer datatypes only).
+        hi: The largest integer the datatype holds (integer datatypes only).
+    """
+
+    name: str
+    torch_dtype: torch.dtype | None
+    wire: np.dtype[np.generic] | None
+    kind: str
+    lo: int | None = None
+    hi: int | None = None
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element in the raw little-endian encoding (0 for BYTES)."""
+        return 0 if self.wire is None else self.wire.itemsize
+
+
+def _int(name: str, dtype: torch.dtype, wire: str, bits: int, signed: bool) -> DatatypeSpec:
+    lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    return DatatypeSpec(name, dtype, np.dtype(wire), "int", lo, hi)
+
+
+#: Every v2 datatype, keyed by name, in the order the protocol lists them.
+SPECS: dict[str, DatatypeSpec] = {
+    s.name: s
+    for s in (
+        DatatypeSpec("BOOL", torch.bool, np.dtype("u1"), "bool"),
+        _int("UINT8", torch.uint8, "u1", 8, False),
+        _int("UINT16", torch.uint16, "<u2", 16, False),
+        _int("UINT32", torch.uint32, "<u4", 32, False),
+        _int("UINT64", torch.uint64, "<u8", 64, False),
+        _int("INT8", torch.int8, "i1", 8, True),
+        _int("INT16", torch.int16, "<i2", 16, True),
+        _int("INT32", torch.int32, "<i4", 32, True),
+        _int("INT64", torch.int64, "<i8", 64, True),
+        DatatypeSpec("FP16", torch.float16, np.dtype("<f2"), "float"),
+        DatatypeSpec("BF16", torch.bfloat16, np.dtype("<u2"), "float"),
+        DatatypeSpec("FP32", torch.float32, np.dtype("<f4"), "float"),
+        DatatypeSpec("FP64", torch.float64, np.dtype("<f8"), "float"),
+        DatatypeSpec("BYTES", None, None, "bytes"),
+    )
+}
+
+#: The v2 datatype names: BOOL, UINT8 ... UINT64, INT8 ... INT64, FP16, BF16, FP32, FP64, BYTES.
+DATATYPES: tuple[str, ...] = tuple(SPECS)
+
+_BY_TORCH: dict[torch.dtype, str] = {
+    s.torch_dtype: s.name for s in SPECS.values() if s.torch_dtype is not None
+}
+
+
+def spec_for(datatype: object, where: str) -> DatatypeSpec:
+    """Return the spec of a v2 datatype name.
+
+    Args:
+        datatype: The name to look up, as it came on the wire.
+        where: Prefix of the error message, e.g. ``"request abc: input 'x'"``.
+
+    Raises:
+        InvalidRequest: ``datatype`` is not one of :data:`DATATYPES`.
+    """
+    if isinstance(datatype, str) and datatype in SPECS:
+        return SPECS[datatype]
+    raise InvalidRequest(
+        f"{where}: unknown datatype {datatype!r}; accepted datatypes: {', '.join(DATATYPES)}"
+    )
+
+
+def datatype_of(value: torch.Tensor) -> str:
+    """Return the v2 datatype name of a torch tensor's dtype.
+
+    Raises:
+        InvalidRequest: The dtype has no v2 counterpart (complex, float8, quantized ...).
+    """
+    try:
+        return _BY_TORCH[value.dtype]
+    except KeyError:
+        raise InvalidRequest(
+            f"torch dtype {value.dtype} has no v2 datatype; accepted: {', '.join(DATATYPES)}"
+        ) from None
+
+
+def _fail(where: str, rule: str) -> InvalidRequest:
+    return InvalidRequest(f"{where}: {rule}")
+
+
+def _tname(x: object) -> str:
+    return type(x).__name__
+
+
+def _flatten(where: str, data: list[Any] | tuple[Any, ...]) -> tuple[list[Any], set[type]]:
+    """Flatten nested lists; return the flat list and the set of its element types."""
+    flat = data if isinstance(data, list) else list(data)
+    while True:
+        types = set(map(type, flat))
+        if not types & {list, tuple}:
+            return flat, types
+        if not types <= {list, tuple}:
+            raise _fail(where, "data mixes nested lists with scalar elements")
+        flat = list(chain.from_iterable(flat))
+
+
+def _count_error(where: str, n: int, shape: tuple[int, ...], what: str = "data") -> InvalidRequest:
+    return _fail(where, f"{what} has {n} elements but shape {list(shape)} needs {math.prod(shape)}")
+
+
+def _kind_error(where: str, spec: DatatypeSpec, flat: list[Any], bad: set[type]) -> InvalidRequest:
+    i, x = next((i, x) for i, x in enumerate(flat) if type(x) in bad)
+    return _fail(where, f"data element {i} is a {_tname(x)} ({x!r:.40}); {spec.name} {_RULE[spec.kind]}")
+
+
+def _range_error(where: str, spec: DatatypeSpec, flat: list[Any], lo: int, hi: int) -> InvalidRequest:
+    i, x = next(((i, x) for i, x in enumerate(flat) if not lo <= x <= hi), (None, None))
+    what = "a value" if i is None else f"data element {i} = {x}"
+    return _fail(where, f"{what} is out of range for {spec.name} [{lo}, {hi}]")
+
+
+def _float_from_list(where: str, spec: DatatypeSpec, flat: list[Any]) -> torch.Tensor:
+    assert spec.torch_dtype is not None and spec.wire is not None
+    try:
+        with np.errstate(over="ignore"):
+            arr: npt.NDArray[Any] = np.array(
+                flat, dtype=np.float64 if spec.name == "BF16" else spec.wire.newbyteorder("=")
+            )
+    except OverflowError:
+        i = next(i for i, x in enumerate(flat) if type(x) is int and abs(x) >= 2**1024)
+        raise _fail(where, f"data element {i} is out of range for {spec.name}") from None
+    t = torch.from_numpy(arr).to(spec.torch_dtype)
+    if spec.name != "FP64" and t.numel() and bool(torch.isinf(t).any()):
+        finite = np.isfinite(np.array(flat, dtype=np.float64))
+        bad = torch.isinf(t).numpy() & finite
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise _fail(where, f"data element {i} = {flat[i]!r} is out of range for {spec.name}")
+    return t
+
+
+def _numeric_from_list(where: str, spec: DatatypeSpec, flat: list[Any], types: set[type]) -> torch.Tensor:
+    bad = types - _ALLOWED[spec.kind]
+    if bad:
+        raise _kind_error(where, spec, flat, bad)
+    assert spec.torch_dtype is not None and spec.wire is not None
+    if spec.kind == "float":
+        return _float_from_list(where, spec, flat)
+    if spec.kind == "bool":
+        if int not in types:
+            return torch.from_numpy(np.array(flat, dtype=np.bool_))
+        lo, hi = 0, 1
+    else:
+        assert spec.lo is not None and spec.hi is not None
+        lo, hi = spec.lo, spec.hi
+    try:
+        arr = np.array(flat, dtype=np.int64)
+    except OverflowError:  # above the INT64 range: only UINT64 may hold it, with no negatives
+        try:
+            if spec.name != "UINT64" or min(flat) < 0:
+                raise OverflowError
+            arr = np.array(flat, dtype=np.uint64)
+        except OverflowError:
+            raise _range_error(where, spec, flat, lo, hi) from None
+    if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+        if spec.kind == "bool":
+            i = next(i for i, x in enumerate(flat) if x not in (0, 1))
+            raise _fail(where, f"data element {i} is {flat[i]!r}; BOOL {_RULE['bool']}")
+        raise _range_error(where, spec, flat, lo, hi)
+    return torch.from_numpy(arr.astype(spec.wire.newbyteorder("="))).to(spec.torch_dtype)
+
+
+def _numeric_from_raw(where: str, spec: DatatypeSpec, buf: memoryview, count: int) -> torch.Tensor:
+    assert spec.torch_dtype is not None and spec.wire is not None
+    need = count * spec.itemsize
+    if buf.nbytes != need:
+        raise _fail(
+            where,
+            f"raw data has {buf.nbytes} bytes but {count} {spec.name} elements need {need} "
+            f"({spec.itemsize} bytes each)",
+        )
+    arr = np.frombuffer(buf, dtype=spec.wire, count=count).astype(spec.wire.newbyteorder("="))
+    if spec.name == "BOOL":
+        if arr.size and int(arr.max()) > 1:
+            i = int(np.argmax(arr > 1))
+            raise _fail(where, f"raw byte {i} is {int(arr[i])}; BOOL raw bytes must be 0 or 1")
+        return torch.from_numpy(arr.astype(np.bool_))
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if spec.name == "BF16" else t
+
+
+def _parse_bytes_blob(where: str, blob: bytes, count: int) -> list[bytes]:
+    out: list[bytes] = []
+    pos, n = 0, len(blob)
+    while pos < n and len(out) <= count:
+        if pos + 4 > n:
+            raise _fail(where, f"malformed BYTES binary data: truncated length prefix at byte {pos}")
+        (size,) = _LEN.unpack_from(blob, pos)
+        pos += 4
+        if pos + size > n:
+            raise _fail(
+                where,
+                f"malformed BYTES binary data: element {len(out)} declares {size} bytes "
+                f"but only {n - pos} remain",
+            )
+        out.append(blob[pos : pos + size])
+        pos += size
+    if len(out) != count:
+        raise _fail(
+            where,
+            f"BYTES binary data has {len(out)}{'+' if pos < n else ''} elements but the shape needs {count}",
+        )
+    return out
+
+
+def _object_array(items: list[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    arr = np.empty(len(items), dtype=object)
+    arr[:] = items
+    return arr.reshape(shape)
+
+
+def decode_data(
+    where: str, spec: DatatypeSpec, shape: tuple[int, ...], data: object
+) -> tuple[torch.Tensor | npt.NDArray[Any], bool]:
+    """Decode the ``data`` of one input or output into a value of ``shape``.
+
+    Args:
+        where: Prefix of error messages, e.g. ``"request abc: input 'x'"``.
+        spec: The datatype.
+        shape: The validated shape.
+        data: A (nested) list of elements, or raw little-endian bytes (BYTES: the v2 blob).
+
+    Returns:
+        The value (a torch tensor, or for BYTES a numpy object array) and whether the data
+        came in binary form (raw bytes, or a BYTES list whose elements are all bytes).
+
+    Raises:
+        InvalidRequest: The data breaks a rule: count, byte length, element kind or range.
+    """
+    count = math.prod(shape)
+    if isinstance(data, _RAW):
+        try:
+            buf = memoryview(data).cast("B")
+        except TypeError:
+            raise _fail(where, "raw data must be a contiguous byte buffer") from None
+        if spec.kind == "bytes":
+            return _object_array(_parse_bytes_blob(where, bytes(buf), count), shape), True
+        return _numeric_from_raw(where, spec, buf, count).reshape(shape), True
+    if not isinstance(data, _SEQ):
+        raise _fail(where, f"data must be a list or raw bytes, got {_tname(data)}")
+    flat, types = _flatten(where, data)
+    if len(flat) != count:
+        raise _count_error(where, len(flat), shape)
+    if spec.kind == "bytes":
+        bad = types - _ALLOWED["bytes"]
+        if bad:
+            raise _kind_error(where, spec, flat, bad)
+        return _object_array(flat, shape), types == {bytes}
+    return _numeric_from_list(where, spec, flat, types).reshape(shape), False
+
+
+def _to_str(x: Any) -> Any:
+    if isinstance(x, bytes):
+        try:
+            return x.decode("utf-8")
+        except UnicodeDecodeError:
+            return x
+    return x
+
+
+def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binary: bool) -> Any:
+    """Encode a value of ``count`` elements as the ``data`` of one v2 input or output.
+
+    Args:
+        where: Prefix of error messages.
+        spec: The datatype; a numeric value is cast to it and moved to the CPU.
+        value: A torch tensor or numpy array (BYTES: an array or list of str/bytes).
+        count: The number of elements the shape needs.
+        binary: True for raw little-endian bytes (BYTES: a list of bytes, str elements encoded
+            as UTF-8); False for a flat list (BYTES: str, bytes decoded as UTF-8 where valid).
+
+    Raises:
+        InvalidRequest: The value does not hold ``count`` elements, or BYTES got a tensor.
+    """
+    if spec.kind == "bytes":
+        if isinstance(value, torch.Tensor):
+            raise _fail(where, "a BYTES value must be a numpy object array, not a torch tensor")
+        items = np.asarray(value, dtype=object).reshape(-1).tolist()
+        if len(items) != count:
+            raise _fail(where, f"value has {len(items)} elements but the shape needs {count}")
+        if binary:
+            return [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in items]
+        return [_to_str(x) for x in items]
+    assert spec.torch_dtype is not None and spec.wire is not None
+    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+    t = t.detach().to("cpu", spec.torch_dtype).contiguous().reshape(-1)
+    if t.numel() != count:
+        raise _fail(where, f"value has {t.numel()} elements but the shape needs {count}")
+    if spec.name == "BF16":
+        arr = (t.view(torch.uint16) if binary else t.float()).numpy()
+    else:
+        arr = t.numpy()
+    return arr.astype(spec.wire, copy=False).tobytes() if binary else arr.tolist()

@@ -1,0 +1,128 @@
+"""``make demo``: embedded Redis + a worker per device, a few hundred requests, a results table.
+
+Runs ``asyncinfer up`` in a private state folder (so nothing outside it is touched), waits for its
+workers, drives closed-loop load through the client with a live progress bar, prints p50/p99 and
+throughput per workload, then stops ``up`` by its PID and checks that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from asyncinfer.loadgen import LoadResult, run_closed_loop
+
+__all__ = ["main"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes], timeout_s: float) -> tuple[str, list]:
+    from asyncinfer.celery_app import create_app
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.redis_server import published_url
+    from asyncinfer.status import cluster_status
+
+    deadline = time.monotonic() + timeout_s
+    url = None
+    while time.monotonic() < deadline:
+        if up.poll() is not None:
+            raise RuntimeError(f"asyncinfer up exited with {up.returncode}")
+        url = url or published_url(state_dir / "redis")
+        if url:
+            app = create_app(Settings(broker_url=url))
+            try:
+                workers = cluster_status(app, timeout_s=0.5).workers
+            finally:
+                app.close()
+            if workers:
+                return url, workers
+        time.sleep(0.3)
+    raise TimeoutError(f"no worker answered in {timeout_s} s")
+
+
+def _table(results: list[LoadResult]) -> str:
+    head = f"{'workload':24} {'requests':>8} {'failures':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'mean batch':>10}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        row = r.row()
+        sizes = r.batch_sizes
+        mean_batch = sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values()))
+        lines.append(f"{row['name']:24} {row['requests']:>8} {row['failures']:>8} {row['p50_ms']:>8.2f} "
+                     f"{row['p99_ms']:>8.2f} {row['throughput_rps']:>8.1f} {mean_batch:>10.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; exit status 0 when every request succeeded and nothing was left running."""
+    parser = argparse.ArgumentParser(prog="asyncinfer-demo")
+    parser.add_argument("--requests", type=int, default=300, help="requests per workload")
+    parser.add_argument("--in-flight", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-demo-") as tmp:
+        state = Path(tmp)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+        env["ASYNCINFER_STATE_DIR"] = str(state)
+        up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--concurrency", "32"],
+                              env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        print(f"demo: started 'asyncinfer up' (pid {up.pid}), waiting for its workers …", flush=True)
+        results: list[LoadResult] = []
+        worker_pids: list[int] = []
+        try:
+            url, workers = _wait_for_workers(state, up, timeout_s=120)
+            worker_pids = [w.pid for w in workers if w.pid]
+            for w in workers:
+                print(f"demo: worker {w.name} on {w.device} hosts {', '.join(w.models)}")
+            from asyncinfer.client import Client
+
+            rng = np.random.default_rng(0)
+            with Client(broker_url=url) as client:
+                client.infer("mlp", np.zeros((1, 16), np.float32), timeout_s=60)  # warm-up
+                workloads = [
+                    ("identity 1 in flight", "identity", 1, lambda i: rng.random((1, 8), np.float32)),
+                    (f"identity {args.in_flight} in flight", "identity", args.in_flight,
+                     lambda i: rng.random((1, 8), np.float32)),
+                    (f"mlp {args.in_flight} in flight", "mlp", args.in_flight,
+                     lambda i: rng.random((1, 16), np.float32)),
+                ]
+                total = args.requests * len(workloads)
+                with tqdm(total=total, desc="requests", unit="req") as bar:
+                    for name, model, in_flight, make in workloads:
+                        results.append(run_closed_loop(
+                            name, lambda i, m=model, mk=make: client.submit(m, mk(i)),
+                            args.requests, in_flight, on_done=lambda: bar.update(1)))
+        finally:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        left = [pid for pid in worker_pids if _pid_alive(pid)]
+    print()
+    print(_table(results))
+    print()
+    failures = sum(r.failures for r in results)
+    print(f"demo: {sum(r.requests for r in results)} requests, {failures} failed; "
+          f"'asyncinfer up' exited with {up.returncode}; processes left behind: {left or 'none'}")
+    return 0 if failures == 0 and not left and up.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

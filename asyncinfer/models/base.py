@@ -1,0 +1,79 @@
+"""What a model is to the worker: declared inputs, a batched forward, and its own checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.protocol import Request
+
+__all__ = ["InputSpec", "Model", "Batch"]
+
+#: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One declared input: its accepted datatypes and the shape of one row (-1: any size)."""
+
+    datatypes: tuple[str, ...]
+    row_shape: tuple[int, ...]
+
+    def check(self, request_id: str, name: str, datatype: str, shape: tuple[int, ...]) -> None:
+        """Raise InvalidRequest when an input of this datatype and shape does not fit."""
+        if datatype not in self.datatypes:
+            raise InvalidRequest(
+                f"request {request_id}: input '{name}': datatype {datatype} is not accepted "
+                f"(accepted: {', '.join(self.datatypes)})")
+        row = shape[1:]
+        fits = len(row) == len(self.row_shape) and all(
+            want in (-1, got) for want, got in zip(self.row_shape, row))
+        if not fits:
+            wanted = ["n", *("any" if d == -1 else str(d) for d in self.row_shape)]
+            raise InvalidRequest(
+                f"request {request_id}: input '{name}': shape {list(shape)} does not match "
+                f"[{', '.join(wanted)}]")
+
+
+class Model:
+    """Base of every model the worker hosts.
+
+    Subclasses set :attr:`inputs` (None accepts any input) and implement :meth:`forward`, which
+    gets whole batches: the first dimension of every input is the rows of many requests together.
+    """
+
+    name: str = ""
+    #: Whether rows of different requests may run in one forward call.
+    batchable: bool = True
+    #: Declared inputs; None means any names, datatypes and shapes.
+    inputs: Mapping[str, InputSpec] | None = None
+
+    def load(self, device: torch.device) -> None:
+        """Move weights to ``device``; called once in the worker process before serving."""
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest when ``request`` does not fit the declared inputs."""
+        if self.inputs is None:
+            return
+        given = {t.name for t in request.inputs}
+        missing = [n for n in self.inputs if n not in given]
+        if missing:
+            raise InvalidRequest(
+                f"request {request.id}: model '{self.name}' needs input(s) "
+                f"{', '.join(repr(m) for m in missing)}; got {', '.join(repr(g) for g in sorted(given))}")
+        for t in request.inputs:
+            spec = self.inputs.get(t.name)
+            if spec is None:
+                raise InvalidRequest(
+                    f"request {request.id}: input '{t.name}' is not an input of model "
+                    f"'{self.name}' (inputs: {', '.join(repr(n) for n in self.inputs)})")
+            spec.check(request.id, t.name, t.datatype, t.shape)
+
+    def forward(self, batch: Batch) -> Batch:
+        """Run one batch on the device; return output name → tensor with the same rows."""
+        raise NotImplementedError

@@ -1,0 +1,92 @@
+"""Which models exist: built-ins, user factories named in configuration, and model files.
+
+A request can only name a model registered here; the registry never imports anything a request
+names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from asyncinfer.errors import UnknownModel
+from asyncinfer.models.base import Model
+from asyncinfer.models.builtin import MLP, Identity
+from asyncinfer.models.files import FILE_SUFFIXES, FileModel
+
+__all__ = ["Registry", "load_factory"]
+
+Factory = Callable[[], Model]
+
+
+def load_factory(path: str) -> Factory:
+    """Import ``package.module:attribute`` and return the factory it names."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"model factory {path!r} must look like 'package.module:factory'")
+    target: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"model factory {path!r} is not callable")
+    return target  # type: ignore[return-value]
+
+
+class Registry:
+    """Model name → factory. Built-ins are always there."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, Factory] = {"identity": Identity, "mlp": MLP}
+
+    @classmethod
+    def from_config(cls, factories: Iterable[str] = (), model_dir: str = "") -> Registry:
+        """A registry with the built-ins, ``name=pkg.mod:factory`` entries and a model folder."""
+        registry = cls()
+        for entry in factories:
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"model factory entry {entry!r} must look like 'name=pkg.mod:factory'")
+            registry.register(name.strip(), _named(name.strip(), load_factory(path.strip())))
+        if model_dir:
+            registry.add_dir(Path(model_dir))
+        return registry
+
+    def register(self, name: str, factory: Factory) -> None:
+        """Register ``factory`` under ``name`` (replacing an earlier one)."""
+        if not name or "." in name or "/" in name:
+            raise ValueError(f"model name {name!r} must be non-empty without '.' or '/'")
+        self._factories[name] = factory
+
+    def add_dir(self, folder: Path) -> None:
+        """Register every ``NAME.pt`` / ``NAME.pt2`` file in ``folder``."""
+        if not folder.is_dir():
+            raise ValueError(f"model dir {folder} is not a folder")
+        for path in sorted(folder.iterdir()):
+            if path.suffix in FILE_SUFFIXES:
+                self.register(path.stem, lambda p=path: FileModel(p.stem, p))
+
+    def names(self) -> list[str]:
+        """Every registered model name, sorted."""
+        return sorted(self._factories)
+
+    def create(self, name: str, request_id: str | None = None) -> Model:
+        """A new instance of model ``name``; UnknownModel when it is not registered."""
+        factory = self._factories.get(name)
+        if factory is None:
+            who = f"request {request_id}: " if request_id else ""
+            raise UnknownModel(
+                f"{who}model '{name}' is not registered (registered: {', '.join(self.names())})")
+        model = factory()
+        if not model.name:
+            model.name = name
+        return model
+
+
+def _named(name: str, factory: Factory) -> Factory:
+    def create() -> Model:
+        model = factory()
+        model.name = name
+        return model
+
+    return create

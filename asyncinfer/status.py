@@ -1,0 +1,80 @@
+"""What ``asyncinfer status`` shows: workers (device, models) and the depth of every model queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from asyncinfer.constants import QUEUE_PREFIX, model_from_queue
+
+__all__ = ["WorkerInfo", "ClusterStatus", "cluster_status", "format_status"]
+
+#: kombu's Redis transport keeps priorities 3, 6, 9 in lists named queue + this + priority.
+_PRIORITY_SEP = "\x06\x16"
+_PRIORITIES = (0, 3, 6, 9)
+
+
+@dataclass
+class WorkerInfo:
+    """One worker as it answered the ``asyncinfer_info`` control command."""
+
+    name: str
+    device: str
+    models: list[str]
+    pid: int = 0
+    pending: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterStatus:
+    """Workers that answered, and queue depths read from the broker."""
+
+    workers: list[WorkerInfo]
+    queue_depths: dict[str, int]
+
+
+def queue_depths(app: Celery, models: set[str]) -> dict[str, int]:
+    """Messages waiting in each ``infer.<model>`` queue (Redis broker)."""
+    depths: dict[str, int] = {}
+    with app.connection_for_read() as conn:
+        client = conn.default_channel.client
+        names = {m for k in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000)
+                 if (m := model_from_queue(k.decode() if isinstance(k, bytes) else k))
+                 and _PRIORITY_SEP not in m}
+        for model in sorted(models | names):
+            queue = QUEUE_PREFIX + model
+            depths[model] = sum(int(client.llen(queue if p == 0 else f"{queue}{_PRIORITY_SEP}{p}"))
+                                for p in _PRIORITIES)
+    return depths
+
+
+def cluster_status(app: Celery, timeout_s: float = 1.0) -> ClusterStatus:
+    """Ask every worker for its device and models; read the queue depths."""
+    replies: list[dict[str, Any]] = app.control.broadcast(
+        "asyncinfer_info", reply=True, timeout=timeout_s) or []
+    workers = []
+    for reply in replies:
+        for name, info in reply.items():
+            workers.append(WorkerInfo(name=name, device=info.get("device", "?"),
+                                      models=list(info.get("models", [])),
+                                      pid=int(info.get("pid", 0)),
+                                      pending=dict(info.get("pending", {}))))
+    workers.sort(key=lambda w: w.name)
+    hosted = {m for w in workers for m in w.models}
+    return ClusterStatus(workers=workers, queue_depths=queue_depths(app, hosted))
+
+
+def format_status(status: ClusterStatus) -> str:
+    """A plain-text table of the status."""
+    lines = [f"{'WORKER':32} {'DEVICE':10} {'MODELS':30} PENDING"]
+    for w in status.workers:
+        pending = sum(w.pending.values())
+        lines.append(f"{w.name:32} {w.device:10} {','.join(w.models):30} {pending}")
+    if not status.workers:
+        lines.append("(no worker answered)")
+    lines += ["", f"{'QUEUE':32} DEPTH"]
+    for model, depth in status.queue_depths.items():
+        lines.append(f"{QUEUE_PREFIX + model:32} {depth}")
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""The task every producer sends: ``asyncinfer.infer``, one v2 request in its keyword arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from asyncinfer.celery_app import app
+from asyncinfer.constants import TASK_NAME
+from asyncinfer.errors import InvalidRequest, RequestRevoked
+
+__all__ = ["infer"]
+
+
+@app.task(name=TASK_NAME, bind=True, typing=False)
+def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run one inference request; the task ID is the request ID.
+
+    Keyword arguments are the Open Inference Protocol v2 request: ``model``, ``inputs``,
+    ``parameters``. The return value is the v2 response.
+    """
+    from asyncinfer.workers.runtime import get_runtime
+
+    request_id = str(self.request.id)
+    if args:
+        raise InvalidRequest(
+            f"request {request_id}: positional arguments are not accepted; send the v2 request "
+            f"(model, inputs, parameters) as keyword arguments")
+    try:
+        return get_runtime().infer(request_id, kwargs, worker=str(self.request.hostname))
+    except RequestRevoked as exc:
+        # Revoked while it waited in the batcher: record it as Celery would have, store nothing else.
+        self.backend.mark_as_revoked(request_id, reason=str(exc), request=self.request)
+        raise Ignore() from exc

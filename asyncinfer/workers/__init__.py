@@ -1,0 +1,1 @@
+"""Device workers: device binding, batcher, model runners, start-up and supervision."""

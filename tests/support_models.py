@@ -1,0 +1,51 @@
+"""Models that only the tests register (through ASYNCINFER_MODEL_FACTORIES)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from asyncinfer.models.base import Batch, InputSpec, Model
+
+
+class Sleep(Model):
+    """``input`` FP32 [n, 1]: sleeps the batch's largest value in seconds, returns the input."""
+
+    name = "sleep"
+    inputs = {"input": InputSpec(("FP32",), (1,))}
+
+    def forward(self, batch: Batch) -> Batch:
+        time.sleep(float(batch["input"].max()) if len(batch["input"]) else 0.0)
+        return {"output": batch["input"]}
+
+
+class Poison(Model):
+    """``input`` FP32 [n, 1] → ``output`` = input × 2; raises when any row is negative."""
+
+    name = "poison"
+    inputs = {"input": InputSpec(("FP32",), (1,))}
+
+    def forward(self, batch: Batch) -> Batch:
+        x = batch["input"]
+        if bool((x < 0).any()):
+            raise RuntimeError("negative input poisons this model")
+        return {"output": x * 2}
+
+
+def make_affine() -> Model:
+    """A user factory: ``x`` FP64 [n, 3] → ``y`` = 3x + 1."""
+
+    class Affine(Model):
+        inputs = {"x": InputSpec(("FP64",), (3,))}
+
+        def forward(self, batch: Batch) -> Batch:
+            return {"y": batch["x"] * 3 + 1}
+
+    return Affine()
+
+
+def tiny_linear_module() -> torch.nn.Module:
+    """A fixed module the file-model tests save as TorchScript and torch.export programs."""
+    torch.manual_seed(1)
+    return torch.nn.Linear(4, 2).eval()

@@ -1,0 +1,204 @@
+"""End to end through a real worker process and a real Redis server: the wire contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from asyncinfer.errors import InvalidRequest, UnknownModel
+from asyncinfer.models.builtin import MLP
+from tests.conftest import ROOT, worker_env
+
+pytestmark = pytest.mark.timeout(120)
+
+# One value per datatype, with edge values; each must come back exactly.
+SAMPLES = {
+    "BOOL": np.array([[True, False, False, True]]),
+    "UINT8": np.array([[0, 255]], np.uint8),
+    "UINT16": np.array([[0, 65535]], np.uint16),
+    "UINT32": np.array([[0, 2**32 - 1]], np.uint32),
+    "UINT64": np.array([[0, 2**64 - 1]], np.uint64),
+    "INT8": np.array([[-128, 127]], np.int8),
+    "INT16": np.array([[-32768, 32767]], np.int16),
+    "INT32": np.array([[-(2**31), 2**31 - 1]], np.int32),
+    "INT64": np.array([[-(2**63), 2**63 - 1]], np.int64),
+    "FP16": np.array([[0.1, -65504.0, np.inf]], np.float16),
+    "FP32": np.array([[0.1, -3.4e38, 1e-45, np.nan, -0.0, np.inf]], np.float32),
+    "FP64": np.array([[0.1, 1e308, -5e-324]], np.float64),
+}
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_identity_round_trips_every_datatype(client, serializer: str) -> None:
+    # Given one input of every numeric datatype plus BYTES and BF16, in one request
+    inputs = {name.lower(): value for name, value in SAMPLES.items()}
+    bf16 = torch.tensor([[1.5, -2.0, 3.0e38]], dtype=torch.bfloat16)
+    inputs["bf16"] = bf16
+    words = np.array([["plain", "ünïcode", ""]], dtype=object)
+    inputs["bytes"] = words
+    # When it goes through identity
+    response = client.infer("identity", inputs, serializer=serializer, timeout_s=60)
+    # Then every output equals its input exactly, with the same datatype
+    for name, value in SAMPLES.items():
+        assert response.outputs[name.lower()]["datatype"] == name
+        assert _same(response[name.lower()], value), name
+    assert torch.equal(response.as_torch("bf16"), bf16)
+    assert response.outputs["bf16"]["datatype"] == "BF16"
+    got = [x.decode() if isinstance(x, bytes) else x for x in response["bytes"].ravel().tolist()]
+    assert got == ["plain", "ünïcode", ""]
+    # And the data comes back in the encoding the request used
+    data = response.raw["outputs"][0]["data"]
+    assert isinstance(data, bytes) if serializer == "msgpack" else isinstance(data, list)
+    assert response.parameters["device"] == "cpu"
+    assert response.parameters["worker"].startswith("test-cpu@")
+    assert response.parameters["batch_size"] >= 1
+
+
+def test_binary_bytes_elements_round_trip(client) -> None:
+    raw = [b"\x00\xff\xfe", b"ok"]
+    response = client.infer("identity", {"blob": np.array(raw, dtype=object)},
+                            serializer="msgpack", timeout_s=60)
+    assert response["blob"].tolist() == raw
+
+
+def test_mlp_matches_a_direct_call(client) -> None:
+    x = np.random.default_rng(1).random((5, 16), np.float32)
+    expected = MLP().net(torch.from_numpy(x)).detach().numpy()
+    response = client.infer("mlp", x, timeout_s=60)
+    assert response.model_name == "mlp"
+    assert response["output"].shape == (5, 4)
+    np.testing.assert_allclose(response["output"], expected, rtol=1e-5, atol=1e-6)
+    params = response.parameters
+    assert set(params) >= {"worker", "device", "batch_size", "queue_ms", "compute_ms"}
+    assert params["batch_size"] >= 5 and params["compute_ms"] >= 0 and params["queue_ms"] >= 0
+
+
+def test_user_model_from_import_path(client) -> None:
+    x = np.arange(6, dtype=np.float64).reshape(2, 3)
+    response = client.infer("affine", {"x": x}, timeout_s=60)
+    np.testing.assert_array_equal(response["y"], x * 3 + 1)
+
+
+def test_map_returns_results_in_input_order(client) -> None:
+    # Requests of different sizes, so that completion order differs from input order
+    values = [np.full((1 + i % 3, 1), float(i), np.float32) for i in range(40)]
+    results = list(client.map("identity", values, timeout_s=60))
+    assert [r["input"][0, 0] for r in results] == [float(i) for i in range(40)]
+    assert [r["input"].shape[0] for r in results] == [1 + i % 3 for i in range(40)]
+
+
+def test_concurrent_requests_each_get_their_own_rows(client) -> None:
+    # Given many requests in flight at once, each carrying rows that identify it
+    futures = [client.submit("identity", np.full((1 + i % 4, 2), i, np.int32)) for i in range(200)]
+    responses = [f.result(timeout=60) for f in futures]
+    # Then each response holds exactly its own rows, and batching did happen
+    for i, response in enumerate(responses):
+        np.testing.assert_array_equal(response["input"], np.full((1 + i % 4, 2), i, np.int32))
+        assert response.id == futures[i].id
+    assert max(r.parameters["batch_size"] for r in responses) > 4
+
+
+def test_result_lookup_by_id_from_a_second_process(client, redis_url) -> None:
+    future = client.submit("identity", np.array([[7, 8, 9]], np.int16), request_id="lookup-" + uuid.uuid4().hex)
+    future.result(timeout=60)
+    code = ("import sys, json; from asyncinfer import Client; c = Client(); "
+            "r = c.result(sys.argv[1], timeout_s=30); print(json.dumps(r['input'].tolist())); c.close()")
+    out = subprocess.run([sys.executable, "-c", code, future.id], env=worker_env(redis_url), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[7, 8, 9]]
+    # and Celery's own AsyncResult sees the same response under the request ID
+    stored = future.async_result.get(timeout=10)
+    assert stored["id"] == future.id and stored["outputs"][0]["data"] == [7, 8, 9]
+
+
+def test_done_callbacks_fire_once(client) -> None:
+    calls: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    futures = [client.submit("mlp", np.ones((1, 16), np.float32)) for _ in range(20)]
+
+    def record(f) -> None:
+        with lock:
+            calls.append(f.id)
+            if len(calls) == len(futures):
+                done.set()
+
+    for f in futures:
+        f.add_done_callback(record)
+    assert done.wait(60)
+    for f in futures:
+        f.result(timeout=5)
+    assert sorted(calls) == sorted(f.id for f in futures)
+
+
+def test_bad_input_fails_with_a_named_error_and_the_worker_keeps_serving(client) -> None:
+    bad = [{"name": "input", "shape": [2, 16], "datatype": "FP32", "data": [0.0] * 31}]
+    future = client.submit("mlp", bad, request_id="bad-" + uuid.uuid4().hex)
+    with pytest.raises(InvalidRequest) as err:
+        future.result(timeout=60)
+    assert future.id in str(err.value) and "'input'" in str(err.value) and "31" in str(err.value)
+    wrong_shape = client.submit("mlp", np.ones((2, 15), np.float32))
+    with pytest.raises(InvalidRequest, match=r"shape \[2, 15\] does not match \[n, 16\]"):
+        wrong_shape.result(timeout=60)
+    assert client.infer("mlp", np.ones((1, 16), np.float32), timeout_s=60)["output"].shape == (1, 4)
+
+
+def test_unknown_model_on_a_hosted_queue_is_refused(client) -> None:
+    # A producer may put any model name in a message on a queue this worker consumes
+    from asyncinfer.constants import TASK_NAME
+
+    result = client.app.send_task(TASK_NAME, kwargs={"model": "no-such-model", "inputs": []},
+                                  queue="infer.identity")
+    with pytest.raises(UnknownModel, match=f"request {result.id}: model 'no-such-model' is not registered"):
+        result.get(timeout=60)
+
+
+def test_one_poisoned_request_does_not_fail_its_batch(client) -> None:
+    # Given a slow request occupying the device, then good and poisoned requests queued behind it
+    blocker = client.submit("sleep", np.array([[0.5]], np.float32))
+    good = [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6)]
+    bad = client.submit("poison", np.array([[-1.0]], np.float32))
+    good += [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6, 10)]
+    blocker.result(timeout=60)
+    # Then only the poisoned request fails, naming itself; the others get their own rows back
+    with pytest.raises(Exception, match=f"request {bad.id}: model 'poison' raised RuntimeError"):
+        bad.result(timeout=60)
+    for i, f in enumerate(good):
+        assert f.result(timeout=60)["output"].tolist() == [[2.0 * i]]
+
+
+def test_cancel_revokes_a_queued_request(client) -> None:
+    # Given the sleep model busy with a long request, and a request queued behind it
+    blocker = client.submit("sleep", np.array([[1.5]], np.float32))
+    queued = client.submit("sleep", np.array([[0.0]], np.float32))
+    # When the queued one is cancelled
+    assert queued.cancel() is True
+    assert queued.cancelled()
+    blocker.result(timeout=60)
+    # Then Celery records it as revoked and it never produces a result
+    state = None
+    for _ in range(50):
+        state = queued.async_result.state
+        if state == "REVOKED":
+            break
+        threading.Event().wait(0.1)
+    assert state == "REVOKED"
+
+
+def test_result_timeout_raises(client) -> None:
+    future = client.submit("sleep", np.array([[1.0]], np.float32))
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    assert future.result(timeout=60)["output"].tolist() == [[1.0]]
