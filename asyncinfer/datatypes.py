@@ -261,10 +261,8 @@ def _parse_bytes_blob(where: str, blob: bytes, count: int) -> list[bytes]:
         out.append(blob[pos : pos + size])
         pos += size
     if len(out) != count:
-        raise _fail(
-            where,
-            f"BYTES binary data has {len(out)}{'+' if pos < n else ''} elements but the shape needs {count}",
-        )
+        got = f"more than {count}" if pos < n else str(len(out))
+        raise _fail(where, f"BYTES binary data has {got} elements but the shape needs {count}")
     return out
 
 

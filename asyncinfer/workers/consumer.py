@@ -1,7 +1,7 @@
-"""Celery's consumer, answering messages it refuses instead of dropping them silently.
+"""Celery's consumer, answering the messages it refuses instead of dropping them silently.
 
-A message whose content type is not accepted (pickle, say) is never deserialized; Celery logs and
-acknowledges it. Here its request also gets a FAILURE that says why, so the producer is not left
+A message whose content type is not accepted (pickle, say) is never deserialized; Celery logs it
+and drops it. Here its request also gets a FAILURE that says why, so the producer is not left
 waiting for a result that will never come.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import states
 from celery.worker.consumer import Consumer as CeleryConsumer
+from kombu.exceptions import ContentDisallowed
 
 from asyncinfer.errors import InvalidRequest
 
@@ -23,15 +24,25 @@ log = logging.getLogger(__name__)
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer plus a FAILURE result for every refused message that has an ID."""
 
-    def on_decode_error(self, message: Any, exc: Exception) -> None:
+    def _refuse(self, message: Any, exc: Exception) -> None:
         headers = message.headers or {}
         request_id = headers.get("id")
-        if isinstance(request_id, str) and request_id:
-            error = InvalidRequest(
-                f"request {request_id}: content type {message.content_type!r} is refused; "
-                f"send json or msgpack ({type(exc).__name__})")
-            try:
-                self.app.backend.store_result(request_id, error, states.FAILURE)
-            except Exception:  # noqa: BLE001 - the message is dropped either way; say so
-                log.exception("request %s: could not store the refusal", request_id)
+        if not isinstance(request_id, str) or not request_id:
+            return
+        if isinstance(exc, ContentDisallowed):
+            rule = f"content type {message.content_type!r} is refused ({exc}); send json or msgpack"
+        else:
+            rule = f"the message breaks the task protocol ({type(exc).__name__}: {exc})"
+        try:
+            self.app.backend.store_result(
+                request_id, InvalidRequest(f"request {request_id}: {rule}"), states.FAILURE)
+        except Exception:  # noqa: BLE001 - the message is dropped either way; say so
+            log.exception("request %s: could not store the refusal", request_id)
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        self._refuse(message, exc)
         super().on_decode_error(message, exc)
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        self._refuse(message, exc)
+        super().on_invalid_task(body, message, exc)
