@@ -312,13 +312,18 @@ def decode_data(
     return _numeric_from_list(where, spec, flat, types).reshape(shape), False
 
 
-def _to_str(x: Any) -> Any:
-    if isinstance(x, bytes):
+def _bytes_element(where: str, x: object, binary: bool) -> str | bytes:
+    if isinstance(x, str):
+        return x.encode("utf-8") if binary else str(x)
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        b = bytes(x)
+        if binary:
+            return b
         try:
-            return x.decode("utf-8")
+            return b.decode("utf-8")
         except UnicodeDecodeError:
-            return x
-    return x
+            return b
+    raise _fail(where, f"BYTES elements must be str or bytes, got a {_tname(x)} ({x!r:.40})")
 
 
 def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binary: bool) -> Any:
@@ -333,7 +338,7 @@ def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binar
             as UTF-8); False for a flat list (BYTES: str, bytes decoded as UTF-8 where valid).
 
     Raises:
-        InvalidRequest: The value does not hold ``count`` elements, or BYTES got a tensor.
+        InvalidRequest: The value does not hold ``count`` elements, or is of the wrong kind.
     """
     if spec.kind == "bytes":
         if isinstance(value, torch.Tensor):
@@ -341,11 +346,15 @@ def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binar
         items = np.asarray(value, dtype=object).reshape(-1).tolist()
         if len(items) != count:
             raise _fail(where, f"value has {len(items)} elements but the shape needs {count}")
-        if binary:
-            return [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in items]
-        return [_to_str(x) for x in items]
+        return [_bytes_element(where, x, binary) for x in items]
     assert spec.torch_dtype is not None and spec.wire is not None
-    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+    if isinstance(value, torch.Tensor):
+        t = value
+    else:
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            raise _fail(where, f"a {spec.name} value must be numeric, got numpy dtype {arr.dtype}")
+        t = torch.from_numpy(arr.astype(arr.dtype.newbyteorder("="), copy=False))
     t = t.detach().to("cpu", spec.torch_dtype).contiguous().reshape(-1)
     if t.numel() != count:
         raise _fail(where, f"value has {t.numel()} elements but the shape needs {count}")

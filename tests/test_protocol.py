@@ -287,6 +287,13 @@ def test_encode_tensor_casts_and_moves_to_cpu() -> None:
     assert encode_tensor(t, True)["data"] == np.array([3, -4], dtype="<i2").tobytes()
     with pytest.raises(InvalidRequest, match="value has 2 elements but the shape needs 3"):
         encode_tensor(Tensor("y", "FP32", (3,), torch.zeros(2), False), False)
+    words = Tensor("w", "BYTES", (2,), np.array(["a", "é"]), False)
+    assert encode_tensor(words, True)["data"] == [b"a", b"\xc3\xa9"]
+    assert encode_tensor(words, False)["data"] == ["a", "é"]
+    with pytest.raises(InvalidRequest, match="BYTES elements must be str or bytes, got a int"):
+        encode_tensor(Tensor("w", "BYTES", (1,), np.array([5], dtype=object), False), True)
+    with pytest.raises(InvalidRequest, match="must be numeric"):
+        encode_tensor(Tensor("w", "FP32", (1,), np.array(["a"]), False), True)
 
 
 def test_list_decode_is_fast() -> None:
