@@ -113,6 +113,9 @@ class Client:
         self.settings = settings or Settings.from_env(
             broker_url=broker_url, result_backend=result_backend, task_serializer=serializer)
         self.app: Celery = create_app(self.settings)
+        # The ResultWatcher subscribes to each request's result; Celery's own result consumer
+        # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
+        self.app.backend.on_task_call = _skip_on_task_call
         self._watcher: ResultWatcher | None = None
 
     @property
@@ -193,6 +196,10 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _skip_on_task_call(producer: Any, task_id: str) -> None:
+    return None
 
 
 def _payloads(inputs: Any, binary: bool) -> list[dict[str, Any]]:

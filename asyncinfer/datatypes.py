@@ -174,6 +174,14 @@ def _range_error(where: str, spec: DatatypeSpec, flat: list[Any], lo: int, hi: i
     return _fail(where, f"{what} is out of range for {spec.name} [{lo}, {hi}]")
 
 
+def _fits_float(x: int) -> bool:
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
 def _float_from_list(where: str, spec: DatatypeSpec, flat: list[Any]) -> torch.Tensor:
     assert spec.torch_dtype is not None and spec.wire is not None
     try:
@@ -181,9 +189,10 @@ def _float_from_list(where: str, spec: DatatypeSpec, flat: list[Any]) -> torch.T
             arr: npt.NDArray[Any] = np.array(
                 flat, dtype=np.float64 if spec.name == "BF16" else spec.wire.newbyteorder("=")
             )
-    except OverflowError:
-        i = next(i for i, x in enumerate(flat) if type(x) is int and abs(x) >= 2**1024)
-        raise _fail(where, f"data element {i} is out of range for {spec.name}") from None
+    except OverflowError:  # an int beyond the float64 range
+        i = next((i for i, x in enumerate(flat) if type(x) is int and not _fits_float(x)), None)
+        what = "a value" if i is None else f"data element {i}"
+        raise _fail(where, f"{what} is out of range for {spec.name}") from None
     t = torch.from_numpy(arr).to(spec.torch_dtype)
     if spec.name != "FP64" and t.numel() and bool(torch.isinf(t).any()):
         finite = np.isfinite(np.array(flat, dtype=np.float64))

@@ -14,7 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -32,7 +34,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes], timeout_s: float) -> tuple[str, list]:
+def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes],
+                      timeout_s: float) -> tuple[str, list[Any]]:
     from asyncinfer.celery_app import create_app
     from asyncinfer.config.settings import Settings
     from asyncinfer.redis_server import published_url
@@ -57,7 +60,8 @@ def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes], timeout_s: f
 
 
 def _table(results: list[LoadResult]) -> str:
-    head = f"{'workload':24} {'requests':>8} {'failures':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'mean batch':>10}"
+    head = (f"{'workload':24} {'requests':>8} {'failures':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'req/s':>8} {'mean batch':>10}")
     lines = [head, "-" * len(head)]
     for r in results:
         row = r.row()
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         state = Path(tmp)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
         env["ASYNCINFER_STATE_DIR"] = str(state)
+        env.setdefault("ASYNCINFER_LOG_LEVEL", "warning")  # no per-request log lines in the table run
         up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--concurrency", "32"],
                               env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         print(f"demo: started 'asyncinfer up' (pid {up.pid}), waiting for its workers …", flush=True)
@@ -94,19 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng(0)
             with Client(broker_url=url) as client:
                 client.infer("mlp", np.zeros((1, 16), np.float32), timeout_s=60)  # warm-up
-                workloads = [
-                    ("identity 1 in flight", "identity", 1, lambda i: rng.random((1, 8), np.float32)),
-                    (f"identity {args.in_flight} in flight", "identity", args.in_flight,
-                     lambda i: rng.random((1, 8), np.float32)),
-                    (f"mlp {args.in_flight} in flight", "mlp", args.in_flight,
-                     lambda i: rng.random((1, 16), np.float32)),
-                ]
+                # (label, model, requests in flight, columns of one row)
+                workloads = [("identity 1 in flight", "identity", 1, 8),
+                             (f"identity {args.in_flight} in flight", "identity", args.in_flight, 8),
+                             (f"mlp {args.in_flight} in flight", "mlp", args.in_flight, 16)]
                 total = args.requests * len(workloads)
                 with tqdm(total=total, desc="requests", unit="req") as bar:
-                    for name, model, in_flight, make in workloads:
-                        results.append(run_closed_loop(
-                            name, lambda i, m=model, mk=make: client.submit(m, mk(i)),
-                            args.requests, in_flight, on_done=lambda: bar.update(1)))
+                    for name, model, in_flight, cols in workloads:
+                        def submit(i: int, model: str = model, cols: int = cols) -> Future[Any]:
+                            return client.submit(model, rng.random((1, cols), np.float32))
+
+                        results.append(run_closed_loop(name, submit, args.requests, in_flight,
+                                                       on_done=lambda: bar.update(1)))
         finally:
             up.send_signal(signal.SIGINT)
             try:

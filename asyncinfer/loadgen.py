@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -82,7 +83,7 @@ def run_closed_loop(name: str, submit: Callable[[int], Future[Any]], total: int,
         slots.acquire()
         started = time.perf_counter()
         future = submit(i)
-        future.add_done_callback(lambda f, s=started: done(s, f))
+        future.add_done_callback(functools.partial(done, started))
     if total:
         all_done.wait()
     result.elapsed_s = time.perf_counter() - began

@@ -75,7 +75,7 @@ class ResultWatcher:
     def _run(self) -> None:
         backoff_s = 0.1
         while not self._closed:
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._client.pubsub()
             try:
                 self._serve(pubsub)
                 backoff_s = 0.1
@@ -97,6 +97,8 @@ class ResultWatcher:
         pubsub.subscribe("asyncinfer:watcher")  # opens the connection
         while not self._closed:
             finished = self._subscribe_new(pubsub)
+            # None only when nothing is buffered or readable (subscribe replies are messages too),
+            # so the select below never sleeps on data already read.
             while (message := pubsub.get_message(timeout=0)) is not None:
                 if message.get("type") == "message" and self._deliver_payload(message["data"]):
                     finished.append(message["channel"])
@@ -118,7 +120,7 @@ class ResultWatcher:
             return []
         keys = [self.key(i) for i in ids]
         pubsub.subscribe(*keys)
-        return [key for key, payload in zip(keys, self._client.mget(keys))
+        return [key for key, payload in zip(keys, self._client.mget(keys), strict=True)
                 if payload is not None and self._deliver_payload(payload)]
 
     def _deliver_payload(self, payload: Any) -> bool:

@@ -110,7 +110,8 @@ def test_concurrent_requests_each_get_their_own_rows(client) -> None:
 
 
 def test_result_lookup_by_id_from_a_second_process(client, redis_url) -> None:
-    future = client.submit("identity", np.array([[7, 8, 9]], np.int16), request_id="lookup-" + uuid.uuid4().hex)
+    future = client.submit("identity", np.array([[7, 8, 9]], np.int16),
+                           request_id="lookup-" + uuid.uuid4().hex)
     future.result(timeout=60)
     code = ("import sys, json; from asyncinfer import Client; c = Client(); "
             "r = c.result(sys.argv[1], timeout_s=30); print(json.dumps(r['input'].tolist())); c.close()")

@@ -572,7 +572,8 @@ def test_element_of_wrong_kind(datatype: str, data: list[Any], words: list[str])
         ("FP16", [1.0, 1e6], ["element 1", "out of range for FP16"]),
         ("FP32", [1e300], ["out of range for FP32"]),
         ("BF16", [1e39], ["out of range for BF16"]),
-        ("FP64", [10**400], ["out of range for FP64"]),
+        ("FP64", [1.0, 10**400], ["data element 1 is out of range for FP64"]),
+        ("FP32", [2**1024 - 1], ["data element 0 is out of range for FP32"]),
     ],
 )
 def test_value_out_of_range(datatype: str, data: list[Any], words: list[str]) -> None:

@@ -60,7 +60,8 @@ def test_redis_cli_producer_from_the_readme(worker, redis_url) -> None:
     meta = json.loads(out.stdout)
     assert meta["status"] == "SUCCESS" and meta["task_id"] == request_id
     assert meta["result"]["id"] == request_id
-    assert meta["result"]["outputs"] == [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1.5, 2.0, 3.0]}]
+    assert meta["result"]["outputs"] == [
+        {"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1.5, 2.0, 3.0]}]
 
 
 class _Tripwire:

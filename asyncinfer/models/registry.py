@@ -64,7 +64,7 @@ class Registry:
             raise ValueError(f"model dir {folder} is not a folder")
         for path in sorted(folder.iterdir()):
             if path.suffix in FILE_SUFFIXES:
-                self.register(path.stem, lambda p=path: FileModel(p.stem, p))
+                self.register(path.stem, _file_factory(path))
 
     def names(self) -> list[str]:
         """Every registered model name, sorted."""
@@ -88,5 +88,12 @@ def _named(name: str, factory: Factory) -> Factory:
         model = factory()
         model.name = name
         return model
+
+    return create
+
+
+def _file_factory(path: Path) -> Factory:
+    def create() -> Model:
+        return FileModel(path.stem, path)
 
     return create
