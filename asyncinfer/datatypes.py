@@ -294,7 +294,7 @@ def decode_data(
 
     Returns:
         The value (a torch tensor, or for BYTES a numpy object array) and whether the data
-        came in binary form (raw bytes, or a BYTES list whose elements are all bytes).
+        came in binary form (raw bytes).
 
     Raises:
         InvalidRequest: The data breaks a rule: count, byte length, element kind or range.
@@ -317,21 +317,17 @@ def decode_data(
         bad = types - _ALLOWED["bytes"]
         if bad:
             raise _kind_error(where, spec, flat, bad)
-        return _object_array(flat, shape), types == {bytes}
+        return _object_array(flat, shape), False
     return _numeric_from_list(where, spec, flat, types).reshape(shape), False
 
 
-def _bytes_element(where: str, x: object, binary: bool) -> str | bytes:
+def _bytes_element(where: str, x: object) -> str | bytes:
+    # Elements keep their kind in both encodings (str stays str, bytes stays bytes), so that
+    # BYTES round-trips exactly; msgpack carries both, and JSON requests only ever hold str.
     if isinstance(x, str):
-        return x.encode("utf-8") if binary else str(x)
+        return x
     if isinstance(x, (bytes, bytearray, memoryview)):
-        b = bytes(x)
-        if binary:
-            return b
-        try:
-            return b.decode("utf-8")
-        except UnicodeDecodeError:
-            return b
+        return bytes(x)
     raise _fail(where, f"BYTES elements must be str or bytes, got a {_tname(x)} ({x!r:.40})")
 
 
@@ -343,8 +339,8 @@ def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binar
         spec: The datatype; a numeric value is cast to it and moved to the CPU.
         value: A torch tensor or numpy array (BYTES: an array or list of str/bytes).
         count: The number of elements the shape needs.
-        binary: True for raw little-endian bytes (BYTES: a list of bytes, str elements encoded
-            as UTF-8); False for a flat list (BYTES: str, bytes decoded as UTF-8 where valid).
+        binary: True for raw little-endian bytes, False for a flat list. BYTES is a list of its
+            elements either way, each kept as it is (str or bytes).
 
     Raises:
         InvalidRequest: The value does not hold ``count`` elements, or is of the wrong kind.
@@ -355,7 +351,7 @@ def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binar
         items = np.asarray(value, dtype=object).reshape(-1).tolist()
         if len(items) != count:
             raise _fail(where, f"value has {len(items)} elements but the shape needs {count}")
-        return [_bytes_element(where, x, binary) for x in items]
+        return [_bytes_element(where, x) for x in items]
     assert spec.torch_dtype is not None and spec.wire is not None
     if isinstance(value, torch.Tensor):
         t = value

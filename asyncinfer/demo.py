@@ -46,7 +46,7 @@ def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes],
     while time.monotonic() < deadline:
         if up.poll() is not None:
             raise RuntimeError(f"asyncinfer up exited with {up.returncode}")
-        url = url or published_url(state_dir / "redis")
+        url = url or published_url(Settings(state_dir=str(state_dir)).redis_dir)
         if url:
             app = create_app(Settings(broker_url=url))
             try:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
         env["ASYNCINFER_STATE_DIR"] = str(state)
         env.setdefault("ASYNCINFER_LOG_LEVEL", "warning")  # no per-request log lines in the table run
-        up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--concurrency", "32"],
+        up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up"],
                               env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         print(f"demo: started 'asyncinfer up' (pid {up.pid}), waiting for its workers …", flush=True)
         results: list[LoadResult] = []

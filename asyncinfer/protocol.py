@@ -167,9 +167,8 @@ def encode_tensor(t: Tensor, binary: bool) -> dict[str, Any]:
 
     Args:
         t: The tensor; a numeric value is cast to ``t.datatype`` and moved to the CPU.
-        binary: True for raw little-endian bytes (BYTES: a list of bytes elements, str ones
-            encoded as UTF-8); False for a flat list (BYTES: a list of str, bytes elements
-            decoded as UTF-8 where valid and otherwise left as bytes).
+        binary: True for raw little-endian bytes, False for a flat list. BYTES data is a list
+            of its elements either way, each kept as it came (str stays str, bytes stays bytes).
 
     Raises:
         InvalidRequest: Unknown datatype, or the value does not hold ``prod(shape)`` elements.

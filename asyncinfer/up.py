@@ -44,7 +44,7 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:
-        state = settings.state_path / "redis"
+        state = settings.redis_dir
         if published_url(state):
             print(f"asyncinfer up: another 'asyncinfer up' serves {published_url(state)}; "
                   f"stop it first", file=sys.stderr)

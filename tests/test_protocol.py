@@ -159,8 +159,8 @@ def test_list_round_trip_is_exact(datatype: str, shape: list[int]) -> None:
     assert out["name"] == "x" and out["shape"] == shape and out["datatype"] == datatype
     assert isinstance(out["data"], list)
     if datatype == "BYTES":
-        # bytes that are valid UTF-8 come back as str; the others stay bytes
-        assert out["data"] == ["héllo", "", "日本語 🚀", b"\xff\xfe\x00", "plain", "\x00"]
+        # every element keeps its kind: str stays str, bytes stays bytes
+        assert out["data"] == data and [type(x) for x in out["data"]] == [type(x) for x in data]
     else:
         assert same(out["data"], data), out["data"]
 
@@ -216,20 +216,20 @@ def test_bytes_blob_is_parsed_and_marks_binary() -> None:
     assert t.binary and req.binary_output
     assert nv(t).tolist() == ["héllo".encode(), b"", b"\xff\x00"]
     assert encode_tensor(t, binary=True)["data"] == ["héllo".encode(), b"", b"\xff\x00"]
-    assert encode_tensor(t, binary=False)["data"] == ["héllo", "", b"\xff\x00"]
+    assert encode_tensor(t, binary=False)["data"] == ["héllo".encode(), b"", b"\xff\x00"]
 
 
-def test_bytes_encoding_turns_str_to_utf8_bytes_when_binary() -> None:
+def test_bytes_elements_keep_their_kind_in_both_encodings() -> None:
     t = decode_request("r", kw(inp(["é", b"\x80", "a"], "BYTES"))).inputs[0]
-    assert t.binary is False  # a mixed list is not the binary form
-    assert encode_tensor(t, binary=True)["data"] == [b"\xc3\xa9", b"\x80", b"a"]
+    assert t.binary is False  # only a raw blob is the binary form
+    assert encode_tensor(t, binary=True)["data"] == ["é", b"\x80", "a"]
     assert encode_tensor(t, binary=False)["data"] == ["é", b"\x80", "a"]
 
 
-def test_bytes_list_of_bytes_counts_as_binary() -> None:
+def test_bytes_list_of_bytes_is_not_the_binary_form() -> None:
     req = decode_request("r", kw(inp([b"a", b"\xff"], "BYTES")))
-    assert req.inputs[0].binary is True and req.binary_output is True
-    assert encode_tensor(req.inputs[0], binary=True)["data"] == [b"a", b"\xff"]
+    assert req.inputs[0].binary is False and req.binary_output is False
+    assert encode_tensor(req.inputs[0], binary=False)["data"] == [b"a", b"\xff"]
 
 
 def test_nested_lists_are_flattened() -> None:
@@ -288,7 +288,7 @@ def test_encode_tensor_casts_and_moves_to_cpu() -> None:
     with pytest.raises(InvalidRequest, match="value has 2 elements but the shape needs 3"):
         encode_tensor(Tensor("y", "FP32", (3,), torch.zeros(2), False), False)
     words = Tensor("w", "BYTES", (2,), np.array(["a", "é"]), False)
-    assert encode_tensor(words, True)["data"] == [b"a", b"\xc3\xa9"]
+    assert encode_tensor(words, True)["data"] == ["a", "é"]
     assert encode_tensor(words, False)["data"] == ["a", "é"]
     with pytest.raises(InvalidRequest, match="BYTES elements must be str or bytes, got a int"):
         encode_tensor(Tensor("w", "BYTES", (1,), np.array([5], dtype=object), False), True)
@@ -405,7 +405,7 @@ def test_to_input_payload() -> None:
         "datatype": "BYTES",
         "data": ["é", b"\xff"],
     }
-    assert to_input_payload("s", "é", binary=True)["data"] == [b"\xc3\xa9"]
+    assert to_input_payload("s", "é", binary=True)["data"] == ["é"]
     assert to_input_payload("i", [1, 2], datatype="UINT8", binary=True)["data"] == b"\x01\x02"
     # what the client sends, the server decodes to the same values
     req = decode_request("r", kw(to_input_payload("x", arr, binary=True)))

@@ -64,9 +64,10 @@ class Settings:
         "", "ASYNCINFER_MODEL_DIR",
         "Folder of TorchScript (`NAME.pt`) and `torch.export` (`NAME.pt2`) model files.")
     concurrency: int = _setting(
-        16, "ASYNCINFER_CONCURRENCY", "Task threads per worker process (requests in flight).")
+        64, "ASYNCINFER_CONCURRENCY",
+        "Task threads per worker process: requests in flight, so at least `max_batch_size`.")
     prefetch_multiplier: int = _setting(
-        4, "ASYNCINFER_PREFETCH_MULTIPLIER",
+        2, "ASYNCINFER_PREFETCH_MULTIPLIER",
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
     max_batch_size: int = _setting(
         32, "ASYNCINFER_MAX_BATCH_SIZE", "Most rows the batcher puts in one device batch.")
@@ -109,13 +110,18 @@ class Settings:
         """The state folder as a path."""
         return Path(self.state_dir) if self.state_dir else default_state_dir()
 
+    @property
+    def redis_dir(self) -> Path:
+        """Where ``asyncinfer up``'s embedded Redis keeps its data and publishes its URL."""
+        return self.state_path / "redis"
+
     def resolved_broker_url(self) -> str:
         """The configured broker URL, else the one `asyncinfer up` published, else the default."""
         if self.broker_url:
             return self.broker_url
         from asyncinfer.redis_server import published_url
 
-        return published_url(self.state_path) or DEFAULT_BROKER_URL
+        return published_url(self.redis_dir) or DEFAULT_BROKER_URL
 
     def resolved_result_backend(self) -> str:
         """The configured result backend, else the broker URL when that is Redis."""
@@ -147,6 +153,7 @@ def settings_table() -> str:
     lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Settings):
         default = f.default
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        lines.append(f"| `{f.metadata['env']}` | `{shown}` | {f.metadata['doc']} |")
+        shown = ",".join(default) if isinstance(default, tuple) else str(default)
+        shown = f"`{shown}`" if shown else "(unset)"
+        lines.append(f"| `{f.metadata['env']}` | {shown} | {f.metadata['doc']} |")
     return "\n".join(lines)

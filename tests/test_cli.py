@@ -1,0 +1,103 @@
+"""The ``asyncinfer`` and ``celery`` commands against a real Redis and real worker processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, start_worker, worker_env
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def asyncinfer(redis_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "asyncinfer", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=worker_env(redis_url))
+
+
+def test_submit_then_result_by_id(worker, redis_url) -> None:
+    request_id = "cli-" + uuid.uuid4().hex
+    sent = asyncinfer(redis_url, "submit", "identity", "--input", "-", "--request-id", request_id,
+                      stdin=json.dumps({"x": [[1, 2], [3, 4]]}))
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.strip() == request_id
+    got = asyncinfer(redis_url, "result", request_id, "--timeout-s", "60")
+    assert got.returncode == 0, got.stderr
+    response = json.loads(got.stdout)
+    assert response["id"] == request_id
+    assert response["outputs"] == [{"name": "x", "shape": [2, 2], "datatype": "INT64", "data": [1, 2, 3, 4]}]
+
+
+def test_infer_reads_a_v2_request_file(worker, redis_url, tmp_path) -> None:
+    request = {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}]}
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    out = asyncinfer(redis_url, "infer", "mlp", "--input", str(path))
+    assert out.returncode == 0, out.stderr
+    response = json.loads(out.stdout)
+    assert response["model_name"] == "mlp"
+    assert response["outputs"][0]["shape"] == [1, 4] and len(response["outputs"][0]["data"]) == 4
+
+
+def test_infer_reports_bad_input_and_exits_nonzero(worker, redis_url) -> None:
+    out = asyncinfer(redis_url, "infer", "mlp", "--input", "-", "--datatype", "FP32",
+                     stdin=json.dumps([[1.0, 2.0]]))
+    assert out.returncode == 1
+    assert "InvalidRequest" in out.stderr and "shape [1, 2] does not match [n, 16]" in out.stderr
+
+
+def test_status_lists_workers_devices_models_and_queues(worker, redis_url) -> None:
+    out = asyncinfer(redis_url, "status", "--timeout-s", "3")
+    assert out.returncode == 0, out.stderr
+    line = next(li for li in out.stdout.splitlines() if li.startswith("test-cpu@"))
+    assert " cpu " in line and "identity" in line and "mlp" in line
+    assert "infer.identity" in out.stdout and "infer.mlp" in out.stdout
+
+
+def test_config_table_lists_every_variable() -> None:
+    from asyncinfer.config.settings import settings_table
+
+    out = subprocess.run([sys.executable, "-m", "asyncinfer", "config", "--table"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0
+    assert out.stdout.strip() == settings_table()
+    readme = (ROOT / "README.md").read_text()
+    assert settings_table() in readme, "the README's configuration table is out of date"
+
+
+def test_celery_cli_worker_serves_requests(redis_url, client, tmp_path) -> None:
+    # Given a worker started with Celery's own command, consuming a queue only it serves
+    proc = start_worker_with_celery(redis_url, tmp_path)
+    try:
+        response = client.infer("echo", np.array([[4, 5]], np.uint8), timeout_s=60)
+        assert response["input"].tolist() == [[4, 5]]
+        assert response.parameters["worker"].startswith("celery-cli@")
+    finally:
+        proc.stop()
+
+
+def start_worker_with_celery(redis_url: str, tmp_path):
+    from tests.conftest import WorkerProcess
+
+    env = worker_env(redis_url, ASYNCINFER_MODEL_FACTORIES="echo=asyncinfer.models.builtin:Identity",
+                     ASYNCINFER_DEVICE="cpu")
+    argv = [sys.executable, "-m", "celery", "-A", "asyncinfer", "worker", "-Q", "infer.echo",
+            "-n", "celery-cli@%h", "-c", "4", "-l", "INFO"]
+    return WorkerProcess(argv, env, tmp_path / "celery-worker.log").wait_ready()
+
+
+def test_worker_flags_pick_device_and_models(redis_url, client, tmp_path) -> None:
+    proc = start_worker(redis_url, tmp_path / "w.log", "--device", "cpu", "--models", "affine",
+                        "--hostname", "only-affine@%h")
+    try:
+        log = proc.log()
+        assert "infer.affine" in log and "infer.identity" not in log
+        response = client.infer("affine", {"x": np.zeros((1, 3))}, timeout_s=60)
+        assert response["y"].tolist() == [[1.0, 1.0, 1.0]]
+    finally:
+        proc.stop()

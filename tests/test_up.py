@@ -1,0 +1,82 @@
+"""``asyncinfer up``: embedded Redis with persistence, supervised workers, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncinfer.client import Client
+from asyncinfer.config.settings import Settings
+from asyncinfer.redis_server import PID_FILE, published_url
+from asyncinfer.status import cluster_status
+from tests.conftest import ROOT, worker_env
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not seen in {timeout_s} s")
+
+
+def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> None:
+    # Given `asyncinfer up` with no broker configured and a private state folder
+    env = worker_env("", ASYNCINFER_STATE_DIR=str(tmp_path))
+    del env["ASYNCINFER_BROKER_URL"]
+    log = open(tmp_path / "up.log", "wb")
+    up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
+                           "--models", "identity", "--concurrency", "4"],
+                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    state = tmp_path / "redis"
+    client = None
+    try:
+        # Then it starts its embedded Redis and publishes the URL; a client finds it unconfigured
+        url = _wait(lambda: published_url(state), 60, "published broker URL")
+        redis_pid = int((state / PID_FILE).read_text())
+        client = Client(settings=Settings.from_env(environ={"ASYNCINFER_STATE_DIR": str(tmp_path)}))
+        assert client.app.conf.broker_url == url
+        first = _wait(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        assert [w.device for w in first] == ["cpu"] and first[0].models == ["identity"]
+        assert client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)["input"].tolist() == [[1.0]]
+
+        # When the worker dies, the supervisor starts a new one, which serves
+        os.kill(first[0].pid, signal.SIGKILL)
+        second = _wait(lambda: [w for w in cluster_status(client.app, 0.5).workers
+                                if w.pid != first[0].pid], 90, "a restarted worker")
+        assert client.infer("identity", np.array([[2.0]], np.float32), timeout_s=60)["input"].tolist() == [[2.0]]
+
+        # And Ctrl-C stops everything: workers, Redis, the published URL
+        client.close()
+        client = None
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert not _alive(second[0].pid) and not _alive(redis_pid)
+        assert published_url(state) is None
+        assert (state / "appendonly.aof").exists(), "the embedded Redis keeps an append-only file"
+    finally:
+        if client is not None:
+            client.close()
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
