@@ -21,13 +21,18 @@ class Sleep(Model):
 
 
 class Poison(Model):
-    """``input`` FP32 [n, 1] → ``output`` = input × 2; raises when any row is negative."""
+    """``input`` FP32 [n, 1] → ``output`` = input × 2; raises when any row is negative.
+
+    A row ≥ 100 makes the batch first sleep (value − 100) seconds: a way to keep the device busy.
+    """
 
     name = "poison"
     inputs = {"input": InputSpec(("FP32",), (1,))}
 
     def forward(self, batch: Batch) -> Batch:
         x = batch["input"]
+        if len(x) and float(x.max()) >= 100:
+            time.sleep(float(x.max()) - 100)
         if bool((x < 0).any()):
             raise RuntimeError("negative input poisons this model")
         return {"output": x * 2}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -165,9 +167,11 @@ def test_unknown_model_on_a_hosted_queue_is_refused(client) -> None:
         result.get(timeout=60)
 
 
-def test_one_poisoned_request_does_not_fail_its_batch(client) -> None:
+def test_one_poisoned_request_does_not_fail_its_batch(client, worker) -> None:
     # Given a slow request occupying the device, then good and poisoned requests queued behind it
-    blocker = client.submit("sleep", np.array([[0.5]], np.float32))
+    blocker = client.submit("poison", np.array([[100.5]], np.float32))
+    _wait_started(blocker)
+    time.sleep(0.2)  # the blocker is on the device; the next requests queue up behind it
     good = [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6)]
     bad = client.submit("poison", np.array([[-1.0]], np.float32))
     good += [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6, 10)]
@@ -177,11 +181,22 @@ def test_one_poisoned_request_does_not_fail_its_batch(client) -> None:
         bad.result(timeout=60)
     for i, f in enumerate(good):
         assert f.result(timeout=60)["output"].tolist() == [[2.0 * i]]
+    # And they really had shared a batch, which was then re-run request by request
+    sizes = [int(n) for n in re.findall(r"model poison: batch of (\d+) requests raised", worker.log())]
+    assert sizes and max(sizes) >= 2
+
+
+def _wait_started(future, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while future.async_result.state == "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def test_cancel_revokes_a_queued_request(client) -> None:
     # Given the sleep model busy with a long request, and a request queued behind it
     blocker = client.submit("sleep", np.array([[1.5]], np.float32))
+    _wait_started(blocker)
+    time.sleep(0.3)  # the blocker's batch is on the device, so the next one cannot join it
     queued = client.submit("sleep", np.array([[0.0]], np.float32))
     # When the queued one is cancelled
     assert queued.cancel() is True
