@@ -57,13 +57,15 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         assert client.app.conf.broker_url == url
         first = _wait(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
         assert [w.device for w in first] == ["cpu"] and first[0].models == ["identity"]
-        assert client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)["input"].tolist() == [[1.0]]
+        one = client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)
+        assert one["input"].tolist() == [[1.0]]
 
         # When the worker dies, the supervisor starts a new one, which serves
         os.kill(first[0].pid, signal.SIGKILL)
         second = _wait(lambda: [w for w in cluster_status(client.app, 0.5).workers
                                 if w.pid != first[0].pid], 90, "a restarted worker")
-        assert client.infer("identity", np.array([[2.0]], np.float32), timeout_s=60)["input"].tolist() == [[2.0]]
+        two = client.infer("identity", np.array([[2.0]], np.float32), timeout_s=60)
+        assert two["input"].tolist() == [[2.0]] and two.parameters["worker"] == second[0].name
 
         # And Ctrl-C stops everything: workers, Redis, the published URL
         client.close()

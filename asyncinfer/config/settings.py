@@ -7,6 +7,7 @@ line of documentation that the README's configuration table shows (``asyncinfer 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,8 +103,9 @@ class Settings:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("visibility_timeout_s", "result_expires_s", "max_delay_ms"):
-            if float(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
 
     @property
     def state_path(self) -> Path:

@@ -25,9 +25,12 @@ def load_factory(path: str) -> Factory:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"model factory {path!r} must look like 'package.module:factory'")
-    target: object = importlib.import_module(module_name)
-    for part in attr.split("."):
-        target = getattr(target, part)
+    try:
+        target: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"model factory {path!r} cannot be loaded: {exc}") from exc
     if not callable(target):
         raise ValueError(f"model factory {path!r} is not callable")
     return target  # type: ignore[return-value]

@@ -8,6 +8,7 @@ sit out a fixed delay, and at high load batches fill from what arrived while the
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -41,8 +42,8 @@ class Batcher:
     def __init__(self, max_batch_size: int, max_delay_ms: float) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        if max_delay_ms < 0:
-            raise ValueError(f"max_delay_ms must be >= 0, got {max_delay_ms!r}")
+        if not (math.isfinite(max_delay_ms) and max_delay_ms >= 0):
+            raise ValueError(f"max_delay_ms must be a finite number >= 0, got {max_delay_ms!r}")
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
         self._pending: deque[WorkItem] = deque()

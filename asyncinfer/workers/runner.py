@@ -89,9 +89,11 @@ class ModelRunner:
             item.future.set_exception(ModelError(
                 f"request {item.request.id}: worker shut down before model '{self.model.name}' ran it"))
         for t in self._threads:
-            t.join(timeout=5)
+            if t.is_alive():
+                t.join(timeout=5)
         self._done.put(None)
-        self._completer.join(timeout=5)
+        if self._completer.is_alive():
+            self._completer.join(timeout=5)
 
     # -- device side ---------------------------------------------------------------------------
 
