@@ -14,13 +14,16 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import redis
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from asyncinfer.celery_app import create_app
+from asyncinfer.celery_wire import task_message
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.errors import BrokerUnavailable
 from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
 from asyncinfer.result_watcher import ResultWatcher
 
@@ -117,6 +120,12 @@ class Client:
         # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
         self.app.backend.on_task_call = _skip_on_task_call
         self._watcher: ResultWatcher | None = None
+        # On a Redis broker a request is one LPUSH of Celery's message (what send_task would
+        # publish), without Celery's per-send machinery; other brokers use send_task.
+        broker_url = str(self.app.conf.broker_url)
+        self._broker: redis.Redis | None = (
+            redis.Redis.from_url(broker_url) if broker_url.startswith(("redis://", "rediss://", "unix://"))
+            else None)
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -152,9 +161,22 @@ class Client:
                    "parameters": dict(parameters or {})}
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
-        self.app.send_task(TASK_NAME, kwargs=payload, task_id=request_id, queue=queue_for(model),
-                           serializer=serializer, link=link, link_error=link_error,
-                           expires=expires)
+        queue = queue_for(model)
+        if self._broker is None:  # not Redis: Celery's own publisher
+            self.app.send_task(TASK_NAME, kwargs=payload, task_id=request_id, queue=queue,
+                               serializer=serializer, link=link, link_error=link_error,
+                               expires=expires)
+            return future
+        embed = {"callbacks": [dict(link)] if link is not None else None,
+                 "errbacks": [dict(link_error)] if link_error is not None else None}
+        message = task_message(TASK_NAME, request_id, payload, queue, serializer=serializer,
+                               embed=embed, expires_s=expires,
+                               kwargsrepr=f"{{'model': {model!r}, ...}}")
+        try:
+            self._broker.lpush(queue, message)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.watcher.unwatch(request_id)
+            raise BrokerUnavailable(f"request {request_id}: broker unreachable: {exc}") from exc
         return future
 
     def infer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
@@ -189,6 +211,8 @@ class Client:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        if self._broker is not None:
+            self._broker.close()
         self.app.close()
 
     def __enter__(self) -> Client:

@@ -74,24 +74,36 @@ class _Tripwire:
         return (open, (self.path, "w"))
 
 
-def test_pickle_message_is_refused_and_never_executed(client, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def stock_worker(redis_url, worker, tmp_path_factory):
+    """A worker on Celery's stock per-task path (celery -A asyncinfer worker) for model ``echo``."""
+    from tests.test_cli import start_worker_with_celery
+
+    proc = start_worker_with_celery(redis_url, tmp_path_factory.mktemp("stock"))
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("model", ["identity", "echo"], ids=["fast-consumer", "celery-consumer"])
+def test_pickle_message_is_refused_and_never_executed(client, stock_worker, tmp_path, model) -> None:
     from kombu import Connection
 
     marker = tmp_path / "unpickled"
     request_id = "pickle-" + uuid.uuid4().hex
-    body = pickle.dumps(((), {"model": "identity", "inputs": [_Tripwire(str(marker))]}, {}))
+    body = pickle.dumps(((), {"model": model, "inputs": [_Tripwire(str(marker))]}, {}))
     with Connection(client.app.conf.broker_url) as conn:
         producer = conn.Producer()
-        producer.publish(body, routing_key="infer.identity", content_type="application/x-python-serialize",
+        producer.publish(body, routing_key=f"infer.{model}", content_type="application/x-python-serialize",
                          content_encoding="binary", serializer=None,
                          headers={"task": "asyncinfer.infer", "id": request_id, "lang": "py"},
                          declare=[])
     # The refusal is stored as a FAILURE that names the request and the rule
-    with pytest.raises(InvalidRequest, match=rf"request {request_id}: content type .* is refused .*pickle"):
+    refused = rf"request {request_id}: content type .* is refused: only json and msgpack .* never pickle"
+    with pytest.raises(InvalidRequest, match=refused):
         client.result(request_id, timeout_s=60)
     assert not marker.exists()
     # and the worker keeps serving
-    assert client.infer("identity", np.array([[1]], np.int8), timeout_s=60)["input"].tolist() == [[1]]
+    assert client.infer(model, np.array([[1]], np.int8), timeout_s=60)["input"].tolist() == [[1]]
 
 
 def test_clients_never_accept_pickle(client) -> None:

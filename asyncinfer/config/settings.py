@@ -70,6 +70,10 @@ class Settings:
     prefetch_multiplier: int = _setting(
         2, "ASYNCINFER_PREFETCH_MULTIPLIER",
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
+    consumer: str = _setting(
+        "fast", "ASYNCINFER_CONSUMER",
+        "How `asyncinfer worker` takes requests on a Redis broker: `fast` (batched reads, results "
+        "and acks) or `celery` (Celery's stock per-task path).")
     max_batch_size: int = _setting(
         32, "ASYNCINFER_MAX_BATCH_SIZE", "Most rows the batcher puts in one device batch.")
     max_delay_ms: float = _setting(
@@ -99,6 +103,8 @@ class Settings:
         for name in ("task_serializer", "result_serializer"):
             if getattr(self, name) not in ("json", "msgpack"):
                 raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(self, name)!r}")
+        if self.consumer not in ("fast", "celery"):
+            raise ValueError(f"consumer must be 'fast' or 'celery', got {self.consumer!r}")
         for name in ("concurrency", "prefetch_multiplier", "max_batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

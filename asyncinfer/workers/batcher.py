@@ -30,6 +30,12 @@ class WorkItem:
     signature: Hashable
     future: Future[Any] = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.perf_counter)
+    #: When the worker received the request (start of ``queue_ms``); default when queued.
+    received_at: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.received_at < 0:
+            self.received_at = self.enqueued_at
 
 
 class Batcher:
@@ -51,17 +57,25 @@ class Batcher:
         self._closed = False
         self._cond = threading.Condition()
 
+    def hold(self) -> None:
+        """Announce requests being decoded: a forming batch may wait for them until :meth:`release`."""
+        with self._cond:
+            self._arriving += 1
+
+    def release(self) -> None:
+        """End one :meth:`hold`."""
+        with self._cond:
+            self._arriving -= 1
+            self._cond.notify_all()
+
     @contextmanager
     def arriving(self) -> Iterator[None]:
         """Announce a request being decoded, so a forming batch may wait for it."""
-        with self._cond:
-            self._arriving += 1
+        self.hold()
         try:
             yield
         finally:
-            with self._cond:
-                self._arriving -= 1
-                self._cond.notify_all()
+            self.release()
 
     def put(self, item: WorkItem) -> None:
         """Queue an item for the device."""

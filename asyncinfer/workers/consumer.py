@@ -14,6 +14,7 @@ from celery import states
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed
 
+from asyncinfer.celery_wire import refused_content
 from asyncinfer.errors import InvalidRequest
 
 __all__ = ["Consumer"]
@@ -30,12 +31,12 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         if not isinstance(request_id, str) or not request_id:
             return
         if isinstance(exc, ContentDisallowed):
-            rule = f"content type {message.content_type!r} is refused ({exc}); send json or msgpack"
+            error = refused_content(request_id, message.content_type)
         else:
-            rule = f"the message breaks the task protocol ({type(exc).__name__}: {exc})"
+            error = InvalidRequest(f"request {request_id}: the message breaks the task protocol "
+                                   f"({type(exc).__name__}: {exc})")
         try:
-            self.app.backend.store_result(
-                request_id, InvalidRequest(f"request {request_id}: {rule}"), states.FAILURE)
+            self.app.backend.store_result(request_id, error, states.FAILURE)
         except Exception:  # noqa: BLE001 - the message is dropped either way; say so
             log.exception("request %s: could not store the refusal", request_id)
 

@@ -16,7 +16,10 @@ from asyncinfer.constants import queue_for
 from asyncinfer.models.registry import Registry
 from asyncinfer.workers.device import bind_visible_device, parse_device
 
-__all__ = ["run_worker", "worker_hostname"]
+__all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "CONTROL_QUEUE"]
+
+#: What Celery's own consumer listens on in a worker whose fast consumer takes the infer.* queues.
+CONTROL_QUEUE = "asyncinfer.control"
 
 
 def worker_hostname(device: str) -> str:
@@ -44,8 +47,22 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
 
     from asyncinfer.celery_app import app  # built now, from the environment set above
 
-    argv = ["worker", "-P", "threads", "-c", str(settings.concurrency),
-            "-Q", ",".join(queue_for(m) for m in hosted),
+    queues = [queue_for(m) for m in hosted]
+    threads = settings.concurrency
+    if uses_fast_consumer(settings, app.conf.broker_url):
+        from asyncinfer.workers.fast_consumer import FastConsumerStep
+
+        # The fast consumer takes the infer.* queues; Celery's consumer must consume some queue,
+        # and serves remote control (status, revoke, ping) and the events.
+        app.asyncinfer_fast_queues = queues
+        app.steps["worker"].add(FastConsumerStep)
+        queues, threads = [CONTROL_QUEUE], 2
+    argv = ["worker", "-P", "threads", "-c", str(threads), "-Q", ",".join(queues),
             "-n", hostname or worker_hostname(str(spec)),
             "-l", (loglevel or settings.log_level).upper(), *extra_args]
     app.worker_main(argv)
+
+
+def uses_fast_consumer(settings: Settings, broker_url: str) -> bool:
+    """Whether ``asyncinfer worker`` runs the fast consumer (configured, and a Redis broker)."""
+    return settings.consumer == "fast" and broker_url.startswith(("redis://", "rediss://", "unix://"))

@@ -70,8 +70,12 @@ class ModelRunner:
         self._completer.start()
         return self
 
-    def submit(self, request: Request) -> Future[Completed]:
-        """Validate ``request`` against the model and queue it for the device."""
+    def submit(self, request: Request, received_at: float | None = None) -> Future[Completed]:
+        """Validate ``request`` against the model and queue it for the device.
+
+        ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
+        default now.
+        """
         self.model.validate(request)
         rows = _rows_of(request)
         if rows > self.max_batch_size:
@@ -80,6 +84,8 @@ class ModelRunner:
                 f"of model '{self.model.name}'")
         signature = tuple((t.name, t.datatype, t.shape[1:]) for t in request.inputs)
         item = WorkItem(request=request, rows=rows, signature=signature)
+        if received_at is not None:
+            item.received_at = received_at
         self.batcher.put(item)
         return item.future
 
@@ -187,7 +193,7 @@ class ModelRunner:
                        for name, parts in pieces.items()]
             item.future.set_result(Completed(
                 outputs=outputs, batch_size=total,
-                queue_ms=(started - item.enqueued_at) * 1000.0, compute_ms=compute_ms))
+                queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
 
 
 def _rows_of(request: Request) -> int:

@@ -10,11 +10,12 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import decode_request, encode_tensor
+from asyncinfer.protocol import Request, decode_request, encode_tensor
 from asyncinfer.workers.device import Device, bind_visible_device, parse_device
 from asyncinfer.workers.runner import Completed, ModelRunner
 
@@ -62,6 +63,10 @@ class WorkerRuntime:
                 self._runners[model] = runner
         return runner
 
+    def runners(self) -> list[ModelRunner]:
+        """The runners loaded so far."""
+        return list(self._runners.values())
+
     @property
     def models(self) -> list[str]:
         """Models loaded in this process."""
@@ -71,8 +76,9 @@ class WorkerRuntime:
         """Requests waiting for the device, per model."""
         return {name: len(runner.batcher) for name, runner in self._runners.items()}
 
-    def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str) -> dict[str, Any]:
-        """Decode, validate and run one request (batched with others); return its v2 response."""
+    def submit(self, request_id: str, kwargs: Any, *,
+               received_at: float | None = None) -> tuple[Request, Future[Completed]]:
+        """Decode and validate one request and queue it for the device; InvalidRequest if bad."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
@@ -80,8 +86,15 @@ class WorkerRuntime:
         runner = self.runner(model, request_id)
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
-            future = runner.submit(request)
-        done: Completed = future.result()
+            return request, runner.submit(request, received_at=received_at)
+
+    def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str) -> dict[str, Any]:
+        """Decode, validate and run one request (batched with others); return its v2 response."""
+        request, future = self.submit(request_id, kwargs)
+        return self.response(request, future.result(), worker)
+
+    def response(self, request: Request, done: Completed, worker: str) -> dict[str, Any]:
+        """The v2 response of a request the device finished."""
         return {
             "model_name": request.model,
             "id": request.id,

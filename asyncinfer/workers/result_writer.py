@@ -1,0 +1,152 @@
+"""Writes finished requests back: results, acknowledgements and callbacks, one round trip per batch.
+
+Everything finished since the last write goes out in one Redis pipeline: per request the result
+(SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked bookkeeping removed).
+A request is acknowledged only in the same pipeline that stores its result, so a worker that dies
+earlier leaves it unacknowledged, and kombu redelivers it after the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery, states
+from celery.exceptions import TaskRevokedError
+
+from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, Delivery, result_meta
+
+__all__ = ["Outcome", "ResultWriter"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """How one request ended: a state and its result (a response, or an exception)."""
+
+    delivery: Delivery
+    state: str
+    result: Any
+    embed: dict[str, Any] | None = None
+
+
+class ResultWriter:
+    """A thread that stores outcomes in batches and calls ``on_written(n)`` after each batch."""
+
+    max_batch = 256
+
+    def __init__(self, app: Celery, client: redis.Redis, on_written: Callable[[int], None]) -> None:
+        self.app = app
+        self.backend = app.backend
+        self.client = client
+        self.expires_s = int(app.conf.result_expires.total_seconds()
+                             if hasattr(app.conf.result_expires, "total_seconds")
+                             else app.conf.result_expires or 0)
+        self.on_written = on_written
+        self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="asyncinfer-results", daemon=True)
+        self._thread.start()
+
+    def put(self, outcome: Outcome) -> None:
+        """Queue one outcome for the next write."""
+        self._queue.put(outcome)
+
+    def started(self, pipe: Any, delivery: Delivery, hostname: str) -> None:
+        """Add the STARTED state of ``delivery`` to ``pipe`` (Celery's ``task_track_started``)."""
+        meta = result_meta(delivery.request_id, states.STARTED,
+                           {"pid": os.getpid(), "hostname": hostname})
+        self._store(pipe, delivery.request_id, meta)
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _store(self, pipe: Any, request_id: str, meta: dict[str, Any]) -> None:
+        key = self.backend.get_key_for_task(request_id)
+        value = self.backend.encode(meta)
+        if self.expires_s:
+            pipe.setex(key, self.expires_s, value)
+        else:
+            pipe.set(key, value)
+        pipe.publish(key, value)
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            batch = [] if first is None else [first]
+            stopping = first is None
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+            if batch:
+                self._write(batch)
+
+    def _write(self, batch: list[Outcome]) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for outcome in batch:
+                    self._add(pipe, outcome)
+                pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # The requests stay unacknowledged until this succeeds: nothing is lost.
+                log.warning("storing %d results failed (%s); retrying in %.1f s", len(batch), exc,
+                            backoff_s)
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+        self.on_written(len(batch))
+        for outcome in batch:
+            if outcome.embed:
+                self._call_links(outcome)
+
+    def _add(self, pipe: Any, outcome: Outcome) -> None:
+        d = outcome.delivery
+        if d.request_id:
+            result = outcome.result
+            if isinstance(result, BaseException):
+                result = self.backend.prepare_exception(result)
+            meta = result_meta(d.request_id, outcome.state, result,
+                               parent_id=d.headers.get("parent_id"))
+            self._store(pipe, d.request_id, meta)
+        pipe.zrem(UNACKED_INDEX_KEY, d.tag)
+        pipe.hdel(UNACKED_KEY, d.tag)
+
+    def _call_links(self, outcome: Outcome) -> None:
+        """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""
+        embed = outcome.embed or {}
+        d = outcome.delivery
+        root_id = d.headers.get("root_id") or d.request_id
+        try:
+            if outcome.state == states.SUCCESS:
+                for callback in embed.get("callbacks") or ():
+                    self.app.signature(callback).apply_async(
+                        (outcome.result,), parent_id=d.request_id, root_id=root_id)
+                chain = list(embed.get("chain") or ())
+                if chain:
+                    nxt = self.app.signature(chain.pop())
+                    nxt.apply_async((outcome.result,), chain=chain, parent_id=d.request_id,
+                                    root_id=root_id)
+            elif outcome.state == states.FAILURE or isinstance(outcome.result, TaskRevokedError):
+                for errback in embed.get("errbacks") or ():
+                    self.app.signature(errback).apply_async(
+                        (d.request_id,), parent_id=d.request_id, root_id=root_id)
+        except Exception:  # noqa: BLE001 - a broken callback must not stop the writer
+            log.exception("request %s: calling its callbacks failed", d.request_id)
