@@ -91,7 +91,9 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
             return
         status = meta.get("status")
         if status == states.SUCCESS:
-            self.set_result(InferResponse(meta["result"]))
+            result = meta["result"]
+            is_response = isinstance(result, dict) and "outputs" in result and "id" in result
+            self.set_result(InferResponse(result) if is_response else result)
         elif status == states.REVOKED:
             self.set_exception(TaskRevokedError(f"request {self.id} was revoked"))
         else:
@@ -156,22 +158,33 @@ class Client:
             raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
         if binary is None:
             binary = serializer == "msgpack"
-        request_id = request_id or str(uuid.uuid4())
         payload = {"model": model, "inputs": _payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
+        return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id,
+                         serializer=serializer, link=link, link_error=link_error, expires=expires)
+
+    def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,
+             serializer: str | None = None, link: Any = None, link_error: Any = None,
+             expires: float | None = None) -> InferFuture:
+        """Send any task by name with ``kwargs`` to ``queue``; its future resolves to its result.
+
+        :meth:`submit` is this for ``asyncinfer.infer``. On a Redis broker the message is one
+        LPUSH of what ``send_task`` would publish; on other brokers it is ``send_task``.
+        """
+        serializer = serializer or self.settings.task_serializer
+        request_id = request_id or str(uuid.uuid4())
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
-        queue = queue_for(model)
-        if self._broker is None:  # not Redis: Celery's own publisher
-            self.app.send_task(TASK_NAME, kwargs=payload, task_id=request_id, queue=queue,
+        if self._broker is None:
+            self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
                                serializer=serializer, link=link, link_error=link_error,
                                expires=expires)
             return future
         embed = {"callbacks": [dict(link)] if link is not None else None,
                  "errbacks": [dict(link_error)] if link_error is not None else None}
-        message = task_message(TASK_NAME, request_id, payload, queue, serializer=serializer,
+        message = task_message(task, request_id, kwargs, queue, serializer=serializer,
                                embed=embed, expires_s=expires,
-                               kwargsrepr=f"{{'model': {model!r}, ...}}")
+                               kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}")
         try:
             self._broker.lpush(queue, message)
         except (redis.ConnectionError, redis.TimeoutError) as exc:

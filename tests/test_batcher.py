@@ -207,3 +207,28 @@ def test_constructor_stores_the_delay_in_seconds() -> None:
     batcher = Batcher(max_batch_size=3, max_delay_ms=250)
     assert batcher.max_batch_size == 3
     assert batcher.max_delay_s == pytest.approx(0.25)
+
+
+def test_preferred_sizes_trim_a_batch_and_keep_the_rest_in_order() -> None:
+    batcher = Batcher(16, 0.0, preferred_batch_sizes=(4, 8))
+    items = [WorkItem(request=f"r{i}", rows=1, signature="s") for i in range(6)]
+    for item in items:
+        batcher.put(item)
+    first = batcher.next_batch()
+    second = batcher.next_batch()
+    assert [i.request for i in first] == ["r0", "r1", "r2", "r3"]  # the largest preferred size that fits
+    assert [i.request for i in second] == ["r4", "r5"]  # no preferred size fits: sent as is
+
+
+def test_a_batch_stops_waiting_at_the_largest_preferred_size() -> None:
+    batcher = Batcher(32, 2000.0, preferred_batch_sizes=(8,))
+    for i in range(8):
+        batcher.put(WorkItem(request=f"r{i}", rows=1, signature="s"))
+    batcher.hold()  # more requests are being decoded: without a preferred size it would wait
+    try:
+        began = time.perf_counter()
+        batch = batcher.next_batch()
+        waited_s = time.perf_counter() - began
+    finally:
+        batcher.release()
+    assert len(batch) == 8 and waited_s < 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.models.builtin import Identity
@@ -25,9 +27,9 @@ WAIT_S = 10.0
 
 
 def runner_for(model: Model, *, max_batch_size: int = 8, max_delay_ms: float = 5,
-               is_revoked: Callable[[str], bool] | None = None) -> ModelRunner:
-    return ModelRunner(model, Device(DeviceSpec("cpu")), max_batch_size=max_batch_size,
-                       max_delay_ms=max_delay_ms, is_revoked=is_revoked)
+               is_revoked: Callable[[str], bool] | None = None, pipelined: bool = True) -> ModelRunner:
+    options = ModelOptions(max_batch_size=max_batch_size, max_delay_ms=max_delay_ms, pipelined=pipelined)
+    return ModelRunner(model, Device(DeviceSpec("cpu")), options, is_revoked=is_revoked)
 
 
 @contextmanager
@@ -105,8 +107,10 @@ def identity_request(i: int) -> Request:
     ]})
 
 
-def test_concurrent_requests_get_exactly_their_rows() -> None:
-    runner = runner_for(Identity(), max_batch_size=8, max_delay_ms=5)
+@pytest.mark.parametrize(("pipelined", "instances"), [(True, 1), (True, 2), (False, 1), (False, 2)])
+def test_concurrent_requests_get_exactly_their_rows(pipelined: bool, instances: int) -> None:
+    options = ModelOptions(max_batch_size=8, max_delay_ms=5, pipelined=pipelined, instances=instances)
+    runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")), options)
     start = threading.Barrier(8)
 
     def client(indices: range) -> list[tuple[int, Future[Completed]]]:
@@ -228,10 +232,11 @@ def test_wrong_number_of_output_rows_fails_the_whole_batch() -> None:
     futures = {rid: runner.submit(scalar_request(rid, 1.0, model="extra_row")) for rid in ids}
     with started(runner):
         errors = {rid: f.exception(WAIT_S) for rid, f in futures.items()}
+    # (the batch fails, then each request fails alone, with its own message)
     for rid, err in errors.items():
         assert isinstance(err, ModelError), err
         assert str(err).startswith(f"request {rid}: ")
-        assert "output 'output' has 4 rows for a batch of 3" in str(err)
+        assert "output 'output' has 2 rows for a batch of 1" in str(err)
 
 
 def test_a_lone_request_with_wrong_output_rows_fails() -> None:
@@ -272,8 +277,7 @@ def test_close_fails_queued_requests_and_finishes_the_running_one() -> None:
 def test_close_of_an_idle_runner_returns() -> None:
     runner = runner_for(Identity()).start()
     runner.close()
-    assert not any(t.is_alive() for t in runner._threads)
-    assert not runner._completer.is_alive()
+    assert runner._threads and not any(t.is_alive() for t in runner._threads)
 
 
 def test_close_before_start_fails_queued_requests() -> None:
@@ -305,7 +309,9 @@ def test_revoked_requests_never_reach_the_device() -> None:
     assert "request revoked-1" in str(info.value)
     assert live == {"live-0": 2.0, "live-2": 6.0}
     assert model.calls == [[1.0, 3.0]]  # 7.0 never ran
-    assert sorted(asked) == ["live-0", "live-2", "revoked-1"]
+    # asked when the batch formed and again just before the device: never more than that
+    assert set(asked) == {"live-0", "live-2", "revoked-1"} and asked.count("revoked-1") == 1
+    assert asked.count("live-0") == 2
     assert futures["live-0"].result().batch_size == 2
 
 
@@ -319,3 +325,45 @@ def test_a_batch_of_only_revoked_requests_runs_nothing() -> None:
         runner.is_revoked = lambda rid: False
         assert only_output(runner.submit(scalar_request("next", 2.0)).result(WAIT_S)).item() == 4.0
     assert model.calls == [[2.0]]
+
+
+class Staged(Model):
+    """Each of preprocess, forward and postprocess sleeps ``stage_s`` (the GIL is free meanwhile)."""
+
+    name = "staged"
+    stage_s = 0.05
+
+    def __init__(self) -> None:
+        self.threads: dict[str, set[str]] = {"pre": set(), "forward": set(), "post": set()}
+
+    def _stage(self, name: str) -> None:
+        self.threads[name].add(threading.current_thread().name)
+        time.sleep(self.stage_s)
+
+    def preprocess(self, batch: Batch) -> Batch:
+        self._stage("pre")
+        return {"input": batch["input"] + 1}
+
+    def forward(self, batch: Batch) -> Batch:
+        self._stage("forward")
+        return {"output": batch["input"] * 10}
+
+    def postprocess(self, outputs: Batch) -> Batch:
+        self._stage("post")
+        return {"output": outputs["output"] - 1}
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_stages_run_in_order_and_overlap_when_pipelined(pipelined: bool) -> None:
+    # Given a model whose three stages each take 50 ms, and one request per batch
+    model = Staged()
+    options = ModelOptions(max_batch_size=1, max_delay_ms=0, pipelined=pipelined)
+    runner = ModelRunner(model, Device(DeviceSpec("cpu")), options)
+    with started(runner):
+        futures = [runner.submit(scalar_request(f"s{i}", float(i), model="staged")) for i in range(6)]
+        results = [only_output(f.result(WAIT_S)).tolist() for f in futures]
+    # Then each request went through preprocess → forward → postprocess, in that order
+    assert results == [[[(i + 1) * 10 - 1.0]] for i in range(6)]
+    # and the stages ran in three threads when pipelined, one otherwise
+    used = set().union(*model.threads.values())
+    assert len(used) == (3 if pipelined else 1)

@@ -56,8 +56,8 @@ def test_defaults_with_an_empty_environ() -> None:
 def test_from_env_parses_ints_floats_and_comma_tuples() -> None:
     env = {
         "ASYNCINFER_CONCURRENCY": "3",
-        "ASYNCINFER_MAX_BATCH_SIZE": "64",
-        "ASYNCINFER_MAX_DELAY_MS": "0.5",
+        "ASYNCINFER_PREFETCH_MULTIPLIER": "5",
+        "ASYNCINFER_RESULT_EXPIRES_S": "0.5",
         "ASYNCINFER_VISIBILITY_TIMEOUT_S": "120",
         "ASYNCINFER_MODELS": " mlp, identity,,sleep ,",
         "ASYNCINFER_MODEL_FACTORIES": "a=pkg.mod:f",
@@ -67,15 +67,15 @@ def test_from_env_parses_ints_floats_and_comma_tuples() -> None:
     }
     s = Settings.from_env(env)
     assert s.concurrency == 3 and isinstance(s.concurrency, int)
-    assert s.max_batch_size == 64
-    assert s.max_delay_ms == 0.5 and isinstance(s.max_delay_ms, float)
+    assert s.prefetch_multiplier == 5
+    assert s.result_expires_s == 0.5 and isinstance(s.result_expires_s, float)
     assert s.visibility_timeout_s == 120.0 and isinstance(s.visibility_timeout_s, float)
     assert s.models == ("mlp", "identity", "sleep")
     assert s.model_factories == ("a=pkg.mod:f",)
     assert s.device == "cuda:1"
     assert s.task_serializer == "msgpack"
     # untouched fields keep their defaults
-    assert s.prefetch_multiplier == default("prefetch_multiplier") and s.result_serializer == "json"
+    assert s.redis_port == default("redis_port") and s.result_serializer == "json"
 
 
 def test_empty_variables_are_treated_as_unset() -> None:
@@ -84,18 +84,18 @@ def test_empty_variables_are_treated_as_unset() -> None:
 
 
 def test_overrides_win_over_env_and_none_overrides_are_ignored() -> None:
-    env = {"ASYNCINFER_CONCURRENCY": "3", "ASYNCINFER_DEVICE": "cpu", "ASYNCINFER_MAX_BATCH_SIZE": "7"}
-    s = Settings.from_env(env, concurrency=9, device=None, max_batch_size=None, models=("mlp",))
+    env = {"ASYNCINFER_CONCURRENCY": "3", "ASYNCINFER_DEVICE": "cpu", "ASYNCINFER_PREFETCH_MULTIPLIER": "7"}
+    s = Settings.from_env(env, concurrency=9, device=None, prefetch_multiplier=None, models=("mlp",))
     assert s.concurrency == 9  # override wins
     assert s.device == "cpu"  # None override: the environment's value stays
-    assert s.max_batch_size == 7
+    assert s.prefetch_multiplier == 7
     assert s.models == ("mlp",)
 
 
 @pytest.mark.parametrize(("var", "raw"), [
     ("ASYNCINFER_CONCURRENCY", "abc"),
-    ("ASYNCINFER_MAX_BATCH_SIZE", "1.5"),
-    ("ASYNCINFER_MAX_DELAY_MS", "soon"),
+    ("ASYNCINFER_PREFETCH_MULTIPLIER", "1.5"),
+    ("ASYNCINFER_VISIBILITY_TIMEOUT_S", "soon"),
     ("ASYNCINFER_REDIS_PORT", "x"),
 ])
 def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
@@ -108,8 +108,8 @@ def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
     ({}, {"concurrency": 0}, "concurrency"),
     ({"ASYNCINFER_CONCURRENCY": "0"}, {}, "concurrency"),
     ({"ASYNCINFER_PREFETCH_MULTIPLIER": "-1"}, {}, "prefetch_multiplier"),
-    ({}, {"max_batch_size": 0}, "max_batch_size"),
-    ({"ASYNCINFER_MAX_DELAY_MS": "-1"}, {}, "max_delay_ms"),
+    ({}, {"consumer": "eager"}, "consumer"),
+    ({"ASYNCINFER_MODEL_OPTIONS": "{not json"}, {}, "ASYNCINFER_MODEL_OPTIONS"),
     ({}, {"visibility_timeout_s": -0.5}, "visibility_timeout_s"),
     ({}, {"result_expires_s": -1.0}, "result_expires_s"),
     ({}, {"task_serializer": "pickle"}, "task_serializer"),
@@ -121,9 +121,35 @@ def test_invalid_values_name_the_field(env: dict[str, str], overrides: dict[str,
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
-def test_non_finite_or_negative_delay_is_rejected(value: str) -> None:
+def test_non_finite_or_negative_durations_are_rejected(value: str) -> None:
+    with pytest.raises(ValueError, match="visibility_timeout_s"):
+        Settings.from_env({"ASYNCINFER_VISIBILITY_TIMEOUT_S": value})
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_delay_is_rejected(delay: float) -> None:
+    from asyncinfer.config.model_options import ModelOptions
+
     with pytest.raises(ValueError, match="max_delay_ms"):
-        Settings.from_env({"ASYNCINFER_MAX_DELAY_MS": value})
+        ModelOptions(max_delay_ms=delay)
+
+
+def test_model_options_merge_defaults_star_and_model_entries() -> None:
+    from asyncinfer.config.model_options import ModelOptions
+
+    s = Settings.from_env({"ASYNCINFER_MODEL_OPTIONS":
+                           '{"*": {"max_delay_ms": 5}, "mlp": {"max_batch_size": 64, '
+                           '"preferred_batch_sizes": [32, 8], "instances": 2}}'})
+    defaults = ModelOptions(max_batch_size=16, max_delay_ms=1.0)
+    mlp = s.options_for("mlp", defaults)
+    assert (mlp.max_batch_size, mlp.max_delay_ms, mlp.preferred_batch_sizes, mlp.instances) == (
+        64, 5, (8, 32), 2)
+    other = s.options_for("identity", defaults)
+    assert (other.max_batch_size, other.max_delay_ms, other.instances) == (16, 5, 1)
+    with pytest.raises(ValueError, match="unknown model option"):
+        Settings.from_env({"ASYNCINFER_MODEL_OPTIONS": '{"mlp": {"batch": 3}}'}).options_for("mlp", defaults)
+    with pytest.raises(ValueError, match="preferred_batch_sizes"):
+        s.options_for("mlp", defaults).merged({"preferred_batch_sizes": [128]})
 
 
 # -- broker and result backend -----------------------------------------------------------------

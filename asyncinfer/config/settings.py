@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncinfer.config.model_options import ModelOptions, parse_model_options
+
 __all__ = ["Settings", "settings_table", "default_state_dir", "DEFAULT_BROKER_URL"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -66,7 +68,7 @@ class Settings:
         "Folder of TorchScript (`NAME.pt`) and `torch.export` (`NAME.pt2`) model files.")
     concurrency: int = _setting(
         64, "ASYNCINFER_CONCURRENCY",
-        "Task threads per worker process: requests in flight, so at least `max_batch_size`.")
+        "Requests in flight per worker (task threads on Celery's path): at least `max_batch_size`.")
     prefetch_multiplier: int = _setting(
         2, "ASYNCINFER_PREFETCH_MULTIPLIER",
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
@@ -74,11 +76,12 @@ class Settings:
         "fast", "ASYNCINFER_CONSUMER",
         "How `asyncinfer worker` takes requests on a Redis broker: `fast` (batched reads, results "
         "and acks) or `celery` (Celery's stock per-task path).")
-    max_batch_size: int = _setting(
-        32, "ASYNCINFER_MAX_BATCH_SIZE", "Most rows the batcher puts in one device batch.")
-    max_delay_ms: float = _setting(
-        2.0, "ASYNCINFER_MAX_DELAY_MS",
-        "Longest a batch waits for requests still being decoded; a lone request never waits.")
+    model_options: str = _setting(
+        "", "ASYNCINFER_MODEL_OPTIONS",
+        "JSON object of model → batching options overriding the model's defaults: "
+        "`max_batch_size`, `max_delay_ms`, `preferred_batch_sizes`, `instances`, `pipelined`; "
+        "key `\"*\"` applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
+        "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(
         "", "ASYNCINFER_STATE_DIR",
         "Folder for `asyncinfer up`'s embedded Redis. Unset: `$XDG_STATE_HOME/asyncinfer` "
@@ -105,13 +108,19 @@ class Settings:
                 raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(self, name)!r}")
         if self.consumer not in ("fast", "celery"):
             raise ValueError(f"consumer must be 'fast' or 'celery', got {self.consumer!r}")
-        for name in ("concurrency", "prefetch_multiplier", "max_batch_size"):
+        parse_model_options(self.model_options)  # raises ValueError when malformed
+        for name in ("concurrency", "prefetch_multiplier"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("visibility_timeout_s", "result_expires_s", "max_delay_ms"):
+        for name in ("visibility_timeout_s", "result_expires_s"):
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+
+    def options_for(self, model: str, defaults: ModelOptions) -> ModelOptions:
+        """Batching options of ``model``: its defaults, then ``"*"``, then its own entry."""
+        table = parse_model_options(self.model_options)
+        return defaults.merged(table.get("*", {})).merged(table.get(model, {}))
 
     @property
     def state_path(self) -> Path:

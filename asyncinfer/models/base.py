@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.protocol import Request
 
@@ -45,6 +47,9 @@ class Model:
 
     Subclasses set :attr:`inputs` (None accepts any input) and implement :meth:`forward`, which
     gets whole batches: the first dimension of every input is the rows of many requests together.
+    A batch goes through three stages, each overlapping the others' work on other batches:
+    :meth:`preprocess` (CPU), :meth:`forward` (on the device's stream) and :meth:`postprocess`
+    (CPU, after the results are on the host).
     """
 
     name: str = ""
@@ -52,6 +57,8 @@ class Model:
     batchable: bool = True
     #: Declared inputs; None means any names, datatypes and shapes.
     inputs: Mapping[str, InputSpec] | None = None
+    #: Default batching options; configuration (ASYNCINFER_MODEL_OPTIONS) overrides them.
+    options: ModelOptions = ModelOptions()
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""
@@ -74,6 +81,25 @@ class Model:
                     f"'{self.name}' (inputs: {', '.join(repr(n) for n in self.inputs)})")
             spec.check(request.id, t.name, t.datatype, t.shape)
 
+    def signature(self, request: Request) -> Hashable:
+        """Requests with equal signatures may share a batch (default: same names, datatypes and
+        row shapes; a model that pads variable lengths can relax it)."""
+        return tuple((t.name, t.datatype, t.shape[1:]) for t in request.inputs)
+
+    def collate(self, name: str, values: list[Any]) -> Any:
+        """Join the values of input ``name`` of several requests along the first dimension."""
+        if isinstance(values[0], np.ndarray):
+            return np.concatenate(values)
+        return torch.cat(values)
+
+    def preprocess(self, batch: Batch) -> Batch:
+        """CPU work on a whole batch before the device (tokenization, say). Default: none."""
+        return batch
+
     def forward(self, batch: Batch) -> Batch:
         """Run one batch on the device; return output name → tensor with the same rows."""
         raise NotImplementedError
+
+    def postprocess(self, outputs: Batch) -> Batch:
+        """CPU work on a batch's outputs once they are on the host (pooling, say). Default: none."""
+        return outputs

@@ -42,16 +42,21 @@ class Batcher:
     """A queue of work items that hands out batches of compatible items.
 
     Items are compatible when their signatures are equal (same input names, datatypes and row
-    shapes); others wait, in order, for a later batch.
+    shapes); others wait, in order, for a later batch. With ``preferred_batch_sizes`` (Triton's
+    knob) a batch stops waiting once it holds the largest preferred size, and a batch that holds
+    no preferred size gives back whole requests down to the largest preferred size it can keep.
     """
 
-    def __init__(self, max_batch_size: int, max_delay_ms: float) -> None:
+    def __init__(self, max_batch_size: int, max_delay_ms: float,
+                 preferred_batch_sizes: tuple[int, ...] = ()) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if not (math.isfinite(max_delay_ms) and max_delay_ms >= 0):
             raise ValueError(f"max_delay_ms must be a finite number >= 0, got {max_delay_ms!r}")
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
+        self.preferred = tuple(sorted(set(preferred_batch_sizes)))
+        self._enough = self.preferred[-1] if self.preferred else max_batch_size
         self._pending: deque[WorkItem] = deque()
         self._arriving = 0
         self._closed = False
@@ -109,13 +114,25 @@ class Batcher:
             deadline = first.enqueued_at + self.max_delay_s
             while rows < self.max_batch_size:
                 rows = self._take_compatible(batch, rows)
-                if rows >= self.max_batch_size or self._arriving == 0 or self._closed:
+                if rows >= self._enough or self._arriving == 0 or self._closed:
                     break
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+            if self.preferred and rows not in self.preferred:
+                self._trim_to_preferred(batch, rows)
             return batch
+
+    def _trim_to_preferred(self, batch: list[WorkItem], rows: int) -> None:
+        fitting = [p for p in self.preferred if p <= rows]
+        if not fitting:
+            return
+        target = fitting[-1]
+        while rows > target and len(batch) > 1:
+            item = batch.pop()
+            rows -= item.rows
+            self._pending.appendleft(item)
 
     def _take_compatible(self, batch: list[WorkItem], rows: int) -> int:
         signature = batch[0].signature

@@ -1,10 +1,13 @@
-"""A model instance on the device: a device thread that runs batches on its own stream.
+"""A model on the device: batches go through preprocess, device and postprocess stages.
 
-Task threads call :meth:`ModelRunner.submit` and wait on the returned future. The device thread
-concatenates the rows of a batch, runs the forward on the instance's stream, records an event and
-hands the batch to a completion thread, which blocks on the event (never spinning) and gives each
-request back exactly its own rows. When a batch raises, each of its requests runs alone, so one
-bad request does not fail the others.
+Callers :meth:`~ModelRunner.submit` requests and get futures. Batches formed by the batcher flow
+through three stages, each in its own thread so that successive batches overlap: a CPU stage
+(joins the rows, :meth:`Model.preprocess`), a device stage per model instance (pinned,
+non-blocking copy to the device, forward on the instance's own stream, copy back, record an event)
+and a completion stage (blocks on the event — never spins — runs :meth:`Model.postprocess`, gives
+each request exactly its own rows). With ``pipelined=False`` one thread runs the three stages of
+a batch one after another. When a batch raises, each of its requests runs alone, so one bad
+request does not fail the others.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.protocol import Request, Tensor, datatype_of
@@ -30,6 +34,9 @@ from asyncinfer.workers.device import Device
 __all__ = ["Completed", "ModelRunner"]
 
 log = logging.getLogger(__name__)
+
+#: Batches between stages at most (the slots below are the real bound).
+_STAGE_DEPTH = 4
 
 
 @dataclass
@@ -42,24 +49,47 @@ class Completed:
     compute_ms: float
 
 
-class ModelRunner:
-    """One model on one device: a batcher feeding ``instances`` device threads."""
+@dataclass
+class _Job:
+    """One batch on its way through the stages."""
 
-    def __init__(self, model: Model, device: Device, *, max_batch_size: int,
-                 max_delay_ms: float, instances: int = 1,
+    items: list[WorkItem]
+    started: float
+    data: Batch = field(default_factory=dict)
+    event: Any = None
+
+
+class ModelRunner:
+    """One model on one device: a batcher feeding the stage threads."""
+
+    def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
                  is_revoked: Callable[[str], bool] | None = None) -> None:
         self.model = model
-        self.is_revoked = is_revoked or (lambda request_id: False)
         self.device = device
-        self.max_batch_size = max_batch_size if model.batchable else 1
-        self.batcher = Batcher(self.max_batch_size, max_delay_ms if model.batchable else 0.0)
-        self._done: queue.Queue[Any] = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._device_loop, name=f"device-{model.name}-{i}", daemon=True)
-            for i in range(instances)
-        ]
-        self._completer = threading.Thread(
-            target=self._completion_loop, name=f"complete-{model.name}", daemon=True)
+        opts = options or model.options
+        if not model.batchable:
+            opts = opts.merged({"max_batch_size": 1, "max_delay_ms": 0.0, "preferred_batch_sizes": ()})
+        self.options = opts
+        self.max_batch_size = opts.max_batch_size
+        self.is_revoked = is_revoked or (lambda request_id: False)
+        self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
+        # A batch holds a slot from the moment it is formed until its results are on the host.
+        # One slot per instance plus one lets the next batch be preprocessed while the device
+        # works, and no more: batches keep forming from what arrives while the device is busy.
+        self._slots = threading.Semaphore(opts.instances + 1)
+        self._closing = False
+        self._to_device: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
+        self._to_complete: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
+        name = model.name
+        if opts.pipelined:
+            self._threads = [threading.Thread(target=self._prep_loop, name=f"prep-{name}", daemon=True)]
+            self._threads += [threading.Thread(target=self._device_loop, name=f"device-{name}-{i}",
+                                               daemon=True) for i in range(opts.instances)]
+            self._threads.append(threading.Thread(target=self._complete_loop, name=f"post-{name}",
+                                                  daemon=True))
+        else:
+            self._threads = [threading.Thread(target=self._serial_loop, name=f"serial-{name}-{i}",
+                                              daemon=True) for i in range(opts.instances)]
 
     def start(self) -> ModelRunner:
         """Load the model onto the device and start its threads."""
@@ -67,7 +97,6 @@ class ModelRunner:
         self.model.load(self.device.torch_device)
         for t in self._threads:
             t.start()
-        self._completer.start()
         return self
 
     def submit(self, request: Request, received_at: float | None = None) -> Future[Completed]:
@@ -82,8 +111,7 @@ class ModelRunner:
             raise InvalidRequest(
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
                 f"of model '{self.model.name}'")
-        signature = tuple((t.name, t.datatype, t.shape[1:]) for t in request.inputs)
-        item = WorkItem(request=request, rows=rows, signature=signature)
+        item = WorkItem(request=request, rows=rows, signature=self.model.signature(request))
         if received_at is not None:
             item.received_at = received_at
         self.batcher.put(item)
@@ -91,36 +119,137 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the threads; requests still queued fail with an error saying so."""
+        self._closing = True
         for item in self.batcher.close():
-            item.future.set_exception(ModelError(
-                f"request {item.request.id}: worker shut down before model '{self.model.name}' ran it"))
+            self._shut_out(item)
+        sentinels = 0
+        while True:  # batches prepared but not yet on the device fail now too
+            try:
+                job = self._to_device.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                sentinels += 1
+                continue
+            for item in job.items:
+                self._shut_out(item)
+            self._slots.release()
+        for _ in range(sentinels):
+            self._to_device.put(None)
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=5)
-        self._done.put(None)
-        if self._completer.is_alive():
-            self._completer.join(timeout=5)
 
-    # -- device side ---------------------------------------------------------------------------
+    # -- stages ----------------------------------------------------------------------------------
+
+    def _next_job(self) -> _Job | None:
+        while (batch := self.batcher.next_batch()) is not None:
+            items = self._drop_revoked(batch)
+            if items:
+                return _Job(items=items, started=time.perf_counter())
+        return None
+
+    def _shut_out(self, item: WorkItem) -> None:
+        item.future.set_exception(ModelError(
+            f"request {item.request.id}: worker shut down before model '{self.model.name}' ran it"))
+
+    def _prep_loop(self) -> None:
+        while True:
+            self._slots.acquire()
+            job = self._next_job()
+            if job is None:
+                break
+            if self._run_stage(job, self._prepare):
+                self._to_device.put(job)
+            else:
+                self._slots.release()
+        for _ in range(self.options.instances):
+            self._to_device.put(None)
 
     def _device_loop(self) -> None:
         self.device.bind_thread()
         stream = self.device.new_stream()
-        while (batch := self.batcher.next_batch()) is not None:
-            items = self._drop_revoked(batch)
-            if not items:
+        while (job := self._to_device.get()) is not None:
+            if self._closing:  # prepared but never on the device
+                for item in job.items:
+                    self._shut_out(item)
+                self._slots.release()
+            elif not self._drop_revoked(job.items):  # revoked while it was being prepared
+                self._slots.release()
+            elif self._run_stage(job, lambda j: self._launch(j, stream)):
+                self._to_complete.put(job)
+            else:
+                self._slots.release()
+        self._to_complete.put(None)
+
+    def _complete_loop(self) -> None:
+        self.device.bind_thread()
+        remaining = self.options.instances
+        while remaining:
+            job = self._to_complete.get()
+            if job is None:
+                remaining -= 1
                 continue
-            started = time.perf_counter()
+            self._run_stage(job, self._finish)
+            self._slots.release()
+
+    def _serial_loop(self) -> None:
+        self.device.bind_thread()
+        stream = self.device.new_stream()
+        while (job := self._next_job()) is not None:
+            self._run_stage(job, lambda j: self._whole(j, stream))
+
+    def _run_stage(self, job: _Job, stage: Callable[[_Job], None]) -> bool:
+        """Run one stage; on error, run the batch's requests one by one. True to go on."""
+        try:
+            stage(job)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a model may raise anything
+            self._isolate(job.items, exc)
+            return False
+
+    # -- the work of each stage ------------------------------------------------------------------
+
+    def _prepare(self, job: _Job) -> None:
+        job.data = self.model.preprocess(self._concat(job.items))
+
+    def _launch(self, job: _Job, stream: Any) -> None:
+        with self.device.on_stream(stream), torch.inference_mode():
+            on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
+            outputs = self.model.forward(on_device)
+            job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
+            job.event = self.device.record_event(stream)
+
+    def _finish(self, job: _Job) -> None:
+        if job.event is not None:
+            job.event.synchronize()
+        with torch.inference_mode():
+            outputs = self.model.postprocess(job.data)
+        self._deliver(job.items, outputs, job.started)
+
+    def _whole(self, job: _Job, stream: Any) -> None:
+        self._prepare(job)
+        self._launch(job, stream)
+        self._finish(job)
+
+    def _isolate(self, items: Sequence[WorkItem], exc: Exception) -> None:
+        if len(items) == 1:
+            self._fail(items[0], exc)
+            return
+        log.warning("model %s: batch of %d requests raised %s; running each alone",
+                    self.model.name, len(items), exc)
+        stream = self.device.new_stream()
+        for item in items:
             try:
-                host_out, event = self._launch(items, stream)
-            except Exception as exc:  # noqa: BLE001 - a model may raise anything
-                self._isolate(items, stream, exc)
-                continue
-            self._done.put((items, host_out, event, started))
+                self._whole(_Job(items=[item], started=time.perf_counter()), stream)
+            except Exception as item_exc:  # noqa: BLE001
+                self._fail(item, item_exc)
 
     def _drop_revoked(self, items: list[WorkItem]) -> list[WorkItem]:
         live = []
         for item in items:
+            if item.future.done():
+                continue
             if self.is_revoked(item.request.id):
                 item.future.set_exception(RequestRevoked(
                     f"request {item.request.id}: revoked before it reached the device"))
@@ -128,32 +257,9 @@ class ModelRunner:
                 live.append(item)
         return live
 
-    def _launch(self, items: Sequence[WorkItem], stream: Any) -> tuple[Batch, Any]:
-        batch = _concat(items)
-        with self.device.on_stream(stream), torch.inference_mode():
-            on_device = {name: self.device.to_device(v) for name, v in batch.items()}
-            outputs = self.model.forward(on_device)
-            host_out = {name: self.device.to_host(v) for name, v in outputs.items()}
-            event = self.device.record_event(stream)
-        return host_out, event
-
-    def _isolate(self, items: Sequence[WorkItem], stream: Any, exc: Exception) -> None:
-        if len(items) == 1:
-            self._fail(items[0], exc)
-            return
-        log.warning("model %s: batch of %d requests raised %s; running each alone",
-                    self.model.name, len(items), exc)
-        for item in items:
-            started = time.perf_counter()
-            try:
-                host_out, event = self._launch([item], stream)
-                if event is not None:
-                    event.synchronize()
-                self._complete([item], host_out, started)
-            except Exception as item_exc:  # noqa: BLE001
-                self._fail(item, item_exc)
-
     def _fail(self, item: WorkItem, exc: Exception) -> None:
+        if item.future.done():
+            return
         if isinstance(exc, InvalidRequest):
             item.future.set_exception(exc)
             return
@@ -162,37 +268,32 @@ class ModelRunner:
         err.__cause__ = exc
         item.future.set_exception(err)
 
-    # -- completion side -----------------------------------------------------------------------
+    def _concat(self, items: Sequence[WorkItem]) -> Batch:
+        first = items[0].request.inputs
+        if len(items) == 1:
+            return {t.name: t.value for t in first}
+        return {t.name: self.model.collate(t.name, [item.request.inputs[i].value for item in items])
+                for i, t in enumerate(first)}
 
-    def _completion_loop(self) -> None:
-        self.device.bind_thread()
-        while (job := self._done.get()) is not None:
-            items, host_out, event, started = job
-            try:
-                if event is not None:
-                    event.synchronize()
-                self._complete(items, host_out, started)
-            except Exception as exc:  # noqa: BLE001
-                for item in items:
-                    if not item.future.done():
-                        self._fail(item, exc)
-
-    def _complete(self, items: Sequence[WorkItem], host_out: Batch, started: float) -> None:
+    def _deliver(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
         finished = time.perf_counter()
         rows = [item.rows for item in items]
         total = sum(rows)
-        for name, value in host_out.items():
-            got = len(value) if isinstance(value, np.ndarray) else int(value.shape[0]) if value.dim() else -1
+        for name, value in outputs.items():
+            got = len(value) if isinstance(value, np.ndarray) else (
+                int(value.shape[0]) if value.dim() else -1)
             if got != total:
                 raise ModelError(f"model '{self.model.name}': output '{name}' has {got} rows "
                                  f"for a batch of {total}")
-        pieces = {name: _split(value, rows) for name, value in host_out.items()}
+        pieces = {name: _split(value, rows) for name, value in outputs.items()}
         compute_ms = (finished - started) * 1000.0
         for i, item in enumerate(items):
-            outputs = [_output(name, parts[i], item.request.binary_output)
-                       for name, parts in pieces.items()]
+            if item.future.done():  # revoked after its batch was formed
+                continue
+            result = [_output(name, parts[i], item.request.binary_output)
+                      for name, parts in pieces.items()]
             item.future.set_result(Completed(
-                outputs=outputs, batch_size=total,
+                outputs=result, batch_size=total,
                 queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
 
 
@@ -203,18 +304,6 @@ def _rows_of(request: Request) -> int:
         raise InvalidRequest(
             f"request {request.id}: inputs disagree on the batch dimension ({sizes})")
     return rows.pop()
-
-
-def _concat(items: Sequence[WorkItem]) -> Batch:
-    first = items[0].request.inputs
-    if len(items) == 1:
-        return {t.name: t.value for t in first}
-    batch: Batch = {}
-    for i, t in enumerate(first):
-        values = [item.request.inputs[i].value for item in items]
-        batch[t.name] = (np.concatenate(values) if isinstance(t.value, np.ndarray)
-                         else torch.cat(values))
-    return batch
 
 
 def _split(value: Any, rows: list[int]) -> list[Any]:

@@ -55,10 +55,8 @@ class WorkerRuntime:
             runner = self._runners.get(model)
             if runner is None:
                 instance = self.registry.create(model, request_id)
-                runner = ModelRunner(instance, self.device,
-                                     max_batch_size=self.settings.max_batch_size,
-                                     max_delay_ms=self.settings.max_delay_ms,
-                                     is_revoked=_is_revoked).start()
+                options = self.settings.options_for(model, instance.options)
+                runner = ModelRunner(instance, self.device, options, is_revoked=_is_revoked).start()
                 log.info("model %s loaded on %s", model, self.device.label)
                 self._runners[model] = runner
         return runner

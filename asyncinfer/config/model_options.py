@@ -1,0 +1,67 @@
+"""Per-model batching and instance options: model defaults, overridden by configuration.
+
+``ASYNCINFER_MODEL_OPTIONS`` is a JSON object of model name → options, e.g.
+``{"minilm": {"max_batch_size": 64, "max_delay_ms": 5, "preferred_batch_sizes": [16, 32],
+"instances": 2}}``; the key ``"*"`` applies to every model. The knobs are Triton's:
+``max_batch_size``, ``max_delay_ms`` (its ``max_queue_delay``), ``preferred_batch_sizes`` and
+``instances`` (its ``instance_group.count``); ``pipelined`` runs preprocess, device and postprocess
+of successive batches in parallel (False: one after another in one thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelOptions", "parse_model_options"]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How one model is batched and run."""
+
+    max_batch_size: int = 32
+    max_delay_ms: float = 2.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    instances: int = 1
+    pipelined: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if not (isinstance(self.max_delay_ms, (int, float)) and math.isfinite(self.max_delay_ms)
+                and self.max_delay_ms >= 0):
+            raise ValueError(f"max_delay_ms must be a finite number >= 0, got {self.max_delay_ms!r}")
+        if not isinstance(self.instances, int) or self.instances < 1:
+            raise ValueError(f"instances must be an integer >= 1, got {self.instances!r}")
+        for size in self.preferred_batch_sizes:
+            if not isinstance(size, int) or not 1 <= size <= self.max_batch_size:
+                raise ValueError(f"preferred_batch_sizes must be integers in 1..max_batch_size "
+                                 f"({self.max_batch_size}), got {list(self.preferred_batch_sizes)!r}")
+
+    def merged(self, overrides: dict[str, Any]) -> ModelOptions:
+        """These options with ``overrides`` applied (unknown keys raise ValueError)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown model option(s) {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(overrides)
+        if "preferred_batch_sizes" in values:
+            values["preferred_batch_sizes"] = tuple(sorted(values["preferred_batch_sizes"]))
+        return dataclasses.replace(self, **values)
+
+
+def parse_model_options(text: str) -> dict[str, dict[str, Any]]:
+    """Parse ``ASYNCINFER_MODEL_OPTIONS``: a JSON object of model name → option overrides."""
+    if not text.strip():
+        return {}
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"ASYNCINFER_MODEL_OPTIONS is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise ValueError("ASYNCINFER_MODEL_OPTIONS must be a JSON object of model name → {option: value}")
+    return doc
