@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
 
+    sub.add_parser("bench", help="asyncinfer vs plain Celery vs the in-process limit "
+                                 "(asyncinfer bench --help)")
+
     p = sub.add_parser("config", help="the effective settings (or --table: every variable)")
     p.add_argument("--table", action="store_true", help="print the Markdown table of variables")
     p.set_defaults(func=cmd_config)
@@ -165,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncinfer`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["worker"], ["up"]):
+        import asyncinfer.workers  # noqa: F401 - sets OpenMP's wait policy before torch loads
+    if argv[:1] == ["bench"]:  # its own parser: `asyncinfer bench --help`
+        from asyncinfer.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

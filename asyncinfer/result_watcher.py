@@ -23,6 +23,9 @@ __all__ = ["ResultWatcher"]
 
 log = logging.getLogger(__name__)
 
+#: How a JSON-stored STARTED state begins (Celery's meta: ``{"status": "STARTED", ...``).
+_STARTED = b'"STARTED"'
+
 #: Called with the decoded result meta (``status``, ``result``, ...) once the request is done.
 Callback = Callable[[dict[str, Any]], None]
 
@@ -125,6 +128,8 @@ class ResultWatcher:
 
     def _deliver_payload(self, payload: Any) -> bool:
         """Hand a stored result to its callback; True when the request is finished."""
+        if isinstance(payload, bytes) and _STARTED in payload[:32]:
+            return False  # the STARTED state (task_track_started): not worth decoding
         meta = self.backend.decode_result(payload)
         if meta.get("status") not in states.READY_STATES:
             return False

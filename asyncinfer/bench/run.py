@@ -1,0 +1,184 @@
+"""``asyncinfer bench``: one run, side by side, same machine, same Redis.
+
+For each workload: (a) the model called in-process at its best batch size — the limit; (b) plain
+Celery, one task per request; (c) asyncinfer. Closed loop at each in-flight level, then an open-
+loop rate sweep. Writes JSON, Markdown and a PNG plot under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
+from asyncinfer.bench.report import markdown, write_report
+from asyncinfer.bench.systems import WorkerUnderTest, payload_kwargs, start_system
+from asyncinfer.bench.workloads import WORKLOADS, Workload
+from asyncinfer.client import Client
+from asyncinfer.models.registry import Registry
+from asyncinfer.redis_server import RedisServer
+
+__all__ = ["main"]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="asyncinfer bench", description=__doc__)
+    p.add_argument("--workloads", default="identity,mlp,minilm,pipeline3-async,pipeline3-sync")
+    p.add_argument("--systems", default="celery,asyncinfer")
+    p.add_argument("--in-flight", default="1,8,64", help="closed-loop levels")
+    p.add_argument("--rates", default="0.25,0.5,0.75,1.0",
+                   help="open-loop rates as fractions of the system's best closed-loop throughput")
+    p.add_argument("--duration-s", type=float, default=4.0, help="seconds per run")
+    p.add_argument("--concurrency", type=int, default=64, help="worker threads / requests in flight")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--broker-url", help="an existing Redis (default: an embedded one)")
+    p.add_argument("--out", default="bench/results")
+    return p.parse_args(argv)
+
+
+def _available(workload: Workload) -> bool:
+    registry = Registry.from_config([workload.factories] if workload.factories else [])
+    return workload.model in registry.names()
+
+
+def _limit(workload: Workload, duration_s: float) -> tuple[dict[int, float], float]:
+    registry = Registry.from_config([workload.factories] if workload.factories else [])
+    model = registry.create(workload.model)
+    payload = workload.payload(0)
+    rates = model_limit(model, payload, (1, 8, 32, 64), duration_s)
+    return rates, direct_call_ms(model, payload)
+
+
+def _measure(system: str, workload: Workload, client: Client, worker: WorkerUnderTest,
+             levels: list[int], rates: list[float], duration_s: float, bar: tqdm) -> list[Run]:
+    payloads = [payload_kwargs(workload, i) for i in range(64)]
+
+    def submit(i: int) -> Any:
+        return client.send(worker.task, worker.queue, payloads[i % len(payloads)])
+
+    for i in range(20):  # warm up
+        submit(i).result(timeout=120)
+    runs = []
+    for level in levels:
+        cpu0 = worker.cpu_s()
+        run = closed_loop(Run(system, workload.name, "closed", level), submit, level, duration_s)
+        run.worker_cpu_ms_per_request = (worker.cpu_s() - cpu0) * 1000 / max(1, len(run.latencies_ms))
+        runs.append(run)
+        bar.update(1)
+    best = max(r.throughput for r in runs)
+    for fraction in rates:
+        cpu0 = worker.cpu_s()
+        run = open_loop(Run(system, workload.name, "open", round(best * fraction, 1)), submit,
+                        best * fraction, duration_s)
+        run.worker_cpu_ms_per_request = (worker.cpu_s() - cpu0) * 1000 / max(1, len(run.latencies_ms))
+        runs.append(run)
+        bar.update(1)
+    return runs
+
+
+def _closed(doc: dict[str, Any], workload: str, system: str, level: int) -> dict[str, Any] | None:
+    for run in doc["runs"]:
+        if (run["workload"], run["system"], run["mode"], int(run["level"])) == (
+                workload, system, "closed", level):
+            return run
+    return None
+
+
+def _targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+
+    def add(name: str, value: float | None, goal: str, met: bool) -> None:
+        if value is not None:
+            out.append({"name": name, "value": value, "goal": goal, "met": met})
+
+    mlp_a, mlp_c = _closed(doc, "mlp", "asyncinfer", 64), _closed(doc, "mlp", "celery", 64)
+    if mlp_a and mlp_c:
+        ratio = mlp_a["throughput_rps"] / max(mlp_c["throughput_rps"], 1e-9)
+        add("mlp, 64 in flight: asyncinfer / plain Celery throughput", ratio, ">= 5", ratio >= 5)
+    mini_a, mini_c = _closed(doc, "minilm", "asyncinfer", 64), _closed(doc, "minilm", "celery", 64)
+    limit = max(doc["limits"].get("minilm", {0: 0}).values())
+    if mini_a and limit:
+        share = mini_a["throughput_rps"] / limit
+        add("minilm, 64 in flight: asyncinfer / in-process limit", share, ">= 0.90", share >= 0.9)
+    if mini_a and mini_c:
+        ratio = mini_a["throughput_rps"] / max(mini_c["throughput_rps"], 1e-9)
+        add("minilm, 64 in flight: asyncinfer / plain Celery", ratio, ">= 3", ratio >= 3)
+    ident = _closed(doc, "identity", "asyncinfer", 1)
+    direct = doc["direct_call_ms"].get("identity")
+    if ident and direct is not None:
+        p50, p99 = ident["p50_ms"] - direct, ident["p99_ms"] - direct
+        add("identity, 1 in flight: p50 added latency (ms)", p50, "<= 2", p50 <= 2)
+        add("identity, 1 in flight: p99 added latency (ms)", p99, "<= 5", p99 <= 5)
+    pa = _closed(doc, "pipeline3-async", "asyncinfer", 64)
+    ps = _closed(doc, "pipeline3-sync", "asyncinfer", 64)
+    if pa and ps:
+        ratio = pa["throughput_rps"] / max(ps["throughput_rps"], 1e-9)
+        add("balanced 3-stage pipeline, 64 in flight: async / sync", ratio, ">= 1.8", ratio >= 1.8)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; print the tables; return 0."""
+    args = _parse(argv)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; known: {sorted(WORKLOADS)}")
+    workloads = [WORKLOADS[n] for n in names]
+    skipped = [w.name for w in workloads if not _available(w)]
+    workloads = [w for w in workloads if w.name not in skipped]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    levels = [int(x) for x in args.in_flight.split(",")]
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    doc: dict[str, Any] = {
+        "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "machine": f"{platform.node()} {platform.machine()}", "device": args.device,
+                 "duration_s": args.duration_s, "concurrency": args.concurrency,
+                 "skipped": skipped},
+        "limits": {}, "direct_call_ms": {}, "runs": [], "targets": [],
+    }
+    steps = sum(len(levels) + len(rates) for w in workloads
+                for s in systems if s == "asyncinfer" or not w.name.startswith("pipeline3"))
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-bench-") as tmp, \
+            tqdm(total=steps + len(workloads), desc="bench", unit="run") as bar:
+        redis = None if args.broker_url else RedisServer(Path(tmp) / "redis", appendonly=False).start()
+        broker = args.broker_url or (redis.url if redis else "")
+        client = Client(broker_url=broker)
+        try:
+            for workload in workloads:
+                bar.set_postfix_str(f"{workload.name}: in-process limit")
+                if not workload.name.startswith("pipeline3"):
+                    rates_by_size, direct = _limit(workload, min(args.duration_s, 2.0))
+                    doc["limits"][workload.name] = {str(k): round(v, 1) for k, v in rates_by_size.items()}
+                    doc["direct_call_ms"][workload.name] = round(direct, 4)
+                bar.update(1)
+                for system in systems:
+                    if system == "celery" and workload.name.startswith("pipeline3"):
+                        continue
+                    bar.set_postfix_str(f"{workload.name}: {system}")
+                    worker = start_system(system, workload, broker, Path(tmp), args.concurrency,
+                                          args.device)
+                    try:
+                        worker.wait_ready(client.app)
+                        runs = _measure(system, workload, client, worker, levels, rates,
+                                        args.duration_s, bar)
+                        doc["runs"] += [r.summary() for r in runs]
+                    finally:
+                        worker.stop()
+                        time.sleep(0.5)
+        finally:
+            client.close()
+            if redis is not None:
+                redis.stop()
+    doc["targets"] = _targets(doc)
+    written = write_report(doc, Path(args.out))
+    print(markdown(doc))
+    print("\nwritten: " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,100 @@
+"""The systems under test, each a real worker process on the bench's Redis.
+
+``asyncinfer``: ``asyncinfer worker`` (fast consumer, dynamic batching). ``celery``: plain Celery,
+one task per request, the same model code, the same thread concurrency.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from asyncinfer.bench.baseline import QUEUE_PREFIX as PLAIN_PREFIX
+from asyncinfer.bench.baseline import TASK as PLAIN_TASK
+from asyncinfer.bench.workloads import Workload
+from asyncinfer.constants import TASK_NAME, queue_for
+
+__all__ = ["WorkerUnderTest", "start_system"]
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class WorkerUnderTest:
+    """A worker process: its task and queue, its CPU time, and how to stop it."""
+
+    def __init__(self, system: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 hostname: str, task: str, queue: str) -> None:
+        self.system = system
+        self.hostname = hostname
+        self.task = task
+        self.queue = queue
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, app: Celery, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.system} worker exited: {self.log_path.read_text()[-2000:]}")
+            if app.control.ping(destination=[self.hostname], timeout=0.5):
+                return
+        raise TimeoutError(f"{self.system} worker not ready in {timeout_s} s")
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the worker process so far."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path,
+                 concurrency: int, device: str = "cpu") -> WorkerUnderTest:
+    """Start the worker of ``system`` for ``workload``."""
+    host = socket.gethostname()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+    env.update(ASYNCINFER_BROKER_URL=broker_url, ASYNCINFER_LOG_LEVEL="warning",
+               ASYNCINFER_CONCURRENCY=str(concurrency))
+    if workload.factories:
+        env["ASYNCINFER_MODEL_FACTORIES"] = workload.factories
+    if workload.options:
+        import json
+
+        env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({workload.model: workload.options})
+    log_path = log_dir / f"{system}-{workload.name}.log"
+    if system == "asyncinfer":
+        hostname = f"bench-asyncinfer@{host}"
+        argv = [sys.executable, "-m", "asyncinfer", "worker", "--device", device,
+                "--models", workload.model, "--hostname", hostname]
+        return WorkerUnderTest(system, argv, env, log_path, hostname, TASK_NAME,
+                               queue_for(workload.model))
+    if system == "celery":
+        hostname = f"bench-celery@{host}"
+        queue = PLAIN_PREFIX + workload.model
+        argv = [sys.executable, "-m", "celery", "-A", "asyncinfer.bench.baseline", "worker",
+                "-P", "threads", "-c", str(concurrency), "-Q", queue, "-n", hostname, "-l", "WARNING"]
+        return WorkerUnderTest(system, argv, env, log_path, hostname, PLAIN_TASK, queue)
+    raise ValueError(f"unknown system {system!r}")
+
+
+def payload_kwargs(workload: Workload, i: int) -> dict[str, Any]:
+    """The task keyword arguments of request ``i``."""
+    return {"model": workload.model, **workload.payload(i)}

