@@ -367,3 +367,8 @@ def test_stages_run_in_order_and_overlap_when_pipelined(pipelined: bool) -> None
     # and the stages ran in three threads when pipelined, one otherwise
     used = set().union(*model.threads.values())
     assert len(used) == (3 if pipelined else 1)
+
+
+def test_a_model_without_pre_or_postprocess_runs_in_the_device_thread_alone() -> None:
+    runner = runner_for(Identity(), pipelined=True)
+    assert [t.name for t in runner._threads] == ["device-identity-0"]

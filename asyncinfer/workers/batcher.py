@@ -88,7 +88,8 @@ class Batcher:
             if self._closed:
                 raise RuntimeError("batcher is closed")
             self._pending.append(item)
-            self._cond.notify_all()
+            if self._arriving == 0:  # otherwise release() wakes the batch former, once
+                self._cond.notify_all()
 
     def close(self) -> list[WorkItem]:
         """Stop handing out batches; return the items that never ran."""

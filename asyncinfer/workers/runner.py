@@ -81,12 +81,21 @@ class ModelRunner:
         self._to_device: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
         self._to_complete: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
         name = model.name
+        # A stage gets its own thread only when it has work to overlap: a model's own
+        # preprocess, its own postprocess or an accelerator's event to wait on. Otherwise the
+        # device thread does it inline and saves two thread hand-offs per batch.
+        self._prep_thread = opts.pipelined and _overrides(model, "preprocess")
+        self._post_thread = opts.pipelined and (_overrides(model, "postprocess")
+                                                or device.is_accelerator)
         if opts.pipelined:
-            self._threads = [threading.Thread(target=self._prep_loop, name=f"prep-{name}", daemon=True)]
-            self._threads += [threading.Thread(target=self._device_loop, name=f"device-{name}-{i}",
-                                               daemon=True) for i in range(opts.instances)]
-            self._threads.append(threading.Thread(target=self._complete_loop, name=f"post-{name}",
-                                                  daemon=True))
+            self._threads = [threading.Thread(target=self._device_loop, name=f"device-{name}-{i}",
+                                              daemon=True) for i in range(opts.instances)]
+            if self._prep_thread:
+                self._threads.append(threading.Thread(target=self._prep_loop, name=f"prep-{name}",
+                                                      daemon=True))
+            if self._post_thread:
+                self._threads.append(threading.Thread(target=self._complete_loop,
+                                                      name=f"post-{name}", daemon=True))
         else:
             self._threads = [threading.Thread(target=self._serial_loop, name=f"serial-{name}-{i}",
                                               daemon=True) for i in range(opts.instances)]
@@ -166,21 +175,39 @@ class ModelRunner:
         for _ in range(self.options.instances):
             self._to_device.put(None)
 
+    def _next_prepared(self) -> _Job | None:
+        """The next batch for the device: from the prep thread, or formed and prepared here."""
+        if self._prep_thread:
+            return self._to_device.get()
+        while True:
+            self._slots.acquire()
+            job = self._next_job()
+            if job is None:
+                self._slots.release()
+                return None
+            if self._run_stage(job, self._prepare):
+                return job
+            self._slots.release()
+
     def _device_loop(self) -> None:
         self.device.bind_thread()
         stream = self.device.new_stream()
-        while (job := self._to_device.get()) is not None:
+        while (job := self._next_prepared()) is not None:
             if self._closing:  # prepared but never on the device
                 for item in job.items:
                     self._shut_out(item)
                 self._slots.release()
             elif not self._drop_revoked(job.items):  # revoked while it was being prepared
                 self._slots.release()
-            elif self._run_stage(job, lambda j: self._launch(j, stream)):
+            elif not self._run_stage(job, lambda j: self._launch(j, stream)):
+                self._slots.release()
+            elif self._post_thread:
                 self._to_complete.put(job)
             else:
+                self._run_stage(job, self._finish)
                 self._slots.release()
-        self._to_complete.put(None)
+        if self._post_thread:
+            self._to_complete.put(None)
 
     def _complete_loop(self) -> None:
         self.device.bind_thread()
@@ -319,3 +346,8 @@ def _output(name: str, value: Any, binary: bool) -> Tensor:
         value = torch.from_numpy(value)
     datatype = "BYTES" if isinstance(value, np.ndarray) else datatype_of(value)
     return Tensor(name=name, datatype=datatype, shape=tuple(value.shape), value=value, binary=binary)
+
+
+def _overrides(model: Model, method: str) -> bool:
+    """Whether ``model`` has its own ``method`` (not the base class's no-op)."""
+    return getattr(type(model), method) is not getattr(Model, method)
