@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
         env["ASYNCINFER_STATE_DIR"] = str(state)
         env.setdefault("ASYNCINFER_LOG_LEVEL", "warning")  # no per-request log lines in the table run
-        up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up"],
+        up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--models", "identity,mlp"],
                               env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         print(f"demo: started 'asyncinfer up' (pid {up.pid}), waiting for its workers …", flush=True)
         results: list[LoadResult] = []

