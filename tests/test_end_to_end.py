@@ -217,3 +217,38 @@ def test_result_timeout_raises(client) -> None:
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
     assert future.result(timeout=60)["output"].tolist() == [[1.0]]
+
+
+def test_results_go_to_a_separate_result_backend(redis_url, tmp_path) -> None:
+    # Given a worker and a client whose result backend is another Redis database than the broker
+    from asyncinfer.client import Client
+    from asyncinfer.config.settings import Settings
+    from tests.conftest import start_worker
+
+    backend_url = redis_url.rsplit("/", 1)[0] + "/3"
+    proc = start_worker(redis_url, tmp_path / "w.log", "--device", "cpu", "--models", "split",
+                        "--hostname", "split-backend@%h", ASYNCINFER_RESULT_BACKEND=backend_url,
+                        ASYNCINFER_MODEL_FACTORIES="split=asyncinfer.models.builtin:Identity",
+                        ASYNCINFER_CONSUMER="fast")
+    client = Client(settings=Settings.from_env(broker_url=redis_url, result_backend=backend_url))
+    try:
+        # When a request runs
+        future = client.submit("split", np.array([[5, 6]], np.int16),
+                               request_id="split-" + uuid.uuid4().hex)
+        assert future.result(timeout=60)["input"].tolist() == [[5, 6]]
+        # Then its result is stored in the backend's database, not the broker's, and it was acked
+        import redis
+
+        key = f"celery-task-meta-{future.id}"
+        broker, backend = redis.Redis.from_url(redis_url), redis.Redis.from_url(backend_url)
+        assert backend.exists(key) == 1 and broker.exists(key) == 0
+        def still_unacked() -> bool:
+            return any(future.id.encode() in v for v in broker.hvals("unacked"))
+
+        deadline = time.monotonic() + 10
+        while still_unacked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not still_unacked()
+    finally:
+        client.close()
+        proc.stop()

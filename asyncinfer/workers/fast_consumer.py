@@ -154,11 +154,13 @@ class FastConsumer:
         for d in deliveries:
             pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
             pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
-        starting = [d for d in deliveries if self._should_start(d)]
-        if self.track_started:
-            for d in starting:
-                self.writer.started(pipe, d, self.hostname)
+        starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
+        results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
+        for d in starting:
+            self.writer.started(results, d, self.hostname)
         pipe.execute()
+        if starting and not self.writer.shared:
+            results.execute()
         runners = [r.batcher for r in self.runtime.runners()]
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()

@@ -1,7 +1,8 @@
 """Writes finished requests back: results, acknowledgements and callbacks, one round trip per batch.
 
 Everything finished since the last write goes out in one Redis pipeline: per request the result
-(SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked bookkeeping removed).
+(SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked bookkeeping removed);
+two pipelines, results first, when the result backend is another Redis than the broker.
 A request is acknowledged only in the same pipeline that stores its result, so a worker that dies
 earlier leaves it unacknowledged, and kombu redelivers it after the visibility timeout.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -39,36 +39,53 @@ class Outcome:
 
 
 class ResultWriter:
-    """A thread that stores outcomes in batches and calls ``on_written(n)`` after each batch."""
+    """Stores outcomes in batches and calls ``on_written(n)`` after each batch.
+
+    No thread of its own: the thread that hands in an outcome while no write is under way writes
+    it, together with whatever others hand in meanwhile (a combining writer). At one request in
+    flight that saves a thread hand-off; under load, batches form by themselves.
+    """
 
     max_batch = 256
 
-    def __init__(self, app: Celery, client: redis.Redis, on_written: Callable[[int], None]) -> None:
+    def __init__(self, app: Celery, broker: redis.Redis, on_written: Callable[[int], None]) -> None:
         self.app = app
         self.backend = app.backend
-        self.client = client
+        self.broker = broker
+        # Results go to the result backend's Redis; acks to the broker's. One pipeline when they
+        # are the same server and database.
+        self.shared = str(app.conf.result_backend) == str(app.conf.broker_url)
+        self.results: redis.Redis = broker if self.shared else app.backend.client
         self.expires_s = int(app.conf.result_expires.total_seconds()
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.on_written = on_written
-        self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="asyncinfer-results", daemon=True)
-        self._thread.start()
+        self._pending: list[Outcome] = []
+        self._writing = False
+        self._cond = threading.Condition()
 
     def put(self, outcome: Outcome) -> None:
-        """Queue one outcome for the next write."""
-        self._queue.put(outcome)
+        """Hand in one outcome; written now by this thread unless a write is under way."""
+        with self._cond:
+            self._pending.append(outcome)
+            if self._writing:
+                return
+            self._writing = True
+        self._drain()
 
     def started(self, pipe: Any, delivery: Delivery, hostname: str) -> None:
-        """Add the STARTED state of ``delivery`` to ``pipe`` (Celery's ``task_track_started``)."""
+        """Add the STARTED state of ``delivery`` to ``pipe`` (Celery's ``task_track_started``);
+        ``pipe`` is a pipeline of :attr:`results`."""
         meta = result_meta(delivery.request_id, states.STARTED,
                            {"pid": os.getpid(), "hostname": hostname})
         self._store(pipe, delivery.request_id, meta)
 
-    def close(self) -> None:
-        """Write what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait until what was handed in is written."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (self._writing or self._pending) and time.monotonic() < deadline:
+                self._cond.wait(0.1)
 
     def _store(self, pipe: Any, request_id: str, meta: dict[str, Any]) -> None:
         key = self.backend.get_key_for_task(request_id)
@@ -79,32 +96,28 @@ class ResultWriter:
             pipe.set(key, value)
         pipe.publish(key, value)
 
-    def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            first = self._queue.get()
-            batch = [] if first is None else [first]
-            stopping = first is None
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                    break
-                batch.append(item)
-            if batch:
-                self._write(batch)
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._pending[:self.max_batch]
+                del self._pending[:self.max_batch]
+                if not batch:
+                    self._writing = False
+                    self._cond.notify_all()
+                    return
+            self._write(batch)
 
     def _write(self, batch: list[Outcome]) -> None:
         backoff_s = 0.1
         while True:
             try:
-                pipe = self.client.pipeline(transaction=False)
+                acks = self.broker.pipeline(transaction=False)
+                results = acks if self.shared else self.results.pipeline(transaction=False)
                 for outcome in batch:
-                    self._add(pipe, outcome)
-                pipe.execute()
+                    self._add(results, acks, outcome)
+                if not self.shared:
+                    results.execute()  # results first: an ack never precedes its result
+                acks.execute()
                 break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # The requests stay unacknowledged until this succeeds: nothing is lost.
@@ -117,7 +130,7 @@ class ResultWriter:
             if outcome.embed:
                 self._call_links(outcome)
 
-    def _add(self, pipe: Any, outcome: Outcome) -> None:
+    def _add(self, results: Any, acks: Any, outcome: Outcome) -> None:
         d = outcome.delivery
         if d.request_id:
             result = outcome.result
@@ -125,9 +138,9 @@ class ResultWriter:
                 result = self.backend.prepare_exception(result)
             meta = result_meta(d.request_id, outcome.state, result,
                                parent_id=d.headers.get("parent_id"))
-            self._store(pipe, d.request_id, meta)
-        pipe.zrem(UNACKED_INDEX_KEY, d.tag)
-        pipe.hdel(UNACKED_KEY, d.tag)
+            self._store(results, d.request_id, meta)
+        acks.zrem(UNACKED_INDEX_KEY, d.tag)
+        acks.hdel(UNACKED_KEY, d.tag)
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""
