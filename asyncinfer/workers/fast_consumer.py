@@ -121,11 +121,7 @@ class FastConsumer:
                     continue
                 key, first = reply
                 queue = key.decode() if isinstance(key, bytes) else str(key)
-                raws: list[Any] = [first]
-                if room > 1:
-                    more: Any = self.client.rpop(queue, room - 1)
-                    raws += more or []
-                self._take(queue, raws)
+                self._take(queue, first, room - 1)
                 backoff_s = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("consumer lost Redis (%s); retrying in %.1f s", exc, backoff_s)
@@ -134,33 +130,26 @@ class FastConsumer:
             except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
                 log.exception("consumer error; going on")
 
-    def _take(self, queue: str, raws: list[Any]) -> None:
+    def _take(self, queue: str, first: Any, more: int) -> None:
+        """Record ``first`` and up to ``more`` further waiting messages as taken, then start them.
+
+        The first message's bookkeeping rides in the same round trip as the RPOP of the others,
+        so a lone request costs one round trip here; the others' bookkeeping takes a second.
+        """
         received_at = time.perf_counter()
-        deliveries = []
-        for raw in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at)
-            try:
-                parse_envelope(d)
-            except (ValueError, TypeError, AttributeError) as exc:
-                log.error("dropped a malformed message on %s (%s): %.200r", queue, exc, raw)
-                continue
-            deliveries.append(d)
-        if not deliveries:
-            return
-        with self._cond:
-            self._in_flight += len(deliveries)
+        head = self._parse(queue, [first], received_at)
         pipe = self.client.pipeline(transaction=False)
-        now = time.time()
-        for d in deliveries:
-            pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
-            pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
-        starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
-        results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
-        for d in starting:
-            self.writer.started(results, d, self.hostname)
-        pipe.execute()
-        if starting and not self.writer.shared:
-            results.execute()
+        if more > 0:
+            pipe.rpop(queue, more)
+        results = self._record(pipe, head)
+        replies = self._execute(pipe, results, head)
+        extra: Any = replies[0] if more > 0 else None
+        rest = self._parse(queue, list(extra or []), received_at)
+        if rest:
+            pipe = self.client.pipeline(transaction=False)
+            results = self._record(pipe, rest)
+            self._execute(pipe, results, rest)
+        deliveries = head + rest
         runners = [r.batcher for r in self.runtime.runners()]
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()
@@ -170,6 +159,50 @@ class FastConsumer:
         finally:
             for batcher in runners:
                 batcher.release()
+
+    def _execute(self, pipe: Any, results: Any, deliveries: list[Delivery]) -> list[Any]:
+        try:
+            replies: list[Any] = pipe.execute()
+            if results is not None:
+                results.execute()
+            return replies
+        except Exception:
+            # Like kombu's own BRPOP-then-bookkeeping, a message popped just before Redis went
+            # away is not recorded; it is not counted as in flight either.
+            log.error("could not record %d taken messages as unacknowledged", len(deliveries))
+            with self._cond:
+                self._in_flight -= len(deliveries)
+                self._cond.notify_all()
+            raise
+
+    def _parse(self, queue: str, raws: list[Any], received_at: float) -> list[Delivery]:
+        deliveries = []
+        for raw in raws:
+            d = Delivery(raw=raw, queue=queue, received_at=received_at)
+            try:
+                parse_envelope(d)
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.error("dropped a malformed message on %s (%s): %.200r", queue, exc, raw)
+                continue
+            deliveries.append(d)
+        with self._cond:
+            self._in_flight += len(deliveries)
+        return deliveries
+
+    def _record(self, pipe: Any, deliveries: list[Delivery]) -> Any:
+        """Add kombu's unacked bookkeeping (and STARTED) of ``deliveries`` to ``pipe``; return a
+        separate results pipeline to execute after it when the result backend is elsewhere."""
+        now = time.time()
+        for d in deliveries:
+            pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
+            pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
+        starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
+        if not starting:
+            return None
+        results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
+        for d in starting:
+            self.writer.started(results, d, self.hostname)
+        return None if self.writer.shared else results
 
     def _should_start(self, d: Delivery) -> bool:
         return bool(d.request_id) and d.headers.get("task") == TASK_NAME
