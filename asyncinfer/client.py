@@ -22,7 +22,7 @@ from celery.result import AsyncResult
 from asyncinfer.celery_app import create_app
 from asyncinfer.celery_wire import task_message
 from asyncinfer.config.settings import Settings
-from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.constants import CPU_QUEUE, POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, queue_for
 from asyncinfer.errors import BrokerUnavailable
 from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
 from asyncinfer.result_watcher import ResultWatcher
@@ -162,6 +162,28 @@ class Client:
                    "parameters": dict(parameters or {})}
         return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id,
                          serializer=serializer, link=link, link_error=link_error, expires=expires)
+
+    def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
+                      parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
+                      cpu_queue: str = CPU_QUEUE) -> InferFuture:
+        """Send a request as three Celery tasks in a chain: ``asyncinfer.preprocess`` on
+        ``cpu_queue`` → ``asyncinfer.infer`` on ``infer.<model>`` (forward only, batched) →
+        ``asyncinfer.postprocess`` on ``cpu_queue``. The future resolves to the final response;
+        ``request_id`` is the ID of the last task.
+        """
+        serializer = serializer or self.settings.task_serializer
+        binary = serializer == "msgpack"
+        request_id = request_id or str(uuid.uuid4())
+        payload = {"model": model, "inputs": _payloads(inputs, binary),
+                   "parameters": dict(parameters or {})}
+        options = {"serializer": serializer}
+        flow = (self.app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
+                | self.app.signature(TASK_NAME, queue=queue_for(model), **options)
+                | self.app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
+        future = InferFuture(request_id, self)
+        self.watcher.watch(request_id, future._settle)
+        flow.apply_async()
+        return future
 
     def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,
              serializer: str | None = None, link: Any = None, link_error: Any = None,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 __all__ = [
     "TASK_NAME",
+    "PREPROCESS_TASK",
+    "POSTPROCESS_TASK",
+    "CPU_QUEUE",
     "QUEUE_PREFIX",
     "queue_for",
     "model_from_queue",
@@ -13,6 +16,11 @@ __all__ = [
 
 #: The one task every producer sends; its task ID is the request ID.
 TASK_NAME = "asyncinfer.infer"
+
+#: A model's CPU stages as tasks of their own (the cross-worker pipeline), and their queue.
+PREPROCESS_TASK = "asyncinfer.preprocess"
+POSTPROCESS_TASK = "asyncinfer.postprocess"
+CPU_QUEUE = "asyncinfer.cpu"
 
 #: Requests for model ``M`` go to the Celery queue ``infer.M``.
 QUEUE_PREFIX = "infer."

@@ -10,7 +10,7 @@ values (msgpack). BYTES data is a list of str/bytes elements, or one blob in the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -31,6 +31,8 @@ from asyncinfer.datatypes import (
 from asyncinfer.errors import InvalidRequest
 
 __all__ = [
+    "FORWARD_STAGE",
+    "request_kwargs",
     "DATATYPES",
     "Request",
     "Tensor",
@@ -306,3 +308,20 @@ def output_to_torch(output: Mapping[str, Any]) -> torch.Tensor:
             f"output '{output.get('name', '?')}': BYTES has no torch form; use output_to_numpy"
         )
     return value
+
+
+#: ``parameters["stage"]`` of a request that a ``asyncinfer.preprocess`` task already prepared:
+#: the device runs only the model's forward, and ``asyncinfer.postprocess`` finishes it.
+FORWARD_STAGE = "forward"
+
+
+def request_kwargs(request_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The v2 request of a task call: its keyword arguments, or — in a Celery chain, where the
+    previous task's result comes first — one positional v2 request and no keyword arguments."""
+    if not args:
+        return kwargs
+    if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+        return args[0]
+    raise _fail(f"request {request_id}",
+                "positional arguments are not accepted; send the v2 request (model, inputs, "
+                "parameters) as keyword arguments, or as the one argument a chain passes")

@@ -22,8 +22,8 @@ from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FACTORIES = ("sleep=tests.support_models:Sleep,poison=tests.support_models:Poison,"
-                  "affine=tests.support_models:make_affine")
-WORKER_MODELS = "identity,mlp,sleep,poison,affine"
+                  "affine=tests.support_models:make_affine,affine3=tests.support_models:Affine3")
+WORKER_MODELS = "identity,mlp,sleep,poison,affine,affine3"
 
 
 def worker_env(redis_url: str, **extra: str) -> dict[str, str]:

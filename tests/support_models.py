@@ -54,3 +54,21 @@ def tiny_linear_module() -> torch.nn.Module:
     """A fixed module the file-model tests save as TorchScript and torch.export programs."""
     torch.manual_seed(1)
     return torch.nn.Linear(4, 2).eval()
+
+
+class Affine3(Model):
+    """``input`` FP32 [n, 1] in three stages: preprocess +1, forward ×10, postprocess −1."""
+
+    name = "affine3"
+    inputs = {"input": InputSpec(("FP32",), (1,))}
+
+    def preprocess(self, batch: Batch) -> Batch:
+        return {"prepared": batch["input"] + 1}
+
+    def forward(self, batch: Batch) -> Batch:
+        if bool((batch["prepared"] > 1000).any()):
+            raise RuntimeError("affine3 refuses values over 999")
+        return {"scaled": batch["prepared"] * 10}
+
+    def postprocess(self, outputs: Batch) -> Batch:
+        return {"output": outputs["scaled"] - 1}

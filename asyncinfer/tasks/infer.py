@@ -9,7 +9,8 @@ from celery.exceptions import Ignore
 
 from asyncinfer.celery_app import app
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import InvalidRequest, RequestRevoked
+from asyncinfer.errors import RequestRevoked
+from asyncinfer.protocol import request_kwargs
 
 __all__ = ["infer"]
 
@@ -24,12 +25,9 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     from asyncinfer.workers.runtime import get_runtime
 
     request_id = str(self.request.id)
-    if args:
-        raise InvalidRequest(
-            f"request {request_id}: positional arguments are not accepted; send the v2 request "
-            f"(model, inputs, parameters) as keyword arguments")
+    request = request_kwargs(request_id, args, kwargs)
     try:
-        return get_runtime().infer(request_id, kwargs, worker=str(self.request.hostname))
+        return get_runtime().infer(request_id, request, worker=str(self.request.hostname))
     except RequestRevoked as exc:
         # Revoked while it waited in the batcher: record it as Celery would have, store nothing else.
         self.backend.mark_as_revoked(request_id, reason=str(exc), request=self.request)

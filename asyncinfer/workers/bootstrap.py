@@ -24,15 +24,14 @@ log = logging.getLogger(__name__)
 
 
 def hosted_models(app: Celery) -> list[str]:
-    """Models to load: the configured ones, else those of the consumed ``infer.*`` queues."""
+    """Models to load at start: the configured ones, else those of the consumed ``infer.*``
+    queues (none for a worker that consumes no ``infer.*`` queue)."""
     configured = getattr(app, "asyncinfer_settings", None)
     if configured is not None and configured.models:
         return list(configured.models)
     queues = app.amqp.queues.consume_from or {}
-    models = [m for q in queues if (m := model_from_queue(q)) is not None]
-    if models:
-        return models
-    return get_runtime().registry.names()
+    # A worker of other queues (the CPU stages, say) loads models lazily, when first asked.
+    return [m for q in queues if (m := model_from_queue(q)) is not None]
 
 
 def _is_prefork(pool_cls: Any) -> bool:

@@ -39,7 +39,7 @@ from asyncinfer.celery_wire import (
 )
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import AsyncInferError, InvalidRequest
-from asyncinfer.protocol import Request
+from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
 from asyncinfer.workers.runner import Completed
 from asyncinfer.workers.runtime import WorkerRuntime
@@ -226,11 +226,8 @@ class FastConsumer:
         embed: dict[str, Any] | None = None
         try:
             args, kwargs, embed = decode_body(d)
-            if args:
-                raise InvalidRequest(
-                    f"request {d.request_id}: positional arguments are not accepted; send the v2 "
-                    f"request (model, inputs, parameters) as keyword arguments")
-            request, future = self.runtime.submit(d.request_id, kwargs, received_at=d.received_at)
+            request, future = self.runtime.submit(
+                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at)
         except AsyncInferError as exc:
             self._fail(d, exc, embed)
             return

@@ -162,5 +162,11 @@ class ResultWriter:
                 for errback in embed.get("errbacks") or ():
                     self.app.signature(errback).apply_async(
                         (d.request_id,), parent_id=d.request_id, root_id=root_id)
+                # As Celery does: the tasks a chain would have run next fail with this error too,
+                # so whoever waits on the chain's last task hears of it.
+                for element in embed.get("chain") or ():
+                    task_id = (element.get("options") or {}).get("task_id")
+                    if task_id:
+                        self.backend.store_result(task_id, outcome.result, outcome.state)
         except Exception:  # noqa: BLE001 - a broken callback must not stop the writer
             log.exception("request %s: calling its callbacks failed", d.request_id)

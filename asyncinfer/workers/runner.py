@@ -27,7 +27,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
-from asyncinfer.protocol import Request, Tensor, datatype_of
+from asyncinfer.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
 from asyncinfer.workers.batcher import Batcher, WorkItem
 from asyncinfer.workers.device import Device
 
@@ -114,13 +114,16 @@ class ModelRunner:
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
         default now.
         """
-        self.model.validate(request)
+        forward_only = request.parameters.get("stage") == FORWARD_STAGE
+        if not forward_only:  # a prepared request carries the preprocess's tensors instead
+            self.model.validate(request)
         rows = _rows_of(request)
         if rows > self.max_batch_size:
             raise InvalidRequest(
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
                 f"of model '{self.model.name}'")
-        item = WorkItem(request=request, rows=rows, signature=self.model.signature(request))
+        item = WorkItem(request=request, rows=rows,
+                        signature=(forward_only, self.model.signature(request)))
         if received_at is not None:
             item.received_at = received_at
         self.batcher.put(item)
@@ -238,7 +241,8 @@ class ModelRunner:
     # -- the work of each stage ------------------------------------------------------------------
 
     def _prepare(self, job: _Job) -> None:
-        job.data = self.model.preprocess(self._concat(job.items))
+        batch = self._concat(job.items)
+        job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
     def _launch(self, job: _Job, stream: Any) -> None:
         with self.device.on_stream(stream), torch.inference_mode():
@@ -251,7 +255,7 @@ class ModelRunner:
         if job.event is not None:
             job.event.synchronize()
         with torch.inference_mode():
-            outputs = self.model.postprocess(job.data)
+            outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
         self._deliver(job.items, outputs, job.started)
 
     def _whole(self, job: _Job, stream: Any) -> None:
@@ -346,6 +350,11 @@ def _output(name: str, value: Any, binary: bool) -> Tensor:
         value = torch.from_numpy(value)
     datatype = "BYTES" if isinstance(value, np.ndarray) else datatype_of(value)
     return Tensor(name=name, datatype=datatype, shape=tuple(value.shape), value=value, binary=binary)
+
+
+def _forward_only(job: _Job) -> bool:
+    """Whether the batch holds prepared requests (the stages run as separate Celery tasks)."""
+    return job.items[0].request.parameters.get("stage") == FORWARD_STAGE
 
 
 def _overrides(model: Model, method: str) -> bool:

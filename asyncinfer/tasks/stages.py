@@ -1,0 +1,79 @@
+"""A model's CPU stages as Celery tasks of their own, for the cross-worker pipeline.
+
+``asyncinfer.preprocess`` (on a CPU queue) → ``asyncinfer.infer`` (on the model's device queue,
+forward only) → ``asyncinfer.postprocess`` (on a CPU queue), as one Celery chain:
+``Client.submit_staged()`` sends it. Each stage passes the next a v2 payload, so any worker — or
+any other Celery task in between — can take part. The device worker batches the prepared requests
+like any others; only its forward runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from celery import Task
+
+from asyncinfer.celery_app import app
+from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
+from asyncinfer.models.base import Model
+from asyncinfer.models.registry import Registry
+from asyncinfer.protocol import (
+    FORWARD_STAGE,
+    decode_request,
+    encode_tensor,
+    request_kwargs,
+    tensor_from_value,
+)
+
+__all__ = ["preprocess", "postprocess"]
+
+_models: dict[str, Model] = {}
+_lock = threading.Lock()
+
+
+def _cpu_model(name: str, request_id: str) -> Model:
+    """The model's instance for CPU stages in this process (loaded once, on the CPU)."""
+    with _lock:
+        model = _models.get(name)
+        if model is None:
+            settings = app.asyncinfer_settings  # type: ignore[attr-defined]
+            registry = Registry.from_config(settings.model_factories, settings.model_dir)
+            model = registry.create(name, request_id)
+            model.load(torch.device("cpu"))
+            _models[name] = model
+        return model
+
+
+def _encode(values: dict[str, Any], binary: bool) -> list[dict[str, Any]]:
+    return [encode_tensor(tensor_from_value(name, value), binary) for name, value in values.items()]
+
+
+@app.task(name=PREPROCESS_TASK, bind=True, typing=False)
+def preprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run the model's preprocess on one v2 request; return the prepared v2 request."""
+    request_id = str(self.request.id)
+    request = decode_request(request_id, request_kwargs(request_id, args, kwargs))
+    model = _cpu_model(request.model, request_id)
+    model.validate(request)
+    with torch.inference_mode():
+        prepared = model.preprocess({t.name: t.value for t in request.inputs})
+    return {"model": request.model, "inputs": _encode(prepared, request.binary_output),
+            "parameters": {**request.parameters, "stage": FORWARD_STAGE}}
+
+
+@app.task(name=POSTPROCESS_TASK, bind=True, typing=False)
+def postprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run the model's postprocess on the forward-only v2 response of ``asyncinfer.infer``."""
+    request_id = str(self.request.id)
+    response = request_kwargs(request_id, args, kwargs)
+    model_name = response.get("model_name")
+    forward = decode_request(request_id, {"model": model_name, "inputs": response.get("outputs")})
+    model = _cpu_model(forward.model, request_id)
+    with torch.inference_mode():
+        outputs = model.postprocess({t.name: t.value for t in forward.inputs})
+    parameters = dict(response.get("parameters") or {})
+    parameters["stages"] = [PREPROCESS_TASK, "asyncinfer.infer", POSTPROCESS_TASK]
+    return {"model_name": forward.model, "id": request_id,
+            "outputs": _encode(outputs, forward.binary_output), "parameters": parameters}
