@@ -22,16 +22,9 @@ import numpy as np
 from tqdm import tqdm
 
 from asyncinfer.loadgen import LoadResult, run_closed_loop
+from asyncinfer.redis_server import pid_alive
 
 __all__ = ["main"]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes],
@@ -118,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
-        left = [pid for pid in worker_pids if _pid_alive(pid)]
+        left = [pid for pid in worker_pids if pid_alive(pid)]
     print()
     print(_table(results))
     print()

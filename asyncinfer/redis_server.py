@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "redis_server_binary", "published_url", "free_port"]
+__all__ = ["RedisServer", "redis_server_binary", "published_url", "free_port", "pid_alive"]
 
 URL_FILE = "broker_url"
 PID_FILE = "redis.pid"
@@ -46,7 +46,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +64,7 @@ def published_url(state_dir: Path) -> str | None:
         pid = int((state_dir / PID_FILE).read_text().strip())
     except (OSError, ValueError):
         return None
-    return url if url and _pid_alive(pid) else None
+    return url if url and pid_alive(pid) else None
 
 
 class RedisServer:

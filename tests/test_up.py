@@ -14,19 +14,11 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.redis_server import PID_FILE, published_url
+from asyncinfer.redis_server import PID_FILE, pid_alive, published_url
 from asyncinfer.status import cluster_status
 from tests.conftest import ROOT, worker_env
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -72,7 +64,7 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         client = None
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-        assert not _alive(second[0].pid) and not _alive(redis_pid)
+        assert not pid_alive(second[0].pid) and not pid_alive(redis_pid)
         assert published_url(state) is None
         assert (state / "appendonly.aof").exists(), "the embedded Redis keeps an append-only file"
     finally:

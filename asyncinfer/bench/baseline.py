@@ -17,8 +17,7 @@ from asyncinfer.config.celery_config import celery_config
 from asyncinfer.config.settings import Settings
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import decode_request, encode_tensor
-from asyncinfer.workers.runner import _output
+from asyncinfer.protocol import decode_request, encode_tensor, tensor_from_value
 
 __all__ = ["app", "TASK", "QUEUE_PREFIX"]
 
@@ -54,6 +53,6 @@ def plain_infer(self: Any, **kwargs: Any) -> dict[str, Any]:
         outputs = model.postprocess(model.forward(batch))
     rows = request.inputs[0].shape[0]
     return {"model_name": request.model, "id": request.id,
-            "outputs": [encode_tensor(_output(n, v, request.binary_output), request.binary_output)
+            "outputs": [encode_tensor(tensor_from_value(n, v), request.binary_output)
                         for n, v in outputs.items()],
             "parameters": {"worker": self.request.hostname, "device": "cpu", "batch_size": rows}}
