@@ -38,7 +38,7 @@ from asyncinfer.celery_wire import (
     parse_envelope,
 )
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import AsyncInferError, InvalidRequest
+from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
 from asyncinfer.workers.runner import Completed
@@ -245,7 +245,7 @@ class FastConsumer:
                 embed: dict[str, Any] | None) -> None:
         exc = future.exception()
         if exc is not None:
-            if type(exc).__name__ == "RequestRevoked":
+            if isinstance(exc, RequestRevoked):
                 self.writer.put(Outcome(d, states.REVOKED, TaskRevokedError(str(exc)), embed))
             else:
                 self._fail(d, exc, embed)
