@@ -37,6 +37,7 @@ __all__ = [
     "decode_body",
     "result_meta",
     "expired",
+    "seconds_until",
     "task_message",
     "refused_content",
 ]
@@ -122,18 +123,23 @@ def refused_content(request_id: str, content_type: object) -> InvalidRequest:
                           f"only json and msgpack are accepted, never pickle")
 
 
-def expired(headers: dict[str, Any], now: datetime | None = None) -> bool:
-    """Whether the message's ``expires`` header (ISO 8601) has passed."""
-    value = headers.get("expires")
-    if not value:
-        return False
+def seconds_until(expires: Any, now: datetime | None = None) -> float | None:
+    """Seconds left until an ``expires`` value (ISO 8601 string or datetime); None if none."""
+    if not expires:
+        return None
     try:
-        when = datetime.fromisoformat(str(value))
+        when = expires if isinstance(expires, datetime) else datetime.fromisoformat(str(expires))
     except ValueError:
-        return False
+        return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return (now or datetime.now(timezone.utc)) >= when
+    return (when - (now or datetime.now(timezone.utc))).total_seconds()
+
+
+def expired(headers: dict[str, Any], now: datetime | None = None) -> bool:
+    """Whether the message's ``expires`` header (ISO 8601) has passed."""
+    left = seconds_until(headers.get("expires"), now)
+    return left is not None and left <= 0
 
 
 def result_meta(request_id: str, state: str, result: Any, *, traceback: str | None = None,

@@ -95,7 +95,9 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
             is_response = isinstance(result, dict) and "outputs" in result and "id" in result
             self.set_result(InferResponse(result) if is_response else result)
         elif status == states.REVOKED:
-            self.set_exception(TaskRevokedError(f"request {self.id} was revoked"))
+            stored = self._client.app.backend.exception_to_python(meta.get("result"))
+            self.set_exception(stored if isinstance(stored, TaskRevokedError)
+                               else TaskRevokedError(f"request {self.id} was revoked"))
         else:
             self.set_exception(self._client.app.backend.exception_to_python(meta.get("result")))
 

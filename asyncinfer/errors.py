@@ -13,6 +13,7 @@ __all__ = [
     "ModelError",
     "QueueFull",
     "RequestRevoked",
+    "RequestExpired",
     "BrokerUnavailable",
 ]
 
@@ -46,3 +47,7 @@ class BrokerUnavailable(AsyncInferError, ConnectionError):
 
 class RequestRevoked(AsyncInferError):
     """The request was revoked (``future.cancel()``) before it reached the device."""
+
+
+class RequestExpired(RequestRevoked):
+    """The request's ``expires`` passed before it reached the device; it never ran."""

@@ -252,3 +252,21 @@ def test_results_go_to_a_separate_result_backend(redis_url, tmp_path) -> None:
     finally:
         client.close()
         proc.stop()
+
+
+def test_a_request_past_its_expires_never_runs_and_says_it_expired(client) -> None:
+    from celery.exceptions import TaskRevokedError
+
+    # Given a request already expired when it reaches the worker
+    stale = client.submit("identity", np.array([[1]], np.int8), expires=-1.0)
+    with pytest.raises(TaskRevokedError, match="expired"):
+        stale.result(timeout=60)
+    assert stale.async_result.state == "REVOKED"
+    # And a request that expires while it waits behind a busy device
+    blocker = client.submit("sleep", np.array([[1.25]], np.float32))
+    _wait_started(blocker)
+    waiting = client.submit("sleep", np.array([[0.0]], np.float32), expires=0.4)
+    with pytest.raises(TaskRevokedError, match="expired before it reached the device"):
+        waiting.result(timeout=60)
+    assert blocker.result(timeout=60)["output"].tolist() == [[1.25]]
+    assert waiting.async_result.state == "REVOKED"

@@ -372,3 +372,16 @@ def test_stages_run_in_order_and_overlap_when_pipelined(pipelined: bool) -> None
 def test_a_model_without_pre_or_postprocess_runs_in_the_device_thread_alone() -> None:
     runner = runner_for(Identity(), pipelined=True)
     assert [t.name for t in runner._threads] == ["device-identity-0"]
+
+
+def test_a_request_past_its_deadline_never_reaches_the_device() -> None:
+    from asyncinfer.errors import RequestExpired
+
+    model = Recording()
+    with started(runner_for(model)) as runner:
+        stale = runner.submit(scalar_request("stale", 5.0), expires_in_s=0.0)
+        fresh = runner.submit(scalar_request("fresh", 1.0), expires_in_s=60.0)
+        with pytest.raises(RequestExpired, match="request stale: expired before it reached the device"):
+            stale.result(WAIT_S)
+        assert only_output(fresh.result(WAIT_S)).tolist() == [[2.0]]
+    assert model.calls == [[1.0]]

@@ -8,6 +8,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from asyncinfer.celery_app import app
+from asyncinfer.celery_wire import seconds_until
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import RequestRevoked
 from asyncinfer.protocol import request_kwargs
@@ -27,7 +28,8 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     request_id = str(self.request.id)
     request = request_kwargs(request_id, args, kwargs)
     try:
-        return get_runtime().infer(request_id, request, worker=str(self.request.hostname))
+        return get_runtime().infer(request_id, request, worker=str(self.request.hostname),
+                                   expires_in_s=seconds_until(self.request.expires))
     except RequestRevoked as exc:
         # Revoked while it waited in the batcher: record it as Celery would have, store nothing else.
         self.backend.mark_as_revoked(request_id, reason=str(exc), request=self.request)

@@ -32,6 +32,8 @@ class WorkItem:
     enqueued_at: float = field(default_factory=time.perf_counter)
     #: When the worker received the request (start of ``queue_ms``); default when queued.
     received_at: float = -1.0
+    #: ``time.perf_counter()`` reading after which the request must not run (its ``expires``).
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

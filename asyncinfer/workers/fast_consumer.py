@@ -36,6 +36,7 @@ from asyncinfer.celery_wire import (
     decode_body,
     expired,
     parse_envelope,
+    seconds_until,
 )
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked
@@ -227,7 +228,8 @@ class FastConsumer:
         try:
             args, kwargs, embed = decode_body(d)
             request, future = self.runtime.submit(
-                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at)
+                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
+                expires_in_s=seconds_until(headers.get("expires")))
         except AsyncInferError as exc:
             self._fail(d, exc, embed)
             return

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
+from asyncinfer.errors import InvalidRequest, ModelError, RequestExpired, RequestRevoked
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
 from asyncinfer.workers.batcher import Batcher, WorkItem
@@ -108,11 +108,13 @@ class ModelRunner:
             t.start()
         return self
 
-    def submit(self, request: Request, received_at: float | None = None) -> Future[Completed]:
+    def submit(self, request: Request, received_at: float | None = None,
+               expires_in_s: float | None = None) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
-        default now.
+        default now. A request still waiting ``expires_in_s`` after that never runs: its future
+        raises :class:`RequestExpired`.
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if not forward_only:  # a prepared request carries the preprocess's tensors instead
@@ -126,6 +128,8 @@ class ModelRunner:
                         signature=(forward_only, self.model.signature(request)))
         if received_at is not None:
             item.received_at = received_at
+        if expires_in_s is not None:
+            item.deadline = item.received_at + expires_in_s
         self.batcher.put(item)
         return item.future
 
@@ -277,13 +281,18 @@ class ModelRunner:
                 self._fail(item, item_exc)
 
     def _drop_revoked(self, items: list[WorkItem]) -> list[WorkItem]:
+        """The items still to run: not revoked, not past their ``expires``."""
         live = []
+        now = time.perf_counter()
         for item in items:
             if item.future.done():
                 continue
             if self.is_revoked(item.request.id):
                 item.future.set_exception(RequestRevoked(
                     f"request {item.request.id}: revoked before it reached the device"))
+            elif item.deadline is not None and now >= item.deadline:
+                item.future.set_exception(RequestExpired(
+                    f"request {item.request.id}: expired before it reached the device"))
             else:
                 live.append(item)
         return live

@@ -74,8 +74,8 @@ class WorkerRuntime:
         """Requests waiting for the device, per model."""
         return {name: len(runner.batcher) for name, runner in self._runners.items()}
 
-    def submit(self, request_id: str, kwargs: Any, *,
-               received_at: float | None = None) -> tuple[Request, Future[Completed]]:
+    def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
+               expires_in_s: float | None = None) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device; InvalidRequest if bad."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
@@ -84,11 +84,13 @@ class WorkerRuntime:
         runner = self.runner(model, request_id)
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
-            return request, runner.submit(request, received_at=received_at)
+            return request, runner.submit(request, received_at=received_at,
+                                          expires_in_s=expires_in_s)
 
-    def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str) -> dict[str, Any]:
+    def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
+              expires_in_s: float | None = None) -> dict[str, Any]:
         """Decode, validate and run one request (batched with others); return its v2 response."""
-        request, future = self.submit(request_id, kwargs)
+        request, future = self.submit(request_id, kwargs, expires_in_s=expires_in_s)
         return self.response(request, future.result(), worker)
 
     def response(self, request: Request, done: Completed, worker: str) -> dict[str, Any]:
