@@ -128,8 +128,8 @@ class Client:
         # publish), without Celery's per-send machinery; other brokers use send_task.
         broker_url = str(self.app.conf.broker_url)
         self._broker: redis.Redis | None = (
-            redis.Redis.from_url(broker_url) if broker_url.startswith(("redis://", "rediss://", "unix://"))
-            else None)
+            redis.Redis.from_url(broker_url, socket_connect_timeout=self.settings.connect_timeout_s)
+            if broker_url.startswith(("redis://", "rediss://", "unix://")) else None)
 
     @property
     def watcher(self) -> ResultWatcher:

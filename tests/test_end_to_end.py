@@ -270,3 +270,16 @@ def test_a_request_past_its_expires_never_runs_and_says_it_expired(client) -> No
         waiting.result(timeout=60)
     assert blocker.result(timeout=60)["output"].tolist() == [[1.25]]
     assert waiting.async_result.state == "REVOKED"
+
+
+def test_an_unreachable_broker_is_reported_at_once() -> None:
+    from asyncinfer.client import Client
+    from asyncinfer.errors import BrokerUnavailable
+    from asyncinfer.redis_server import free_port
+
+    # Given a broker URL where nothing listens
+    with Client(broker_url=f"redis://127.0.0.1:{free_port()}/0") as nowhere:
+        # When a request is submitted, Then submit itself fails (no future left hanging) with an
+        # error naming the request and the cause
+        with pytest.raises(BrokerUnavailable, match=r"request .*: broker unreachable: .*refused"):
+            nowhere.submit("identity", np.ones((1, 2), np.float32))

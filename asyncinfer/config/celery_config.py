@@ -21,6 +21,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": transport,
         "result_backend_transport_options": dict(transport),
         "broker_connection_retry_on_startup": True,
+        "broker_connection_timeout": settings.connect_timeout_s,
         "task_serializer": settings.task_serializer,
         "result_serializer": settings.result_serializer,
         "accept_content": list(ACCEPT_CONTENT),

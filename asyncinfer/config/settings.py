@@ -45,6 +45,9 @@ class Settings:
     visibility_timeout_s: float = _setting(
         3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
         "Seconds before an unacknowledged request is redelivered to another worker (Redis broker).")
+    connect_timeout_s: float = _setting(
+        5.0, "ASYNCINFER_CONNECT_TIMEOUT_S",
+        "Seconds a client or worker waits to connect to the broker before it says it is unreachable.")
     result_expires_s: float = _setting(
         86400.0, "ASYNCINFER_RESULT_EXPIRES_S", "Seconds a stored result lives in the backend.")
     task_serializer: str = _setting(
@@ -112,7 +115,7 @@ class Settings:
         for name in ("concurrency", "prefetch_multiplier"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("visibility_timeout_s", "result_expires_s"):
+        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s"):
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
