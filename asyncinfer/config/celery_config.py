@@ -14,7 +14,13 @@ ACCEPT_CONTENT = ["json", "msgpack"]
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Return the Celery settings for ``settings``: safe serializers, late acks, expiry."""
-    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    # kombu sweeps for unacknowledged messages older than the visibility timeout only every
+    # interval × throttle seconds (100 s by default): sweep at least every half timeout instead.
+    transport = {"visibility_timeout": settings.visibility_timeout_s,
+                 "unacked_restore_interval": max(1, min(10, int(settings.visibility_timeout_s / 2))),
+                 "unacked_restore_throttle": 1,
+                 # a sweeper killed mid-sweep must not block every other sweep for 5 minutes
+                 "unacked_mutex_expire": 30}
     return {
         "broker_url": settings.resolved_broker_url(),
         "result_backend": settings.resolved_result_backend(),
