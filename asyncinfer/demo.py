@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 up.kill()
                 up.wait()
         left = [pid for pid in worker_pids if pid_alive(pid)]
+        for pid in left:  # reported below, and not left running
+            os.kill(pid, signal.SIGKILL)
     print()
     print(_table(results))
     print()

@@ -41,13 +41,16 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
                           env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     state = tmp_path / "redis"
     client = None
+    started: list[int] = []  # every PID `up` started, stopped here by PID whatever happens
     try:
         # Then it starts its embedded Redis and publishes the URL; a client finds it unconfigured
         url = _wait(lambda: published_url(state), 60, "published broker URL")
         redis_pid = int((state / PID_FILE).read_text())
+        started.append(redis_pid)
         client = Client(settings=Settings.from_env(environ={"ASYNCINFER_STATE_DIR": str(tmp_path)}))
         assert client.app.conf.broker_url == url
         first = _wait(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        started += [w.pid for w in first]
         assert [w.device for w in first] == ["cpu"] and first[0].models == ["identity"]
         one = client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)
         assert one["input"].tolist() == [[1.0]]
@@ -56,6 +59,7 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         os.kill(first[0].pid, signal.SIGKILL)
         second = _wait(lambda: [w for w in cluster_status(client.app, 0.5).workers
                                 if w.pid != first[0].pid], 90, "a restarted worker")
+        started += [w.pid for w in second]
         two = client.infer("identity", np.array([[2.0]], np.float32), timeout_s=60)
         assert two["input"].tolist() == [[2.0]] and two.parameters["worker"] == second[0].name
 
@@ -71,6 +75,13 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         if client is not None:
             client.close()
         if up.poll() is None:
-            up.kill()
-            up.wait()
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        for pid in started:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
         log.close()
