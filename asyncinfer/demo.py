@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from asyncinfer.loadgen import LoadResult, run_closed_loop
-from asyncinfer.redis_server import pid_alive
+from asyncinfer.processes import pid_alive, stop_process
 
 __all__ = ["main"]
 
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(run_closed_loop(name, submit, args.requests, in_flight,
                                                        on_done=lambda: bar.update(1)))
         finally:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
+            stop_process(up, signal.SIGINT, 60)
         left = [pid for pid in worker_pids if pid_alive(pid)]
         for pid in left:  # reported below, and not left running
             os.kill(pid, signal.SIGKILL)

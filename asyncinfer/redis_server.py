@@ -7,7 +7,6 @@ folder so that the CLI and clients on the same host find the broker without conf
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -15,7 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "redis_server_binary", "published_url", "free_port", "pid_alive"]
+from asyncinfer.processes import pid_alive, stop_process
+
+__all__ = ["RedisServer", "redis_server_binary", "published_url", "free_port"]
 
 URL_FILE = "broker_url"
 PID_FILE = "redis.pid"
@@ -44,17 +45,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def published_url(state_dir: Path) -> str | None:
@@ -142,14 +132,8 @@ class RedisServer:
             for name in (URL_FILE, PID_FILE):
                 (self.data_dir / name).unlink(missing_ok=True)
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
+        if proc is not None:
+            stop_process(proc, signal.SIGTERM, timeout_s)
 
     def __enter__(self) -> RedisServer:
         return self.start() if self.process is None else self

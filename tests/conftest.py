@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from asyncinfer.processes import stop_process
 from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,13 +64,7 @@ class WorkerProcess:
         raise TimeoutError(f"worker not ready in {timeout_s} s:\n{self.log()[-3000:]}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, signal.SIGTERM, timeout_s)
         self._log.close()
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.redis_server import PID_FILE, pid_alive, published_url
+from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.redis_server import PID_FILE, published_url
 from asyncinfer.status import cluster_status
 from tests.conftest import ROOT, worker_env
 
@@ -74,13 +75,7 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
     finally:
         if client is not None:
             client.close()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
+        stop_process(up, signal.SIGTERM, 30)
         for pid in started:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ from asyncinfer.bench.baseline import QUEUE_PREFIX as PLAIN_PREFIX
 from asyncinfer.bench.baseline import TASK as PLAIN_TASK
 from asyncinfer.bench.workloads import Workload
 from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.processes import stop_process
 
 __all__ = ["WorkerUnderTest", "start_system"]
 
@@ -56,13 +57,7 @@ class WorkerUnderTest:
         return (int(fields[11]) + int(fields[12])) / _TICKS
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, signal.SIGTERM, 30)
         self._log.close()
 
 
