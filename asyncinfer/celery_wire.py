@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ __all__ = [
     "seconds_until",
     "task_message",
     "refused_content",
+    "payload_too_large",
+    "request_id_in",
+    "retry_message",
+    "restored_message",
 ]
 
 #: kombu's Redis transport bookkeeping of unacknowledged messages (its defaults).
@@ -86,12 +91,19 @@ def parse_envelope(delivery: Delivery) -> None:
     delivery.request_id = request_id if isinstance(request_id, str) else ""
 
 
-def decode_body(delivery: Delivery) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-    """``(args, kwargs, embed)`` of a protocol-2 task message; InvalidRequest when refused."""
+def decode_body(delivery: Delivery, max_body_bytes: int | None = None
+                ) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """``(args, kwargs, embed)`` of a protocol-2 task message; InvalidRequest when refused.
+
+    A body longer than ``max_body_bytes`` (as it lies in the envelope) is refused undecoded.
+    """
     env = delivery.envelope
     rid = delivery.request_id
     content_type = env.get("content-type")
     body: Any = env.get("body")
+    size = len(body) if isinstance(body, (str, bytes)) else 0
+    if max_body_bytes is not None and size > max_body_bytes:
+        raise payload_too_large(rid, size, max_body_bytes)
     if (env.get("properties") or {}).get("body_encoding") == "base64" and isinstance(body, str):
         body = base64.b64decode(body)
     try:
@@ -115,6 +127,23 @@ def decode_body(delivery: Delivery) -> tuple[list[Any], dict[str, Any], dict[str
         raise InvalidRequest(f"request {rid}: the message body must be [args, kwargs, embed] "
                              f"with a list and a mapping")
     return args, kwargs, embed if isinstance(embed, dict) else {}
+
+
+def payload_too_large(request_id: str, size_bytes: int, limit_bytes: int) -> InvalidRequest:
+    """The error a request larger than the configured limit gets (at submit or in the worker)."""
+    return InvalidRequest(f"request {request_id}: message body of {size_bytes} bytes is over the "
+                          f"limit of {limit_bytes} bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)")
+
+
+#: A request ID in the text of a message that is not valid JSON (a truncated envelope, say).
+_ID_IN_TEXT = re.compile(rb'"(?:id|correlation_id)"\s*:\s*"([A-Za-z0-9][A-Za-z0-9._:@-]{0,199})"')
+
+
+def request_id_in(raw: bytes | str) -> str:
+    """The request ID that the text of a malformed message names, or "" when none is found."""
+    text = raw.encode() if isinstance(raw, str) else bytes(raw)
+    match = _ID_IN_TEXT.search(text)
+    return match.group(1).decode() if match else ""
 
 
 def refused_content(request_id: str, content_type: object) -> InvalidRequest:
@@ -163,11 +192,15 @@ _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 
 def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str, *,
                  serializer: str = "json", embed: dict[str, Any] | None = None,
-                 expires_s: float | None = None, kwargsrepr: str = "") -> str:
+                 expires_s: float | None = None, kwargsrepr: str = "",
+                 max_body_bytes: int | None = None,
+                 time_limit_s: float | None = None, soft_time_limit_s: float | None = None) -> str:
     """The kombu envelope of a Celery protocol-2 task message, ready to LPUSH on ``queue``.
 
     The same message ``app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue)``
-    would publish, built without Celery's per-send machinery.
+    would publish, built without Celery's per-send machinery (``time_limit_s`` and
+    ``soft_time_limit_s`` are ``apply_async``'s ``time_limit`` and ``soft_time_limit``).
+    InvalidRequest when its body (as it lies in the envelope) is longer than ``max_body_bytes``.
     """
     body_parts = [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None,
                                **(embed or {})}]
@@ -179,17 +212,20 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
         content_type = _MSGPACK[0]
     else:
         raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
+    encoded_body = base64.b64encode(body).decode()
+    if max_body_bytes is not None and len(encoded_body) > max_body_bytes:
+        raise payload_too_large(request_id, len(encoded_body), max_body_bytes)
     expires = None
     if expires_s is not None:
         expires = (datetime.now(timezone.utc) + timedelta(seconds=expires_s)).isoformat()
     envelope: dict[str, Any] = {
-        "body": base64.b64encode(body).decode(),
+        "body": encoded_body,
         "content-encoding": "utf-8" if serializer == "json" else "binary",
         "content-type": content_type,
         "headers": {
             "lang": "py", "task": task, "id": request_id, "shadow": None, "eta": None,
             "expires": expires, "group": None, "group_index": None, "retries": 0,
-            "timelimit": [None, None], "root_id": request_id, "parent_id": None,
+            "timelimit": [time_limit_s, soft_time_limit_s], "root_id": request_id, "parent_id": None,
             "argsrepr": "()", "kwargsrepr": kwargsrepr, "origin": _ORIGIN, "ignore_result": False,
             "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
         },
@@ -199,4 +235,27 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
             "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
         },
     }
+    return json.dumps(envelope)
+
+
+def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None = None) -> str:
+    """The message that retries ``delivery`` in ``countdown_s`` seconds, as ``Task.retry`` sends
+    it: the same body, ``retries`` one more, an ``eta``, a new delivery tag."""
+    envelope = json.loads(json.dumps(delivery.envelope))  # a deep copy of plain JSON
+    headers = envelope.setdefault("headers", {})
+    headers["retries"] = int(headers.get("retries") or 0) + 1
+    headers["eta"] = ((now or datetime.now(timezone.utc)) + timedelta(seconds=countdown_s)).isoformat()
+    headers.pop("redelivered", None)
+    properties = envelope["properties"]
+    properties["delivery_tag"] = str(uuid.uuid4())
+    (properties.get("delivery_info") or {}).pop("redelivered", None)
+    return json.dumps(envelope)
+
+
+def restored_message(delivery: Delivery) -> str:
+    """``delivery`` as kombu puts an unacknowledged message back on its queue (``redelivered``)."""
+    envelope = json.loads(json.dumps(delivery.envelope))
+    envelope.setdefault("headers", {})["redelivered"] = True
+    info = envelope["properties"].setdefault("delivery_info", {})
+    info["redelivered"] = True
     return json.dumps(envelope)

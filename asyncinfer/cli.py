@@ -51,12 +51,14 @@ def _bytes_as_list(value: Any) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    import os
+
     from asyncinfer.workers.launch import run_worker
 
     if args.broker_url:
-        import os
-
         os.environ["ASYNCINFER_BROKER_URL"] = args.broker_url
+    if args.metrics_port is not None:
+        os.environ["ASYNCINFER_METRICS_PORT"] = str(args.metrics_port)
     run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,
                loglevel=args.loglevel, hostname=args.hostname)
     return 0
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, help="task threads (requests in flight)")
     p.add_argument("--hostname", help="Celery node name (default DEVICE@host)")
     p.add_argument("--loglevel", help="log level (default ASYNCINFER_LOG_LEVEL or info)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port (default ASYNCINFER_METRICS_PORT; 0: off)")
     p.set_defaults(func=cmd_worker)
 
     for name, func, text in (("infer", cmd_infer, "send one request and print the response"),

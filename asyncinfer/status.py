@@ -1,4 +1,5 @@
-"""What ``asyncinfer status`` shows: workers (device, models) and the depth of every model queue."""
+"""What ``asyncinfer status`` shows: workers (device, models, requests in flight and pending,
+recent requests per second) and the depth of every model queue."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class WorkerInfo:
     models: list[str]
     pid: int = 0
     pending: dict[str, int] = field(default_factory=dict)
+    #: Requests taken from the queues and not yet answered.
+    in_flight: int = 0
+    #: Requests the worker finished per second over the last ~10 s.
+    throughput_per_s: float = 0.0
 
 
 @dataclass
@@ -36,9 +41,11 @@ class ClusterStatus:
 
 
 def queue_depths(app: Celery, models: set[str]) -> dict[str, int]:
-    """Messages waiting in each ``infer.<model>`` queue (Redis broker)."""
+    """Messages waiting in each ``infer.<model>`` queue (Redis; on AMQP the hosted models')."""
     depths: dict[str, int] = {}
     with app.connection_for_read() as conn:
+        if conn.transport.driver_type != "redis":
+            return {m: _declared_depth(conn, QUEUE_PREFIX + m) for m in sorted(models)}
         client = conn.default_channel.client
         names = {m for k in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000)
                  if (m := model_from_queue(k.decode() if isinstance(k, bytes) else k))
@@ -48,6 +55,20 @@ def queue_depths(app: Celery, models: set[str]) -> dict[str, int]:
             depths[model] = sum(int(client.llen(queue if p == 0 else f"{queue}{_PRIORITY_SEP}{p}"))
                                 for p in _PRIORITIES)
     return depths
+
+
+def _declared_depth(conn: Any, queue: str) -> int:
+    """Ready messages of ``queue`` on an AMQP broker (a passive declare; 0 if it does not exist)."""
+    channel = conn.channel()
+    try:
+        return int(channel.queue_declare(queue, passive=True).message_count)
+    except conn.channel_errors:  # NOT_FOUND: no one declared it yet; the server closed the channel
+        return 0
+    finally:
+        try:
+            channel.close()
+        except Exception:  # noqa: BLE001 - already closed by the server
+            pass
 
 
 def cluster_status(app: Celery, timeout_s: float = 1.0) -> ClusterStatus:
@@ -60,7 +81,9 @@ def cluster_status(app: Celery, timeout_s: float = 1.0) -> ClusterStatus:
             workers.append(WorkerInfo(name=name, device=info.get("device", "?"),
                                       models=list(info.get("models", [])),
                                       pid=int(info.get("pid", 0)),
-                                      pending=dict(info.get("pending", {}))))
+                                      pending=dict(info.get("pending", {})),
+                                      in_flight=int(info.get("in_flight", 0)),
+                                      throughput_per_s=float(info.get("throughput_per_s", 0.0))))
     workers.sort(key=lambda w: w.name)
     hosted = {m for w in workers for m in w.models}
     return ClusterStatus(workers=workers, queue_depths=queue_depths(app, hosted))
@@ -68,10 +91,13 @@ def cluster_status(app: Celery, timeout_s: float = 1.0) -> ClusterStatus:
 
 def format_status(status: ClusterStatus) -> str:
     """A plain-text table of the status."""
-    lines = [f"{'WORKER':32} {'DEVICE':10} {'MODELS':30} PENDING"]
+    wide = max([30] + [len(",".join(w.models)) for w in status.workers])  # models column
+    lines = [f"{'WORKER':32} {'DEVICE':10} {'MODELS':{wide}} {'IN-FLIGHT':>9} {'PENDING':>7} "
+             f"{'REQ/S':>8}"]
     for w in status.workers:
         pending = sum(w.pending.values())
-        lines.append(f"{w.name:32} {w.device:10} {','.join(w.models):30} {pending}")
+        lines.append(f"{w.name:32} {w.device:10} {','.join(w.models):{wide}} {w.in_flight:>9} "
+                     f"{pending:>7} {w.throughput_per_s:>8.1f}")
     if not status.workers:
         lines.append("(no worker answered)")
     lines += ["", f"{'QUEUE':32} DEPTH"]

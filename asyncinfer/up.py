@@ -54,12 +54,14 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
         print(f"asyncinfer up: embedded Redis at {url} (data in {state})", flush=True)
     env = dict(os.environ, ASYNCINFER_BROKER_URL=url)
     children = []
-    for device in devices or detect_devices():
+    for i, device in enumerate(devices or detect_devices()):
         argv = [sys.executable, "-m", "asyncinfer", "worker", "--device", device]
         if models:
             argv += ["--models", ",".join(models)]
         if concurrency:
             argv += ["--concurrency", str(concurrency)]
+        if settings.metrics_port:  # one port per worker: ASYNCINFER_METRICS_PORT, the next, …
+            argv += ["--metrics-port", str(settings.metrics_port + i)]
         children.append(Child(name=f"worker {device}", argv=argv, env=env))
     supervisor = Supervisor(children)
 

@@ -23,8 +23,11 @@ from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FACTORIES = ("sleep=tests.support_models:Sleep,poison=tests.support_models:Poison,"
-                  "affine=tests.support_models:make_affine,affine3=tests.support_models:Affine3")
+                  "affine=tests.support_models:make_affine,affine3=tests.support_models:Affine3,"
+                  "gated=tests.support_models:Gated,flaky=tests.support_models:Flaky")
 WORKER_MODELS = "identity,mlp,sleep,poison,affine,affine3"
+#: ASYNCINFER_MAX_PAYLOAD_BYTES of the session worker: small, so tests can go over it cheaply.
+SESSION_MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 
 
 def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
@@ -100,7 +103,8 @@ def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """One CPU worker hosting the built-ins and the test models, for the whole session."""
     proc = start_worker(redis_url, tmp_path_factory.mktemp("worker") / "worker.log",
                         "--device", "cpu", "--models", WORKER_MODELS, "--concurrency", "16",
-                        "--hostname", "test-cpu@%h")
+                        "--hostname", "test-cpu@%h",
+                        ASYNCINFER_MAX_PAYLOAD_BYTES=str(SESSION_MAX_PAYLOAD_BYTES))
     try:
         yield proc
     finally:

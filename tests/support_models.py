@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 
+import redis
 import torch
 
 from asyncinfer.models.base import Batch, InputSpec, Model
@@ -72,3 +74,64 @@ class Affine3(Model):
 
     def postprocess(self, outputs: Batch) -> Batch:
         return {"output": outputs["scaled"] - 1}
+
+
+class Gated(Model):
+    """``index`` FP64 [n, 1] → ``output`` = index; counts each row's execution in Redis.
+
+    With ``GATED_REDIS_URL`` set, a batch first waits while ``<GATED_PREFIX>:gate`` is ``closed``
+    (setting ``<prefix>:blocked`` while it waits), then adds 1 per row to the hash
+    ``<prefix>:executions`` under the row's index: how a test sees which requests ran, how often.
+    """
+
+    name = "gated"
+    inputs = {"index": InputSpec(("FP64",), (1,))}
+
+    def __init__(self) -> None:
+        url = os.environ.get("GATED_REDIS_URL")
+        self.prefix = os.environ.get("GATED_PREFIX", "gated")
+        self.redis = redis.Redis.from_url(url) if url else None
+
+    def forward(self, batch: Batch) -> Batch:
+        index = batch["index"]
+        if self.redis is not None:
+            while self.redis.get(f"{self.prefix}:gate") == b"closed":
+                self.redis.set(f"{self.prefix}:blocked", 1)
+                time.sleep(0.02)
+            pipe = self.redis.pipeline(transaction=False)
+            for i in index.reshape(-1).tolist():
+                pipe.hincrby(f"{self.prefix}:executions", str(int(i)), 1)
+            pipe.execute()
+        return {"output": index}
+
+
+class Flaky(Model):
+    """``input`` FP64 [1, 2] = (index, failures) → ``output`` = input; fails ``failures`` times.
+
+    Every execution appends its time to the Redis list ``<FLAKY_PREFIX>:runs:<index>`` (at
+    ``FLAKY_REDIS_URL``), then raises TransientError while the request has run at most
+    ``failures`` times; ``failures`` < 0 raises a (non-transient) RuntimeError every time.
+    Not batchable: each request is one execution.
+    """
+
+    name = "flaky"
+    batchable = False
+    inputs = {"input": InputSpec(("FP64",), (2,))}
+
+    def __init__(self) -> None:
+        url = os.environ.get("FLAKY_REDIS_URL")
+        self.redis = redis.Redis.from_url(url) if url else None
+        self.prefix = os.environ.get("FLAKY_PREFIX", "flaky")
+
+    def forward(self, batch: Batch) -> Batch:
+        from asyncinfer.errors import TransientError
+
+        if self.redis is None:
+            raise RuntimeError("flaky needs FLAKY_REDIS_URL")
+        index, failures = (int(v) for v in batch["input"][0].tolist())
+        runs = int(self.redis.rpush(f"{self.prefix}:runs:{index}", repr(time.time())))
+        if failures < 0:
+            raise RuntimeError(f"flaky row {index} always fails")
+        if runs <= failures:
+            raise TransientError(f"flaky row {index}: failure {runs} of {failures}")
+        return {"output": batch["input"]}

@@ -234,6 +234,7 @@ def test_settings_table_has_one_row_per_field_with_every_variable() -> None:
         assert f.metadata["doc"] in row
         if f.default not in ("", ()):
             shown = ",".join(f.default) if isinstance(f.default, tuple) else f.default
+            shown = str(shown).lower() if isinstance(shown, bool) else shown
             assert f"`{shown}`" in row, row
     assert f"| `ASYNCINFER_CONCURRENCY` | `{default('concurrency')}` |" in table
 

@@ -28,6 +28,7 @@ _settings = Settings.from_env()
 app = Celery("plain", set_as_current=False)
 app.config_from_object(celery_config(_settings))
 app.conf.worker_consumer = "celery.worker.consumer:Consumer"
+app.conf.worker_send_task_events = False  # plain Celery's default (asyncinfer's workers send them)
 
 _models: dict[str, Model] = {}
 _lock = threading.Lock()

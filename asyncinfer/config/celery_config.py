@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from asyncinfer.config.settings import Settings
 
-__all__ = ["celery_config", "ACCEPT_CONTENT"]
+__all__ = ["celery_config", "ACCEPT_CONTENT", "redis_ssl_options"]
 
 #: What workers and clients deserialize. Never pickle.
 ACCEPT_CONTENT = ["json", "msgpack"]
+
+
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+_SSL_KEYS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def redis_ssl_options(url: str) -> dict[str, Any] | None:
+    """kombu's ``broker_use_ssl`` for a ``rediss://`` URL, from its query (``ssl_cert_reqs=required
+    &ssl_ca_certs=/ca.pem``, as redis-py and Celery's backend read it); None for other URLs.
+
+    kombu ignores the query of a ``rediss://`` broker URL and would connect without verifying
+    the server; without ``ssl_cert_reqs`` the certificate is required.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "rediss":
+        return None
+    query = dict(parse_qsl(parts.query))
+    reqs = query.get("ssl_cert_reqs", "required")
+    cert_reqs = _CERT_REQS.get(reqs.lower().removeprefix("cert_"))
+    if cert_reqs is None:
+        raise ValueError(f"ssl_cert_reqs must be required, optional or none, got {reqs!r} in {url}")
+    options: dict[str, Any] = {"ssl_cert_reqs": cert_reqs}
+    options.update({key: query[key] for key in _SSL_KEYS if query.get(key)})
+    return options
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -21,9 +47,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                  "unacked_restore_throttle": 1,
                  # a sweeper killed mid-sweep must not block every other sweep for 5 minutes
                  "unacked_mutex_expire": 30}
+    broker_url, backend_url = settings.resolved_broker_url(), settings.resolved_result_backend()
+    broker_tls, backend_tls = redis_ssl_options(broker_url), redis_ssl_options(backend_url)
     return {
-        "broker_url": settings.resolved_broker_url(),
-        "result_backend": settings.resolved_result_backend(),
+        **({"broker_use_ssl": broker_tls} if broker_tls else {}),
+        **({"redis_backend_use_ssl": backend_tls} if backend_tls else {}),
+        "broker_url": broker_url,
+        "result_backend": backend_url,
         "broker_transport_options": transport,
         "result_backend_transport_options": dict(transport),
         "broker_connection_retry_on_startup": True,
@@ -38,7 +68,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_track_started": True,
         "task_create_missing_queues": True,
         "result_expires": settings.result_expires_s,
+        # Celery's own names; its prefork pool enforces them, our device workers honour them.
+        "task_time_limit": settings.time_limit_s or None,
+        "task_soft_time_limit": settings.soft_time_limit_s or None,
         "worker_pool": "threads",
+        "worker_send_task_events": settings.send_events,
         "worker_concurrency": settings.concurrency,
         "worker_prefetch_multiplier": settings.prefetch_multiplier,
         "worker_consumer": "asyncinfer.workers.consumer:Consumer",

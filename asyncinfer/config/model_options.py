@@ -4,7 +4,8 @@
 ``{"minilm": {"max_batch_size": 64, "max_delay_ms": 5, "preferred_batch_sizes": [16, 32],
 "instances": 2}}``; the key ``"*"`` applies to every model. The knobs are Triton's:
 ``max_batch_size``, ``max_delay_ms`` (its ``max_queue_delay``), ``preferred_batch_sizes`` and
-``instances`` (its ``instance_group.count``); ``pipelined`` runs preprocess, device and postprocess
+``instances`` (its ``instance_group.count``), ``max_queue_size`` (its queue policy's bound,
+checked when a client submits); ``pipelined`` runs preprocess, device and postprocess
 of successive batches in parallel (False: one after another in one thread).
 """
 
@@ -28,6 +29,9 @@ class ModelOptions:
     preferred_batch_sizes: tuple[int, ...] = ()
     instances: int = 1
     pipelined: bool = True
+    #: Requests waiting in ``infer.<model>`` at most (Triton's ``max_queue_size``): a client's
+    #: ``submit`` waits up to its ``timeout_s`` for room, then raises QueueFull. 0: no bound.
+    max_queue_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -35,6 +39,8 @@ class ModelOptions:
         if not (isinstance(self.max_delay_ms, (int, float)) and math.isfinite(self.max_delay_ms)
                 and self.max_delay_ms >= 0):
             raise ValueError(f"max_delay_ms must be a finite number >= 0, got {self.max_delay_ms!r}")
+        if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"instances must be an integer >= 1, got {self.instances!r}")
         for size in self.preferred_batch_sizes:

@@ -50,12 +50,54 @@ class Settings:
         "Seconds a client or worker waits to connect to the broker before it says it is unreachable.")
     result_expires_s: float = _setting(
         86400.0, "ASYNCINFER_RESULT_EXPIRES_S", "Seconds a stored result lives in the backend.")
+    soft_time_limit_s: float = _setting(
+        0.0, "ASYNCINFER_SOFT_TIME_LIMIT_S",
+        "Celery's `task_soft_time_limit`: a request not finished this many seconds after a worker "
+        "took it fails with `SoftTimeLimitExceeded` (and is retried like any transient failure). "
+        "0: none. Per request: `soft_time_limit` of `apply_async`, `soft_time_limit_s` of `submit`.")
+    time_limit_s: float = _setting(
+        0.0, "ASYNCINFER_TIME_LIMIT_S",
+        "Celery's `task_time_limit`: a request still on the device this many seconds after a worker "
+        "took it fails with `TimeLimitExceeded`, and the worker process exits to be replaced (the "
+        "device is wedged); its other requests go back to their queues. Keep it below the "
+        "visibility timeout. 0: none.")
+    max_retries: int = _setting(
+        3, "ASYNCINFER_MAX_RETRIES",
+        "Celery's `max_retries` of `asyncinfer.infer`: retries of a request after a transient "
+        "failure (device out of memory, device runtime error, soft time limit). Bad input is never "
+        "retried.")
+    retry_backoff_s: float = _setting(
+        1.0, "ASYNCINFER_RETRY_BACKOFF_S",
+        "Celery's `retry_backoff`: retry n waits up to this × 2ⁿ seconds.")
+    retry_backoff_max_s: float = _setting(
+        60.0, "ASYNCINFER_RETRY_BACKOFF_MAX_S", "Celery's `retry_backoff_max`: the longest wait.")
+    retry_jitter: bool = _setting(
+        True, "ASYNCINFER_RETRY_JITTER",
+        "Celery's `retry_jitter`: each wait is drawn uniformly from 0 to its backoff.")
+    retry_budget_ratio: float = _setting(
+        0.1, "ASYNCINFER_RETRY_BUDGET_RATIO",
+        "Fleet-wide retry budget, kept in Redis: retries may be at most this fraction of the "
+        "requests of the last one to two budget windows …")
+    retry_budget_min: int = _setting(
+        10, "ASYNCINFER_RETRY_BUDGET_MIN",
+        "… plus this many. Past the budget a transient failure fails at once with "
+        "`RetryBudgetExhausted`.")
+    retry_budget_window_s: float = _setting(
+        10.0, "ASYNCINFER_RETRY_BUDGET_WINDOW_S", "Length of one retry budget window.")
+    submit_timeout_s: float = _setting(
+        0.0, "ASYNCINFER_SUBMIT_TIMEOUT_S",
+        "How long `submit()` waits for room in a full queue (`max_queue_size`) before it raises "
+        "`QueueFull`; 0: raise at once.")
     task_serializer: str = _setting(
         "json", "ASYNCINFER_TASK_SERIALIZER",
         "Serializer clients send requests with: `json` or `msgpack` (pickle is never accepted).")
     result_serializer: str = _setting(
         "json", "ASYNCINFER_RESULT_SERIALIZER",
         "Serializer results are stored with: `json` (readable from any language) or `msgpack`.")
+    max_payload_bytes: int = _setting(
+        64 * 1024 * 1024, "ASYNCINFER_MAX_PAYLOAD_BYTES",
+        "Largest request message body in bytes: a client refuses a larger request at submit, a "
+        "worker fails it (naming the request and the limit) before decoding it.")
     device: str = _setting(
         "auto", "ASYNCINFER_DEVICE",
         "Device a worker binds: `auto`, `cpu`, `cuda:N`, `npu:N`.")
@@ -82,7 +124,9 @@ class Settings:
     model_options: str = _setting(
         "", "ASYNCINFER_MODEL_OPTIONS",
         "JSON object of model → batching options overriding the model's defaults: "
-        "`max_batch_size`, `max_delay_ms`, `preferred_batch_sizes`, `instances`, `pipelined`; "
+        "`max_batch_size`, `max_delay_ms`, `preferred_batch_sizes`, `instances`, `pipelined`, "
+        "`max_queue_size` (requests waiting in the model's queue at most, checked at submit; 0: no "
+        "bound); "
         "key `\"*\"` applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(
@@ -92,6 +136,14 @@ class Settings:
     redis_port: int = _setting(
         0, "ASYNCINFER_REDIS_PORT", "Port of the embedded Redis that `asyncinfer up` starts (0: a free one).")
     log_level: str = _setting("info", "ASYNCINFER_LOG_LEVEL", "Worker log level.")
+    metrics_port: int = _setting(
+        0, "ASYNCINFER_METRICS_PORT",
+        "Port on which each worker serves Prometheus metrics at `/metrics` (`asyncinfer worker "
+        "--metrics-port`); 0: not served.")
+    send_events: bool = _setting(
+        True, "ASYNCINFER_SEND_EVENTS",
+        "Workers send Celery task events (Celery's `worker_send_task_events`, `-E`), so Flower and "
+        "`celery events` see every request.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -112,10 +164,21 @@ class Settings:
         if self.consumer not in ("fast", "celery"):
             raise ValueError(f"consumer must be 'fast' or 'celery', got {self.consumer!r}")
         parse_model_options(self.model_options)  # raises ValueError when malformed
-        for name in ("concurrency", "prefetch_multiplier"):
+        for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s"):
+        for name in ("max_retries", "retry_budget_min"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.retry_budget_window_s <= 0:
+            raise ValueError(f"retry_budget_window_s must be > 0, got {self.retry_budget_window_s!r}")
+        if 0 < self.visibility_timeout_s <= self.time_limit_s:
+            raise ValueError(
+                f"time_limit_s ({self.time_limit_s}) must be below visibility_timeout_s "
+                f"({self.visibility_timeout_s}): a request still running would be redelivered")
+        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s",
+                     "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
+                     "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s"):
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
@@ -156,6 +219,12 @@ class Settings:
 
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = type(f.default)
+    if kind is bool:
+        if raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{f.metadata['env']} must be true or false, got {raw!r}")
     try:
         if kind is tuple:
             return tuple(part.strip() for part in raw.split(",") if part.strip())
@@ -174,6 +243,7 @@ def settings_table() -> str:
     for f in dataclasses.fields(Settings):
         default = f.default
         shown = ",".join(default) if isinstance(default, tuple) else str(default)
+        shown = shown.lower() if isinstance(default, bool) else shown
         shown = f"`{shown}`" if shown else "(unset)"
         lines.append(f"| `{f.metadata['env']}` | {shown} | {f.metadata['doc']} |")
     return "\n".join(lines)

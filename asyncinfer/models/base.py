@@ -21,10 +21,12 @@ Batch = dict[str, Any]
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One declared input: its accepted datatypes and the shape of one row (-1: any size)."""
+    """One declared input: its accepted datatypes, the shape of one row (-1: any size), and
+    whether NaN and infinite values are accepted (``allow_nonfinite=False`` refuses them)."""
 
     datatypes: tuple[str, ...]
     row_shape: tuple[int, ...]
+    allow_nonfinite: bool = True
 
     def check(self, request_id: str, name: str, datatype: str, shape: tuple[int, ...]) -> None:
         """Raise InvalidRequest when an input of this datatype and shape does not fit."""
@@ -40,6 +42,21 @@ class InputSpec:
             raise InvalidRequest(
                 f"request {request_id}: input '{name}': shape {list(shape)} does not match "
                 f"[{', '.join(wanted)}]")
+
+    def check_values(self, request_id: str, name: str, value: Any) -> None:
+        """Raise InvalidRequest when ``value`` holds NaN or infinity and this input refuses them."""
+        if self.allow_nonfinite or not isinstance(value, torch.Tensor):
+            return
+        if not (value.is_floating_point() or value.is_complex()):
+            return
+        finite = torch.isfinite(value)
+        if bool(finite.all()):
+            return
+        first = int((~finite).reshape(-1).nonzero()[0, 0])
+        bad = value.reshape(-1)[first].item()
+        raise InvalidRequest(
+            f"request {request_id}: input '{name}': NaN and infinite values are not accepted "
+            f"(element {first} is {bad})")
 
 
 class Model:
@@ -80,6 +97,7 @@ class Model:
                     f"request {request.id}: input '{t.name}' is not an input of model "
                     f"'{self.name}' (inputs: {', '.join(repr(n) for n in self.inputs)})")
             spec.check(request.id, t.name, t.datatype, t.shape)
+            spec.check_values(request.id, t.name, t.value)
 
     def signature(self, request: Request) -> Hashable:
         """Requests with equal signatures may share a batch (default: same names, datatypes and

@@ -20,7 +20,8 @@ class Identity(Model):
 
 
 class MLP(Model):
-    """A small fixed-seed MLP: ``input`` FP32 [n, 16] → ``output`` FP32 [n, 4].
+    """A small fixed-seed MLP: ``input`` FP32 [n, 16] → ``output`` FP32 [n, 4]; NaN and
+    infinite inputs are refused.
 
     Same weights in every process (seed 0), so results can be checked against a direct call.
     """
@@ -29,7 +30,7 @@ class MLP(Model):
     in_features = 16
     hidden = 64
     out_features = 4
-    inputs = {"input": InputSpec(("FP32",), (in_features,))}
+    inputs = {"input": InputSpec(("FP32",), (in_features,), allow_nonfinite=False)}
 
     def __init__(self) -> None:
         gen = torch.Generator().manual_seed(0)

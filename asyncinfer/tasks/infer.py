@@ -1,4 +1,10 @@
-"""The task every producer sends: ``asyncinfer.infer``, one v2 request in its keyword arguments."""
+"""The task every producer sends: ``asyncinfer.infer``, one v2 request in its keyword arguments.
+
+Its retry options are Celery's own (``autoretry_for``, ``max_retries``, ``retry_backoff``,
+``retry_backoff_max``, ``retry_jitter``), set from ``ASYNCINFER_*`` settings; Celery's stock
+worker applies them, the fast consumer reads them (:mod:`asyncinfer.retries`). Both draw on the
+fleet's retry budget in Redis before a retry.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,37 @@ from celery.exceptions import Ignore
 from asyncinfer.celery_app import app
 from asyncinfer.celery_wire import seconds_until
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import RequestRevoked
+from asyncinfer.errors import InvalidRequest, RequestRevoked, RetryBudgetExhausted
 from asyncinfer.protocol import request_kwargs
+from asyncinfer.retries import AUTORETRY_FOR, retry_budget_for
+from asyncinfer.workers.time_limits import time_limits_of
 
-__all__ = ["infer"]
+__all__ = ["infer", "InferTask"]
+
+_settings = app.asyncinfer_settings  # type: ignore[attr-defined]
 
 
-@app.task(name=TASK_NAME, bind=True, typing=False)
+class InferTask(Task):
+    """``asyncinfer.infer``: a retry first asks the fleet's retry budget."""
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
+        limit = self.max_retries if max_retries is None else max_retries
+        if exc is not None and (limit is None or self.request.retries < limit):
+            budget = retry_budget_for(self.app)
+            decision = budget.spend(1)
+            if not decision.granted:
+                raise RetryBudgetExhausted(f"request {self.request.id}: not retried after "
+                                           f"{type(exc).__name__}: {exc}: {budget.describe(decision)}"
+                                           ) from exc
+        return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                             countdown=countdown, max_retries=max_retries, **options)
+
+
+@app.task(name=TASK_NAME, bind=True, typing=False, base=InferTask,
+          autoretry_for=AUTORETRY_FOR, dont_autoretry_for=(InvalidRequest,),
+          max_retries=_settings.max_retries, retry_backoff=_settings.retry_backoff_s,
+          retry_backoff_max=_settings.retry_backoff_max_s, retry_jitter=_settings.retry_jitter)
 def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Run one inference request; the task ID is the request ID.
 
@@ -26,10 +56,14 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     from asyncinfer.workers.runtime import get_runtime
 
     request_id = str(self.request.id)
+    if not self.request.retries:
+        retry_budget_for(self.app).count_requests(1)
     request = request_kwargs(request_id, args, kwargs)
+    limits = time_limits_of(self.request.timelimit, self, self.app.conf)
     try:
         return get_runtime().infer(request_id, request, worker=str(self.request.hostname),
-                                   expires_in_s=seconds_until(self.request.expires))
+                                   expires_in_s=seconds_until(self.request.expires),
+                                   time_limits=limits)
     except RequestRevoked as exc:
         # Revoked while it waited in the batcher: record it as Celery would have, store nothing else.
         self.backend.mark_as_revoked(request_id, reason=str(exc), request=self.request)

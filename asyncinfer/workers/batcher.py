@@ -34,6 +34,8 @@ class WorkItem:
     received_at: float = -1.0
     #: ``time.perf_counter()`` reading after which the request must not run (its ``expires``).
     deadline: float | None = None
+    #: Whether the request's batch is on the device (launched, not yet back).
+    on_device: bool = False
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

@@ -11,11 +11,14 @@ import logging
 import os
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, signals, states
 from celery.concurrency import get_implementation
+from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
-from asyncinfer.constants import model_from_queue
+from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.workers import metrics
+from asyncinfer.workers.events import FAILED_FORMAT
 from asyncinfer.workers.runtime import close_runtime, get_runtime
 
 __all__ = ["hosted_models"]
@@ -43,6 +46,13 @@ def _load(app: Celery) -> None:
     runtime = get_runtime()
     runtime.load(hosted_models(app))
     log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
+    # Celery's stock path: its active requests are those in flight (the fast consumer, when it
+    # starts, registers its own count instead).
+    metrics.watch(device=runtime.device.label, pending=runtime.pending,
+                  in_flight=lambda: len(worker_state.active_requests))
+    port = runtime.settings.metrics_port
+    if port:
+        metrics.serve(port)
 
 
 @signals.worker_init.connect
@@ -63,9 +73,50 @@ def _on_worker_shutdown(**_: Any) -> None:
     close_runtime()
 
 
+# -- Celery's stock path (``celery -A asyncinfer worker``, ``ASYNCINFER_CONSUMER=celery``) -----------
+
+class _OneFailureLine(logging.Filter):
+    """Drops the ERROR line Celery's tracer writes for a failed ``asyncinfer.infer``: the
+    ``task_failure`` handler below writes the request's one failure line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        return not (record.levelno >= logging.ERROR and isinstance(data, dict)
+                    and data.get("name") == TASK_NAME)
+
+
+logging.getLogger("celery.app.trace").addFilter(_OneFailureLine())
+
+
+def _model_of(args: Any, kwargs: Any) -> str:
+    request = kwargs if isinstance(kwargs, dict) and "model" in kwargs else (
+        args[0] if args and isinstance(args[0], dict) else {})
+    return str(request.get("model", "?"))
+
+
+@signals.task_success.connect
+def _on_task_success(sender: Any = None, result: Any = None, **_: Any) -> None:
+    if getattr(sender, "name", None) == TASK_NAME:
+        model = result.get("model_name", "?") if isinstance(result, dict) else "?"
+        metrics.record_outcome(str(model), get_runtime().device.label, states.SUCCESS)
+
+
+@signals.task_failure.connect
+def _on_task_failure(sender: Any = None, task_id: Any = None, exception: Any = None,
+                     args: Any = None, kwargs: Any = None, **_: Any) -> None:
+    if getattr(sender, "name", None) != TASK_NAME:
+        return
+    model = _model_of(args, kwargs)
+    worker = getattr(getattr(sender, "request", None), "hostname", None) or "?"
+    log.warning(FAILED_FORMAT, task_id, model, worker, type(exception).__name__, exception)
+    metrics.record_outcome(model, get_runtime().device.label, states.FAILURE, exception)
+
+
 @inspect_command()  # type: ignore[misc]
 def asyncinfer_info(state: Any, **_: Any) -> dict[str, Any]:
-    """Control command behind ``asyncinfer status``: this worker's device, models, pending rows."""
+    """Control command behind ``asyncinfer status``: this worker's device, models, requests pending
+    in the batchers, requests in flight and finished requests per second over the last ~10 s."""
     runtime = get_runtime()
     return {"device": runtime.device.label, "models": runtime.models, "pid": os.getpid(),
-            "pending": runtime.pending()}
+            "pending": runtime.pending(), "in_flight": metrics.in_flight_now(),
+            "throughput_per_s": round(metrics.throughput_per_s(), 2)}

@@ -19,6 +19,7 @@ worker`` on a Redis broker; ``celery -A asyncinfer worker`` keeps Celery's stock
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from typing import Any
 
 import redis
 from celery import Celery, bootsteps, states
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import TaskRevokedError, TimeLimitExceeded
 
 from asyncinfer.celery_wire import (
     UNACKED_INDEX_KEY,
@@ -36,14 +37,22 @@ from asyncinfer.celery_wire import (
     decode_body,
     expired,
     parse_envelope,
+    request_id_in,
+    restored_message,
+    retry_message,
     seconds_until,
 )
-from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked
+from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked, RetryBudgetExhausted
 from asyncinfer.protocol import Request, request_kwargs
+from asyncinfer.retries import RetryPolicy, retry_budget_for
+from asyncinfer.workers import metrics
+from asyncinfer.workers.batcher import WorkItem
+from asyncinfer.workers.events import FAILED_FORMAT, TaskEvents
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
 from asyncinfer.workers.runner import Completed
 from asyncinfer.workers.runtime import WorkerRuntime
+from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits, time_limits_of
 
 __all__ = ["FastConsumer", "FastConsumerStep"]
 
@@ -60,16 +69,30 @@ class FastConsumer:
     """Consumes ``queues`` for ``runtime`` until :meth:`stop`; at most ``max_in_flight`` at once."""
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
-                 hostname: str, max_in_flight: int, track_started: bool = True) -> None:
+                 hostname: str, max_in_flight: int, track_started: bool = True,
+                 max_payload_bytes: int | None = None) -> None:
         self.app = app
         self.runtime = runtime
         self.queues = list(queues)
         self.hostname = hostname
         self.max_in_flight = max_in_flight
         self.track_started = track_started
+        self.max_payload_bytes = max_payload_bytes
         self.client = redis.Redis.from_url(app.conf.broker_url, health_check_interval=30)
         self.writer = ResultWriter(app, self.client, self._written)
+        #: Celery task events (Flower); :class:`FastConsumerStep` turns them on with the worker's.
+        self.events = TaskEvents(app, hostname, enabled=False)
+        self.device = runtime.device.label
+        self._task = app.tasks.get(TASK_NAME)
+        self.policy = RetryPolicy.of_task(self._task) if self._task else RetryPolicy(max_retries=0)
+        self.budget = retry_budget_for(app)
+        self._default_limits = time_limits_of(None, self._task, app.conf)
+        runtime.on_wedged = self._wedged
         self._in_flight = 0
+        #: Messages taken and not yet answered (by ``id()``): sent back on shutdown or a wedge.
+        self._held: dict[int, Delivery] = {}
+        self._wedge_lock = threading.Lock()
+        self._wedged_already = False
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="asyncinfer-consumer", daemon=True)
@@ -88,10 +111,50 @@ class FastConsumer:
             while self._in_flight and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             left = self._in_flight
-        if left:
-            log.warning("%d requests still in flight at shutdown stay unacknowledged; "
-                        "they are redelivered after the visibility timeout", left)
         self.writer.close()
+        self.events.close()
+        if left:
+            log.warning("%d requests still in flight at shutdown go back to their queues", left)
+            self._restore_held()
+
+    def _restore_held(self) -> None:
+        """Put every message still held back on its queue at once, as kombu restores an
+        unacknowledged message (marked ``redelivered``), instead of leaving it for the visibility
+        timeout. One transaction: each message is either back on its queue or still unacked."""
+        held = [d for d in list(self._held.values()) if d.tag]
+        if not held:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            for d in held:
+                pipe.lpush(d.queue, restored_message(d))
+                pipe.zrem(UNACKED_INDEX_KEY, d.tag)
+                pipe.hdel(UNACKED_KEY, d.tag)
+            pipe.execute()
+            log.warning("sent %d held requests back to their queues", len(held))
+        except Exception:  # noqa: BLE001 - they stay unacknowledged: redelivered after the timeout
+            log.exception("could not send %d held requests back; they are redelivered after the "
+                          "visibility timeout", len(held))
+
+    def _wedged(self, item: WorkItem, exc: BaseException) -> None:
+        """A request's hard time limit passed while its batch was on the device: fail it, send
+        the other held requests back, and leave so that the supervisor starts a fresh process."""
+        d = next((d for d in list(self._held.values()) if d.request_id == item.request.id), None)
+        if d is not None and not item.future.done():
+            self._fail(d, exc if isinstance(exc, TimeLimitExceeded) else TimeLimitExceeded(str(exc)),
+                       None, retry=False)
+            self._held.pop(id(d), None)
+        with self._wedge_lock:
+            if self._wedged_already:
+                return
+            self._wedged_already = True
+        self._stopping.set()
+        log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
+        self._thread.join(timeout=5)  # what its last BRPOP takes is held, and sent back below
+        self.writer.close()
+        self._restore_held()
+        logging.shutdown()
+        os._exit(EXIT_WEDGED)
 
     @property
     def in_flight(self) -> int:
@@ -105,10 +168,19 @@ class FastConsumer:
                 self._cond.wait(0.5)
             return self.max_in_flight - self._in_flight
 
-    def _written(self, n: int) -> None:
+    def _written(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            self._held.pop(id(outcome.delivery), None)
+            if outcome.state == states.FAILURE and isinstance(outcome.result, RetryBudgetExhausted):
+                # a retry the writer found no budget for: it failed there, announced here
+                self._log_failure(outcome.delivery, outcome.result)
+                self._count(outcome)
+            elif outcome.state == states.RETRY:
+                self.events.finished(outcome.delivery, outcome.state, outcome.result)
         with self._cond:
-            self._in_flight -= n
+            self._in_flight -= len(outcomes)
             self._cond.notify_all()
+        self.events.flush()  # after the results are stored, as Celery's worker sends them
 
     def _run(self) -> None:
         backoff_s = 0.1
@@ -150,7 +222,7 @@ class FastConsumer:
             pipe = self.client.pipeline(transaction=False)
             results = self._record(pipe, rest)
             self._execute(pipe, results, rest)
-        deliveries = head + rest
+        deliveries = self._skip_answered(head + rest)
         runners = [r.batcher for r in self.runtime.runners()]
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()
@@ -160,6 +232,7 @@ class FastConsumer:
         finally:
             for batcher in runners:
                 batcher.release()
+        self.events.flush()
 
     def _execute(self, pipe: Any, results: Any, deliveries: list[Delivery]) -> list[Any]:
         try:
@@ -171,6 +244,8 @@ class FastConsumer:
             # Like kombu's own BRPOP-then-bookkeeping, a message popped just before Redis went
             # away is not recorded; it is not counted as in flight either.
             log.error("could not record %d taken messages as unacknowledged", len(deliveries))
+            for d in deliveries:
+                self._held.pop(id(d), None)
             with self._cond:
                 self._in_flight -= len(deliveries)
                 self._cond.notify_all()
@@ -183,12 +258,27 @@ class FastConsumer:
             try:
                 parse_envelope(d)
             except (ValueError, TypeError, AttributeError) as exc:
-                log.error("dropped a malformed message on %s (%s): %.200r", queue, exc, raw)
+                self._malformed(d, exc)
                 continue
             deliveries.append(d)
+            self._held[id(d)] = d
         with self._cond:
             self._in_flight += len(deliveries)
         return deliveries
+
+    def _malformed(self, d: Delivery, exc: Exception) -> None:
+        """Answer a message that is no kombu envelope: a FAILURE for the request ID its text names,
+        if any (it was never recorded as unacknowledged, so there is nothing to ack); else a log
+        line. Either way it is gone from the queue: a malformed message is never redelivered."""
+        request_id = d.request_id or request_id_in(d.raw)
+        if not request_id:
+            log.error("dropped a malformed message on %s (%s): %.200r", d.queue, exc, d.raw)
+            return
+        d.request_id, d.tag = request_id, ""
+        with self._cond:
+            self._in_flight += 1
+        self._fail(d, InvalidRequest(f"request {request_id}: the message on {d.queue} is malformed "
+                                     f"and was dropped ({type(exc).__name__}: {exc})"), None)
 
     def _record(self, pipe: Any, deliveries: list[Delivery]) -> Any:
         """Add kombu's unacked bookkeeping (and STARTED) of ``deliveries`` to ``pipe``; return a
@@ -198,57 +288,134 @@ class FastConsumer:
             pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
             pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
         starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
-        if not starting:
+        # First attempts count towards the fleet's retry budget.
+        first = sum(1 for d in deliveries
+                    if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
+        if not starting and not first:
             return None
         results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
         for d in starting:
             self.writer.started(results, d, self.hostname)
+        self.budget.count_requests(first, results)
         return None if self.writer.shared else results
 
     def _should_start(self, d: Delivery) -> bool:
-        return bool(d.request_id) and d.headers.get("task") == TASK_NAME
+        return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")
 
-    def _start(self, d: Delivery) -> None:
+    def _skip_answered(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Acknowledge, without running them again, redelivered requests whose result is already
+        stored (a worker died between storing the result and the acknowledgement)."""
+        again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
+        if not again:
+            return deliveries
+        backend = self.app.backend
+        try:
+            stored = self.writer.results.mget([backend.get_key_for_task(d.request_id) for d in again])
+        except redis.RedisError as exc:  # cannot tell: run them again (at least once)
+            log.warning("could not look up %d redelivered requests (%s); running them", len(again), exc)
+            return deliveries
+        answered: set[int] = set()
+        for d, raw in zip(again, stored, strict=True):
+            if raw is None:
+                continue
+            try:
+                status = backend.decode(raw).get("status")
+            except Exception:  # noqa: BLE001 - unreadable: run it again
+                continue
+            if status in states.READY_STATES:
+                log.info("request %s was redelivered but its result (%s) is already stored; "
+                         "acknowledged without running it again", d.request_id, status)
+                self.writer.put(Outcome(d, status, None, store=False))
+                answered.add(id(d))
+        return [d for d in deliveries if id(d) not in answered]
+
+    def _limits(self, headers: dict[str, Any]) -> TimeLimits:
+        given = headers.get("timelimit")
+        if not given or given == [None, None]:
+            return self._default_limits
+        return time_limits_of(given, self._task, self.app.conf)
+
+    def _delay(self, d: Delivery, eta_s: float) -> None:
+        """Hold a message with a future ``eta`` (a retry's backoff) until then, unacknowledged,
+        outside the in-flight bound (as Celery's worker holds ETA tasks)."""
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+        self.runtime.timer.call_later(eta_s, lambda: self._resume(d))
+
+    def _resume(self, d: Delivery) -> None:
+        if self._stopping.is_set():  # left held: sent back to its queue at shutdown
+            return
+        with self._cond:
+            self._in_flight += 1
+        self._start(d, waited=True)
+
+    def _start(self, d: Delivery, waited: bool = False) -> None:
         headers = d.headers
+        if not waited and headers.get("eta"):
+            eta_s = seconds_until(headers.get("eta"))
+            if eta_s is not None and eta_s > 0 and d.request_id:
+                self._delay(d, eta_s)
+                return
         if not d.request_id:
             self.writer.put(Outcome(d, states.FAILURE, None))  # nothing to answer; just ack
             log.error("dropped a message without a request ID on %s", d.queue)
             return
+        self.events.received(d)
         if headers.get("task") != TASK_NAME:
             self._fail(d, InvalidRequest(f"request {d.request_id}: task {headers.get('task')!r} is not "
                                          f"served on queue {d.queue} (only {TASK_NAME})"), None)
             return
         if _is_revoked(d.request_id):
-            self.writer.put(Outcome(d, states.REVOKED, TaskRevokedError("revoked")))
+            self._put(Outcome(d, states.REVOKED, TaskRevokedError("revoked")))
             return
         if expired(headers):
-            self.writer.put(Outcome(d, states.REVOKED, TaskRevokedError("expired")))
+            self._put(Outcome(d, states.REVOKED, TaskRevokedError("expired")))
             return
         embed: dict[str, Any] | None = None
         try:
-            args, kwargs, embed = decode_body(d)
+            args, kwargs, embed = decode_body(d, self.max_payload_bytes)
             request, future = self.runtime.submit(
                 d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
-                expires_in_s=seconds_until(headers.get("expires")))
+                expires_in_s=seconds_until(headers.get("expires")), time_limits=self._limits(headers))
         except AsyncInferError as exc:
             self._fail(d, exc, embed)
             return
         except Exception as exc:  # noqa: BLE001 - never lose an accepted request
-            log.exception("request %s: unexpected error", d.request_id)
+            log.debug("request %s: unexpected error", d.request_id, exc_info=True)  # _fail says it
             self._fail(d, exc, embed)
             return
+        self.events.started(d)
         future.add_done_callback(lambda f: self._finish(d, request, f, embed))
 
-    def _fail(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None) -> None:
-        log.warning("request %s failed on %s: %s", d.request_id, self.hostname, exc)
-        self.writer.put(Outcome(d, states.FAILURE, exc, embed))
+    def _fail(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None,
+              retry: bool = True) -> None:
+        if retry and self._retry(d, exc, embed):
+            return
+        self._log_failure(d, exc)
+        self._put(Outcome(d, states.FAILURE, exc, embed))
+
+    def _log_failure(self, d: Delivery, exc: BaseException) -> None:
+        """The one log line of a failed request (grep its ID): no other line repeats it."""
+        log.warning(FAILED_FORMAT, d.request_id, model_from_queue(d.queue) or d.queue,
+                    self.hostname, type(exc).__name__, exc)
+
+    def _retry(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None) -> bool:
+        """Send a transient failure back on its queue to run again after a backoff, as Celery's
+        ``autoretry_for`` does (the writer first asks the fleet's retry budget). True if so."""
+        retries = int(d.headers.get("retries") or 0)
+        if not (d.tag and d.headers.get("task") == TASK_NAME and self.policy.should_retry(exc, retries)):
+            return False
+        message = retry_message(d, self.policy.countdown_s(retries))
+        self.writer.put(Outcome(d, states.RETRY, exc, embed, retry=message))
+        return True
 
     def _finish(self, d: Delivery, request: Request, future: Future[Completed],
                 embed: dict[str, Any] | None) -> None:
         exc = future.exception()
         if exc is not None:
             if isinstance(exc, RequestRevoked):
-                self.writer.put(Outcome(d, states.REVOKED, TaskRevokedError(str(exc)), embed))
+                self._put(Outcome(d, states.REVOKED, TaskRevokedError(str(exc)), embed))
             else:
                 self._fail(d, exc, embed)
             return
@@ -257,7 +424,18 @@ class FastConsumer:
         except Exception as err:  # noqa: BLE001
             self._fail(d, err, embed)
             return
-        self.writer.put(Outcome(d, states.SUCCESS, response, embed))
+        self._put(Outcome(d, states.SUCCESS, response, embed))
+
+    def _put(self, outcome: Outcome) -> None:
+        """Hand ``outcome`` to the writer; count it (metrics) and announce it (task events)."""
+        self._count(outcome)
+        self.writer.put(outcome)
+
+    def _count(self, outcome: Outcome) -> None:
+        d, result = outcome.delivery, outcome.result
+        metrics.record_outcome(model_from_queue(d.queue) or d.queue, self.device, outcome.state,
+                               result if isinstance(result, BaseException) else None)
+        self.events.finished(d, outcome.state, result)
 
 
 class FastConsumerStep(bootsteps.StartStopStep):
@@ -276,10 +454,16 @@ class FastConsumerStep(bootsteps.StartStopStep):
         from asyncinfer.workers.runtime import get_runtime
 
         settings = worker.app.asyncinfer_settings
-        self.consumer = FastConsumer(
+        consumer = FastConsumer(
             worker.app, get_runtime(), self.queues, hostname=worker.hostname,
             max_in_flight=settings.concurrency * settings.prefetch_multiplier,
-            track_started=bool(worker.app.conf.task_track_started)).start()
+            track_started=bool(worker.app.conf.task_track_started),
+            max_payload_bytes=settings.max_payload_bytes)
+        # Task events when the worker sends them (-E, ASYNCINFER_SEND_EVENTS); its own consumer
+        # sends the worker's heartbeats.
+        consumer.events = TaskEvents(worker.app, worker.hostname, enabled=bool(worker.task_events))
+        metrics.watch(in_flight=lambda: consumer.in_flight)
+        self.consumer = consumer.start()
 
     def stop(self, worker: Any) -> None:
         if self.consumer is not None:

@@ -23,6 +23,7 @@ from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, Delivery, result_meta
+from asyncinfer.errors import RetryBudgetExhausted
 
 __all__ = ["Outcome", "ResultWriter"]
 
@@ -37,10 +38,14 @@ class Outcome:
     state: str
     result: Any
     embed: dict[str, Any] | None = None
+    #: For state RETRY: the message that retries the request (:func:`retry_message`).
+    retry: str | None = None
+    #: False to acknowledge only (the result is already stored: a redelivered duplicate).
+    store: bool = True
 
 
 class ResultWriter:
-    """A thread that stores outcomes in batches and calls ``on_written(n)`` after each batch.
+    """A thread that stores outcomes in batches and calls ``on_written(outcomes)`` after each.
 
     Its own thread, so the device thread never waits for Redis: while one batch's results are
     written, the next batch runs (measured: writing from the device thread cut throughput by a
@@ -49,7 +54,8 @@ class ResultWriter:
 
     max_batch = 256
 
-    def __init__(self, app: Celery, broker: redis.Redis, on_written: Callable[[int], None]) -> None:
+    def __init__(self, app: Celery, broker: redis.Redis,
+                 on_written: Callable[[list[Outcome]], None]) -> None:
         self.app = app
         self.backend = app.backend
         self.broker = broker
@@ -110,8 +116,12 @@ class ResultWriter:
 
     def _write(self, batch: list[Outcome]) -> None:
         backoff_s = 0.1
+        budgeted = False
         while True:
             try:
+                if not budgeted:
+                    self._budget_retries(batch)
+                    budgeted = True
                 acks = self.broker.pipeline(transaction=False)
                 results = acks if self.shared else self.results.pipeline(transaction=False)
                 for outcome in batch:
@@ -126,22 +136,47 @@ class ResultWriter:
                             backoff_s)
                 time.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
-        self.on_written(len(batch))
+        self.on_written(batch)
         for outcome in batch:
             if outcome.embed:
                 self._call_links(outcome)
 
     def _add(self, results: Any, acks: Any, outcome: Outcome) -> None:
         d = outcome.delivery
-        if d.request_id:
+        if outcome.retry is not None:
+            acks.lpush(d.queue, outcome.retry)
+        if d.request_id and outcome.store:
             result = outcome.result
             if isinstance(result, BaseException):
                 result = self.backend.prepare_exception(result)
             meta = result_meta(d.request_id, outcome.state, result,
                                parent_id=d.headers.get("parent_id"))
             self._store(results, d.request_id, meta)
-        acks.zrem(UNACKED_INDEX_KEY, d.tag)
-        acks.hdel(UNACKED_KEY, d.tag)
+        if d.tag:  # a malformed message was never recorded as unacknowledged
+            acks.zrem(UNACKED_INDEX_KEY, d.tag)
+            acks.hdel(UNACKED_KEY, d.tag)
+
+    def _budget_retries(self, batch: list[Outcome]) -> None:
+        """Ask the fleet's retry budget for the retries in ``batch``; those refused fail now."""
+        retries = [o for o in batch if o.state == states.RETRY]
+        if not retries:
+            return
+        from asyncinfer.retries import retry_budget_for
+
+        budget = retry_budget_for(self.app)
+        decision = budget.spend(len(retries))
+        for outcome in retries[decision.granted:]:
+            cause = outcome.result
+            err = RetryBudgetExhausted(
+                f"request {outcome.delivery.request_id}: not retried after {type(cause).__name__}: "
+                f"{cause}: {budget.describe(decision)}")
+            err.__cause__ = cause
+            # the consumer logs its one failure line after the write (on_written)
+            outcome.state, outcome.result, outcome.retry = states.FAILURE, err, None
+        for outcome in retries[:decision.granted]:
+            log.info("request %s: retry %s after %s: %s", outcome.delivery.request_id,
+                     int(outcome.delivery.headers.get("retries") or 0) + 1,
+                     type(outcome.result).__name__, outcome.result)
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""

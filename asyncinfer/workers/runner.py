@@ -17,21 +17,35 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.errors import InvalidRequest, ModelError, RequestExpired, RequestRevoked
+from asyncinfer.errors import (
+    InvalidRequest,
+    ModelError,
+    RequestExpired,
+    RequestRevoked,
+    TransientModelError,
+)
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
+from asyncinfer.retries import is_transient
+from asyncinfer.workers import metrics
 from asyncinfer.workers.batcher import Batcher, WorkItem
 from asyncinfer.workers.device import Device
+from asyncinfer.workers.time_limits import TimeLimits
+from asyncinfer.workers.timer import Timer
 
-__all__ = ["Completed", "ModelRunner"]
+#: Called when a request's hard time limit passes while its batch is on the device.
+WedgedHandler = Callable[[WorkItem, BaseException], None]
+
+__all__ = ["Completed", "ModelRunner", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +77,8 @@ class ModelRunner:
     """One model on one device: a batcher feeding the stage threads."""
 
     def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
-                 is_revoked: Callable[[str], bool] | None = None) -> None:
+                 is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
+                 on_wedged: WedgedHandler | None = None) -> None:
         self.model = model
         self.device = device
         opts = options or model.options
@@ -72,6 +87,8 @@ class ModelRunner:
         self.options = opts
         self.max_batch_size = opts.max_batch_size
         self.is_revoked = is_revoked or (lambda request_id: False)
+        self.timer = timer
+        self.on_wedged = on_wedged or _settle_wedged
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
         # A batch holds a slot from the moment it is formed until its results are on the host.
         # One slot per instance plus one lets the next batch be preprocessed while the device
@@ -109,12 +126,15 @@ class ModelRunner:
         return self
 
     def submit(self, request: Request, received_at: float | None = None,
-               expires_in_s: float | None = None) -> Future[Completed]:
+               expires_in_s: float | None = None,
+               time_limits: TimeLimits | None = None) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
         default now. A request still waiting ``expires_in_s`` after that never runs: its future
-        raises :class:`RequestExpired`.
+        raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
+        fail with ``SoftTimeLimitExceeded`` / ``TimeLimitExceeded`` (see
+        :mod:`asyncinfer.workers.time_limits`).
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if not forward_only:  # a prepared request carries the preprocess's tensors instead
@@ -130,8 +150,36 @@ class ModelRunner:
             item.received_at = received_at
         if expires_in_s is not None:
             item.deadline = item.received_at + expires_in_s
+        if time_limits:
+            self._watch(item, time_limits)
         self.batcher.put(item)
         return item.future
+
+    def _watch(self, item: WorkItem, limits: TimeLimits) -> None:
+        if self.timer is None:
+            raise RuntimeError(f"model '{self.model.name}': time limits need the runner's timer")
+        elapsed_s = time.perf_counter() - item.received_at
+        if limits.soft_s is not None:
+            self.timer.call_later(limits.soft_s - elapsed_s, lambda: self._soft_limit(item, limits))
+        if limits.hard_s is not None:
+            self.timer.call_later(limits.hard_s - elapsed_s, lambda: self._hard_limit(item, limits))
+
+    def _soft_limit(self, item: WorkItem, limits: TimeLimits) -> None:
+        settle(item.future, exc=SoftTimeLimitExceeded(
+            f"request {item.request.id}: soft time limit ({limits.soft_s:g} s) exceeded on model "
+            f"'{self.model.name}' ({'on the device' if item.on_device else 'waiting for the device'})"))
+
+    def _hard_limit(self, item: WorkItem, limits: TimeLimits) -> None:
+        if not item.on_device and item.future.done():
+            return
+        where = "its batch is still on the device" if item.on_device else "waiting for the device"
+        exc = TimeLimitExceeded(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
+                                f"exceeded on model '{self.model.name}' ({where})")
+        if item.on_device:  # the device has not come back in time: it is wedged
+            log.critical("model %s: %s; the device is wedged", self.model.name, exc)
+            self.on_wedged(item, exc)
+        else:
+            settle(item.future, exc=exc)
 
     def close(self) -> None:
         """Stop the threads; requests still queued fail with an error saying so."""
@@ -166,7 +214,7 @@ class ModelRunner:
         return None
 
     def _shut_out(self, item: WorkItem) -> None:
-        item.future.set_exception(ModelError(
+        settle(item.future, exc=ModelError(
             f"request {item.request.id}: worker shut down before model '{self.model.name}' ran it"))
 
     def _prep_loop(self) -> None:
@@ -239,6 +287,7 @@ class ModelRunner:
             stage(job)
             return True
         except Exception as exc:  # noqa: BLE001 - a model may raise anything
+            _off_device(job.items)
             self._isolate(job.items, exc)
             return False
 
@@ -249,6 +298,8 @@ class ModelRunner:
         job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
     def _launch(self, job: _Job, stream: Any) -> None:
+        for item in job.items:
+            item.on_device = True
         with self.device.on_stream(stream), torch.inference_mode():
             on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
             outputs = self.model.forward(on_device)
@@ -256,8 +307,11 @@ class ModelRunner:
             job.event = self.device.record_event(stream)
 
     def _finish(self, job: _Job) -> None:
-        if job.event is not None:
-            job.event.synchronize()
+        try:
+            if job.event is not None:
+                job.event.synchronize()
+        finally:
+            _off_device(job.items)
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
         self._deliver(job.items, outputs, job.started)
@@ -278,6 +332,7 @@ class ModelRunner:
             try:
                 self._whole(_Job(items=[item], started=time.perf_counter()), stream)
             except Exception as item_exc:  # noqa: BLE001
+                item.on_device = False
                 self._fail(item, item_exc)
 
     def _drop_revoked(self, items: list[WorkItem]) -> list[WorkItem]:
@@ -288,10 +343,10 @@ class ModelRunner:
             if item.future.done():
                 continue
             if self.is_revoked(item.request.id):
-                item.future.set_exception(RequestRevoked(
+                settle(item.future, exc=RequestRevoked(
                     f"request {item.request.id}: revoked before it reached the device"))
             elif item.deadline is not None and now >= item.deadline:
-                item.future.set_exception(RequestExpired(
+                settle(item.future, exc=RequestExpired(
                     f"request {item.request.id}: expired before it reached the device"))
             else:
                 live.append(item)
@@ -301,12 +356,13 @@ class ModelRunner:
         if item.future.done():
             return
         if isinstance(exc, InvalidRequest):
-            item.future.set_exception(exc)
+            settle(item.future, exc=exc)
             return
-        err = ModelError(f"request {item.request.id}: model '{self.model.name}' raised "
-                         f"{type(exc).__name__}: {exc}")
+        kind = TransientModelError if is_transient(exc) else ModelError
+        err = kind(f"request {item.request.id}: model '{self.model.name}' raised "
+                   f"{type(exc).__name__}: {exc}")
         err.__cause__ = exc
-        item.future.set_exception(err)
+        settle(item.future, exc=err)
 
     def _concat(self, items: Sequence[WorkItem]) -> Batch:
         first = items[0].request.inputs
@@ -327,12 +383,14 @@ class ModelRunner:
                                  f"for a batch of {total}")
         pieces = {name: _split(value, rows) for name, value in outputs.items()}
         compute_ms = (finished - started) * 1000.0
+        metrics.record_batch(self.model.name, self.device.label, total, finished - started,
+                             [started - item.received_at for item in items])
         for i, item in enumerate(items):
             if item.future.done():  # revoked after its batch was formed
                 continue
             result = [_output(name, parts[i], item.request.binary_output)
                       for name, parts in pieces.items()]
-            item.future.set_result(Completed(
+            settle(item.future, Completed(
                 outputs=result, batch_size=total,
                 queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
 
@@ -369,3 +427,24 @@ def _forward_only(job: _Job) -> bool:
 def _overrides(model: Model, method: str) -> bool:
     """Whether ``model`` has its own ``method`` (not the base class's no-op)."""
     return getattr(type(model), method) is not getattr(Model, method)
+
+
+def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Set the outcome of ``future`` unless something (a time limit, a revoke) already did."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _off_device(items: Sequence[WorkItem]) -> None:
+    for item in items:
+        item.on_device = False
+
+
+def _settle_wedged(item: WorkItem, exc: BaseException) -> None:
+    """Default for a wedged device when no worker handles it: fail the request."""
+    settle(item.future, exc=exc)

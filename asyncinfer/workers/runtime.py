@@ -9,15 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.models.registry import Registry
 from asyncinfer.protocol import Request, decode_request, encode_tensor
+from asyncinfer.workers.batcher import WorkItem
 from asyncinfer.workers.device import Device, bind_visible_device, parse_device
-from asyncinfer.workers.runner import Completed, ModelRunner
+from asyncinfer.workers.runner import Completed, ModelRunner, settle
+from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits
+from asyncinfer.workers.timer import Timer
 
 __all__ = ["WorkerRuntime", "get_runtime", "close_runtime"]
 
@@ -40,6 +43,11 @@ class WorkerRuntime:
         self.registry = Registry.from_config(settings.model_factories, settings.model_dir)
         self._runners: dict[str, ModelRunner] = {}
         self._lock = threading.Lock()
+        #: Time limits and delayed retries.
+        self.timer = Timer()
+        #: What happens when a request's hard time limit passes while its batch is on the device;
+        #: the fast consumer installs its own (which also sends the held requests back).
+        self.on_wedged: Callable[[WorkItem, BaseException], None] = _exit_wedged
 
     def load(self, models: Iterable[str]) -> None:
         """Load ``models`` now (a worker does this at start)."""
@@ -56,7 +64,9 @@ class WorkerRuntime:
             if runner is None:
                 instance = self.registry.create(model, request_id)
                 options = self.settings.options_for(model, instance.options)
-                runner = ModelRunner(instance, self.device, options, is_revoked=_is_revoked).start()
+                runner = ModelRunner(instance, self.device, options, is_revoked=_is_revoked,
+                                     timer=self.timer,
+                                     on_wedged=lambda item, exc: self.on_wedged(item, exc)).start()
                 log.info("model %s loaded on %s", model, self.device.label)
                 self._runners[model] = runner
         return runner
@@ -75,7 +85,8 @@ class WorkerRuntime:
         return {name: len(runner.batcher) for name, runner in self._runners.items()}
 
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
-               expires_in_s: float | None = None) -> tuple[Request, Future[Completed]]:
+               expires_in_s: float | None = None,
+               time_limits: TimeLimits | None = None) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device; InvalidRequest if bad."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
@@ -85,12 +96,14 @@ class WorkerRuntime:
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
             return request, runner.submit(request, received_at=received_at,
-                                          expires_in_s=expires_in_s)
+                                          expires_in_s=expires_in_s, time_limits=time_limits)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
-              expires_in_s: float | None = None) -> dict[str, Any]:
+              expires_in_s: float | None = None,
+              time_limits: TimeLimits | None = None) -> dict[str, Any]:
         """Decode, validate and run one request (batched with others); return its v2 response."""
-        request, future = self.submit(request_id, kwargs, expires_in_s=expires_in_s)
+        request, future = self.submit(request_id, kwargs, expires_in_s=expires_in_s,
+                                      time_limits=time_limits)
         return self.response(request, future.result(), worker)
 
     def response(self, request: Request, done: Completed, worker: str) -> dict[str, Any]:
@@ -114,6 +127,17 @@ class WorkerRuntime:
             runners, self._runners = list(self._runners.values()), {}
         for runner in runners:
             runner.close()
+        self.timer.close()
+
+
+def _exit_wedged(item: WorkItem, exc: BaseException) -> None:
+    """Celery's stock path: fail the request (its task thread stores the failure), then leave so
+    the supervisor starts a fresh process; kombu redelivers the other unacknowledged requests."""
+    settle(item.future, exc=exc)
+    log.critical("the device is wedged; this worker process exits in 2 s to be replaced")
+    exit_timer = threading.Timer(2.0, os._exit, args=(EXIT_WEDGED,))
+    exit_timer.daemon = True
+    exit_timer.start()
 
 
 def _is_revoked(request_id: str) -> bool:

@@ -1,0 +1,91 @@
+"""Which failures are retried, and how long each retry waits: Celery's task options, read once.
+
+``asyncinfer.infer`` carries Celery's own retry options — ``autoretry_for``, ``max_retries``,
+``retry_backoff``, ``retry_backoff_max``, ``retry_jitter`` — set from ``ASYNCINFER_*`` settings
+and overridable as Celery users do (``task_annotations``). Celery's stock worker applies them
+itself; the fast consumer reads them here and applies the same rules, with one difference: the
+backoff is in fractions of a second, where Celery rounds to whole seconds.
+
+Transient (retried): :class:`~asyncinfer.errors.TransientError` (a model may raise it), device
+out-of-memory and device runtime errors (wrapped as
+:class:`~asyncinfer.errors.TransientModelError`), Celery's ``SoftTimeLimitExceeded``. Never
+retried: bad input (:class:`~asyncinfer.errors.InvalidRequest`) and other model errors.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from asyncinfer.errors import InvalidRequest, TransientError
+
+__all__ = ["AUTORETRY_FOR", "RetryPolicy", "is_transient", "retry_budget_for"]
+
+#: What ``asyncinfer.infer`` retries by default.
+AUTORETRY_FOR: tuple[type[BaseException], ...] = (TransientError, SoftTimeLimitExceeded)
+
+#: Device failures that may pass: out of memory, and the accelerator runtime's own errors.
+_DEVICE_TRANSIENT: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+    if isinstance(t, type))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a model's exception is worth retrying (see the module documentation)."""
+    return isinstance(exc, TransientError) or (bool(_DEVICE_TRANSIENT)
+                                               and isinstance(exc, _DEVICE_TRANSIENT))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Celery's retry options of one task."""
+
+    autoretry_for: tuple[type[BaseException], ...] = AUTORETRY_FOR
+    max_retries: int | None = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 600.0
+    jitter: bool = True
+
+    @classmethod
+    def of_task(cls, task: Any) -> RetryPolicy:
+        """The options of ``task`` (a Celery task, after annotations)."""
+        backoff = getattr(task, "retry_backoff", False)
+        return cls(autoretry_for=tuple(getattr(task, "autoretry_for", ()) or ()),
+                   max_retries=getattr(task, "max_retries", 3),
+                   backoff_s=1.0 if backoff is True else float(backoff or 0.0),
+                   backoff_max_s=float(getattr(task, "retry_backoff_max", 600)),
+                   jitter=bool(getattr(task, "retry_jitter", True)))
+
+    def should_retry(self, exc: BaseException, retries: int) -> bool:
+        """Whether a request that failed with ``exc`` after ``retries`` retries goes again."""
+        if isinstance(exc, InvalidRequest) or not self.autoretry_for:
+            return False
+        if not isinstance(exc, self.autoretry_for):
+            return False
+        return self.max_retries is None or retries < self.max_retries
+
+    def countdown_s(self, retries: int, rng: random.Random | None = None) -> float:
+        """Seconds before retry number ``retries + 1``: exponential backoff, full jitter."""
+        if self.backoff_s <= 0:
+            return 0.0
+        ceiling = min(self.backoff_max_s, self.backoff_s * (2 ** retries))
+        return (rng or random).uniform(0.0, ceiling) if self.jitter else ceiling
+
+
+def retry_budget_for(app: Celery) -> Any:
+    """The app's :class:`~asyncinfer.retry_budget.RetryBudget` (on the result backend's Redis)."""
+    budget = getattr(app, "asyncinfer_retry_budget", None)
+    if budget is None:
+        from asyncinfer.retry_budget import RetryBudget
+
+        settings = app.asyncinfer_settings  # type: ignore[attr-defined]
+        budget = RetryBudget(app.backend.client, ratio=settings.retry_budget_ratio,
+                             minimum=settings.retry_budget_min,
+                             window_s=settings.retry_budget_window_s)
+        app.asyncinfer_retry_budget = budget  # type: ignore[attr-defined]
+    return budget

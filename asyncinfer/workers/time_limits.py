@@ -1,0 +1,66 @@
+"""Celery's soft and hard time limits, honoured by a device worker that runs no prefork pool.
+
+Celery enforces ``soft_time_limit``/``time_limit`` only in its prefork pool (by signals), and a
+signal could not interrupt device work anyway. Here the limits are watched by the worker's
+:class:`~asyncinfer.workers.timer.Timer` and counted from the moment the worker took the request
+(its STARTED state):
+
+- soft limit: the request fails with Celery's ``SoftTimeLimitExceeded`` (a transient failure, so
+  it is retried under the retry policy); its rows, if they are on the device, are dropped when
+  the batch comes back;
+- hard limit: a request still waiting fails with Celery's ``TimeLimitExceeded``; one whose batch
+  is still on the device means the device is wedged — the request fails with
+  ``TimeLimitExceeded`` and the worker process exits so that its supervisor replaces it, and the
+  requests it held go back to their queues.
+
+The limits come from the message (``apply_async(soft_time_limit=..., time_limit=...)``, header
+``timelimit``), else the task's options (``task_annotations``), else ``task_soft_time_limit`` /
+``task_time_limit`` (``ASYNCINFER_SOFT_TIME_LIMIT_S`` / ``ASYNCINFER_TIME_LIMIT_S``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TimeLimits", "time_limits_of"]
+
+#: The exit status of a worker process that left because its device was wedged.
+EXIT_WEDGED = 75
+
+
+@dataclass(frozen=True)
+class TimeLimits:
+    """Soft and hard limits in seconds; None where there is none."""
+
+    soft_s: float | None = None
+    hard_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.soft_s is not None or self.hard_s is not None
+
+
+NO_LIMITS = TimeLimits()
+
+
+def _positive(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
+def time_limits_of(timelimit: Any, task: Any = None, conf: Any = None) -> TimeLimits:
+    """The limits of one request: its ``timelimit`` header ``[hard, soft]`` (Celery's order),
+    else ``task``'s ``time_limit``/``soft_time_limit``, else ``conf``'s task defaults."""
+    hard = soft = None
+    if isinstance(timelimit, (list, tuple)) and len(timelimit) == 2:
+        hard, soft = _positive(timelimit[0]), _positive(timelimit[1])
+    if hard is None:
+        hard = _positive(getattr(task, "time_limit", None)) or _positive(
+            getattr(conf, "task_time_limit", None))
+    if soft is None:
+        soft = _positive(getattr(task, "soft_time_limit", None)) or _positive(
+            getattr(conf, "task_soft_time_limit", None))
+    return TimeLimits(soft, hard) if (soft or hard) else NO_LIMITS

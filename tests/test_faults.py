@@ -1,0 +1,117 @@
+"""Faults: a worker killed with SIGKILL mid-work, and Redis restarted under load.
+
+Both run on a broker no other worker consumes (a database of their own on the session Redis, or
+a Redis of their own), so what they count is theirs alone.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis
+
+from asyncinfer.client import Client
+from asyncinfer.redis_server import RedisServer
+from tests.conftest import start_worker
+
+#: The kill test's broker database on the session Redis (other tests use 0 and 3).
+FAULTS_DB = 7
+VISIBILITY_TIMEOUT_S = "4"
+
+
+def _wait_for(what: str, check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def _index(i: int) -> dict[str, np.ndarray]:
+    return {"index": np.array([[float(i)]], np.float64)}
+
+
+@pytest.mark.timeout(120)
+def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tmp_path) -> None:
+    # Given a worker for the model "gated" (which counts executions per index in Redis and runs
+    # only while the gate is open) on a database of its own, with a 4 s visibility timeout
+    url = redis_url.rsplit("/", 1)[0] + f"/{FAULTS_DB}"
+    prefix = f"faults-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
+           "GATED_PREFIX": prefix}
+    first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
+                         "--hostname", "gated-first@%h", **env)
+    second = None
+    client = Client(broker_url=url)
+    try:
+        # And 30 requests it has completed (results stored and acknowledged in one pipeline)
+        futures = [client.submit("gated", _index(i)) for i in range(30)]
+        for i, f in enumerate(futures):
+            assert f.result(timeout=60)["output"].tolist() == [[float(i)]]
+        # When the gate closes, 120 more arrive, and the worker is stuck in forward with them
+        r.set(f"{prefix}:gate", "closed")
+        futures += [client.submit("gated", _index(i)) for i in range(30, 150)]
+        _wait_for("the first worker to block in forward", lambda: r.get(f"{prefix}:blocked"))
+        _wait_for("the first worker to take all 120", lambda: r.hlen("unacked") == 120)
+        # and it is killed with SIGKILL (no shutdown, no acks, nothing restored by it)
+        first.process.kill()
+        first.process.wait()
+        assert r.hlen("unacked") == 120 and r.llen("infer.gated") == 0
+        # Then, with the gate open and a new worker started, every request completes
+        r.delete(f"{prefix}:gate")
+        second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "gated",
+                              "--hostname", "gated-second@%h", **env)
+        for i, f in enumerate(futures):
+            response = f.result(timeout=90)
+            assert response["output"].tolist() == [[float(i)]]
+        assert all(f.result().parameters["worker"].startswith("gated-second@") for f in futures[30:])
+        # And each ran exactly once: none lost, none twice
+        executions = {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+        assert executions == {i: 1 for i in range(150)}
+        _wait_for("acks of the last results", lambda: r.hlen("unacked") == 0, 30)
+    finally:
+        client.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+        r.flushdb()
+        r.close()
+
+
+@pytest.mark.timeout(120)
+def test_redis_restarted_under_load_loses_nothing(tmp_path) -> None:
+    # Given Redis with append-only persistence, a worker serving "sleep" one request at a time,
+    # and a client with 20 requests queued or in flight
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    worker = start_worker(server.url, tmp_path / "worker.log", "--device", "cpu", "--models", "sleep",
+                          "--hostname", "aof@%h",
+                          ASYNCINFER_MODEL_OPTIONS='{"sleep": {"max_batch_size": 1}}')
+    client = Client(broker_url=server.url)
+    try:
+        values = [0.1 + i / 1000 for i in range(20)]
+        futures = [client.submit("sleep", np.array([[v]], np.float32)) for v in values]
+        _wait_for("the first results", lambda: sum(f.done() for f in futures) >= 2)
+        # When Redis stops (SIGTERM: it writes its append-only file) and starts again on the same
+        # port and folder, with neither the worker nor the client restarted
+        port = server.port
+        server.stop()
+        time.sleep(0.5)
+        server.start()
+        assert server.port == port
+        # and more requests are sent through the same client
+        values += [0.01 * i for i in range(5)]
+        futures += [client.submit("sleep", np.array([[v]], np.float32)) for v in values[20:]]
+        # Then every accepted request gets its result: none was lost
+        for v, f in zip(values, futures, strict=True):
+            assert f.result(timeout=90)["output"].tolist() == [[pytest.approx(v)]]
+        assert worker.process.poll() is None
+        assert "lost Redis" in worker.log() or "storing" in worker.log()
+    finally:
+        client.close()
+        worker.stop()
+        server.stop()

@@ -1,0 +1,226 @@
+"""Policy building blocks on a real Redis: retry budget, publisher (bound, idempotency), retry
+options, time limits, the timer, the retry message."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from celery.exceptions import SoftTimeLimitExceeded
+
+from asyncinfer.celery_wire import Delivery, parse_envelope, retry_message, seconds_until, task_message
+from asyncinfer.errors import InvalidRequest, QueueFull, TransientError, TransientModelError
+from asyncinfer.publisher import CLAIM_PREFIX, DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.retries import RetryPolicy, is_transient
+from asyncinfer.retry_budget import RetryBudget
+from asyncinfer.workers.time_limits import TimeLimits, time_limits_of
+from asyncinfer.workers.timer import Timer
+
+
+def url_with_db(url: str, db: int) -> str:
+    """``url`` pointing at database ``db`` of the same server."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
+
+
+@pytest.fixture()
+def scratch(redis_url: str) -> Iterator[redis.Redis]:
+    """An emptied database of the session Redis that no worker uses."""
+    client = redis.Redis.from_url(url_with_db(redis_url, 14))
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+# -- retry budget -------------------------------------------------------------------------------
+
+
+def test_budget_grants_ratio_of_recent_requests_plus_minimum(scratch: redis.Redis) -> None:
+    budget = RetryBudget(scratch, ratio=0.1, minimum=5, window_s=60)
+    now = 6000.0  # window 100
+    budget.count_requests(100, now=now)
+    first = budget.spend(8, now=now)
+    assert (first.granted, first.requests, first.spent) == (8, 100, 0)
+    second = budget.spend(10, now=now)
+    assert (second.granted, second.spent) == (7, 8)  # 0.1 × 100 + 5 = 15 in all
+    third = budget.spend(1, now=now)
+    assert third.granted == 0 and third.spent == 15
+    assert "15 retries against 100 requests" in budget.describe(third)
+
+
+def test_budget_counts_the_previous_window_and_forgets_older_ones(scratch: redis.Redis) -> None:
+    budget = RetryBudget(scratch, ratio=0.5, minimum=0, window_s=10)
+    budget.count_requests(10, now=100.0)   # window 10
+    assert budget.spend(3, now=100.0).granted == 3
+    # Window 11: the 10 requests and 3 retries of window 10 still count.
+    assert budget.spend(5, now=110.0).granted == 2
+    # Window 12: window 10 is forgotten; nothing arrived since, so nothing is granted.
+    assert budget.spend(1, now=120.0).granted == 0
+    budget.count_requests(4, now=120.0)
+    assert budget.spend(5, now=120.0).granted == 0  # window 11's 2 retries still count
+    assert budget.spend(5, now=130.0).granted == 2  # window 13: 0.5 × 4 requests of window 12
+    ttl = scratch.ttl("asyncinfer:retry-budget:requests:12")
+    assert 0 < ttl <= 20
+
+
+def test_budget_counts_in_a_callers_pipeline(scratch: redis.Redis) -> None:
+    budget = RetryBudget(scratch, ratio=1.0, minimum=0, window_s=10)
+    pipe = scratch.pipeline(transaction=False)
+    budget.count_requests(3, pipe, now=50.0)
+    assert budget.spend(1, now=50.0).granted == 0  # not executed yet
+    pipe.execute()
+    assert budget.spend(5, now=50.0).granted == 3
+
+
+def test_budget_rejects_nonsense_settings(scratch: redis.Redis) -> None:
+    with pytest.raises(ValueError):
+        RetryBudget(scratch, ratio=-1, minimum=0, window_s=1)
+    with pytest.raises(ValueError):
+        RetryBudget(scratch, ratio=0.1, minimum=0, window_s=0)
+
+
+# -- publisher: queue bound and idempotency ------------------------------------------------------
+
+
+def test_publisher_refuses_past_the_bound_and_names_the_request(scratch: redis.Redis) -> None:
+    publisher = Publisher(scratch, claim_ttl_s=60)
+    for i in range(3):
+        assert publisher.publish("infer.q", f"r{i}", f"m{i}", claim=False, max_queue_size=3) == PUBLISHED
+    with pytest.raises(QueueFull, match=r"request r3: queue infer.q holds 3 requests.*max_queue_size 3"):
+        publisher.publish("infer.q", "r3", "m3", claim=False, max_queue_size=3)
+    assert scratch.llen("infer.q") == 3
+    assert not scratch.exists(CLAIM_PREFIX + "r3")
+
+
+def test_publisher_waits_for_room_up_to_its_timeout(scratch: redis.Redis) -> None:
+    publisher = Publisher(scratch, claim_ttl_s=60)
+    publisher.publish("infer.q", "a", "m", claim=False, max_queue_size=1)
+    drained = threading.Event()
+
+    def drain() -> None:
+        time.sleep(0.2)
+        scratch.rpop("infer.q")
+        drained.set()
+
+    threading.Thread(target=drain).start()
+    assert publisher.publish("infer.q", "b", "m2", claim=False, max_queue_size=1,
+                             timeout_s=30) == PUBLISHED
+    assert drained.is_set()
+    assert scratch.lrange("infer.q", 0, -1) == [b"m2"]
+
+
+def test_publisher_sends_a_claimed_id_once(scratch: redis.Redis) -> None:
+    publisher = Publisher(scratch, claim_ttl_s=120)
+    assert publisher.publish("infer.q", "same", "m1", claim=True) == PUBLISHED
+    assert publisher.publish("infer.q", "same", "m2", claim=True) == DUPLICATE
+    assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
+    assert 0 < scratch.ttl(CLAIM_PREFIX + "same") <= 120
+    # A stored result counts as sent too (a request sent by another producer).
+    scratch.set("celery-task-meta-done", "{}")
+    assert publisher.publish("infer.q", "done", "m3", claim=True,
+                             result_key="celery-task-meta-done") == DUPLICATE
+    assert scratch.llen("infer.q") == 1
+
+
+# -- retry options --------------------------------------------------------------------------------
+
+
+def test_retry_policy_retries_only_transient_failures_within_max_retries() -> None:
+    policy = RetryPolicy(max_retries=2)
+    transient = TransientModelError("request r: out of memory")
+    assert policy.should_retry(transient, 0) and policy.should_retry(transient, 1)
+    assert not policy.should_retry(transient, 2)
+    assert policy.should_retry(SoftTimeLimitExceeded("slow"), 0)
+    assert not policy.should_retry(InvalidRequest("request r: bad shape"), 0)
+    assert not policy.should_retry(RuntimeError("model bug"), 0)
+    assert not RetryPolicy(autoretry_for=()).should_retry(transient, 0)
+
+
+def test_device_out_of_memory_is_transient() -> None:
+    import torch
+
+    assert is_transient(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_transient(TransientError("try again"))
+    assert not is_transient(RuntimeError("shape mismatch"))
+
+
+def test_backoff_is_exponential_capped_and_jittered() -> None:
+    fixed = RetryPolicy(backoff_s=0.5, backoff_max_s=3.0, jitter=False)
+    assert [fixed.countdown_s(n) for n in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    jittered = RetryPolicy(backoff_s=0.5, backoff_max_s=3.0, jitter=True)
+    rng = random.Random(7)
+    draws = [jittered.countdown_s(2, rng) for _ in range(200)]
+    assert all(0.0 <= d <= 2.0 for d in draws)
+    assert len({round(d, 6) for d in draws}) > 150  # spread out, not one value
+    assert 0.7 < sum(draws) / len(draws) < 1.3   # uniform on [0, 2]: mean 1
+    assert RetryPolicy(backoff_s=0).countdown_s(3) == 0.0
+
+
+def test_retry_policy_reads_celery_task_options() -> None:
+    class Options:
+        autoretry_for = (TransientError,)
+        max_retries = 7
+        retry_backoff = True
+        retry_backoff_max = 30
+        retry_jitter = False
+
+    policy = RetryPolicy.of_task(Options())
+    assert policy == RetryPolicy(autoretry_for=(TransientError,), max_retries=7, backoff_s=1.0,
+                                 backoff_max_s=30.0, jitter=False)
+
+
+# -- retry message ----------------------------------------------------------------------------------
+
+
+def test_retry_message_is_the_same_request_one_retry_later() -> None:
+    raw = task_message("asyncinfer.infer", "rid-1", {"model": "m", "inputs": []}, "infer.m")
+    d = Delivery(raw=raw.encode(), queue="infer.m", received_at=0.0)
+    parse_envelope(d)
+    again = Delivery(raw=retry_message(d, 2.5).encode(), queue="infer.m", received_at=0.0)
+    parse_envelope(again)
+    assert again.request_id == "rid-1"
+    assert again.headers["retries"] == 1
+    assert again.tag != d.tag
+    left = seconds_until(again.headers["eta"])
+    assert left is not None and 0 < left <= 2.5
+    assert json.loads(again.raw)["body"] == json.loads(raw)["body"]
+    third = Delivery(raw=retry_message(again, 0).encode(), queue="infer.m", received_at=0.0)
+    parse_envelope(third)
+    assert third.headers["retries"] == 2
+
+
+# -- time limits ------------------------------------------------------------------------------------
+
+
+def test_time_limits_come_from_the_message_then_the_task_then_the_config() -> None:
+    class Task:
+        time_limit = 30.0
+        soft_time_limit = None
+
+    class Conf:
+        task_time_limit = 99.0
+        task_soft_time_limit = 10.0
+
+    assert time_limits_of([5, 2], Task(), Conf()) == TimeLimits(soft_s=2.0, hard_s=5.0)
+    assert time_limits_of([None, None], Task(), Conf()) == TimeLimits(soft_s=10.0, hard_s=30.0)
+    assert time_limits_of(None, None, None) == TimeLimits()
+    assert not time_limits_of(None, None, None)
+
+
+def test_timer_calls_in_time_order() -> None:
+    timer = Timer()
+    calls: list[str] = []
+    done = threading.Event()
+    timer.call_later(0.2, lambda: (calls.append("late"), done.set()))
+    timer.call_later(0.05, lambda: calls.append("early"))
+    timer.call_later(0.0, lambda: calls.append("now"))
+    assert done.wait(10)
+    assert calls == ["now", "early", "late"]
+    timer.close()

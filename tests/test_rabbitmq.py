@@ -1,0 +1,130 @@
+"""RabbitMQ as the broker (kombu ``amqp://``), Redis as the result backend.
+
+Runs against the RabbitMQ at 127.0.0.1:5672 (guest/guest, vhost ``/``) when one listens there, and
+skips otherwise. ``asyncinfer worker`` runs Celery's stock consumer on an amqp broker. The models are
+the built-ins and ``poison`` under names of this run (``identity_<run>``...), so their queues are
+this run's alone: no leftovers of earlier runs, no other run's worker; they are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from asyncinfer.errors import ModelError
+from asyncinfer.models.builtin import MLP
+from tests.conftest import WorkerProcess, start_worker
+
+pytestmark = pytest.mark.timeout(180)
+
+AMQP_HOST, AMQP_PORT = "127.0.0.1", 5672
+AMQP_URL = f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}//"
+RUN = uuid.uuid4().hex[:8]
+FACTORIES = {"identity": "asyncinfer.models.builtin:Identity", "mlp": "asyncinfer.models.builtin:MLP",
+             "poison": "tests.support_models:Poison"}
+MODEL = {m: f"{m}_{RUN}" for m in FACTORIES}
+MODELS = tuple(MODEL.values())
+
+
+def _rabbitmq_listens() -> bool:
+    try:
+        with socket.create_connection((AMQP_HOST, AMQP_PORT), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _delete_queues(queues: list[str]) -> None:
+    """Delete this run's queues and their exchanges (one never declared is skipped)."""
+    from kombu import Connection
+
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        for name, delete in [(q, d) for q in queues for d in ("queue_delete", "exchange_delete")]:
+            channel = conn.channel()
+            try:
+                getattr(channel, delete)(name)
+            except conn.channel_errors:
+                pass  # NOT_FOUND: never declared; the channel is closed by the server
+            finally:
+                try:
+                    channel.close()
+                except Exception:  # noqa: BLE001 - already closed by the error above
+                    pass
+
+
+@pytest.fixture(scope="module")
+def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    if not _rabbitmq_listens():
+        pytest.skip(f"no RabbitMQ listening on {AMQP_HOST}:{AMQP_PORT}")
+    factories = ",".join(f"{MODEL[m]}={path}" for m, path in FACTORIES.items())
+    try:
+        proc = start_worker(redis_url, tmp_path_factory.mktemp("amqp") / "worker.log",
+                            "--device", "cpu", "--models", ",".join(MODELS), "--concurrency", "8",
+                            "--hostname", f"amqp-{RUN}@%h", ASYNCINFER_BROKER_URL=AMQP_URL,
+                            ASYNCINFER_RESULT_BACKEND=redis_url, ASYNCINFER_MODEL_FACTORIES=factories)
+        try:
+            yield proc
+        finally:
+            proc.stop()
+    finally:
+        _delete_queues([f"infer.{m}" for m in MODELS])
+
+
+@pytest.fixture()
+def amqp_client(amqp_worker: WorkerProcess, redis_url: str) -> Iterator[object]:
+    from asyncinfer.client import Client
+
+    client = Client(broker_url=AMQP_URL, result_backend=redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_the_worker_uses_celerys_consumer_on_amqp(amqp_worker: WorkerProcess) -> None:
+    log = amqp_worker.log()
+    assert "amqp://guest:**@127.0.0.1:5672//" in log
+    assert "fast consumer" not in log.lower()
+
+
+def test_identity_and_mlp_round_trip_exactly(amqp_client) -> None:
+    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+    ints = np.array([[-(2**63), 2**63 - 1]] * 4, np.int64)
+    same = amqp_client.infer(MODEL["identity"], {"x": x, "n": ints}, timeout_s=60)
+    assert same["x"].dtype == np.float32 and same["x"].tobytes() == x.tobytes()
+    assert same["n"].dtype == np.int64 and same["n"].tobytes() == ints.tobytes()
+    packed = amqp_client.infer(MODEL["identity"], {"x": x}, serializer="msgpack", timeout_s=60)
+    assert packed["x"].tobytes() == x.tobytes()
+
+    with torch.no_grad():
+        expected = MLP().forward({"input": torch.from_numpy(x)})["output"].numpy()
+    futures = [amqp_client.submit(MODEL["mlp"], x[i:i + 1]) for i in range(4)]
+    got = np.concatenate([f.result(timeout=60)["output"] for f in futures])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert futures[0].result(timeout=1).parameters["worker"].startswith("amqp-")
+
+
+def test_a_failure_is_a_failure_of_the_right_type(amqp_client) -> None:
+    request_id = "amqp-poison-" + uuid.uuid4().hex
+    future = amqp_client.submit(MODEL["poison"], np.array([[-1.0]], np.float32), request_id=request_id)
+    rule = f"request {request_id}: model '{MODEL['poison']}' raised RuntimeError"
+    with pytest.raises(ModelError, match=rule):
+        future.result(timeout=60)
+    assert future.async_result.state == "FAILURE"
+    assert amqp_client.infer(MODEL["poison"], np.array([[3.0]], np.float32),
+                             timeout_s=60)["output"].tolist() == [[6.0]]
+
+
+def test_status_lists_the_worker_and_the_queue_depths(amqp_client, amqp_worker) -> None:
+    from asyncinfer.status import cluster_status
+
+    status = cluster_status(amqp_client.app, timeout_s=5.0)
+    mine = [w for w in status.workers if w.pid == amqp_worker.pid]
+    assert len(mine) == 1 and sorted(mine[0].models) == sorted(MODELS)
+    assert set(MODELS) <= status.queue_depths.keys()
+    assert all(depth >= 0 for depth in status.queue_depths.values())
