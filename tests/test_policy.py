@@ -29,8 +29,10 @@ from asyncinfer.errors import (
     TransientModelError,
 )
 from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.redis_server import free_port
 from asyncinfer.status import cluster_status
 from tests.conftest import ROOT, WorkerProcess, start_worker, worker_env
+from tests.test_observability import scrape, value
 from tests.test_policy_units import url_with_db
 
 pytestmark = pytest.mark.timeout(180)
@@ -114,12 +116,16 @@ def test_burst_of_ten_times_the_bound_completes_or_is_refused(
 # -- retries: a worker whose flaky model fails on request ---------------------------------------
 
 
+RETRY_METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def retry_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[str, redis.Redis]]:
     url = _fresh_db(redis_url, 11)
     proc = start_worker(url, tmp_path_factory.mktemp("retry") / "worker.log", "--device", "cpu",
                         "--models", "flaky", "--hostname", "retry@%h",
+                        "--metrics-port", str(RETRY_METRICS_PORT),
                         ASYNCINFER_MAX_RETRIES="3", ASYNCINFER_RETRY_BACKOFF_S="0.05",
                         ASYNCINFER_RETRY_BACKOFF_MAX_S="0.2", ASYNCINFER_RETRY_BUDGET_MIN="1000",
                         ASYNCINFER_RESULT_EXPIRES_S="600",
@@ -143,6 +149,9 @@ def test_transient_failures_are_retried_until_success(retry_worker: tuple[str, r
         with pytest.raises(TransientModelError, match=rf"request {always.id}: model 'flaky' raised"):
             always.result(timeout=60)
         assert len(_runs(r, "retry", 2)) == 4
+    samples = scrape(RETRY_METRICS_PORT)
+    assert value(samples, "asyncinfer_inference_retries_total", model="flaky", device="cpu") == 2 + 3
+    assert value(samples, "asyncinfer_inference_request_success_total", model="flaky", device="cpu") == 1
 
 
 def test_model_errors_and_bad_input_are_never_retried(retry_worker: tuple[str, redis.Redis]) -> None:
@@ -217,6 +226,7 @@ def test_retry_storm_stays_within_the_budget(redis_url: str, tmp_path: Path) -> 
             errors = [f.exception(timeout=0) for f in futures]
         runs = {i: _runs(r, "storm", i) for i in range(requests)}
         total = sum(len(v) for v in runs.values())
+        print(f"retry storm: {total} executions for {requests} requests")
         # Without the budget: 6 runs each (600). With it: at most ratio × requests + floor retries.
         assert requests < total <= requests * (1 + ratio) + floor
         assert all(isinstance(e, (RetryBudgetExhausted, TransientModelError)) for e in errors)
@@ -285,3 +295,35 @@ def _wait(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-de
             return value
         time.sleep(0.2)
     raise TimeoutError(f"{what} not seen in {timeout_s} s")
+
+
+# -- the same policy on Celery's stock consumer (ASYNCINFER_CONSUMER=celery) ------------------------
+
+
+def test_stock_celery_consumer_retries_within_budget_and_honours_time_limits(
+        redis_url: str, tmp_path: Path) -> None:
+    url = _fresh_db(redis_url, 9)
+    proc = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "flaky,sleep",
+                        "--hostname", "stock@%h", ASYNCINFER_CONSUMER="celery",
+                        ASYNCINFER_MAX_RETRIES="1", ASYNCINFER_RETRY_BUDGET_MIN="1",
+                        ASYNCINFER_RETRY_BUDGET_RATIO="0", FLAKY_REDIS_URL=url, FLAKY_PREFIX="stock")
+    r = redis.Redis.from_url(url)
+    try:
+        assert "fast consumer" not in proc.log()
+        with Client(broker_url=url) as client:
+            # One transient failure, one retry (Celery's autoretry_for), then success.
+            assert client.infer("flaky", _flaky(1, 1), timeout_s=60)["output"].tolist() == [[1.0, 1.0]]
+            assert len(_runs(r, "stock", 1)) == 2
+            # The budget (ratio 0, floor 1) is spent: the next transient failure fails at once.
+            spent = client.submit("flaky", _flaky(2, 5))
+            with pytest.raises(RetryBudgetExhausted, match=rf"request {spent.id}: not retried after "
+                                                           r"TransientModelError"):
+                spent.result(timeout=60)
+            assert len(_runs(r, "stock", 2)) == 1
+            # Soft time limit on the threads pool, which Celery itself does not enforce there.
+            slow = client.submit("sleep", np.array([[1.0]], np.float32), soft_time_limit_s=0.2)
+            with pytest.raises((SoftTimeLimitExceeded, RetryBudgetExhausted), match=slow.id):
+                slow.result(timeout=60)
+    finally:
+        proc.stop()
+        r.close()

@@ -176,7 +176,9 @@ class FastConsumer:
                 self._log_failure(outcome.delivery, outcome.result)
                 self._count(outcome)
             elif outcome.state == states.RETRY:
-                self.events.finished(outcome.delivery, outcome.state, outcome.result)
+                d = outcome.delivery
+                metrics.count_retry(model_from_queue(d.queue) or d.queue, self.device)
+                self.events.finished(d, outcome.state, outcome.result)
         with self._cond:
             self._in_flight -= len(outcomes)
             self._cond.notify_all()
