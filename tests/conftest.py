@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -22,6 +23,7 @@ from asyncinfer.processes import stop_process
 from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 TEST_FACTORIES = ("sleep=tests.support_models:Sleep,poison=tests.support_models:Poison,"
                   "affine=tests.support_models:make_affine,affine3=tests.support_models:Affine3,"
                   "gated=tests.support_models:Gated,flaky=tests.support_models:Flaky")
@@ -69,6 +71,17 @@ class WorkerProcess:
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_process(self.process, signal.SIGTERM, timeout_s)
         self._log.close()
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Poll ``predicate`` every 0.2 s until it returns something true; return that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not seen in {timeout_s} s")
 
 
 def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:

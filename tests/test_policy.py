@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import wait
@@ -31,7 +30,7 @@ from asyncinfer.errors import (
 from asyncinfer.processes import pid_alive, stop_process
 from asyncinfer.redis_server import free_port
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, WorkerProcess, start_worker, worker_env
+from tests.conftest import ROOT, WorkerProcess, start_worker, wait_for, worker_env
 from tests.test_observability import scrape, value
 from tests.test_policy_units import url_with_db
 
@@ -257,10 +256,10 @@ def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Pa
     started: list[int] = []
     client = Client(broker_url=url)
     try:
-        first = _wait(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
         started += [w.pid for w in first]
         wedge = client.submit("sleep", np.array([[60.0]], np.float32))  # never comes back in time
-        _wait(lambda: _state(client, wedge.id) == "STARTED", 30, "the wedging request started")
+        wait_for(lambda: _state(client, wedge.id) == "STARTED", 30, "the wedging request started")
         behind = [client.submit("sleep", np.array([[0.01 * (i + 1)]], np.float32)) for i in range(5)]
         with pytest.raises(TimeLimitExceeded, match=rf"request {wedge.id}: time limit \(2 s\) "
                                                     r"exceeded on model 'sleep' \(its batch is still"):
@@ -268,7 +267,7 @@ def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Pa
         # The requests held behind it went back to the queue and ran on the new worker process.
         for i, future in enumerate(behind):
             assert future.result(timeout=90)["output"].tolist() == [[pytest.approx(0.01 * (i + 1))]]
-        second = _wait(lambda: [w for w in cluster_status(client.app, 0.5).workers
+        second = wait_for(lambda: [w for w in cluster_status(client.app, 0.5).workers
                                 if w.pid != first[0].pid], 60, "the replacement worker")
         started += [w.pid for w in second]
         assert not pid_alive(first[0].pid)
@@ -286,15 +285,6 @@ def _state(client: Client, request_id: str) -> str:
     raw = client.app.backend.client.get(f"celery-task-meta-{request_id}")
     return json.loads(raw)["status"] if raw else "PENDING"
 
-
-def _wait(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not seen in {timeout_s} s")
 
 
 # -- the same policy on Celery's stock consumer (ASYNCINFER_CONSUMER=celery) ------------------------

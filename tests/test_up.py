@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,19 +16,10 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.processes import pid_alive, stop_process
 from asyncinfer.redis_server import PID_FILE, published_url
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, worker_env
+from tests.conftest import ROOT, wait_for, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not seen in {timeout_s} s")
 
 
 def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> None:
@@ -45,12 +35,12 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
     started: list[int] = []  # every PID `up` started, stopped here by PID whatever happens
     try:
         # Then it starts its embedded Redis and publishes the URL; a client finds it unconfigured
-        url = _wait(lambda: published_url(state), 60, "published broker URL")
+        url = wait_for(lambda: published_url(state), 60, "published broker URL")
         redis_pid = int((state / PID_FILE).read_text())
         started.append(redis_pid)
         client = Client(settings=Settings.from_env(environ={"ASYNCINFER_STATE_DIR": str(tmp_path)}))
         assert client.app.conf.broker_url == url
-        first = _wait(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
         started += [w.pid for w in first]
         assert [w.device for w in first] == ["cpu"] and first[0].models == ["identity"]
         one = client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)
@@ -58,7 +48,7 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
 
         # When the worker dies, the supervisor starts a new one, which serves
         os.kill(first[0].pid, signal.SIGKILL)
-        second = _wait(lambda: [w for w in cluster_status(client.app, 0.5).workers
+        second = wait_for(lambda: [w for w in cluster_status(client.app, 0.5).workers
                                 if w.pid != first[0].pid], 90, "a restarted worker")
         started += [w.pid for w in second]
         two = client.infer("identity", np.array([[2.0]], np.float32), timeout_s=60)
