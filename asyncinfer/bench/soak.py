@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,67 @@ class Sampler(threading.Thread):
             "t_s": round(time.monotonic() - self._began, 1), "completed": self.done[0],
             "worker_rss_kib": rss_kib(self.pid),
             "redis_used_memory_bytes": int(self.client.info("memory")["used_memory"])})
+        s = self.samples[-1]
+        print(f"{s['t_s']:>7} s  {s['completed']:>7} done  worker RSS {s['worker_rss_kib'] / 1024:.1f} MiB",
+              file=sys.stderr, flush=True)
 
     def run(self) -> None:
         while not self._stopping.wait(self.every_s):
             self.sample()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()
+
+
+def where_is(client: redis.Redis, request_id: str, queue: str) -> str:
+    """Where a request without a result lies in Redis: stored, taken, queued, or nowhere."""
+    meta = client.get(f"celery-task-meta-{request_id}")
+    if meta is not None:
+        status = json.loads(meta).get("status")
+        return f"its result is stored ({status}) but the client did not hear of it"
+    key = request_id.encode()
+    if any(key in entry for entry in client.hvals("unacked")):
+        return "taken by a worker, not acknowledged"
+    if any(key in message for message in client.lrange(queue, 0, -1)):
+        return "still in its queue"
+    return "nowhere in Redis: lost"
+
+
+class Watchdog(threading.Thread):
+    """Fails the requests left outstanding when nothing completes for ``stall_s`` seconds,
+    saying where each one lies, so that a soak run that loses requests ends and says so."""
+
+    def __init__(self, client: redis.Redis, queue: str, done: list[int], stall_s: float) -> None:
+        super().__init__(name="soak-watchdog", daemon=True)
+        self.client, self.queue, self.done, self.stall_s = client, queue, done, stall_s
+        self.pending: dict[str, Future[Any]] = {}
+        self.stalled: list[dict[str, str]] = []
+        self._stopping = threading.Event()
+
+    def track(self, future: Future[Any]) -> Future[Any]:
+        request_id = str(getattr(future, "id", ""))
+        self.pending[request_id] = future
+        future.add_done_callback(lambda f: self.pending.pop(request_id, None))
+        return future
+
+    def run(self) -> None:
+        last, since = self.done[0], time.monotonic()
+        while not self._stopping.wait(1.0):
+            if self.done[0] != last or not self.pending:
+                last, since = self.done[0], time.monotonic()
+                continue
+            if time.monotonic() - since < self.stall_s:
+                continue
+            for request_id, future in list(self.pending.items()):
+                where = where_is(self.client, request_id, self.queue)
+                self.stalled.append({"id": request_id, "where": where})
+                try:
+                    future.set_exception(TimeoutError(
+                        f"request {request_id}: no result after {self.stall_s} s without progress; {where}"))
+                except InvalidStateError:
+                    pass  # it finished meanwhile
+            since = time.monotonic()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -105,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=32, help="requests outstanding at once")
     parser.add_argument("--model", default="mlp", choices=["mlp", "identity"])
     parser.add_argument("--sample-every-s", type=float, default=5.0)
+    parser.add_argument("--stall-s", type=float, default=60.0,
+                        help="fail what is outstanding when nothing completes for this long")
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = parser.parse_args(argv)
 
@@ -133,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
             sampler.start()
             cpu_before = worker.cpu_s()
 
+            watchdog = Watchdog(r, queue_for(args.model), done, args.stall_s)
+            watchdog.start()
+
             def count() -> None:
                 done[0] += 1
 
-            load = run_closed_loop("soak", lambda i: client.submit(args.model, x), args.requests,
-                                   args.in_flight, on_done=count)
+            load = run_closed_loop("soak", lambda i: watchdog.track(client.submit(args.model, x)),
+                                   args.requests, args.in_flight, on_done=count)
+            watchdog.stop()
             sampler.stop()
             time.sleep(1.0)  # the last acks
             sampler.sample()
@@ -160,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "worker_cpu_ms_per_request": round(cpu_s * 1000 / max(1, args.requests), 3),
         "worker_rss_kib": {"start": rss[0], "end": rss[-1], "max": max(rss),
                            "growth": rss[-1] - rss[0]},
-        "samples": samples, "redis_before": before, "redis_after": after,
+        "stalled": watchdog.stalled, "samples": samples, "redis_before": before,
+        "redis_after": after,
     }
     print(_table(samples))
     print(f"\n{report['completed']} of {args.requests} completed, {load.failures} failed, "
@@ -168,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
           f"worker CPU {report['worker_cpu_ms_per_request']} ms/req")
     print(f"worker RSS: start {rss[0] / 1024:.1f} MiB, end {rss[-1] / 1024:.1f} MiB, "
           f"max {max(rss) / 1024:.1f} MiB")
+    for stalled in watchdog.stalled:
+        print(f"no result: request {stalled['id']}: {stalled['where']}")
     print(_census_text("Redis before", before))
     print(_census_text("Redis after", after))
     args.out.parent.mkdir(parents=True, exist_ok=True)
