@@ -89,6 +89,9 @@ CASES: dict[str, Case] = {
     "unregistered model": Case(
         {"model": "no-such-model", "inputs": [_fp32("x", [1], [1.0])]}, error=UnknownModel,
         rule=r"model 'no-such-model' is not registered"),
+    "registered model this worker does not host": Case(
+        {"model": "gated", "inputs": [_fp32("index", [1, 1], [1.0], "FP64")]}, error=UnknownModel,
+        rule=r"model 'gated' is not hosted by this worker \(it hosts: identity,"),
     "NaN where the model forbids it": Case(
         {"model": "mlp", "inputs": [_fp32("input", [1, 16], _mlp_row(3, float("nan")))]},
         model="mlp", rule=r"input 'input': NaN and infinite values are not accepted \(element 3 is nan\)"),

@@ -36,6 +36,9 @@ class Run:
     rows: int = 0
     batch_sizes: Counter[int] = field(default_factory=Counter)
     worker_cpu_ms_per_request: float | None = None
+    #: The bench's own process (the client: publishing, result delivery) and Redis.
+    client_cpu_ms_per_request: float | None = None
+    redis_cpu_ms_per_request: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -51,8 +54,9 @@ class Run:
             "p50_ms": round(percentile(lat, 50), 3), "p95_ms": round(percentile(lat, 95), 3),
             "p99_ms": round(percentile(lat, 99), 3),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-            "worker_cpu_ms_per_request": (None if self.worker_cpu_ms_per_request is None
-                                          else round(self.worker_cpu_ms_per_request, 3)),
+            "worker_cpu_ms_per_request": _ms(self.worker_cpu_ms_per_request),
+            "client_cpu_ms_per_request": _ms(self.client_cpu_ms_per_request),
+            "redis_cpu_ms_per_request": _ms(self.redis_cpu_ms_per_request),
         }
 
 
@@ -166,3 +170,7 @@ def direct_call_ms(model: Model, payload: dict[str, Any], calls: int = 200) -> f
             model.postprocess(model.forward(model.preprocess(batch)))
             times.append((time.perf_counter() - began) * 1000.0)
     return percentile(times, 50)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

@@ -12,16 +12,18 @@ __all__ = ["write_report", "markdown"]
 def markdown(doc: dict[str, Any]) -> str:
     """Closed-loop results and the targets as Markdown tables."""
     lines = ["| workload | system | in flight | req/s | p50 ms | p95 ms | p99 ms | mean batch | "
-             "worker CPU ms/req |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "CPU ms/req: worker | client | Redis |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in doc["runs"]:
         if run["mode"] != "closed":
             continue
         sizes = {int(k): v for k, v in run["batch_sizes"].items()}
         mean = sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values()))
-        cpu = run["worker_cpu_ms_per_request"]
+        cpu = " | ".join("" if run.get(k) is None else f"{run[k]:.2f}" for k in (
+            "worker_cpu_ms_per_request", "client_cpu_ms_per_request", "redis_cpu_ms_per_request"))
         lines.append(f"| {run['workload']} | {run['system']} | {int(run['level'])} | "
                      f"{run['throughput_rps']:.1f} | {run['p50_ms']:.2f} | {run['p95_ms']:.2f} | "
-                     f"{run['p99_ms']:.2f} | {mean:.1f} | {'' if cpu is None else f'{cpu:.2f}'} |")
+                     f"{run['p99_ms']:.2f} | {mean:.1f} | {cpu} |")
     if doc.get("limits"):
         lines += ["", "| workload | in-process rows/s by batch size | best |", "|---|---|---:|"]
         for name, rates in doc["limits"].items():

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
 from asyncinfer.bench.report import markdown, write_report
-from asyncinfer.bench.systems import WorkerUnderTest, payload_kwargs, start_system
+from asyncinfer.bench.systems import WorkerUnderTest, payload_kwargs, process_cpu_s, start_system
 from asyncinfer.bench.workloads import WORKLOADS, Workload
 from asyncinfer.client import Client
 from asyncinfer.models.registry import Registry
@@ -56,8 +56,31 @@ def _limit(workload: Workload, duration_s: float) -> tuple[dict[int, float], flo
     return rates, direct_call_ms(model, payload)
 
 
+class _CpuMeter:
+    """CPU seconds spent during one run by the worker, this process (the client) and Redis."""
+
+    def __init__(self, worker: WorkerUnderTest, redis_pid: int | None) -> None:
+        self.worker = worker
+        self.redis_pid = redis_pid
+        self._start = self._now()
+
+    def _now(self) -> tuple[float, float, float | None]:
+        redis = process_cpu_s(self.redis_pid) if self.redis_pid else None
+        return self.worker.cpu_s(), time.process_time(), redis
+
+    def charge(self, run: Run) -> Run:
+        """Set ``run``'s CPU milliseconds per request since this meter started."""
+        end, n = self._now(), max(1, len(run.latencies_ms))
+        run.worker_cpu_ms_per_request = (end[0] - self._start[0]) * 1000 / n
+        run.client_cpu_ms_per_request = (end[1] - self._start[1]) * 1000 / n
+        if end[2] is not None and self._start[2] is not None:
+            run.redis_cpu_ms_per_request = (end[2] - self._start[2]) * 1000 / n
+        return run
+
+
 def _measure(system: str, workload: Workload, client: Client, worker: WorkerUnderTest,
-             levels: list[int], rates: list[float], duration_s: float, bar: tqdm) -> list[Run]:
+             levels: list[int], rates: list[float], duration_s: float, bar: tqdm,
+             redis_pid: int | None = None) -> list[Run]:
     payloads = [payload_kwargs(workload, i) for i in range(64)]
 
     def submit(i: int) -> Any:
@@ -67,18 +90,16 @@ def _measure(system: str, workload: Workload, client: Client, worker: WorkerUnde
         submit(i).result(timeout=120)
     runs = []
     for level in levels:
-        cpu0 = worker.cpu_s()
+        meter = _CpuMeter(worker, redis_pid)
         run = closed_loop(Run(system, workload.name, "closed", level), submit, level, duration_s)
-        run.worker_cpu_ms_per_request = (worker.cpu_s() - cpu0) * 1000 / max(1, len(run.latencies_ms))
-        runs.append(run)
+        runs.append(meter.charge(run))
         bar.update(1)
     best = max(r.throughput for r in runs)
     for fraction in rates:
-        cpu0 = worker.cpu_s()
+        meter = _CpuMeter(worker, redis_pid)
         run = open_loop(Run(system, workload.name, "open", round(best * fraction, 1)), submit,
                         best * fraction, duration_s)
-        run.worker_cpu_ms_per_request = (worker.cpu_s() - cpu0) * 1000 / max(1, len(run.latencies_ms))
-        runs.append(run)
+        runs.append(meter.charge(run))
         bar.update(1)
     return runs
 
@@ -168,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         worker.wait_ready(client.app)
                         runs = _measure(system, workload, client, worker, levels, rates,
-                                        args.duration_s, bar)
+                                        args.duration_s, bar,
+                                        redis.process.pid if redis and redis.process else None)
                         doc["runs"] += [r.summary() for r in runs]
                     finally:
                         worker.stop()

@@ -53,12 +53,17 @@ class WorkerUnderTest:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the worker process so far."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICKS
+        return process_cpu_s(self.process.pid)
 
     def stop(self) -> None:
         stop_process(self.process, signal.SIGTERM, 30)
         self._log.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path,

@@ -90,7 +90,8 @@ class ModelRunner:
         self.timer = timer
         self.on_wedged = on_wedged or _settle_wedged
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
-        # A batch holds a slot from the moment it is formed until its results are on the host.
+        # A batch holds a slot from the moment it is formed until its results are on the host
+        # (postprocess runs after).
         # One slot per instance plus one lets the next batch be preprocessed while the device
         # works, and no more: batches keep forming from what arrives while the device is busy.
         self._slots = threading.Semaphore(opts.instances + 1)
@@ -272,8 +273,9 @@ class ModelRunner:
             if job is None:
                 remaining -= 1
                 continue
-            self._run_stage(job, self._finish)
-            self._slots.release()
+            # The slot is free once the results are on the host: the next batch forms and is
+            # prepared while this one is postprocessed.
+            self._run_stage(job, lambda j: self._finish(j, on_host=self._slots.release))
 
     def _serial_loop(self) -> None:
         self.device.bind_thread()
@@ -306,12 +308,14 @@ class ModelRunner:
             job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
             job.event = self.device.record_event(stream)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:
         try:
             if job.event is not None:
                 job.event.synchronize()
         finally:
             _off_device(job.items)
+            if on_host is not None:
+                on_host()
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
         self._deliver(job.items, outputs, job.started)

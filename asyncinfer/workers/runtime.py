@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncinfer.config.settings import Settings
+from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
 from asyncinfer.protocol import Request, decode_request, encode_tensor
 from asyncinfer.workers.batcher import WorkItem
@@ -59,6 +60,11 @@ class WorkerRuntime:
         runner = self._runners.get(model)
         if runner is not None:
             return runner
+        hosted = self.settings.models
+        if hosted and model not in hosted and model in self.registry.names():
+            who = f"request {request_id}: " if request_id else ""
+            raise UnknownModel(f"{who}model '{model}' is not hosted by this worker "
+                               f"(it hosts: {', '.join(hosted)})")
         with self._lock:
             runner = self._runners.get(model)
             if runner is None:
