@@ -7,7 +7,7 @@ itself; the fast consumer reads them here and applies the same rules, with one d
 backoff is in fractions of a second, where Celery rounds to whole seconds.
 
 Transient (retried): :class:`~asyncinfer.errors.TransientError` (a model may raise it), device
-out-of-memory and device runtime errors (wrapped as
+out-of-memory, device runtime errors and lost connections (wrapped as
 :class:`~asyncinfer.errors.TransientModelError`), Celery's ``SoftTimeLimitExceeded``. Never
 retried: bad input (:class:`~asyncinfer.errors.InvalidRequest`) and other model errors.
 """
@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import torch
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
@@ -29,16 +30,17 @@ __all__ = ["AUTORETRY_FOR", "RetryPolicy", "is_transient", "retry_budget_for"]
 #: What ``asyncinfer.infer`` retries by default.
 AUTORETRY_FOR: tuple[type[BaseException], ...] = (TransientError, SoftTimeLimitExceeded)
 
-#: Device failures that may pass: out of memory, and the accelerator runtime's own errors.
-_DEVICE_TRANSIENT: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+#: Failures that may pass: device out of memory, the accelerator runtime's own errors, and a
+#: lost connection (a model that calls out, a broker or store that went away).
+_TRANSIENT_CAUSES: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
+                ConnectionError, TimeoutError, redis.ConnectionError, redis.TimeoutError)
     if isinstance(t, type))
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a model's exception is worth retrying (see the module documentation)."""
-    return isinstance(exc, TransientError) or (bool(_DEVICE_TRANSIENT)
-                                               and isinstance(exc, _DEVICE_TRANSIENT))
+    return isinstance(exc, (TransientError, *_TRANSIENT_CAUSES))
 
 
 @dataclass(frozen=True)

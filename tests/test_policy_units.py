@@ -148,6 +148,8 @@ def test_device_out_of_memory_is_transient() -> None:
 
     assert is_transient(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_transient(TransientError("try again"))
+    assert is_transient(ConnectionError("connection reset")) and is_transient(TimeoutError())
+    assert is_transient(redis.ConnectionError("broker went away"))
     assert not is_transient(RuntimeError("shape mismatch"))
 
 
