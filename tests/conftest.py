@@ -19,7 +19,7 @@ from typing import TypeVar
 import pytest
 import redis
 
-from asyncinfer.processes import stop_process
+from asyncinfer.processes import pid_alive, stop_process
 from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,15 +73,23 @@ class WorkerProcess:
         self._log.close()
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` every 0.2 s until it returns something true; return that."""
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.2) -> T:
+    """Poll ``predicate`` every ``poll_s`` until it returns something true; return that."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise TimeoutError(f"{what} not seen in {timeout_s} s")
+
+
+def stop_up(up: subprocess.Popen[bytes], started: list[int]) -> None:
+    """Stop an ``asyncinfer up`` by its PID, then SIGKILL every PID it started still alive."""
+    stop_process(up, signal.SIGTERM, 30)
+    for pid in started:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:

@@ -15,19 +15,12 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.redis_server import RedisServer
-from tests.conftest import start_worker
+from tests.conftest import start_worker, wait_for
 
 #: The kill test's broker database on the session Redis (other tests use 0 and 3).
 FAULTS_DB = 7
 VISIBILITY_TIMEOUT_S = "4"
 
-
-def _wait_for(what: str, check, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.02)
 
 
 def _index(i: int) -> dict[str, np.ndarray]:
@@ -56,8 +49,8 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
         # When the gate closes, 120 more arrive, and the worker is stuck in forward with them
         r.set(f"{prefix}:gate", "closed")
         futures += [client.submit("gated", _index(i)) for i in range(30, 150)]
-        _wait_for("the first worker to block in forward", lambda: r.get(f"{prefix}:blocked"))
-        _wait_for("the first worker to take all 120", lambda: r.hlen("unacked") == 120)
+        wait_for(lambda: r.get(f"{prefix}:blocked"), 60, "the first worker to block in forward", poll_s=0.02)
+        wait_for(lambda: r.hlen("unacked") == 120, 60, "the first worker to take all 120", poll_s=0.02)
         # and it is killed with SIGKILL (no shutdown, no acks, nothing restored by it)
         first.process.kill()
         first.process.wait()
@@ -73,7 +66,7 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
         # And each ran exactly once: none lost, none twice
         executions = {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
         assert executions == {i: 1 for i in range(150)}
-        _wait_for("acks of the last results", lambda: r.hlen("unacked") == 0, 30)
+        wait_for(lambda: r.hlen("unacked") == 0, 30, "acks of the last results", poll_s=0.02)
     finally:
         client.close()
         first.stop()
@@ -95,7 +88,7 @@ def test_redis_restarted_under_load_loses_nothing(tmp_path) -> None:
     try:
         values = [0.1 + i / 1000 for i in range(20)]
         futures = [client.submit("sleep", np.array([[v]], np.float32)) for v in values]
-        _wait_for("the first results", lambda: sum(f.done() for f in futures) >= 2)
+        wait_for(lambda: sum(f.done() for f in futures) >= 2, 60, "the first results", poll_s=0.02)
         # When Redis stops (SIGTERM: it writes its append-only file) and starts again on the same
         # port and folder, with neither the worker nor the client restarted
         port = server.port

@@ -4,8 +4,6 @@ time limits, retries within a fleet-wide budget, backpressure, idempotency, key 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -27,10 +25,10 @@ from asyncinfer.errors import (
     RetryBudgetExhausted,
     TransientModelError,
 )
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.processes import pid_alive
 from asyncinfer.redis_server import free_port
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, WorkerProcess, start_worker, wait_for, worker_env
+from tests.conftest import ROOT, WorkerProcess, start_worker, stop_up, wait_for, worker_env
 from tests.test_observability import scrape, value
 from tests.test_policy_units import url_with_db
 
@@ -274,10 +272,7 @@ def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Pa
         assert "exited with 75" in (tmp_path / "up.log").read_text(errors="replace")
     finally:
         client.close()
-        stop_process(up, signal.SIGTERM, 30)
-        for pid in started:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_up(up, started)
         log.close()
 
 

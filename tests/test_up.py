@@ -13,10 +13,10 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.processes import pid_alive
 from asyncinfer.redis_server import PID_FILE, published_url
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, wait_for, worker_env
+from tests.conftest import ROOT, stop_up, wait_for, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,8 +65,5 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
     finally:
         if client is not None:
             client.close()
-        stop_process(up, signal.SIGTERM, 30)
-        for pid in started:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_up(up, started)
         log.close()
