@@ -65,6 +65,13 @@ class Delivery:
     envelope: dict[str, Any] = field(default_factory=dict)
     tag: str = ""
     request_id: str = ""
+    #: The Redis list it came from: the queue's, or one of its priority lists.
+    key: str = ""
+
+    @property
+    def list_key(self) -> str:
+        """Where the message goes back to (a retry, a restore): the list it came from."""
+        return self.key or self.queue
 
     @property
     def headers(self) -> dict[str, Any]:

@@ -12,6 +12,10 @@ __all__ = [
     "model_from_queue",
     "RESULT_KEY_PREFIX",
     "KEY_PREFIX",
+    "PRIORITY_SEP",
+    "PRIORITY_STEPS",
+    "priority_lists",
+    "queue_of_list",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -30,6 +34,22 @@ RESULT_KEY_PREFIX = "celery-task-meta-"
 
 #: Every other key asyncinfer writes in Redis starts with this.
 KEY_PREFIX = "asyncinfer:"
+
+
+#: kombu's Redis transport keeps a queue's messages of priority step 3, 6, 9 in lists named
+#: queue + PRIORITY_SEP + step (step 0: the queue's own list), and serves lower steps first.
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def priority_lists(queues: list[str]) -> list[str]:
+    """The Redis lists of ``queues`` in the order kombu's BRPOP serves them (by step, then queue)."""
+    return [q if step == 0 else f"{q}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS for q in queues]
+
+
+def queue_of_list(key: str) -> str:
+    """The queue a Redis list belongs to (its name without a priority suffix)."""
+    return key.split(PRIORITY_SEP, 1)[0]
 
 
 def queue_for(model: str) -> str:

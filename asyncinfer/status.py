@@ -8,13 +8,10 @@ from typing import Any
 
 from celery import Celery
 
-from asyncinfer.constants import QUEUE_PREFIX, model_from_queue
+from asyncinfer.constants import PRIORITY_SEP, QUEUE_PREFIX, model_from_queue, priority_lists
 
 __all__ = ["WorkerInfo", "ClusterStatus", "cluster_status", "format_status"]
 
-#: kombu's Redis transport keeps priorities 3, 6, 9 in lists named queue + this + priority.
-_PRIORITY_SEP = "\x06\x16"
-_PRIORITIES = (0, 3, 6, 9)
 
 
 @dataclass
@@ -49,11 +46,10 @@ def queue_depths(app: Celery, models: set[str]) -> dict[str, int]:
         client = conn.default_channel.client
         names = {m for k in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000)
                  if (m := model_from_queue(k.decode() if isinstance(k, bytes) else k))
-                 and _PRIORITY_SEP not in m}
+                 and PRIORITY_SEP not in m}
         for model in sorted(models | names):
             queue = QUEUE_PREFIX + model
-            depths[model] = sum(int(client.llen(queue if p == 0 else f"{queue}{_PRIORITY_SEP}{p}"))
-                                for p in _PRIORITIES)
+            depths[model] = sum(int(client.llen(key)) for key in priority_lists([queue]))
     return depths
 
 

@@ -271,3 +271,18 @@ def test_an_unreachable_broker_is_reported_at_once() -> None:
         # error naming the request and the cause
         with pytest.raises(BrokerUnavailable, match=r"request .*: broker unreachable: .*refused"):
             nowhere.submit("identity", np.ones((1, 2), np.float32))
+
+
+def test_requests_sent_with_a_celery_priority_are_served(client, redis_client) -> None:
+    from asyncinfer.constants import PRIORITY_SEP, priority_lists
+
+    payload = {"model": "identity", "inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32",
+                                                "data": [7.0]}]}
+    # kombu files a message of priority 1..9 under a list of its own: the worker must watch those
+    nobody = f"infer.nobody-{uuid.uuid4().hex[:8]}"
+    client.app.send_task("asyncinfer.infer", kwargs=payload, queue=nobody, priority=5)
+    assert [k for k in priority_lists([nobody]) if redis_client.llen(k)] == [f"{nobody}{PRIORITY_SEP}3"]
+    redis_client.delete(*priority_lists([nobody]))
+    results = [client.app.send_task("asyncinfer.infer", kwargs=payload, queue="infer.identity",
+                                    priority=p) for p in (0, 2, 5, 9)]
+    assert [r.get(timeout=60)["outputs"][0]["data"] for r in results] == [[7.0]] * 4

@@ -42,7 +42,7 @@ from asyncinfer.celery_wire import (
     retry_message,
     seconds_until,
 )
-from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked, RetryBudgetExhausted
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.retries import RetryPolicy, retry_budget_for
@@ -74,6 +74,8 @@ class FastConsumer:
         self.app = app
         self.runtime = runtime
         self.queues = list(queues)
+        #: What BRPOP watches: each queue's list and its priority lists, in kombu's order.
+        self._lists = priority_lists(self.queues)
         self.hostname = hostname
         self.max_in_flight = max_in_flight
         self.track_started = track_started
@@ -127,7 +129,7 @@ class FastConsumer:
         try:
             pipe = self.client.pipeline(transaction=True)
             for d in held:
-                pipe.lpush(d.queue, restored_message(d))
+                pipe.lpush(d.list_key, restored_message(d))
                 pipe.zrem(UNACKED_INDEX_KEY, d.tag)
                 pipe.hdel(UNACKED_KEY, d.tag)
             pipe.execute()
@@ -191,7 +193,7 @@ class FastConsumer:
                 room = self._room()
                 if room <= 0:
                     continue
-                reply = self.client.brpop(self.queues, timeout=1)
+                reply = self.client.brpop(self._lists, timeout=1)
                 if reply is None:
                     continue
                 key, first = reply
@@ -205,21 +207,22 @@ class FastConsumer:
             except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
                 log.exception("consumer error; going on")
 
-    def _take(self, queue: str, first: Any, more: int) -> None:
+    def _take(self, key: str, first: Any, more: int) -> None:
         """Record ``first`` and up to ``more`` further waiting messages as taken, then start them.
 
         The first message's bookkeeping rides in the same round trip as the RPOP of the others,
         so a lone request costs one round trip here; the others' bookkeeping takes a second.
         """
         received_at = time.perf_counter()
-        head = self._parse(queue, [first], received_at)
+        queue = queue_of_list(key)
+        head = self._parse(queue, key, [first], received_at)
         pipe = self.client.pipeline(transaction=False)
         if more > 0:
-            pipe.rpop(queue, more)
+            pipe.rpop(key, more)
         results = self._record(pipe, head)
         replies = self._execute(pipe, results, head)
         extra: Any = replies[0] if more > 0 else None
-        rest = self._parse(queue, list(extra or []), received_at)
+        rest = self._parse(queue, key, list(extra or []), received_at)
         if rest:
             pipe = self.client.pipeline(transaction=False)
             results = self._record(pipe, rest)
@@ -253,10 +256,10 @@ class FastConsumer:
                 self._cond.notify_all()
             raise
 
-    def _parse(self, queue: str, raws: list[Any], received_at: float) -> list[Delivery]:
+    def _parse(self, queue: str, key: str, raws: list[Any], received_at: float) -> list[Delivery]:
         deliveries = []
         for raw in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at)
+            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key)
             try:
                 parse_envelope(d)
             except (ValueError, TypeError, AttributeError) as exc:

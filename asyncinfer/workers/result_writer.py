@@ -144,7 +144,7 @@ class ResultWriter:
     def _add(self, results: Any, acks: Any, outcome: Outcome) -> None:
         d = outcome.delivery
         if outcome.retry is not None:
-            acks.lpush(d.queue, outcome.retry)
+            acks.lpush(d.list_key, outcome.retry)
         if d.request_id and outcome.store:
             result = outcome.result
             if isinstance(result, BaseException):
