@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.processes import die_with_parent, pid_alive, stop_process
 
 __all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "published_url", "free_port",
            "supports_tls"]
@@ -98,8 +98,11 @@ class RedisServer:
 
     def __init__(self, data_dir: Path | str, port: int = 0, *, password: str | None = None,
                  acl_users: Sequence[str] = (), tls: TlsFiles | None = None,
-                 appendonly: bool = True, binary: str | None = None, publish: bool = False) -> None:
+                 appendonly: bool = True, binary: str | None = None, publish: bool = False,
+                 die_with_parent: bool = False) -> None:
         self.data_dir = Path(data_dir)
+        #: Stop with the process that started it, even when that one is SIGKILLed (Linux).
+        self.die_with_parent = die_with_parent
         self.port = port or free_port()
         self.password = password
         self.acl_users = list(acl_users)
@@ -141,8 +144,9 @@ class RedisServer:
                          "--tls-cert-file", str(self.tls.cert_file),
                          "--tls-key-file", str(self.tls.key_file),
                          "--tls-ca-cert-file", str(self.tls.ca_file), "--tls-auth-clients", "no"]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent() if self.die_with_parent else None)
         self._wait_ready(timeout_s)
         if self.publish:
             (self.data_dir / PID_FILE).write_text(str(self.process.pid))

@@ -49,7 +49,8 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
             print(f"asyncinfer up: another 'asyncinfer up' serves {published_url(state)}; "
                   f"stop it first", file=sys.stderr)
             return 1
-        redis = RedisServer(state, settings.redis_port, appendonly=True, publish=True).start()
+        redis = RedisServer(state, settings.redis_port, appendonly=True, publish=True,
+                            die_with_parent=True).start()
         url = redis.url
         print(f"asyncinfer up: embedded Redis at {url} (data in {state})", flush=True)
     env = dict(os.environ, ASYNCINFER_BROKER_URL=url)

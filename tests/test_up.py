@@ -67,3 +67,29 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
             client.close()
         stop_up(up, started)
         log.close()
+
+
+def test_children_stop_with_up_even_when_it_is_killed(tmp_path: Path) -> None:
+    # Given `asyncinfer up` with its embedded Redis and one worker
+    env = worker_env("", ASYNCINFER_STATE_DIR=str(tmp_path))
+    del env["ASYNCINFER_BROKER_URL"]
+    log = open(tmp_path / "up.log", "wb")
+    up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
+                           "--models", "identity", "--concurrency", "2"],
+                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    state = tmp_path / "redis"
+    started: list[int] = []
+    try:
+        wait_for(lambda: published_url(state), 60, "published broker URL")
+        started.append(int((state / PID_FILE).read_text()))
+        with Client(settings=Settings.from_env(environ={"ASYNCINFER_STATE_DIR": str(tmp_path)})) as c:
+            started += [w.pid for w in wait_for(lambda: cluster_status(c.app, 0.5).workers, 90,
+                                                "a worker")]
+        # When `up` itself is killed with SIGKILL (no chance to stop anything)
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait(10)
+        # Then its worker and its Redis stop too
+        wait_for(lambda: not any(pid_alive(p) for p in started), 60, "the children gone")
+    finally:
+        stop_up(up, started)
+        log.close()

@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from asyncinfer.processes import die_with_parent
+
 __all__ = ["Supervisor", "Child"]
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ class Supervisor:
         self._stopping = threading.Event()
 
     def _start(self, child: Child) -> None:
+        # A child stops with its supervisor even when that one is SIGKILLed (Linux).
         child.process = subprocess.Popen(list(child.argv), env=dict(child.env) if child.env else None,
+                                         preexec_fn=die_with_parent(),
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
