@@ -243,10 +243,14 @@ def test_retry_storm_stays_within_the_budget(redis_url: str, tmp_path: Path) -> 
 # -- a hard time limit: the wedged worker is replaced, its other requests run elsewhere ---------
 
 
-def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("consumer", "visibility_s"), [("fast", "30"), ("celery", "6")])
+def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Path, consumer: str,
+                                                    visibility_s: str) -> None:
+    # The fast consumer sends the requests it held back at once; on Celery's consumer they stay
+    # unacknowledged and kombu redelivers them after the visibility timeout.
     url = _fresh_db(redis_url, 13)
-    env = worker_env(url, ASYNCINFER_TIME_LIMIT_S="2", ASYNCINFER_VISIBILITY_TIMEOUT_S="30",
-                     ASYNCINFER_MAX_RETRIES="0")
+    env = worker_env(url, ASYNCINFER_TIME_LIMIT_S="2", ASYNCINFER_VISIBILITY_TIMEOUT_S=visibility_s,
+                     ASYNCINFER_MAX_RETRIES="0", ASYNCINFER_CONSUMER=consumer)
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
                            "--models", "sleep", "--concurrency", "4"],

@@ -89,6 +89,9 @@ class ModelRunner:
         self.is_revoked = is_revoked or (lambda request_id: False)
         self.timer = timer
         self.on_wedged = on_wedged or _settle_wedged
+        #: Set once a batch overran its hard time limit on the device: the process is being
+        #: replaced, and the requests still waiting are left to be redelivered, not failed.
+        self.wedged = False
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
         # A batch holds a slot from the moment it is formed until its results are on the host
         # (postprocess runs after).
@@ -171,13 +174,14 @@ class ModelRunner:
             f"'{self.model.name}' ({'on the device' if item.on_device else 'waiting for the device'})"))
 
     def _hard_limit(self, item: WorkItem, limits: TimeLimits) -> None:
-        if not item.on_device and item.future.done():
-            return
+        if not item.on_device and (item.future.done() or self.wedged):
+            return  # answered, or left unanswered for redelivery once the process is replaced
         where = "its batch is still on the device" if item.on_device else "waiting for the device"
         exc = TimeLimitExceeded(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
                                 f"exceeded on model '{self.model.name}' ({where})")
         if item.on_device:  # the device has not come back in time: it is wedged
             log.critical("model %s: %s; the device is wedged", self.model.name, exc)
+            self.wedged = True
             self.on_wedged(item, exc)
         else:
             settle(item.future, exc=exc)
