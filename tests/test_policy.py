@@ -294,12 +294,19 @@ def test_stock_celery_consumer_retries_within_budget_and_honours_time_limits(
     url = _fresh_db(redis_url, 9)
     proc = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "flaky,sleep",
                         "--hostname", "stock@%h", ASYNCINFER_CONSUMER="celery",
+                        ASYNCINFER_MAX_PAYLOAD_BYTES="4096",
                         ASYNCINFER_MAX_RETRIES="1", ASYNCINFER_RETRY_BUDGET_MIN="1",
                         ASYNCINFER_RETRY_BUDGET_RATIO="0", FLAKY_REDIS_URL=url, FLAKY_PREFIX="stock")
     r = redis.Redis.from_url(url)
     try:
         assert "fast consumer" not in proc.log()
         with Client(broker_url=url) as client:
+            # A body over the worker's ASYNCINFER_MAX_PAYLOAD_BYTES is refused before decoding.
+            big = client.submit("flaky", np.zeros((1, 2), np.float64),
+                                parameters={"padding": "x" * 8000})
+            with pytest.raises(InvalidRequest, match=rf"request {big.id}: message body of \d+ bytes "
+                                                     r"is over the limit of 4096 bytes"):
+                big.result(timeout=60)
             # One transient failure, one retry (Celery's autoretry_for), then success.
             assert client.infer("flaky", _flaky(1, 1), timeout_s=60)["output"].tolist() == [[1.0, 1.0]]
             assert len(_runs(r, "stock", 1)) == 2
