@@ -43,6 +43,7 @@ __all__ = [
     "refused_content",
     "payload_too_large",
     "request_id_in",
+    "tag_in",
     "retry_message",
     "restored_message",
 ]
@@ -144,6 +145,17 @@ def payload_too_large(request_id: str, size_bytes: int, limit_bytes: int) -> Inv
 
 #: A request ID in the text of a message that is not valid JSON (a truncated envelope, say).
 _ID_IN_TEXT = re.compile(rb'"(?:id|correlation_id)"\s*:\s*"([A-Za-z0-9][A-Za-z0-9._:@-]{0,199})"')
+
+
+#: A delivery tag in the text of a message, as the take script finds it (kombu's envelope).
+_TAG_IN_TEXT = re.compile(rb'"delivery_tag"\s*:\s*"([^"\\]+)"')
+
+
+def tag_in(raw: bytes | str) -> str:
+    """The delivery tag the text of a (possibly malformed) message names, or ""."""
+    text = raw.encode() if isinstance(raw, str) else bytes(raw)
+    match = _TAG_IN_TEXT.search(text)
+    return match.group(1).decode(errors="replace") if match else ""
 
 
 def request_id_in(raw: bytes | str) -> str:

@@ -16,6 +16,8 @@ __all__ = [
     "PRIORITY_STEPS",
     "priority_lists",
     "queue_of_list",
+    "doorbell_for",
+    "DOORBELL_PREFIX",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -50,6 +52,16 @@ def priority_lists(queues: list[str]) -> list[str]:
 def queue_of_list(key: str) -> str:
     """The queue a Redis list belongs to (its name without a priority suffix)."""
     return key.split(PRIORITY_SEP, 1)[0]
+
+
+#: Our clients ring a queue's doorbell (a one-element list) with every request they push, so a
+#: waiting worker wakes by popping the doorbell, not the request (see workers/take.py).
+DOORBELL_PREFIX = KEY_PREFIX + "doorbell:"
+
+
+def doorbell_for(queue: str) -> str:
+    """The doorbell list of ``queue``."""
+    return DOORBELL_PREFIX + queue
 
 
 def queue_for(model: str) -> str:

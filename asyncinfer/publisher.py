@@ -6,6 +6,8 @@ One Lua script per request, run by Redis atomically:
   result expiry). A second submit of the same ID finds the claim (or the stored result) and
   publishes nothing; the caller gets the first request's future. Generated IDs (UUID4) cannot
   collide and claim nothing;
+- wake-up: it rings the queue's doorbell (a one-element list with a TTL), which waiting workers
+  pop instead of the request itself, so a request never sits in a worker's memory unrecorded;
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
   more; :meth:`Publisher.publish` waits up to ``timeout_s`` for room, then raises QueueFull.
   Nothing is dropped: a request is either on the queue or refused at submit.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from asyncinfer.constants import doorbell_for
 from asyncinfer.errors import QueueFull
 
 __all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CLAIM_PREFIX"]
@@ -23,7 +26,8 @@ __all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CLAIM_PREFIX"]
 CLAIM_PREFIX = "asyncinfer:request:"
 PUBLISHED, DUPLICATE, FULL = 1, 0, -1
 
-# KEYS: queue, claim key, result key. ARGV: message, max queue size (0: none), claim TTL (0: none).
+# KEYS: queue, claim key, result key, the queue's doorbell.
+# ARGV: message, max queue size (0: none), claim TTL (0: none), doorbell TTL.
 # Returns 1 published, 0 already sent, or -(queue length) - 1 when the queue is full.
 _PUBLISH = """
 local claim_ttl = tonumber(ARGV[3])
@@ -37,8 +41,14 @@ if bound > 0 then
 end
 if claim_ttl > 0 then redis.call('SET', KEYS[2], '1', 'EX', claim_ttl) end
 redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('LPUSH', KEYS[4], '1')
+redis.call('LTRIM', KEYS[4], 0, 0)
+redis.call('EXPIRE', KEYS[4], ARGV[4])
 return 1
 """
+
+#: A doorbell outlives no idle period worth waking for (a starting worker looks at its queues).
+DOORBELL_TTL_S = 300
 
 
 class Publisher:
@@ -59,8 +69,9 @@ class Publisher:
         and the request ID was already sent (or its result is stored under ``result_key``).
         Raises QueueFull when the queue stays at ``max_queue_size`` for ``timeout_s``."""
         claim_key = CLAIM_PREFIX + request_id
-        keys = [queue, claim_key, result_key or claim_key]
-        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0]
+        keys = [queue, claim_key, result_key or claim_key, doorbell_for(queue)]
+        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0,
+                DOORBELL_TTL_S]
         deadline = time.monotonic() + max(0.0, timeout_s)
         pause_s = self.poll_s[0]
         while True:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import wait
 
 import numpy as np
 import pytest
@@ -21,6 +22,20 @@ from tests.conftest import start_worker, wait_for
 FAULTS_DB = 7
 VISIBILITY_TIMEOUT_S = "4"
 
+
+
+def _whereabouts(r: redis.Redis, request_ids: list[str], queue: str) -> str:
+    """Where each request is: its stored state, on the queue, or held unacknowledged."""
+    queued = b"".join(r.lrange(queue, 0, -1))
+    unacked = b"".join(r.hvals("unacked"))
+    lines = []
+    for rid in request_ids:
+        meta = r.get(f"celery-task-meta-{rid}")
+        lines.append(f"{rid}: state={meta[:40] if meta else None} queued={rid.encode() in queued} "
+                     f"unacked={rid.encode() in unacked}")
+    keys = sorted(k.decode(errors="replace") for k in r.scan_iter(count=1000)
+                  if not k.startswith(b"celery-task-meta-"))
+    return "requests never answered:\n" + "\n".join(lines) + f"\nother keys: {keys}"
 
 
 def _index(i: int) -> dict[str, np.ndarray]:
@@ -72,6 +87,50 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
         first.stop()
         if second is not None:
             second.stop()
+        r.flushdb()
+        r.close()
+
+
+@pytest.mark.timeout(150)
+def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) -> None:
+    # Given a worker taking a steady stream of requests (the gate open: the model only counts)
+    url = redis_url.rsplit("/", 1)[0] + f"/{FAULTS_DB}"
+    prefix = f"stream-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
+           "GATED_PREFIX": prefix}
+    workers = []
+    client = Client(broker_url=url)
+    try:
+        futures = []
+        for round_ in range(3):
+            workers.append(start_worker(url, tmp_path / f"w{round_}.log", "--device", "cpu",
+                                        "--models", "gated", "--hostname", f"stream{round_}@%h",
+                                        "--concurrency", "8", **env))
+            # When it is killed with SIGKILL in the middle of taking them
+            start = len(futures)
+            futures += [client.submit("gated", _index(i)) for i in range(start, start + 300)]
+            wanted, batch = start + 100, futures[start:]
+            wait_for(lambda: sum(f.done() for f in batch) >= wanted - start, 60,  # noqa: B023
+                     "requests completing", poll_s=0.005)
+            workers[-1].process.kill()
+            workers[-1].process.wait()
+        workers.append(start_worker(url, tmp_path / "last.log", "--device", "cpu", "--models",
+                                    "gated", "--hostname", "stream-last@%h", **env))
+        # Then every request still completes (redelivered after the visibility timeout): none
+        # was taken from its queue without being recorded as unacknowledged
+        wait([*futures], timeout=90)
+        missing = [f.id for f in futures if not f.done()]
+        assert not missing, _whereabouts(r, missing[:5], "infer.gated")
+        for i, f in enumerate(futures):
+            assert f.result(timeout=0)["output"].tolist() == [[float(i)]]
+        executions = {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+        assert set(executions) == set(range(len(futures)))
+    finally:
+        client.close()
+        for w in workers:
+            w.stop()
         r.flushdb()
         r.close()
 

@@ -41,8 +41,16 @@ from asyncinfer.celery_wire import (
     restored_message,
     retry_message,
     seconds_until,
+    tag_in,
 )
-from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
+from asyncinfer.constants import (
+    DOORBELL_PREFIX,
+    TASK_NAME,
+    doorbell_for,
+    model_from_queue,
+    priority_lists,
+    queue_of_list,
+)
 from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked, RetryBudgetExhausted
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.retries import RetryPolicy, retry_budget_for
@@ -52,6 +60,7 @@ from asyncinfer.workers.events import FAILED_FORMAT, TaskEvents
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
 from asyncinfer.workers.runner import Completed
 from asyncinfer.workers.runtime import WorkerRuntime
+from asyncinfer.workers.take import Taker
 from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits, time_limits_of
 
 __all__ = ["FastConsumer", "FastConsumerStep"]
@@ -76,12 +85,16 @@ class FastConsumer:
         self.queues = list(queues)
         #: What BRPOP watches: each queue's list and its priority lists, in kombu's order.
         self._lists = priority_lists(self.queues)
+        #: What an idle consumer waits on: the doorbells our clients ring, then the lists
+        #: themselves (for producers that push without ringing: Celery, redis-cli).
+        self._wake_keys = [doorbell_for(q) for q in self.queues] + self._lists
         self.hostname = hostname
         self.max_in_flight = max_in_flight
         self.track_started = track_started
         self.max_payload_bytes = max_payload_bytes
         self.client = redis.Redis.from_url(app.conf.broker_url, health_check_interval=30)
         self.writer = ResultWriter(app, self.client, self._written)
+        self.taker = Taker(self.client)
         #: Celery task events (Flower); :class:`FastConsumerStep` turns them on with the worker's.
         self.events = TaskEvents(app, hostname, enabled=False)
         self.device = runtime.device.label
@@ -188,17 +201,31 @@ class FastConsumer:
 
     def _run(self) -> None:
         backoff_s = 0.1
+        drained = False
         while not self._stopping.is_set():
             try:
                 room = self._room()
                 if room <= 0:
                     continue
-                reply = self.client.brpop(self._lists, timeout=1)
+                # While messages keep coming, take them atomically with their bookkeeping; wait
+                # (BRPOP) once a take left the queues empty.
+                if not drained:
+                    taken = self.taker.take(self._lists, room)
+                    drained = len(taken) < room
+                    if taken:
+                        self._took(taken)
+                        backoff_s = 0.1
+                        continue
+                drained = False
+                reply = self.client.brpop(self._wake_keys, timeout=1)
                 if reply is None:
                     continue
-                key, first = reply
-                queue = key.decode() if isinstance(key, bytes) else str(key)
-                self._take(queue, first, room - 1)
+                key = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+                if key.startswith(DOORBELL_PREFIX):
+                    continue  # a request is waiting: the next take records it as it pops it
+                # A producer that does not ring: the request came off its queue with the wake-up
+                # and is recorded one round trip later, as kombu records every message.
+                self._take(key, reply[1])
                 backoff_s = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("consumer lost Redis (%s); retrying in %.1f s", exc, backoff_s)
@@ -207,27 +234,33 @@ class FastConsumer:
             except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
                 log.exception("consumer error; going on")
 
-    def _take(self, key: str, first: Any, more: int) -> None:
-        """Record ``first`` and up to ``more`` further waiting messages as taken, then start them.
-
-        The first message's bookkeeping rides in the same round trip as the RPOP of the others,
-        so a lone request costs one round trip here; the others' bookkeeping takes a second.
-        """
+    def _take(self, key: str, first: Any) -> None:
+        """Record ``first`` (popped by BRPOP) as taken, with its STARTED state, then start it."""
         received_at = time.perf_counter()
-        queue = queue_of_list(key)
-        head = self._parse(queue, key, [first], received_at)
+        head = self._parse(queue_of_list(key), key, [first], received_at)
         pipe = self.client.pipeline(transaction=False)
-        if more > 0:
-            pipe.rpop(key, more)
         results = self._record(pipe, head)
-        replies = self._execute(pipe, results, head)
-        extra: Any = replies[0] if more > 0 else None
-        rest = self._parse(queue, key, list(extra or []), received_at)
-        if rest:
-            pipe = self.client.pipeline(transaction=False)
-            results = self._record(pipe, rest)
-            self._execute(pipe, results, rest)
-        deliveries = self._skip_answered(head + rest)
+        self._execute(pipe, results, head)
+        self._start_all(head)
+
+    def _took(self, taken: list[tuple[str, bytes]]) -> None:
+        """Start messages the take script popped and recorded; write their STARTED states."""
+        received_at = time.perf_counter()
+        deliveries: list[Delivery] = []
+        for key, raw in taken:
+            deliveries += self._parse(queue_of_list(key), key, [raw], received_at)
+        pipe = self.client.pipeline(transaction=False)
+        results = self._record(pipe, deliveries, unacked=False)
+        try:
+            pipe.execute()
+            if results is not None:
+                results.execute()
+        except redis.RedisError as exc:  # STARTED is a courtesy; the requests are safely recorded
+            log.warning("could not store STARTED for %d requests (%s)", len(deliveries), exc)
+        self._start_all(deliveries)
+
+    def _start_all(self, taken: list[Delivery]) -> None:
+        deliveries = self._skip_answered(taken)
         runners = [r.batcher for r in self.runtime.runners()]
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()
@@ -276,20 +309,27 @@ class FastConsumer:
         if any (it was never recorded as unacknowledged, so there is nothing to ack); else a log
         line. Either way it is gone from the queue: a malformed message is never redelivered."""
         request_id = d.request_id or request_id_in(d.raw)
+        # The take script may have recorded it as unacknowledged: the answer acknowledges it.
+        d.tag = tag_in(d.raw)
         if not request_id:
             log.error("dropped a malformed message on %s (%s): %.200r", d.queue, exc, d.raw)
+            if d.tag:
+                with self._cond:
+                    self._in_flight += 1
+                self.writer.put(Outcome(d, states.FAILURE, None, store=False))
             return
-        d.request_id, d.tag = request_id, ""
+        d.request_id = request_id
         with self._cond:
             self._in_flight += 1
         self._fail(d, InvalidRequest(f"request {request_id}: the message on {d.queue} is malformed "
                                      f"and was dropped ({type(exc).__name__}: {exc})"), None)
 
-    def _record(self, pipe: Any, deliveries: list[Delivery]) -> Any:
-        """Add kombu's unacked bookkeeping (and STARTED) of ``deliveries`` to ``pipe``; return a
-        separate results pipeline to execute after it when the result backend is elsewhere."""
+    def _record(self, pipe: Any, deliveries: list[Delivery], unacked: bool = True) -> Any:
+        """Add kombu's unacked bookkeeping (unless the take script did it) and STARTED of
+        ``deliveries`` to ``pipe``; return a separate results pipeline to execute after it when
+        the result backend is elsewhere."""
         now = time.time()
-        for d in deliveries:
+        for d in deliveries if unacked else ():
             pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
             pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
         starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
