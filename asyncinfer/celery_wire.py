@@ -260,7 +260,7 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
 def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None = None) -> str:
     """The message that retries ``delivery`` in ``countdown_s`` seconds, as ``Task.retry`` sends
     it: the same body, ``retries`` one more, an ``eta``, a new delivery tag."""
-    envelope = json.loads(json.dumps(delivery.envelope))  # a deep copy of plain JSON
+    envelope = json.loads(delivery.raw)  # a fresh copy of the envelope
     headers = envelope.setdefault("headers", {})
     headers["retries"] = int(headers.get("retries") or 0) + 1
     headers["eta"] = ((now or datetime.now(timezone.utc)) + timedelta(seconds=countdown_s)).isoformat()
@@ -273,7 +273,7 @@ def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None =
 
 def restored_message(delivery: Delivery) -> str:
     """``delivery`` as kombu puts an unacknowledged message back on its queue (``redelivered``)."""
-    envelope = json.loads(json.dumps(delivery.envelope))
+    envelope = json.loads(delivery.raw)
     envelope.setdefault("headers", {})["redelivered"] = True
     info = envelope["properties"].setdefault("delivery_info", {})
     info["redelivered"] = True

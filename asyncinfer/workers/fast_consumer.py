@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import redis
@@ -247,8 +249,9 @@ class FastConsumer:
         """Start messages the take script popped and recorded; write their STARTED states."""
         received_at = time.perf_counter()
         deliveries: list[Delivery] = []
-        for key, raw in taken:
-            deliveries += self._parse(queue_of_list(key), key, [raw], received_at)
+        for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
+            deliveries += self._parse(queue_of_list(key), key, [raw for _, raw in group],
+                                      received_at)
         pipe = self.client.pipeline(transaction=False)
         results = self._record(pipe, deliveries, unacked=False)
         try:

@@ -24,6 +24,7 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, Delivery, result_meta
 from asyncinfer.errors import RetryBudgetExhausted
+from asyncinfer.retries import retry_budget_for
 
 __all__ = ["Outcome", "ResultWriter"]
 
@@ -161,8 +162,6 @@ class ResultWriter:
         retries = [o for o in batch if o.state == states.RETRY]
         if not retries:
             return
-        from asyncinfer.retries import retry_budget_for
-
         budget = retry_budget_for(self.app)
         decision = budget.spend(len(retries))
         for outcome in retries[decision.granted:]:
