@@ -12,12 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncinfer.processes import pid_alive, stop_process
 from asyncinfer.redis_server import RedisServer
@@ -82,6 +85,42 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: fl
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"{what} not seen in {timeout_s} s")
+
+
+def url_with_db(url: str, db: int) -> str:
+    """``url`` pointing at database ``db`` of the same server."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
+
+
+def start_up(env: dict[str, str], log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
+    """Start ``asyncinfer up --devices cpu`` with ``args``, its output going to ``log``."""
+    return subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu", *args],
+                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def embedded_up_env(state_dir: Path) -> dict[str, str]:
+    """Environment for an ``asyncinfer up`` that starts its own Redis in ``state_dir``."""
+    env = worker_env("", ASYNCINFER_STATE_DIR=str(state_dir))
+    del env["ASYNCINFER_BROKER_URL"]
+    return env
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a worker's ``/metrics``: (name, sorted labels) → value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """One sample of :func:`scrape`'s answer (0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def stop_up(up: subprocess.Popen[bytes], started: list[int]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.builtin import MLP
-from tests.conftest import ROOT, worker_env
+from tests.conftest import ROOT, url_with_db, worker_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,7 +213,7 @@ def test_results_go_to_a_separate_result_backend(redis_url, tmp_path) -> None:
     from asyncinfer.config.settings import Settings
     from tests.conftest import start_worker
 
-    backend_url = redis_url.rsplit("/", 1)[0] + "/3"
+    backend_url = url_with_db(redis_url, 3)
     proc = start_worker(redis_url, tmp_path / "w.log", "--device", "cpu", "--models", "split",
                         "--hostname", "split-backend@%h", ASYNCINFER_RESULT_BACKEND=backend_url,
                         ASYNCINFER_MODEL_FACTORIES="split=asyncinfer.models.builtin:Identity",

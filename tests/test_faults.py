@@ -16,7 +16,7 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.redis_server import RedisServer
-from tests.conftest import start_worker, wait_for
+from tests.conftest import start_worker, url_with_db, wait_for
 
 #: The kill test's broker database on the session Redis (other tests use 0 and 3).
 FAULTS_DB = 7
@@ -38,6 +38,18 @@ def _whereabouts(r: redis.Redis, request_ids: list[str], queue: str) -> str:
     return "requests never answered:\n" + "\n".join(lines) + f"\nother keys: {keys}"
 
 
+def _gated_broker(redis_url: str, tag: str) -> tuple[str, str, redis.Redis, dict[str, str]]:
+    """The faults database (emptied), a key prefix for the "gated" model's records, a client of
+    it, and the environment of a worker whose "gated" model counts there."""
+    url = url_with_db(redis_url, FAULTS_DB)
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
+           "GATED_PREFIX": prefix}
+    return url, prefix, r, env
+
+
 def _index(i: int) -> dict[str, np.ndarray]:
     return {"index": np.array([[float(i)]], np.float64)}
 
@@ -46,12 +58,7 @@ def _index(i: int) -> dict[str, np.ndarray]:
 def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tmp_path) -> None:
     # Given a worker for the model "gated" (which counts executions per index in Redis and runs
     # only while the gate is open) on a database of its own, with a 4 s visibility timeout
-    url = redis_url.rsplit("/", 1)[0] + f"/{FAULTS_DB}"
-    prefix = f"faults-{uuid.uuid4().hex[:8]}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
-           "GATED_PREFIX": prefix}
+    url, prefix, r, env = _gated_broker(redis_url, "faults")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "gated-first@%h", **env)
     second = None
@@ -94,12 +101,7 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
 @pytest.mark.timeout(150)
 def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) -> None:
     # Given a worker taking a steady stream of requests (the gate open: the model only counts)
-    url = redis_url.rsplit("/", 1)[0] + f"/{FAULTS_DB}"
-    prefix = f"stream-{uuid.uuid4().hex[:8]}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
-           "GATED_PREFIX": prefix}
+    url, prefix, r, env = _gated_broker(redis_url, "stream")
     workers = []
     client = Client(broker_url=url)
     try:

@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import start_worker
+from tests.conftest import start_worker, url_with_db
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,7 +22,7 @@ def test_two_hosts_share_one_queue(redis_url: str, tmp_path) -> None:
     from asyncinfer.client import Client
 
     # Given two workers on "different hosts" consuming the same infer.sleep queue
-    url = redis_url.rsplit("/", 1)[0] + "/6"
+    url = url_with_db(redis_url, 6)
     workers = []
     try:
         for node in ("a@hostA", "b@hostB"):

@@ -4,8 +4,6 @@ time limits, retries within a fleet-wide budget, backpressure, idempotency, key 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import wait
@@ -28,9 +26,17 @@ from asyncinfer.errors import (
 from asyncinfer.processes import pid_alive
 from asyncinfer.redis_server import free_port
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, WorkerProcess, start_worker, stop_up, wait_for, worker_env
-from tests.test_observability import scrape, value
-from tests.test_policy_units import url_with_db
+from tests.conftest import (
+    WorkerProcess,
+    scrape,
+    start_up,
+    start_worker,
+    stop_up,
+    url_with_db,
+    value,
+    wait_for,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -252,9 +258,7 @@ def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Pa
     env = worker_env(url, ASYNCINFER_TIME_LIMIT_S="2", ASYNCINFER_VISIBILITY_TIMEOUT_S=visibility_s,
                      ASYNCINFER_MAX_RETRIES="0", ASYNCINFER_CONSUMER=consumer)
     log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
-                           "--models", "sleep", "--concurrency", "4"],
-                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = start_up(env, log, "--models", "sleep", "--concurrency", "4")
     started: list[int] = []
     client = Client(broker_url=url)
     try:

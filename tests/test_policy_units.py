@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -21,12 +20,7 @@ from asyncinfer.retries import RetryPolicy, is_transient
 from asyncinfer.retry_budget import RetryBudget
 from asyncinfer.workers.time_limits import TimeLimits, time_limits_of
 from asyncinfer.workers.timer import Timer
-
-
-def url_with_db(url: str, db: int) -> str:
-    """``url`` pointing at database ``db`` of the same server."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
+from tests.conftest import url_with_db
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, task_message
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
 from asyncinfer.workers.take import Taker
-from tests.test_policy_units import url_with_db
+from tests.conftest import url_with_db
 
 
 @pytest.fixture()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.processes import pid_alive
 from asyncinfer.redis_server import PID_FILE, published_url
 from asyncinfer.status import cluster_status
-from tests.conftest import ROOT, stop_up, wait_for, worker_env
+from tests.conftest import embedded_up_env, start_up, stop_up, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,12 +22,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> None:
     # Given `asyncinfer up` with no broker configured and a private state folder
-    env = worker_env("", ASYNCINFER_STATE_DIR=str(tmp_path))
-    del env["ASYNCINFER_BROKER_URL"]
     log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
-                           "--models", "identity", "--concurrency", "4"],
-                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = start_up(embedded_up_env(tmp_path), log, "--models", "identity", "--concurrency", "4")
     state = tmp_path / "redis"
     client = None
     started: list[int] = []  # every PID `up` started, stopped here by PID whatever happens
@@ -71,12 +65,8 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
 
 def test_children_stop_with_up_even_when_it_is_killed(tmp_path: Path) -> None:
     # Given `asyncinfer up` with its embedded Redis and one worker
-    env = worker_env("", ASYNCINFER_STATE_DIR=str(tmp_path))
-    del env["ASYNCINFER_BROKER_URL"]
     log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu",
-                           "--models", "identity", "--concurrency", "2"],
-                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = start_up(embedded_up_env(tmp_path), log, "--models", "identity", "--concurrency", "2")
     state = tmp_path / "redis"
     started: list[int] = []
     try:
