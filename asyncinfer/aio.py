@@ -13,6 +13,8 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
+from asyncinfer.errors import RequestTimeout
+
 if TYPE_CHECKING:
     from asyncinfer.client import Client, InferFuture, InferResponse
 
@@ -59,7 +61,7 @@ async def wait_response(future: asyncio.Future[InferResponse], timeout_s: float 
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except asyncio.TimeoutError:
-        raise TimeoutError(f"request {request_id}: no response within {timeout_s} s") from None
+        raise RequestTimeout(f"request {request_id}: no response within {timeout_s} s") from None
     except asyncio.CancelledError:
         future.cancel()
         raise
@@ -95,5 +97,5 @@ async def as_completed(futures: Iterable[AnyFuture],
             yield await next_done
     except asyncio.TimeoutError:
         pending = sum(1 for f in waiting if not f.done())
-        raise TimeoutError(f"{pending} of {len(waiting)} requests still pending after "
+        raise RequestTimeout(f"{pending} of {len(waiting)} requests still pending after "
                            f"{timeout_s} s") from None

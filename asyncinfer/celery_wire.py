@@ -44,6 +44,9 @@ __all__ = [
     "payload_too_large",
     "request_id_in",
     "tag_in",
+    "valid_request_id",
+    "printable",
+    "MAX_REQUEST_ID_CHARS",
     "retry_message",
     "restored_message",
 ]
@@ -76,7 +79,8 @@ class Delivery:
 
     @property
     def headers(self) -> dict[str, Any]:
-        return self.envelope.get("headers") or {}
+        headers = self.envelope.get("headers")
+        return headers if isinstance(headers, dict) else {}
 
     @property
     def unacked_entry(self) -> str:
@@ -86,10 +90,17 @@ class Delivery:
 
 
 def parse_envelope(delivery: Delivery) -> None:
-    """Fill the envelope, delivery tag and request ID of ``delivery``; ValueError if malformed."""
+    """Fill the envelope, delivery tag and request ID of ``delivery``; ValueError if malformed.
+
+    Any other exception (RecursionError of a deeply nested text, MemoryError, ...) may escape
+    too: the caller treats every exception as "malformed".
+    """
     envelope = json.loads(delivery.raw)
     if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict):
-        raise ValueError("not a kombu message envelope")
+        raise ValueError("not a kombu message envelope (an object with properties)")
+    headers = envelope.get("headers")
+    if headers is not None and not isinstance(headers, dict):
+        raise ValueError(f"message headers must be an object, not {type(headers).__name__}")
     delivery.envelope = envelope
     tag = envelope["properties"].get("delivery_tag")
     if not isinstance(tag, str) or not tag:
@@ -97,6 +108,45 @@ def parse_envelope(delivery: Delivery) -> None:
     delivery.tag = tag
     request_id = delivery.headers.get("id")
     delivery.request_id = request_id if isinstance(request_id, str) else ""
+    if delivery.request_id and not valid_request_id(delivery.request_id):
+        raise ValueError(f"request ID {printable(delivery.request_id)} breaks the rule: 1 to "
+                         f"{MAX_REQUEST_ID_CHARS} printable characters, no whitespace")
+    _check_headers(delivery.headers)
+
+
+def _check_headers(headers: dict[str, Any]) -> None:
+    """ValueError naming the first header of the wrong type (those the worker acts on)."""
+    for name in ("task", "eta", "expires", "parent_id", "root_id"):
+        if headers.get(name) is not None and not isinstance(headers[name], str):
+            raise ValueError(f"header {name!r} must be a string, not {type(headers[name]).__name__}")
+    retries = headers.get("retries")
+    if retries is not None and (type(retries) is not int or retries < 0):
+        raise ValueError(f"header 'retries' must be a whole number >= 0, not {printable(retries)}")
+    limits = headers.get("timelimit")
+    if limits is not None and not (
+            isinstance(limits, list) and len(limits) == 2
+            and all(v is None or (type(v) in (int, float) and v >= 0) for v in limits)):
+        raise ValueError(f"header 'timelimit' must be [hard seconds or null, soft seconds or null], "
+                         f"not {printable(limits)}")
+
+
+#: Longest request ID accepted (a UUID has 36 characters).
+MAX_REQUEST_ID_CHARS = 200
+
+def valid_request_id(request_id: str) -> bool:
+    """Whether ``request_id`` is 1 to 200 printable characters without whitespace or controls."""
+    return (0 < len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()
+            and " " not in request_id)
+
+
+def printable(text: object, limit: int = 200) -> str:
+    """``text`` as it may appear in a log line: control characters and line breaks escaped (so
+    no request can forge a line), cut to ``limit`` characters."""
+    whole = str(text)
+    if whole.isprintable() and len(whole) <= limit:
+        return whole
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in whole[:limit])
+    return shown + ("..." if len(whole) > limit else "")
 
 
 def decode_body(delivery: Delivery, max_body_bytes: int | None = None
@@ -112,9 +162,13 @@ def decode_body(delivery: Delivery, max_body_bytes: int | None = None
     size = len(body) if isinstance(body, (str, bytes)) else 0
     if max_body_bytes is not None and size > max_body_bytes:
         raise payload_too_large(rid, size, max_body_bytes)
-    if (env.get("properties") or {}).get("body_encoding") == "base64" and isinstance(body, str):
-        body = base64.b64decode(body)
     try:
+        if (env.get("properties") or {}).get("body_encoding") == "base64" and isinstance(body, str):
+            try:
+                body = base64.b64decode(body)
+            except ValueError as exc:
+                raise InvalidRequest(f"request {rid}: the message body is not valid base64 (its "
+                                     f"body_encoding): {exc}") from None
         if content_type == _JSON:
             decoded = json.loads(body)
         elif content_type in _MSGPACK:
@@ -122,11 +176,11 @@ def decode_body(delivery: Delivery, max_body_bytes: int | None = None
                                       raw=False)
         else:
             raise refused_content(rid, content_type)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         if isinstance(exc, InvalidRequest):
             raise
         raise InvalidRequest(f"request {rid}: the message body is not valid {content_type} "
-                             f"({type(exc).__name__}: {exc})") from None
+                             f"({type(exc).__name__}: {printable(exc)})") from None
     if not (isinstance(decoded, list) and len(decoded) == 3):
         raise InvalidRequest(f"request {rid}: the message body must be [args, kwargs, embed] "
                              f"(Celery task protocol 2)")

@@ -1,8 +1,9 @@
-"""The ``asyncinfer`` command: up, worker, infer, submit, result, status, config."""
+"""The ``asyncinfer`` command: up, worker, infer, submit, result, status, config, dead."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -117,6 +118,46 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dead(args: argparse.Namespace) -> int:
+    import redis
+
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.dead_letters import DeadLetters
+
+    if args.action == "requeue" and bool(args.request_ids) == bool(args.all):
+        print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)
+        return 2
+    dead = DeadLetters.from_settings(Settings.from_env(broker_url=args.broker_url), args.model)
+    try:
+        if args.action == "list":
+            for _, e in dead.entries():
+                reason = " ".join(e.reason.split())
+                print(f"{e.request_id}  {e.failed_at}  attempts={e.attempts}  {e.reason_type}: {reason}")
+        elif args.action == "show":
+            entry = dead.find(args.request_id)
+            if entry is None:
+                print(f"asyncinfer dead show: request {args.request_id} is not among the dead letters "
+                      f"of model {args.model!r}", file=sys.stderr)
+                return 1
+            print(json.dumps(dataclasses.asdict(entry), indent=2))
+        elif args.action == "requeue":
+            done = dead.requeue(None if args.all else args.request_ids)
+            print(f"requeued {len(done.requeued)}")
+            for request_id in done.not_found:
+                print(f"request {request_id} is not among the dead letters of model {args.model!r}",
+                      file=sys.stderr)
+            for why in done.refused.values():
+                print(why, file=sys.stderr)
+            return 1 if done.not_found or done.refused else 0
+        else:
+            print(f"purged {dead.purge()}")
+    except redis.RedisError as exc:
+        print(f"asyncinfer dead {args.action}: the broker failed ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``asyncinfer`` command."""
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
@@ -167,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="the effective settings (or --table: every variable)")
     p.add_argument("--table", action="store_true", help="print the Markdown table of variables")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("dead", help="dead letters: a model's requests that failed for good")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("list", help="one line per entry: request ID, when, attempts, reason")
+    q.add_argument("model")
+    q = actions.add_parser("show", help="one entry (its message, reason, attempts, worker) as JSON")
+    q.add_argument("model")
+    q.add_argument("request_id")
+    q = actions.add_parser("requeue", help="send entries back to infer.MODEL (retries reset)")
+    q.add_argument("model")
+    q.add_argument("request_ids", nargs="*", metavar="ID")
+    q.add_argument("--all", action="store_true", help="every entry of the model")
+    q = actions.add_parser("purge", help="remove every entry of the model")
+    q.add_argument("model")
+    p.set_defaults(func=cmd_dead)
     return parser
 
 

@@ -23,9 +23,10 @@ from celery.result import AsyncResult
 
 from asyncinfer import aio
 from asyncinfer.celery_app import create_app
-from asyncinfer.celery_wire import task_message
+from asyncinfer.celery_wire import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
+from asyncinfer.connections import is_redis_url, redis_client
 from asyncinfer.constants import (
     CPU_QUEUE,
     POSTPROCESS_TASK,
@@ -34,7 +35,13 @@ from asyncinfer.constants import (
     model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import BrokerUnavailable, InvalidRequest, QueueFull
+from asyncinfer.errors import (
+    AsyncInferError,
+    BrokerRefused,
+    BrokerUnavailable,
+    InvalidRequest,
+    RequestTimeout,
+)
 from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
 from asyncinfer.publisher import CLAIM_PREFIX, Publisher
 from asyncinfer.result_watcher import ResultWatcher
@@ -98,6 +105,21 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         self._client.watcher.unwatch(self.id)
         return super().cancel()
 
+    def result(self, timeout: float | None = None) -> InferResponse:
+        """The response; raises the request's error, or :class:`RequestTimeout` (a
+        ``TimeoutError`` naming the request) when it is not done within ``timeout`` seconds."""
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise RequestTimeout(f"request {self.id}: no result within {timeout:g} s; it may still "
+                                 f"finish (look it up later by its ID)") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise RequestTimeout(f"request {self.id}: not finished within {timeout:g} s") from None
+
     def _settle(self, meta: dict[str, Any]) -> None:
         if self.done():
             return
@@ -140,9 +162,11 @@ class Client:
         # publish), without Celery's per-send machinery; other brokers use send_task.
         broker_url = str(self.app.conf.broker_url)
         self._broker: redis.Redis | None = (
-            redis.Redis.from_url(broker_url, socket_connect_timeout=self.settings.connect_timeout_s)
-            if broker_url.startswith(("redis://", "rediss://", "unix://")) else None)
-        self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s)
+            redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
+            if is_redis_url(broker_url) else None)
+        self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s,
+                                     replicas=self.settings.submit_replicas,
+                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s)
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._bounds: dict[str, int] = {}
@@ -229,27 +253,40 @@ class Client:
         serializer = serializer or self.settings.task_serializer
         claim = request_id is not None  # generated IDs cannot collide
         request_id = request_id or str(uuid.uuid4())
+        if not valid_request_id(request_id):
+            raise InvalidRequest(f"request {printable(request_id)}: a request ID must be 1 to "
+                                 f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
+        try:
+            self._send(future, task, queue, kwargs, claim=claim, serializer=serializer, link=link,
+                       link_error=link_error, expires=expires, timeout_s=timeout_s,
+                       soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s)
+        except BaseException:
+            self.watcher.unwatch(request_id)  # nothing is left waiting for a request not sent
+            raise
+        return future
+
+    def _send(self, future: InferFuture, task: str, queue: str, kwargs: dict[str, Any], *,
+              claim: bool, serializer: str, link: Any, link_error: Any, expires: float | None,
+              timeout_s: float | None, soft_time_limit_s: float | None,
+              time_limit_s: float | None) -> None:
+        request_id = future.id
         if self._broker is None:
             if claim and not self._claim(request_id):
-                return future  # already sent: this future waits for that request
+                return  # already sent: this future waits for that request
             self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
                                serializer=serializer, link=link, link_error=link_error,
                                expires=expires, time_limit=time_limit_s,
                                soft_time_limit=soft_time_limit_s)
-            return future
+            return
         embed = {"callbacks": [dict(link)] if link is not None else None,
                  "errbacks": [dict(link_error)] if link_error is not None else None}
-        try:
-            message = task_message(task, request_id, kwargs, queue, serializer=serializer,
-                                   embed=embed, expires_s=expires,
-                                   kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
-                                   max_body_bytes=self.settings.max_payload_bytes,
-                                   time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s)
-        except InvalidRequest:  # over ASYNCINFER_MAX_PAYLOAD_BYTES: never sent
-            self.watcher.unwatch(request_id)
-            raise
+        message = task_message(task, request_id, kwargs, queue, serializer=serializer,
+                               embed=embed, expires_s=expires,
+                               kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
+                               max_body_bytes=self.settings.max_payload_bytes,
+                               time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s)
         assert self._publisher is not None
         try:
             self._publisher.publish(
@@ -257,13 +294,8 @@ class Client:
                 result_key=self.watcher.key(request_id) if self._results_shared else None,
                 max_queue_size=self._queue_bound(queue),
                 timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
-        except QueueFull:
-            self.watcher.unwatch(request_id)
-            raise
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoPermissionError) as exc:
-            self.watcher.unwatch(request_id)
-            raise BrokerUnavailable(f"request {request_id}: {_broker_error(exc)}") from exc
-        return future
+        except redis.RedisError as exc:
+            raise broker_error(request_id, exc) from exc
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
@@ -357,13 +389,33 @@ class Client:
         self.close()
 
 
-def _broker_error(exc: Exception) -> str:
-    """Why a publish failed, in words: refused credentials or permissions, or no connection."""
+def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
+    """The asyncinfer error for a Redis error that a publish of ``request_id`` met.
+
+    Unreachable, timed out or refused credentials: :class:`BrokerUnavailable`; Redis refusing the
+    write (out of memory, a read-only replica, a missing permission, any other error reply):
+    :class:`BrokerRefused`. A timeout leaves it open whether the request went out.
+    """
+    where = f"request {request_id}: "
     if isinstance(exc, redis.AuthenticationError):
-        return f"broker refused the credentials in the broker URL: {exc}"
-    if isinstance(exc, redis.exceptions.NoPermissionError):
-        return f"broker user lacks a permission (Redis ACL): {exc}"
-    return f"broker unreachable: {exc}"
+        return BrokerUnavailable(where + f"broker refused the credentials in the broker URL: {exc}")
+    if isinstance(exc, redis.TimeoutError):
+        return BrokerUnavailable(where + f"broker did not answer in time ({exc}); the request may "
+                                 "have been sent all the same: submit it again with the same "
+                                 "request_id to have it run once")
+    if isinstance(exc, redis.ConnectionError):
+        return BrokerUnavailable(where + f"broker unreachable: {exc}")
+    # A refusal inside a script comes as a plain ResponseError carrying Redis' error code.
+    said = str(exc)
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in said:
+        return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {exc}")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in said:
+        return BrokerRefused(where + f"broker is out of memory (maxmemory reached) and takes no "
+                             f"writes; not sent: {exc}")
+    if isinstance(exc, redis.exceptions.ReadOnlyError) or "READONLY" in said:
+        return BrokerRefused(where + f"broker is a read-only replica (a failover in progress?); not "
+                             f"sent: {exc}")
+    return BrokerRefused(where + f"broker refused the request ({type(exc).__name__}): {exc}")
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

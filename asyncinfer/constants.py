@@ -16,8 +16,8 @@ __all__ = [
     "PRIORITY_STEPS",
     "priority_lists",
     "queue_of_list",
-    "doorbell_for",
-    "DOORBELL_PREFIX",
+    "DEAD_LETTER_PREFIX",
+    "dead_letter_key",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -54,14 +54,13 @@ def queue_of_list(key: str) -> str:
     return key.split(PRIORITY_SEP, 1)[0]
 
 
-#: Our clients ring a queue's doorbell (a one-element list) with every request they push, so a
-#: waiting worker wakes by popping the doorbell, not the request (see workers/take.py).
-DOORBELL_PREFIX = KEY_PREFIX + "doorbell:"
+#: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
+DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"
 
 
-def doorbell_for(queue: str) -> str:
-    """The doorbell list of ``queue``."""
-    return DOORBELL_PREFIX + queue
+def dead_letter_key(model: str) -> str:
+    """The dead-letter list of ``model`` (see dead_letters.py)."""
+    return DEAD_LETTER_PREFIX + model
 
 
 def queue_for(model: str) -> str:

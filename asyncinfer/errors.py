@@ -15,9 +15,12 @@ __all__ = [
     "RequestRevoked",
     "RequestExpired",
     "BrokerUnavailable",
+    "BrokerRefused",
+    "RequestTimeout",
     "TransientError",
     "TransientModelError",
     "RetryBudgetExhausted",
+    "NotReplicated",
 ]
 
 
@@ -66,6 +69,27 @@ class QueueFull(AsyncInferError):
 
 class BrokerUnavailable(AsyncInferError, ConnectionError):
     """The broker could not be reached in the configured time."""
+
+
+class NotReplicated(AsyncInferError):
+    """A write reached the Redis master, but fewer replicas than ``ASYNCINFER_SUBMIT_REPLICAS``
+    confirmed it in time: a failover now could lose it. A request submitted with a ``request_id``
+    may be submitted again safely (the second is recognised as the first).
+
+    Attributes: ``confirmed`` and ``required`` replicas.
+    """
+
+    def __init__(self, message: str, *, confirmed: int = 0, required: int = 0) -> None:
+        super().__init__(message)
+        self.confirmed, self.required = confirmed, required
+
+
+class BrokerRefused(AsyncInferError):
+    """The broker answered but refused the request: out of memory, read-only, not permitted."""
+
+
+class RequestTimeout(AsyncInferError, TimeoutError):
+    """No result within the time a caller waited; the request itself may still finish."""
 
 
 class RequestRevoked(AsyncInferError):

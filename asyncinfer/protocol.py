@@ -311,7 +311,9 @@ def output_to_torch(output: Mapping[str, Any]) -> torch.Tensor:
 
 
 #: ``parameters["stage"]`` of a request that a ``asyncinfer.preprocess`` task already prepared:
-#: the device runs only the model's forward, and ``asyncinfer.postprocess`` finishes it.
+#: the device runs only the model's forward, and ``asyncinfer.postprocess`` finishes it. Any
+#: producer can set it, so it switches no check off: the device checks the tensors against what
+#: the forward takes (:meth:`Model.validate_forward`).
 FORWARD_STAGE = "forward"
 
 

@@ -3,14 +3,16 @@
 One Lua script per request, run by Redis atomically:
 
 - idempotency: a request sent with a caller-chosen ID claims ``asyncinfer:request:<id>`` (TTL: the
-  result expiry). A second submit of the same ID finds the claim (or the stored result) and
-  publishes nothing; the caller gets the first request's future. Generated IDs (UUID4) cannot
-  collide and claim nothing;
-- wake-up: it rings the queue's doorbell (a one-element list with a TTL), which waiting workers
-  pop instead of the request itself, so a request never sits in a worker's memory unrecorded;
+  result expiry; the claim holds the queue it went to). A second submit of the same ID to the same
+  queue finds the claim (or the stored result) and publishes nothing; the caller gets the first
+  request's future. The same ID sent to another queue (another model) is refused with
+  InvalidRequest: its answer would be the first model's. Generated IDs (UUID4) cannot collide and
+  claim nothing;
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
   more; :meth:`Publisher.publish` waits up to ``timeout_s`` for room, then raises QueueFull.
   Nothing is dropped: a request is either on the queue or refused at submit.
+
+Idle workers wake without popping (workers/wake.py), so the push is all a producer does.
 """
 
 from __future__ import annotations
@@ -18,37 +20,37 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from asyncinfer.constants import doorbell_for
-from asyncinfer.errors import QueueFull
+from asyncinfer.connections import require_replicas
+from asyncinfer.errors import InvalidRequest, QueueFull
 
 __all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CLAIM_PREFIX"]
 
 CLAIM_PREFIX = "asyncinfer:request:"
-PUBLISHED, DUPLICATE, FULL = 1, 0, -1
+PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
-# KEYS: queue, claim key, result key, the queue's doorbell.
-# ARGV: message, max queue size (0: none), claim TTL (0: none), doorbell TTL.
-# Returns 1 published, 0 already sent, or -(queue length) - 1 when the queue is full.
+# KEYS: queue, claim key, result key.
+# ARGV: message, max queue size (0: none), claim TTL (0: none).
+# Returns {1} published, {0} already sent to this queue, {-1, queue length} when the queue is full,
+# {-2, other queue} when the ID was sent to another queue.
 _PUBLISH = """
 local claim_ttl = tonumber(ARGV[3])
-if claim_ttl > 0 and (redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 1) then
-  return 0
+if claim_ttl > 0 then
+  local claimed = redis.call('GET', KEYS[2])
+  if claimed then
+    if claimed ~= KEYS[1] and claimed ~= '1' then return {-2, claimed} end
+    return {0}
+  end
+  if redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
 end
 local bound = tonumber(ARGV[2])
 if bound > 0 then
   local depth = redis.call('LLEN', KEYS[1])
-  if depth >= bound then return -depth - 1 end
+  if depth >= bound then return {-1, depth} end
 end
-if claim_ttl > 0 then redis.call('SET', KEYS[2], '1', 'EX', claim_ttl) end
+if claim_ttl > 0 then redis.call('SET', KEYS[2], KEYS[1], 'EX', claim_ttl) end
 redis.call('LPUSH', KEYS[1], ARGV[1])
-redis.call('LPUSH', KEYS[4], '1')
-redis.call('LTRIM', KEYS[4], 0, 0)
-redis.call('EXPIRE', KEYS[4], ARGV[4])
-return 1
+return {1}
 """
-
-#: A doorbell outlives no idle period worth waking for (a starting worker looks at its queues).
-DOORBELL_TTL_S = 300
 
 
 class Publisher:
@@ -57,8 +59,12 @@ class Publisher:
     #: Between two looks at a full queue (seconds): from the first to the last.
     poll_s = (0.002, 0.05)
 
-    def __init__(self, client: Any, *, claim_ttl_s: float) -> None:
+    def __init__(self, client: Any, *, claim_ttl_s: float, replicas: int = 0,
+                 replicas_timeout_s: float = 1.0) -> None:
         self.client = client
+        #: ASYNCINFER_SUBMIT_REPLICAS: a publish returns once this many replicas hold it.
+        self.replicas = replicas
+        self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
 
@@ -69,17 +75,25 @@ class Publisher:
         and the request ID was already sent (or its result is stored under ``result_key``).
         Raises QueueFull when the queue stays at ``max_queue_size`` for ``timeout_s``."""
         claim_key = CLAIM_PREFIX + request_id
-        keys = [queue, claim_key, result_key or claim_key, doorbell_for(queue)]
-        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0,
-                DOORBELL_TTL_S]
+        keys = [queue, claim_key, result_key or claim_key]
+        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0]
         deadline = time.monotonic() + max(0.0, timeout_s)
         pause_s = self.poll_s[0]
         while True:
-            reply = int(self._publish(keys=keys, args=args))
-            if reply >= 0:
-                return reply
+            reply = self._publish(keys=keys, args=args)
+            status = int(reply[0])
+            if status >= 0:
+                if self.replicas:  # also for DUPLICATE: the first send may not be replicated yet
+                    require_replicas(self.client, self.replicas, self.replicas_timeout_ms,
+                                     f"request {request_id}")
+                return status
+            if status == CONFLICT:
+                other = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+                raise InvalidRequest(f"request {request_id}: this request ID was already sent to "
+                                     f"queue {other}; an ID names one request (for one model), so "
+                                     f"it cannot be sent to {queue}")
             if time.monotonic() >= deadline:
-                depth = -reply - 1
+                depth = int(reply[1])
                 raise QueueFull(f"request {request_id}: queue {queue} holds {depth} requests, at its "
                                 f"bound (max_queue_size {max_queue_size}); not accepted"
                                 + (f" after waiting {timeout_s:g} s" if timeout_s > 0 else ""))

@@ -33,6 +33,9 @@ Callback = Callable[[dict[str, Any]], None]
 class ResultWatcher:
     """Delivers each watched request's final result meta to its callback, once."""
 
+    #: How long the rest of a message that has begun to arrive may take (seconds).
+    read_timeout_s = 30.0
+
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self._client: redis.Redis = backend.client
@@ -101,9 +104,14 @@ class ResultWatcher:
         pubsub.subscribe("asyncinfer:watcher")  # opens the connection
         while not self._closed:
             finished = self._subscribe_new(pubsub)
-            # None only when nothing is buffered or readable (subscribe replies are messages too),
-            # so the select below never sleeps on data already read.
-            while (message := pubsub.get_message(timeout=0)) is not None:
+            # Read while anything is buffered or readable (subscribe replies are messages too),
+            # so the select below never sleeps on data already read. Once a message has begun to
+            # arrive, the rest of it may take a while (a large result): read it with a real
+            # timeout, not the zero one that only asks whether something is there.
+            while pubsub.connection.can_read(timeout=0):
+                message = pubsub.get_message(timeout=self.read_timeout_s)
+                if message is None:
+                    break
                 if message.get("type") == "message" and self._deliver_payload(message["data"]):
                     finished.append(message["channel"])
             if finished:

@@ -63,6 +63,7 @@ class Affine3(Model):
 
     name = "affine3"
     inputs = {"input": InputSpec(("FP32",), (1,))}
+    forward_inputs = {"prepared": InputSpec(("FP32",), (1,), allow_nonfinite=False)}
 
     def preprocess(self, batch: Batch) -> Batch:
         return {"prepared": batch["input"] + 1}

@@ -44,16 +44,18 @@ def test_take_pops_in_priority_order_and_records_each_message(broker) -> None:
     taken = Taker(r).take(lists, 3)
 
     # kombu serves the step-0 list first, oldest first; three at most
-    ids = [json.loads(raw)["headers"]["id"] for _, raw in taken]
-    assert ids == ["base-0", "base-1", "base-2"] and {k for k, _ in taken} == {queue}
-    for _, raw in taken:
+    ids = [json.loads(raw)["headers"]["id"] for _, raw, _ in taken]
+    assert ids == ["base-0", "base-1", "base-2"] and {k for k, _, _ in taken} == {queue}
+    assert all(recorded for _, _, recorded in taken)
+    for _, raw, _ in taken:
         tag = json.loads(raw)["properties"]["delivery_tag"]
         envelope, exchange, routing_key = json.loads(r.hget(UNACKED_KEY, tag))
         assert envelope == json.loads(raw) and (exchange, routing_key) == ("", queue)
         assert r.zscore(UNACKED_INDEX_KEY, tag) == pytest.approx(time.time(), abs=60)
     rest = Taker(r).take(lists, 10)
-    assert [k for k, _ in rest] == [queue, f"{queue}{PRIORITY_SEP}3"]
-    assert rest[0][1] == b"{not a kombu envelope"  # popped, answered by the consumer, not recorded
+    assert [k for k, _, _ in rest] == [queue, f"{queue}{PRIORITY_SEP}3"]
+    # popped, answered by the consumer, not recorded
+    assert rest[0][1:] == (b"{not a kombu envelope", False) and rest[1][2] is True
     assert r.hlen(UNACKED_KEY) == 4 and not any(r.llen(k) for k in lists)
 
 
@@ -62,7 +64,7 @@ def test_kombu_restores_what_the_take_recorded(broker) -> None:
     queue = "infer.m"
     original = _message("restore-me", queue)
     r.lpush(queue, original)
-    [(_, raw)] = Taker(r).take(priority_lists([queue]), 5)
+    [(_, raw, _)] = Taker(r).take(priority_lists([queue]), 5)
     assert r.llen(queue) == 0
 
     # A worker died holding it: kombu's own sweep (visibility timeout 0) puts it back.
@@ -74,3 +76,76 @@ def test_kombu_restores_what_the_take_recorded(broker) -> None:
     assert restored["headers"]["id"] == "restore-me" and restored["headers"]["redelivered"] is True
     assert restored["body"] == json.loads(original)["body"]
     assert r.hlen(UNACKED_KEY) == 0 and r.zcard(UNACKED_INDEX_KEY) == 0
+
+
+def _tagged(envelope: dict) -> str:
+    return json.dumps(envelope)
+
+
+HOSTILE = [
+    ("headers a list", _tagged({"body": "e30=", "headers": [1, 2],
+                                "properties": {"delivery_tag": "t-list"}})),
+    ("headers a string", _tagged({"body": "e30=", "headers": "x",
+                                  "properties": {"delivery_tag": "t-str"}})),
+    ("properties missing", _tagged({"body": "e30=", "headers": {"id": "x"}})),
+    ("delivery tag a number", _tagged({"body": "e30=", "properties": {"delivery_tag": 7}})),
+    ("nested 100,000 deep in headers",
+     '{"body": "e30=", "headers": {"x": ' + "[" * 100_000 + "]" * 100_000
+     + '}, "properties": {"delivery_tag": "t-deep"}}'),
+    ("nested 20 deep (over 16)", _tagged({"body": "e30=", "headers": {"x": json.loads("[" * 20 + "]" * 20)},
+                               "properties": {"delivery_tag": "t-20"}})),
+    ("not JSON", '{"body": "e30=", "properties": {"delivery_tag": "t-trunc"'),
+]
+
+
+@pytest.mark.parametrize("name, raw", HOSTILE)
+def test_take_records_no_malformed_envelope(broker, name, raw) -> None:
+    """What kombu's restore sweep could not load never enters its bookkeeping: such a message is
+    popped (the consumer answers it) but not recorded."""
+    _, r = broker
+    queue = "infer.m"
+    r.lpush(queue, raw)
+    r.lpush(queue, _message("good", queue))
+
+    taken = Taker(r).take(priority_lists([queue]), 5)
+
+    assert [recorded for _, _, recorded in taken] == [False, True], name
+    assert r.hlen(UNACKED_KEY) == 1 and r.zcard(UNACKED_INDEX_KEY) == 1
+    [entry] = r.hvals(UNACKED_KEY)
+    assert json.loads(entry)[0]["headers"]["id"] == "good"
+
+
+def test_take_keeps_a_body_that_is_not_base64(broker) -> None:
+    """A producer that sends its body as an escaped JSON string (not base64) is still taken."""
+    _, r = broker
+    queue = "infer.m"
+    envelope = json.loads(_message("plain-body", queue))
+    envelope["body"] = json.dumps([[], {"model": "m", "say": "a \"quoted\" word"}, {}])
+    envelope["properties"]["body_encoding"] = "utf-8"
+    r.lpush(queue, json.dumps(envelope))
+
+    [(_, raw, recorded)] = Taker(r).take(priority_lists([queue]), 5)
+
+    assert recorded and json.loads(raw) == envelope
+    stored, _, routing_key = json.loads(r.hget(UNACKED_KEY, envelope["properties"]["delivery_tag"]))
+    assert stored == envelope and routing_key == queue
+
+
+def test_kombu_sweep_survives_whatever_the_take_recorded(broker) -> None:
+    """kombu's restore sweep (run by every worker) loads every recorded entry: after taking each
+    hostile message (and one of invalid UTF-8, which kombu reads with replacement characters), a
+    sweep with visibility timeout 0 puts back exactly the recorded ones and raises nothing."""
+    url, r = broker
+    queue = "infer.m"
+    for _, raw in HOSTILE:
+        r.lpush(queue, raw)
+    r.lpush(queue, b'{"body": "e30=", "properties": {"delivery_tag": "t-\xff\xfe"}}')
+    r.lpush(queue, _message("good", queue))
+    taken = Taker(r).take(priority_lists([queue]), 50)
+    recorded = [raw for _, raw, rec in taken if rec]
+    assert len(taken) == len(HOSTILE) + 2 and len(recorded) == 2  # the UTF-8 one and the good one
+
+    app = create_app(Settings(broker_url=url, visibility_timeout_s=0.0))
+    with app.connection_for_write() as conn:
+        conn.default_channel.qos.restore_visible(num=100)
+    assert r.llen(queue) == 2 and r.hlen(UNACKED_KEY) == 0

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from asyncinfer.config.settings import Settings
+from asyncinfer.connections import is_sentinel_url, normalized_url, sentinel_kwargs
 
 __all__ = ["celery_config", "ACCEPT_CONTENT", "redis_ssl_options"]
 
@@ -38,6 +39,18 @@ def redis_ssl_options(url: str) -> dict[str, Any] | None:
     return options
 
 
+def _with_sentinel(transport: dict[str, Any], url: str, settings: Settings) -> dict[str, Any]:
+    """``transport`` plus, for a ``sentinel://`` URL, the master's name and the Sentinels' own
+    connection arguments, as kombu's Sentinel transport and Celery's SentinelBackend read them."""
+    options = dict(transport)
+    if is_sentinel_url(url):
+        options["master_name"] = settings.sentinel_master
+        own = sentinel_kwargs(settings)
+        if own:
+            options["sentinel_kwargs"] = own
+    return options
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Return the Celery settings for ``settings``: safe serializers, late acks, expiry."""
     # kombu sweeps for unacknowledged messages older than the visibility timeout only every
@@ -47,15 +60,16 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                  "unacked_restore_throttle": 1,
                  # a sweeper killed mid-sweep must not block every other sweep for 5 minutes
                  "unacked_mutex_expire": 30}
-    broker_url, backend_url = settings.resolved_broker_url(), settings.resolved_result_backend()
+    broker_url = normalized_url(settings.resolved_broker_url())
+    backend_url = normalized_url(settings.resolved_result_backend())
     broker_tls, backend_tls = redis_ssl_options(broker_url), redis_ssl_options(backend_url)
     return {
         **({"broker_use_ssl": broker_tls} if broker_tls else {}),
         **({"redis_backend_use_ssl": backend_tls} if backend_tls else {}),
         "broker_url": broker_url,
         "result_backend": backend_url,
-        "broker_transport_options": transport,
-        "result_backend_transport_options": dict(transport),
+        "broker_transport_options": _with_sentinel(transport, broker_url, settings),
+        "result_backend_transport_options": _with_sentinel(transport, backend_url, settings),
         "broker_connection_retry_on_startup": True,
         "broker_connection_timeout": settings.connect_timeout_s,
         "task_serializer": settings.task_serializer,

@@ -7,6 +7,8 @@
 ``instances`` (its ``instance_group.count``), ``max_queue_size`` (its queue policy's bound,
 checked when a client submits); ``pipelined`` runs preprocess, device and postprocess
 of successive batches in parallel (False: one after another in one thread).
+``dead_letter`` keeps each request of the model that fails for good in ``asyncinfer:dead:<model>``
+(at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class ModelOptions:
     #: Requests waiting in ``infer.<model>`` at most (Triton's ``max_queue_size``): a client's
     #: ``submit`` waits up to its ``timeout_s`` for room, then raises QueueFull. 0: no bound.
     max_queue_size: int = 0
+    #: Keep requests that failed for good in ``asyncinfer:dead:<model>`` (see dead_letters.py).
+    dead_letter: bool = False
+    #: The newest this many are kept; older ones are trimmed away.
+    dead_letter_max_entries: int = 10000
+    #: The list expires this long after its newest entry (7 days); 0: never.
+    dead_letter_ttl_s: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -41,6 +49,14 @@ class ModelOptions:
             raise ValueError(f"max_delay_ms must be a finite number >= 0, got {self.max_delay_ms!r}")
         if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
+        if not isinstance(self.dead_letter, bool):
+            raise ValueError(f"dead_letter must be true or false, got {self.dead_letter!r}")
+        max_entries, ttl_s = self.dead_letter_max_entries, self.dead_letter_ttl_s
+        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
+            raise ValueError(f"dead_letter_max_entries must be an integer >= 1, got {max_entries!r}")
+        if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
+                and math.isfinite(ttl_s) and ttl_s >= 0):
+            raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"instances must be an integer >= 1, got {self.instances!r}")
         for size in self.preferred_batch_sizes:

@@ -37,11 +37,30 @@ class Settings:
 
     broker_url: str = _setting(
         "", "ASYNCINFER_BROKER_URL",
-        "Broker URL (`redis://`, `rediss://`, `amqp://`). Unset: the URL that `asyncinfer up` "
-        f"published in the state dir, else `{DEFAULT_BROKER_URL}`.")
+        "Broker URL (`redis://`, `rediss://`, `unix://`, `sentinel://`, `amqp://`). Unset: the URL "
+        f"that `asyncinfer up` published in the state dir, else `{DEFAULT_BROKER_URL}`. Redis "
+        "Sentinel: Celery's `sentinel://[:password@]host:port;sentinel://host:port/db` (the "
+        "password is the master's; the database may stand in any entry).")
     result_backend: str = _setting(
         "", "ASYNCINFER_RESULT_BACKEND",
-        "Result backend URL (Redis). Unset: the broker URL when it is a Redis URL.")
+        "Result backend URL (Redis, or `sentinel://` as for the broker). Unset: the broker URL when "
+        "it is a Redis URL.")
+    sentinel_master: str = _setting(
+        "mymaster", "ASYNCINFER_SENTINEL_MASTER",
+        "Name of the master the Sentinels of a `sentinel://` URL watch (Celery's `master_name`); "
+        "clients and workers follow it to the promoted replica after a failover.")
+    sentinel_password: str = _setting(
+        "", "ASYNCINFER_SENTINEL_PASSWORD",
+        "Password of the Sentinels themselves (Celery's `sentinel_kwargs`); the master's goes in the "
+        "URL. Unset: the Sentinels need none.")
+    submit_replicas: int = _setting(
+        0, "ASYNCINFER_SUBMIT_REPLICAS",
+        "Replicas that must confirm a submit, and the result write that acknowledges a request, "
+        "before either counts as done (Redis `WAIT`); fewer in time: the submit raises "
+        "`NotReplicated`, the worker logs it. 0: do not wait (a failover may lose the last writes).")
+    submit_replicas_timeout_s: float = _setting(
+        1.0, "ASYNCINFER_SUBMIT_REPLICAS_TIMEOUT_S",
+        "How long one write waits for the replicas that the setting above asks for.")
     visibility_timeout_s: float = _setting(
         3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
         "Seconds before an unacknowledged request is redelivered to another worker (Redis broker).")
@@ -126,7 +145,8 @@ class Settings:
         "JSON object of model → batching options overriding the model's defaults: "
         "`max_batch_size`, `max_delay_ms`, `preferred_batch_sizes`, `instances`, `pipelined`, "
         "`max_queue_size` (requests waiting in the model's queue at most, checked at submit; 0: no "
-        "bound); "
+        "bound), `dead_letter` (keep requests that fail for good in `asyncinfer:dead:<model>`), "
+        "`dead_letter_max_entries` (10000), `dead_letter_ttl_s` (7 days; 0: never expire); "
         "key `\"*\"` applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(
@@ -167,9 +187,12 @@ class Settings:
         for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_retries", "retry_budget_min"):
+        for name in ("max_retries", "retry_budget_min", "submit_replicas"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.submit_replicas and not self.submit_replicas_timeout_s > 0:
+            raise ValueError("submit_replicas_timeout_s must be > 0 when submit_replicas is set "
+                             f"(WAIT 0 would wait forever), got {self.submit_replicas_timeout_s!r}")
         if self.retry_budget_window_s <= 0:
             raise ValueError(f"retry_budget_window_s must be > 0, got {self.retry_budget_window_s!r}")
         if 0 < self.visibility_timeout_s <= self.time_limit_s:
@@ -178,7 +201,8 @@ class Settings:
                 f"({self.visibility_timeout_s}): a request still running would be redelivered")
         for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s",
                      "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
-                     "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s"):
+                     "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
+                     "submit_replicas_timeout_s"):
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
@@ -211,7 +235,9 @@ class Settings:
         if self.result_backend:
             return self.result_backend
         broker = self.resolved_broker_url()
-        if broker.startswith(("redis://", "rediss://", "unix://")):
+        from asyncinfer.connections import is_redis_url
+
+        if is_redis_url(broker):
             return broker
         raise ValueError(
             f"ASYNCINFER_RESULT_BACKEND must be set when the broker is not Redis (broker: {broker})")

@@ -74,6 +74,9 @@ class Model:
     batchable: bool = True
     #: Declared inputs; None means any names, datatypes and shapes.
     inputs: Mapping[str, InputSpec] | None = None
+    #: Declared inputs of :meth:`forward` for a model with its own :meth:`preprocess` (what the
+    #: forward stage of the cross-worker pipeline accepts); None: that model serves no forward stage.
+    forward_inputs: Mapping[str, InputSpec] | None = None
     #: Default batching options; configuration (ASYNCINFER_MODEL_OPTIONS) overrides them.
     options: ModelOptions = ModelOptions()
 
@@ -82,22 +85,26 @@ class Model:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest when ``request`` does not fit the declared inputs."""
-        if self.inputs is None:
+        if self.inputs is not None:
+            _check_inputs(request, self.name, self.inputs, "model")
+
+    def validate_forward(self, request: Request) -> None:
+        """Raise InvalidRequest when a request for the forward stage alone (already preprocessed)
+        does not fit what :meth:`forward` accepts.
+
+        A model without its own :meth:`preprocess` gets its inputs unchanged, so the forward stage
+        checks them as :meth:`validate` does. A model with one checks :attr:`forward_inputs` and
+        refuses the stage when it declares none: the marker asking for the forward stage is a
+        request parameter any producer can set, so it never switches the checks off.
+        """
+        if type(self).preprocess is Model.preprocess:
+            self.validate(request)
             return
-        given = {t.name for t in request.inputs}
-        missing = [n for n in self.inputs if n not in given]
-        if missing:
+        if self.forward_inputs is None:
             raise InvalidRequest(
-                f"request {request.id}: model '{self.name}' needs input(s) "
-                f"{', '.join(repr(m) for m in missing)}; got {', '.join(repr(g) for g in sorted(given))}")
-        for t in request.inputs:
-            spec = self.inputs.get(t.name)
-            if spec is None:
-                raise InvalidRequest(
-                    f"request {request.id}: input '{t.name}' is not an input of model "
-                    f"'{self.name}' (inputs: {', '.join(repr(n) for n in self.inputs)})")
-            spec.check(request.id, t.name, t.datatype, t.shape)
-            spec.check_values(request.id, t.name, t.value)
+                f"request {request.id}: model '{self.name}' declares no forward_inputs, so it does not "
+                f"serve the forward stage alone; send the request without parameters.stage")
+        _check_inputs(request, self.name, self.forward_inputs, "forward stage of model")
 
     def signature(self, request: Request) -> Hashable:
         """Requests with equal signatures may share a batch (default: same names, datatypes and
@@ -121,3 +128,22 @@ class Model:
     def postprocess(self, outputs: Batch) -> Batch:
         """CPU work on a batch's outputs once they are on the host (pooling, say). Default: none."""
         return outputs
+
+
+def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], what: str) -> None:
+    """Raise InvalidRequest unless ``request`` has exactly the inputs ``specs`` declare, each fitting
+    its spec (datatype, row shape, NaN/Inf); ``what`` names whose inputs they are in the error."""
+    given = {t.name for t in request.inputs}
+    missing = [n for n in specs if n not in given]
+    if missing:
+        raise InvalidRequest(
+            f"request {request.id}: {what} '{model}' needs input(s) "
+            f"{', '.join(repr(m) for m in missing)}; got {', '.join(repr(g) for g in sorted(given))}")
+    for t in request.inputs:
+        spec = specs.get(t.name)
+        if spec is None:
+            raise InvalidRequest(
+                f"request {request.id}: input '{t.name}' is not an input of {what} "
+                f"'{model}' (inputs: {', '.join(repr(n) for n in specs)})")
+        spec.check(request.id, t.name, t.datatype, t.shape)
+        spec.check_values(request.id, t.name, t.value)

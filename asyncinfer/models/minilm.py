@@ -64,6 +64,10 @@ class MiniLM(Model):
 
     name = "minilm"
     inputs = {"text": InputSpec(("BYTES",), ())}
+    #: What the forward stage alone takes (``asyncinfer.preprocess``'s output): token IDs, mask and
+    #: token types, INT64 [n, length]; narrowed at load to the tokenizer's own input names.
+    forward_inputs = {name: InputSpec(("INT64",), (-1,))
+                      for name in ("input_ids", "attention_mask", "token_type_ids")}
     options = ModelOptions(max_batch_size=32, max_delay_ms=5.0)
     embedding_dim = 384
 
@@ -91,6 +95,7 @@ class MiniLM(Model):
         self.max_length = _max_seq_length(path, getattr(self.encoder.config, "max_position_embeddings", None))
         self.input_names = tuple(n for n in ("input_ids", "attention_mask", "token_type_ids")
                                  if n in self.tokenizer.model_input_names)
+        self.forward_inputs = {name: InputSpec(("INT64",), (-1,)) for name in self.input_names}
 
     def validate(self, request: Request) -> None:
         super().validate(request)
@@ -105,6 +110,29 @@ class MiniLM(Model):
                 elif not isinstance(element, str):
                     raise InvalidRequest(f"request {request.id}: input '{t.name}': element {i} is a "
                                          f"{type(element).__name__}, not text")
+
+    def validate_forward(self, request: Request) -> None:
+        """Token IDs the encoder can look up: an out-of-range index would fail on the device (on
+        CUDA, a device-side assert that poisons the process's context), so it is refused here."""
+        super().validate_forward(request)
+        if self.encoder is None:
+            raise RuntimeError("model 'minilm' is not loaded")
+        config = self.encoder.config
+        shapes = {t.name: list(t.shape) for t in request.inputs}
+        if len({tuple(s) for s in shapes.values()}) != 1:
+            raise InvalidRequest(f"request {request.id}: the forward stage of model 'minilm' needs "
+                                 f"inputs of one shape [n, length]; got {shapes}")
+        bounds = {"input_ids": (0, config.vocab_size - 1), "attention_mask": (0, 1),
+                  "token_type_ids": (0, getattr(config, "type_vocab_size", 1) - 1)}
+        for t in request.inputs:
+            if t.shape[1] > self.max_length:
+                raise InvalidRequest(f"request {request.id}: input '{t.name}': length {t.shape[1]} "
+                                     f"exceeds the forward stage's {self.max_length} tokens")
+            low, high = bounds[t.name]
+            value = torch.as_tensor(t.value)
+            if value.numel() and (int(value.min()) < low or int(value.max()) > high):
+                raise InvalidRequest(f"request {request.id}: input '{t.name}': values must lie in "
+                                     f"[{low}, {high}] (got {int(value.min())}..{int(value.max())})")
 
     def preprocess(self, batch: Batch) -> Batch:
         if self.tokenizer is None:

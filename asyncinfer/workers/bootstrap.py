@@ -7,6 +7,7 @@ process before it consumes; in prefork they load in each child after the fork, n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -16,6 +17,7 @@ from celery.concurrency import get_implementation
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
+from asyncinfer import dead_letters
 from asyncinfer.constants import TASK_NAME, model_from_queue
 from asyncinfer.workers import metrics
 from asyncinfer.workers.events import FAILED_FORMAT
@@ -43,8 +45,14 @@ def _is_prefork(pool_cls: Any) -> bool:
 
 
 def _load(app: Celery) -> None:
-    runtime = get_runtime()
-    runtime.load(hosted_models(app))
+    hosted = hosted_models(app)
+    settings = getattr(app, "asyncinfer_settings", None)
+    if settings is not None and hosted and not settings.models:
+        # ``celery -A asyncinfer worker -Q infer.mlp``: it hosts the models of its queues, and
+        # loads no other when a request names one (UnknownModel instead).
+        settings = dataclasses.replace(settings, models=tuple(hosted))
+    runtime = get_runtime(settings)
+    runtime.load(hosted)
     log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
     # Celery's stock path: its active requests are those in flight (the fast consumer, when it
     # starts, registers its own count instead).
@@ -110,6 +118,7 @@ def _on_task_failure(sender: Any = None, task_id: Any = None, exception: Any = N
     worker = getattr(getattr(sender, "request", None), "hostname", None) or "?"
     log.warning(FAILED_FORMAT, task_id, model, worker, type(exception).__name__, exception)
     metrics.record_outcome(model, get_runtime().device.label, states.FAILURE, exception)
+    dead_letters.add_stock_failure(sender, str(task_id or ""), exception)
 
 
 @inspect_command()  # type: ignore[misc]

@@ -4,11 +4,17 @@ A message whose content type is not accepted (pickle, say) is never deserialized
 and drops it. Here its request also gets a FAILURE that says why, so the producer is not left
 waiting for a result that will never come. A message body over ``ASYNCINFER_MAX_PAYLOAD_BYTES``
 is refused the same way, before anything decodes it.
+
+In a device worker (one that reads ``infer.*`` queues or the control queue) only the tasks
+:mod:`asyncinfer.workers.task_policy` allows run: every other task name — Celery's built-ins
+included — is answered with a FAILURE under its ID and acknowledged before Celery creates a
+request for it, so it never runs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from celery import states
@@ -16,9 +22,11 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed
 
 from asyncinfer.celery_wire import payload_too_large, refused_content
-from asyncinfer.constants import model_from_queue
+from asyncinfer.constants import PREPROCESS_TASK, model_from_queue
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.workers.bootstrap import hosted_models
 from asyncinfer.workers.events import FAILED_FORMAT
+from asyncinfer.workers.task_policy import TaskPolicy
 
 __all__ = ["Consumer"]
 
@@ -28,9 +36,12 @@ log = logging.getLogger(__name__)
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer plus a FAILURE result for every refused message that has an ID."""
 
-    def _refuse(self, message: Any, exc: Exception) -> None:
+    _policy_key: frozenset[str] | None = None
+    _policy: TaskPolicy | None = None
+
+    def _refuse(self, message: Any, exc: Exception, request_id: Any = None) -> None:
         headers = message.headers or {}
-        request_id = headers.get("id")
+        request_id = request_id or headers.get("id")
         if not isinstance(request_id, str) or not request_id:
             return
         if isinstance(exc, ContentDisallowed):
@@ -49,24 +60,71 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         handle = super().create_task_handler(*args, **kwargs)
         settings = getattr(self.app, "asyncinfer_settings", None)
         limit = int(settings.max_payload_bytes) if settings is not None else 0
-        if not limit:
-            return handle
 
         def on_task_received(message: Any) -> Any:
             body = message.body
             size = len(body) if isinstance(body, (bytes, str)) else 0
-            if size > limit:
-                request_id = (message.headers or {}).get("id") or "?"
-                error = payload_too_large(str(request_id), size, limit)
-                queue = (message.delivery_info or {}).get("routing_key") or ""
-                log.warning(FAILED_FORMAT, request_id, model_from_queue(queue) or queue,
-                            self.hostname, type(error).__name__, error)
-                self._refuse(message, error)
-                message.ack()
+            if limit and size > limit:
+                request_id = (message.headers or {}).get("id")
+                self._answer_refused(message, request_id,
+                                     payload_too_large(str(request_id or "?"), size, limit))
+                return None
+            policy = self._task_policy()
+            if policy is not None and self._refused_by(policy, message):
                 return None
             return handle(message)
 
         return on_task_received
+
+    def _answer_refused(self, message: Any, request_id: Any, error: InvalidRequest) -> None:
+        """Log, store the FAILURE of (when it names its request) and acknowledge a message that is
+        refused unrun."""
+        queue = (message.delivery_info or {}).get("routing_key") or ""
+        log.warning(FAILED_FORMAT, request_id or "?", model_from_queue(queue) or queue,
+                    self.hostname, type(error).__name__, error)
+        self._refuse(message, error, request_id)
+        message.ack()
+
+    def _task_policy(self) -> TaskPolicy | None:
+        """The tasks this worker serves (None: not a device worker), for the queues it reads now
+        (remote control may add or cancel queues)."""
+        consumed = self.app.amqp.queues.consume_from or {}
+        key = frozenset(consumed)
+        if key != self._policy_key:
+            routes = {name: name for name in consumed}
+            routes.update({q.routing_key: name for name, q in consumed.items() if q.routing_key})
+            self._policy = TaskPolicy.for_worker(routes, hosted_models(self.app))
+            self._policy_key = key
+        return self._policy
+
+    def _refused_by(self, policy: TaskPolicy, message: Any) -> bool:
+        """Refuse ``message`` if ``policy`` does not serve its task; True when it was refused."""
+        headers = message.headers or {}
+        task, request_id, payload = headers.get("task"), headers.get("id"), None
+        if task is None:  # protocol 1: the task's name and ID are in the body
+            try:
+                payload = message.decode()
+            except Exception:  # noqa: BLE001 - Celery's handler answers what does not decode
+                return False
+            if isinstance(payload, Mapping):
+                task, request_id = payload.get("task"), payload.get("id")
+        if not isinstance(task, str):
+            return False  # Celery's handler answers a message that names no task
+        routing_key = str((message.delivery_info or {}).get("routing_key") or "")
+        who = str(request_id or "?")
+        if policy.needs_model(task, routing_key):
+            try:
+                body = message.decode() if payload is None else payload
+            except Exception as exc:  # noqa: BLE001 - answered as Celery answers it, refused unrun
+                self.on_decode_error(message, exc)
+                return True
+            error = policy.refusal(who, task, routing_key, lambda: _named_model(task, body))
+        else:
+            error = policy.refusal(who, task, routing_key)
+        if error is None:
+            return False
+        self._answer_refused(message, request_id, error)
+        return True
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         self._refuse(message, exc)
@@ -75,3 +133,24 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         self._refuse(message, exc)
         super().on_invalid_task(body, message, exc)
+
+
+def _named_model(task: str, body: Any) -> str | None:
+    """The model a stage task's message names, read as the task reads it (its keyword arguments,
+    or the one positional v2 payload of a chain): ``model`` of a request, ``model_name`` of a
+    response."""
+    if isinstance(body, Mapping):  # protocol 1
+        args, kwargs = body.get("args") or (), body.get("kwargs") or {}
+    elif isinstance(body, (list, tuple)) and len(body) >= 2:
+        args, kwargs = body[0] or (), body[1] or {}
+    else:
+        return None
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, Mapping):
+        return None
+    if args:
+        one = len(args) == 1 and isinstance(args[0], Mapping) and not kwargs
+        request = args[0] if one else {}
+    else:
+        request = kwargs
+    model = request.get("model" if task == PREPROCESS_TASK else "model_name")
+    return model if isinstance(model, str) else None

@@ -5,8 +5,9 @@ ack pipeline per message) costs milliseconds of worker CPU per request on a smal
 taken from the model. This consumer keeps the same messages, results, states and redelivery
 bookkeeping, but works in batches:
 
-- one BRPOP wakes it, one RPOP with a count takes what else is waiting (up to the free
-  in-flight room), one pipeline records them all as unacknowledged (and STARTED);
+- one script takes what is waiting (up to the free in-flight room) and records it as
+  unacknowledged in the same atomic step (take.py); an idle consumer waits without popping
+  (wake.py), so a request is never in the worker's memory unrecorded;
 - decoding and validation run right here, and valid requests go straight to the model's batcher
   (no thread per request);
 - the :class:`ResultWriter` stores results and acknowledges them in one pipeline per batch.
@@ -39,21 +40,22 @@ from asyncinfer.celery_wire import (
     decode_body,
     expired,
     parse_envelope,
+    printable,
     request_id_in,
     restored_message,
     retry_message,
     seconds_until,
     tag_in,
 )
-from asyncinfer.constants import (
-    DOORBELL_PREFIX,
-    TASK_NAME,
-    doorbell_for,
-    model_from_queue,
-    priority_lists,
-    queue_of_list,
+from asyncinfer.connections import redis_client
+from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
+from asyncinfer.errors import (
+    AsyncInferError,
+    InvalidRequest,
+    ModelError,
+    RequestRevoked,
+    RetryBudgetExhausted,
 )
-from asyncinfer.errors import AsyncInferError, InvalidRequest, RequestRevoked, RetryBudgetExhausted
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.retries import RetryPolicy, retry_budget_for
 from asyncinfer.workers import metrics
@@ -62,8 +64,10 @@ from asyncinfer.workers.events import FAILED_FORMAT, TaskEvents
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
 from asyncinfer.workers.runner import Completed
 from asyncinfer.workers.runtime import WorkerRuntime
-from asyncinfer.workers.take import Taker
+from asyncinfer.workers.take import MAX_ENVELOPE_DEPTH, Taker
 from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits, time_limits_of
+from asyncinfer.workers.vital import vital_thread
+from asyncinfer.workers.wake import Waker
 
 __all__ = ["FastConsumer", "FastConsumerStep"]
 
@@ -85,18 +89,20 @@ class FastConsumer:
         self.app = app
         self.runtime = runtime
         self.queues = list(queues)
-        #: What BRPOP watches: each queue's list and its priority lists, in kombu's order.
+        #: What it takes from: each queue's list and its priority lists, in kombu's order.
         self._lists = priority_lists(self.queues)
-        #: What an idle consumer waits on: the doorbells our clients ring, then the lists
-        #: themselves (for producers that push without ringing: Celery, redis-cli).
-        self._wake_keys = [doorbell_for(q) for q in self.queues] + self._lists
         self.hostname = hostname
         self.max_in_flight = max_in_flight
         self.track_started = track_started
         self.max_payload_bytes = max_payload_bytes
-        self.client = redis.Redis.from_url(app.conf.broker_url, health_check_interval=30)
+        self.client = redis_client(app.conf.broker_url, getattr(app, "asyncinfer_settings", None),
+                                   health_check_interval=30)
         self.writer = ResultWriter(app, self.client, self._written)
         self.taker = Taker(self.client)
+        # The watchers block on their own connections (one each), never on the consumer's.
+        self.waker = Waker(redis_client(app.conf.broker_url, getattr(app, "asyncinfer_settings", None),
+                                        health_check_interval=30),
+                           self._lists, stopping=self._stopping_now)
         #: Celery task events (Flower); :class:`FastConsumerStep` turns them on with the worker's.
         self.events = TaskEvents(app, hostname, enabled=False)
         self.device = runtime.device.label
@@ -112,9 +118,13 @@ class FastConsumer:
         self._wedged_already = False
         self._cond = threading.Condition()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="asyncinfer-consumer", daemon=True)
+        self._thread = vital_thread(self._run, "asyncinfer-consumer")
+
+    def _stopping_now(self) -> bool:
+        return self._stopping.is_set()
 
     def start(self) -> FastConsumer:
+        self.waker.start()
         self._thread.start()
         log.info("fast consumer on %s", ", ".join(self.queues))
         return self
@@ -122,6 +132,7 @@ class FastConsumer:
     def stop(self, grace_s: float = 30.0) -> None:
         """Take no more messages; wait up to ``grace_s`` for those in flight to finish."""
         self._stopping.set()
+        self.waker.close()
         self._thread.join(timeout=5)
         deadline = time.monotonic() + grace_s
         with self._cond:
@@ -166,8 +177,9 @@ class FastConsumer:
                 return
             self._wedged_already = True
         self._stopping.set()
+        self.waker.close()
         log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
-        self._thread.join(timeout=5)  # what its last BRPOP takes is held, and sent back below
+        self._thread.join(timeout=5)  # what its last take took is held, and sent back below
         self.writer.close()
         self._restore_held()
         logging.shutdown()
@@ -203,57 +215,42 @@ class FastConsumer:
 
     def _run(self) -> None:
         backoff_s = 0.1
-        drained = False
         while not self._stopping.is_set():
             try:
                 room = self._room()
                 if room <= 0:
                     continue
-                # While messages keep coming, take them atomically with their bookkeeping; wait
-                # (BRPOP) once a take left the queues empty.
-                if not drained:
-                    taken = self.taker.take(self._lists, room)
-                    drained = len(taken) < room
-                    if taken:
-                        self._took(taken)
-                        backoff_s = 0.1
-                        continue
-                drained = False
-                reply = self.client.brpop(self._wake_keys, timeout=1)
-                if reply is None:
-                    continue
-                key = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-                if key.startswith(DOORBELL_PREFIX):
-                    continue  # a request is waiting: the next take records it as it pops it
-                # A producer that does not ring: the request came off its queue with the wake-up
-                # and is recorded one round trip later, as kombu records every message.
-                self._take(key, reply[1])
+                # Take atomically with the bookkeeping; once a take leaves the queues empty, wait
+                # for the watchers (which never pop) and take again.
+                self.waker.clear()
+                taken = self.taker.take(self._lists, room)
+                if taken:
+                    self._took(taken)
                 backoff_s = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("consumer lost Redis (%s); retrying in %.1f s", exc, backoff_s)
+                if len(taken) < room:
+                    self.waker.arm()
+                    self.waker.wait(1.0)
+            except redis.RedisError as exc:
+                # Lost connection, a timeout, OOM, READONLY (a demoted master), ...: nothing was
+                # taken that is not recorded; wait and take again.
+                log.warning("consumer: Redis failed (%s: %s); again in %.1f s", type(exc).__name__,
+                            exc, backoff_s)
                 self._stopping.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
             except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
-                log.exception("consumer error; going on")
+                log.exception("consumer error; going on in %.1f s", backoff_s)
+                self._stopping.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
 
-    def _take(self, key: str, first: Any) -> None:
-        """Record ``first`` (popped by BRPOP) as taken, with its STARTED state, then start it."""
-        received_at = time.perf_counter()
-        head = self._parse(queue_of_list(key), key, [first], received_at)
-        pipe = self.client.pipeline(transaction=False)
-        results = self._record(pipe, head)
-        self._execute(pipe, results, head)
-        self._start_all(head)
-
-    def _took(self, taken: list[tuple[str, bytes]]) -> None:
+    def _took(self, taken: list[tuple[str, bytes, bool]]) -> None:
         """Start messages the take script popped and recorded; write their STARTED states."""
         received_at = time.perf_counter()
         deliveries: list[Delivery] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
-            deliveries += self._parse(queue_of_list(key), key, [raw for _, raw in group],
+            deliveries += self._parse(queue_of_list(key), key, [(raw, rec) for _, raw, rec in group],
                                       received_at)
         pipe = self.client.pipeline(transaction=False)
-        results = self._record(pipe, deliveries, unacked=False)
+        results = self._record(pipe, deliveries)
         try:
             pipe.execute()
             if results is not None:
@@ -275,31 +272,19 @@ class FastConsumer:
                 batcher.release()
         self.events.flush()
 
-    def _execute(self, pipe: Any, results: Any, deliveries: list[Delivery]) -> list[Any]:
-        try:
-            replies: list[Any] = pipe.execute()
-            if results is not None:
-                results.execute()
-            return replies
-        except Exception:
-            # Like kombu's own BRPOP-then-bookkeeping, a message popped just before Redis went
-            # away is not recorded; it is not counted as in flight either.
-            log.error("could not record %d taken messages as unacknowledged", len(deliveries))
-            for d in deliveries:
-                self._held.pop(id(d), None)
-            with self._cond:
-                self._in_flight -= len(deliveries)
-                self._cond.notify_all()
-            raise
-
-    def _parse(self, queue: str, key: str, raws: list[Any], received_at: float) -> list[Delivery]:
+    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool]],
+               received_at: float) -> list[Delivery]:
         deliveries = []
-        for raw in raws:
+        for raw, recorded in raws:
             d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key)
             try:
                 parse_envelope(d)
-            except (ValueError, TypeError, AttributeError) as exc:
-                self._malformed(d, exc)
+                if not recorded:
+                    raise ValueError(f"the envelope breaks the rules of a kombu message (objects "
+                                     f"for headers and properties, nested at most "
+                                     f"{MAX_ENVELOPE_DEPTH} deep)")
+            except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, ...: this one only
+                self._malformed(d, exc, recorded)
                 continue
             deliveries.append(d)
             self._held[id(d)] = d
@@ -307,15 +292,19 @@ class FastConsumer:
             self._in_flight += len(deliveries)
         return deliveries
 
-    def _malformed(self, d: Delivery, exc: Exception) -> None:
+    def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
         """Answer a message that is no kombu envelope: a FAILURE for the request ID its text names,
-        if any (it was never recorded as unacknowledged, so there is nothing to ack); else a log
-        line. Either way it is gone from the queue: a malformed message is never redelivered."""
-        request_id = d.request_id or request_id_in(d.raw)
-        # The take script may have recorded it as unacknowledged: the answer acknowledges it.
-        d.tag = tag_in(d.raw)
+        if any; else a log line. Either way it is gone from the queue (a malformed message is never
+        redelivered) and from the unacknowledged bookkeeping, if the take recorded it."""
+        try:
+            request_id = d.request_id or request_id_in(d.raw)
+            d.tag = tag_in(d.raw) if recorded else ""
+        except Exception:  # noqa: BLE001 - not even its text can be searched
+            request_id, d.tag = "", ""
+        d.envelope = {}
         if not request_id:
-            log.error("dropped a malformed message on %s (%s): %.200r", d.queue, exc, d.raw)
+            log.error("dropped a malformed message on %s (%s: %s): %s", d.queue,
+                      type(exc).__name__, printable(exc), printable(d.raw))
             if d.tag:
                 with self._cond:
                     self._in_flight += 1
@@ -325,16 +314,13 @@ class FastConsumer:
         with self._cond:
             self._in_flight += 1
         self._fail(d, InvalidRequest(f"request {request_id}: the message on {d.queue} is malformed "
-                                     f"and was dropped ({type(exc).__name__}: {exc})"), None)
+                                     f"and was dropped ({type(exc).__name__}: {printable(exc)})"),
+                   None, retry=False)
 
-    def _record(self, pipe: Any, deliveries: list[Delivery], unacked: bool = True) -> Any:
-        """Add kombu's unacked bookkeeping (unless the take script did it) and STARTED of
-        ``deliveries`` to ``pipe``; return a separate results pipeline to execute after it when
-        the result backend is elsewhere."""
-        now = time.time()
-        for d in deliveries if unacked else ():
-            pipe.zadd(UNACKED_INDEX_KEY, {d.tag: now})
-            pipe.hset(UNACKED_KEY, d.tag, d.unacked_entry)
+    def _record(self, pipe: Any, deliveries: list[Delivery]) -> Any:
+        """Add STARTED of ``deliveries`` (and their count towards the retry budget) to ``pipe``;
+        return a separate results pipeline to execute after it when the result backend is
+        elsewhere."""
         starting = [d for d in deliveries if self._should_start(d)] if self.track_started else []
         # First attempts count towards the fleet's retry budget.
         first = sum(1 for d in deliveries
@@ -445,8 +431,8 @@ class FastConsumer:
 
     def _log_failure(self, d: Delivery, exc: BaseException) -> None:
         """The one log line of a failed request (grep its ID): no other line repeats it."""
-        log.warning(FAILED_FORMAT, d.request_id, model_from_queue(d.queue) or d.queue,
-                    self.hostname, type(exc).__name__, exc)
+        log.warning(FAILED_FORMAT, printable(d.request_id), model_from_queue(d.queue) or d.queue,
+                    self.hostname, type(exc).__name__, printable(exc, 1000))
 
     def _retry(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None) -> bool:
         """Send a transient failure back on its queue to run again after a backoff, as Celery's
@@ -459,6 +445,18 @@ class FastConsumer:
         return True
 
     def _finish(self, d: Delivery, request: Request, future: Future[Completed],
+                embed: dict[str, Any] | None) -> None:
+        """Settle ``d`` once its future is done (a done-callback: nothing may escape it, or the
+        request would stay in flight unanswered)."""
+        try:
+            self._settle(d, request, future, embed)
+        except Exception as exc:  # noqa: BLE001 - the last resort: answer it all the same
+            log.exception("request %s: settling it failed", printable(d.request_id))
+            self._put(Outcome(d, states.FAILURE, ModelError(
+                f"request {d.request_id}: the worker could not settle it ({type(exc).__name__}: "
+                f"{exc})")))
+
+    def _settle(self, d: Delivery, request: Request, future: Future[Completed],
                 embed: dict[str, Any] | None) -> None:
         exc = future.exception()
         if exc is not None:

@@ -65,4 +65,6 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
 
 def uses_fast_consumer(settings: Settings, broker_url: str) -> bool:
     """Whether ``asyncinfer worker`` runs the fast consumer (configured, and a Redis broker)."""
-    return settings.consumer == "fast" and broker_url.startswith(("redis://", "rediss://", "unix://"))
+    from asyncinfer.connections import is_redis_url
+
+    return settings.consumer == "fast" and is_redis_url(broker_url)

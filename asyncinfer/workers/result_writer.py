@@ -1,10 +1,16 @@
 """Writes finished requests back: results, acknowledgements and callbacks, one round trip per batch.
 
-Everything finished since the last write goes out in one Redis pipeline: per request the result
-(SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked bookkeeping removed);
-two pipelines, results first, when the result backend is another Redis than the broker.
-A request is acknowledged only in the same pipeline that stores its result, so a worker that dies
-earlier leaves it unacknowledged, and kombu redelivers it after the visibility timeout.
+Everything finished since the last write goes out in one Redis transaction (MULTI/EXEC): per
+request the result (SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked
+bookkeeping removed); two transactions, results first, when the result backend is another Redis
+than the broker. A request is acknowledged only in the transaction that stores its result, so a
+worker that dies earlier leaves it unacknowledged, and kombu redelivers it after the visibility
+timeout. A transaction, not a plain pipeline: Redis out of memory refuses the SETEX but would take
+the acknowledgement (a delete) — inside MULTI it refuses the whole write, and nothing is acked.
+
+Whatever Redis says (out of memory, read-only, a lost connection, a timeout), the writer keeps the
+batch and tries again with backoff, so the worker recovers by itself once Redis takes writes again;
+a result that cannot be encoded becomes that request's FAILURE instead of blocking the others.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +27,12 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
+from asyncinfer import dead_letters
 from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, Delivery, result_meta
-from asyncinfer.errors import RetryBudgetExhausted
+from asyncinfer.connections import wait_replicas
+from asyncinfer.errors import ModelError, RetryBudgetExhausted
 from asyncinfer.retries import retry_budget_for
+from asyncinfer.workers.vital import vital_thread
 
 __all__ = ["Outcome", "ResultWriter"]
 
@@ -64,12 +72,17 @@ class ResultWriter:
         # are the same server and database.
         self.shared = str(app.conf.result_backend) == str(app.conf.broker_url)
         self.results: redis.Redis = broker if self.shared else app.backend.client
+        settings = getattr(app, "asyncinfer_settings", None)
+        #: ASYNCINFER_SUBMIT_REPLICAS: after each write, wait until this many replicas hold it.
+        self.replicas = settings.submit_replicas if settings is not None else 0
+        self.replicas_timeout_ms = (max(1, int(settings.submit_replicas_timeout_s * 1000))
+                                    if settings is not None else 1000)
         self.expires_s = int(app.conf.result_expires.total_seconds()
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.on_written = on_written
         self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="asyncinfer-results", daemon=True)
+        self._thread = vital_thread(self._run, "asyncinfer-results")
         self._thread.start()
 
     def put(self, outcome: Outcome) -> None:
@@ -123,24 +136,65 @@ class ResultWriter:
                 if not budgeted:
                     self._budget_retries(batch)
                     budgeted = True
-                acks = self.broker.pipeline(transaction=False)
-                results = acks if self.shared else self.results.pipeline(transaction=False)
+                acks = self.broker.pipeline(transaction=True)
+                results = acks if self.shared else self.results.pipeline(transaction=True)
                 for outcome in batch:
-                    self._add(results, acks, outcome)
+                    self._add_safely(results, acks, outcome)
                 if not self.shared:
-                    results.execute()  # results first: an ack never precedes its result
-                acks.execute()
+                    self._execute(results)  # results first: an ack never precedes its result
+                self._execute(acks)
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
                 # The requests stay unacknowledged until this succeeds: nothing is lost.
-                log.warning("storing %d results failed (%s); retrying in %.1f s", len(batch), exc,
-                            backoff_s)
+                log.warning("storing %d results failed (%s: %s); retrying in %.1f s", len(batch),
+                            type(exc).__name__, exc, backoff_s)
                 time.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
+        self._wait_replicas(batch)
         self.on_written(batch)
         for outcome in batch:
             if outcome.embed:
                 self._call_links(outcome)
+
+    def _wait_replicas(self, batch: list[Outcome]) -> None:
+        """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is
+        logged (they are written on the master; nothing is undone)."""
+        if not self.replicas:
+            return
+        for client in [self.broker] if self.shared else [self.results, self.broker]:
+            try:
+                confirmed = wait_replicas(client, self.replicas, self.replicas_timeout_ms)
+            except redis.RedisError as exc:
+                log.warning("could not wait for replicas of %d results (%s)", len(batch), exc)
+                continue
+            if confirmed < self.replicas:
+                log.warning("%d results are on the Redis master, but %d of %d replicas confirmed "
+                            "them within %d ms (ASYNCINFER_SUBMIT_REPLICAS): a failover now could "
+                            "lose them", len(batch), confirmed, self.replicas,
+                            self.replicas_timeout_ms)
+
+    @staticmethod
+    def _execute(pipe: Any) -> None:
+        """EXEC a transaction. A refusal before EXEC (out of memory, read-only: nothing was
+        written) raises, to be tried again; an error reply of one command inside it (all others
+        done) is logged, as trying again would repeat the others."""
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception):
+                log.error("a result write was refused by Redis: %s", reply)
+
+    def _add_safely(self, results: Any, acks: Any, outcome: Outcome) -> None:
+        """:meth:`_add`, or — when the result cannot be encoded — that request's FAILURE."""
+        try:
+            self._add(results, acks, outcome)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one request's result, not the whole batch
+            d = outcome.delivery
+            log.exception("request %s: its result could not be stored", d.request_id)
+            outcome.state, outcome.result, outcome.retry, outcome.embed = (
+                states.FAILURE, ModelError(f"request {d.request_id}: its result could not be "
+                                           f"stored ({type(exc).__name__}: {exc})"), None, None)
+            self._add(results, acks, outcome)
 
     def _add(self, results: Any, acks: Any, outcome: Outcome) -> None:
         d = outcome.delivery
@@ -153,6 +207,7 @@ class ResultWriter:
             meta = result_meta(d.request_id, outcome.state, result,
                                parent_id=d.headers.get("parent_id"))
             self._store(results, d.request_id, meta)
+        dead_letters.add_to(acks, self.app, outcome)  # a final FAILURE of a model that opted in
         if d.tag:  # a malformed message was never recorded as unacknowledged
             acks.zrem(UNACKED_INDEX_KEY, d.tag)
             acks.hdel(UNACKED_KEY, d.tag)

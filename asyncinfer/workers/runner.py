@@ -41,6 +41,7 @@ from asyncinfer.workers.batcher import Batcher, WorkItem
 from asyncinfer.workers.device import Device
 from asyncinfer.workers.time_limits import TimeLimits
 from asyncinfer.workers.timer import Timer
+from asyncinfer.workers.vital import vital_thread
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -109,17 +110,15 @@ class ModelRunner:
         self._post_thread = opts.pipelined and (_overrides(model, "postprocess")
                                                 or device.is_accelerator)
         if opts.pipelined:
-            self._threads = [threading.Thread(target=self._device_loop, name=f"device-{name}-{i}",
-                                              daemon=True) for i in range(opts.instances)]
+            self._threads = [vital_thread(self._device_loop, f"device-{name}-{i}")
+                             for i in range(opts.instances)]
             if self._prep_thread:
-                self._threads.append(threading.Thread(target=self._prep_loop, name=f"prep-{name}",
-                                                      daemon=True))
+                self._threads.append(vital_thread(self._prep_loop, f"prep-{name}"))
             if self._post_thread:
-                self._threads.append(threading.Thread(target=self._complete_loop,
-                                                      name=f"post-{name}", daemon=True))
+                self._threads.append(vital_thread(self._complete_loop, f"post-{name}"))
         else:
-            self._threads = [threading.Thread(target=self._serial_loop, name=f"serial-{name}-{i}",
-                                              daemon=True) for i in range(opts.instances)]
+            self._threads = [vital_thread(self._serial_loop, f"serial-{name}-{i}")
+                             for i in range(opts.instances)]
 
     def start(self) -> ModelRunner:
         """Load the model onto the device and start its threads."""
@@ -141,7 +140,9 @@ class ModelRunner:
         :mod:`asyncinfer.workers.time_limits`).
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
-        if not forward_only:  # a prepared request carries the preprocess's tensors instead
+        if forward_only:  # a prepared request carries the preprocess's tensors, checked as such
+            self.model.validate_forward(request)
+        else:
             self.model.validate(request)
         rows = _rows_of(request)
         if rows > self.max_batch_size:

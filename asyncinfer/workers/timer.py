@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from asyncinfer.workers.vital import vital_thread
+
 __all__ = ["Timer"]
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ class Timer:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = vital_thread(self._run, name)
         self._thread.start()
 
     def call_at(self, when: float, fn: Callable[[], None]) -> None:

@@ -1,0 +1,266 @@
+"""Redis clients for every broker URL asyncinfer accepts: ``redis://``, ``rediss://``, ``unix://`` and
+Celery's ``sentinel://``.
+
+A Sentinel URL lists the Sentinels, ``;``-separated, in Celery's form
+``sentinel://[:password@]host:port[/db];sentinel://host:port[/db]``; the password (if any) is the
+Redis master's, the Sentinels' own is ``ASYNCINFER_SENTINEL_PASSWORD``, and the master is
+``ASYNCINFER_SENTINEL_MASTER``. Its client asks the Sentinels for the master's address whenever it
+opens a connection, so after a failover it follows the promoted replica; a ``READONLY`` reply (a
+demoted master still connected to) closes the connection and is raised as a ``ConnectionError``,
+which every asyncinfer loop retries, reconnecting to the new master.
+
+Celery and kombu take the database and the password of a Sentinel URL from its *first* entry only;
+:func:`normalized_url` copies them into every entry, so that ``sentinel://a:26379;sentinel://b:26379/2``
+means database 2 for Celery, kombu and asyncinfer alike.
+
+Redis replicates asynchronously: :func:`require_replicas` waits until ``ASYNCINFER_SUBMIT_REPLICAS``
+replicas hold every write made so far (Redis ``WAIT``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+from asyncinfer.errors import NotReplicated
+
+if TYPE_CHECKING:
+    from asyncinfer.config.settings import Settings
+
+__all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
+           "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas", "require_replicas",
+           "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S",
+           "REPLICATION_MARK_CHANNEL"]
+
+#: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
+REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+DEFAULT_SENTINEL_PORT = 26379
+_SEPARATOR = ";"
+#: What :func:`wait_replicas` publishes on (nobody listens): a replicated write to wait for.
+REPLICATION_MARK_CHANNEL = "asyncinfer:replicated"
+#: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
+MASTER_CHECK_S = 1.0
+
+log = logging.getLogger(__name__)
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether ``url`` names a Redis server: ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://``."""
+    return _scheme(url) in REDIS_SCHEMES
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` is Celery's ``sentinel://host:port;sentinel://host:port/db`` form."""
+    return _scheme(url) == "sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """What a ``sentinel://`` URL names: the Sentinels, and the database and credentials of the
+    master they watch."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def url(self) -> str:
+        """The URL again, with the database and credentials in every entry (:func:`normalized_url`)."""
+        user = quote(self.username, safe="") if self.username else ""
+        auth = (f"{user}:{quote(self.password, safe='')}@" if self.password
+                else (f"{user}@" if user else ""))
+        return _SEPARATOR.join(f"sentinel://{auth}{host}:{port}/{self.db}" for host, port in self.sentinels)
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Parse ``sentinel://[[user]:password@]host[:port][/db];...``.
+
+    The database and credentials may stand in any entry; entries that name them must agree.
+    Raises ValueError naming the entry and the rule it breaks.
+    """
+    sentinels: list[tuple[str, int]] = []
+    dbs: set[int] = set()
+    users: set[str] = set()
+    passwords: set[str] = set()
+    for entry in (part.strip() for part in url.split(_SEPARATOR)):
+        if not entry:
+            continue
+        parts = urlsplit(entry)
+        if parts.scheme.lower() != "sentinel":
+            raise ValueError(f"every entry of a Sentinel URL must start with sentinel://, got {entry!r}")
+        try:
+            port = parts.port or DEFAULT_SENTINEL_PORT
+        except ValueError:
+            raise ValueError(f"Sentinel URL entry {entry!r}: the port must be a number") from None
+        if not parts.hostname:
+            raise ValueError(f"Sentinel URL entry {entry!r} names no host")
+        sentinels.append((parts.hostname, port))
+        path = parts.path.strip("/")
+        if path:
+            if not path.isdigit():
+                raise ValueError(f"Sentinel URL entry {entry!r}: the database must be a number, got {path!r}")
+            dbs.add(int(path))
+        if parts.username:
+            users.add(unquote(parts.username))
+        if parts.password:
+            passwords.add(unquote(parts.password))
+    if not sentinels:
+        raise ValueError(f"a Sentinel URL must name at least one Sentinel, got {url!r}")
+    for what, values in (("databases", dbs), ("usernames", users), ("passwords", passwords)):
+        if len(values) > 1:
+            shown = sorted(map(str, values)) if what == "databases" else f"{len(values)} different"
+            raise ValueError(f"the entries of a Sentinel URL name different {what} ({shown}); name one")
+    return SentinelUrl(tuple(sentinels), db=next(iter(dbs), 0), username=next(iter(users), None),
+                       password=next(iter(passwords), None))
+
+
+def normalized_url(url: str) -> str:
+    """``url`` as Celery and kombu read it the same way asyncinfer does: a Sentinel URL gets its
+    database and credentials in every entry (they read only the first); other URLs are unchanged."""
+    return parse_sentinel_url(url).url() if is_sentinel_url(url) else url
+
+
+def sentinel_kwargs(settings: Settings | None) -> dict[str, Any] | None:
+    """Connection arguments for the Sentinels themselves (Celery's ``sentinel_kwargs``): their
+    password, when ``ASYNCINFER_SENTINEL_PASSWORD`` is set; else None."""
+    password = settings.sentinel_password if settings is not None else ""
+    return {"password": password} if password else None
+
+
+class _SentinelMaster(redis.Redis):
+    """A client of the master a Sentinel group names; closing it closes the Sentinel connections."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            manager = getattr(self.connection_pool, "sentinel_manager", None)
+            if manager is not None:
+                manager.close()
+
+
+class _FollowingConnection(SentinelManagedConnection):
+    """A connection to the master a Sentinel group names, which leaves a master that is no longer
+    the one.
+
+    redis-py's own Sentinel-managed connection asks the Sentinels only when the pool hands it out
+    unconnected: its retries reconnect to the address it had, and a live old master after a
+    failover (promoted replica, old master not yet demoted: about 10 s with Sentinel's defaults,
+    measured here) keeps taking writes that its demotion then discards. This one
+
+    - asks the Sentinels whenever it opens a socket;
+    - before a command, at most every :data:`MASTER_CHECK_S`, asks them again, and reconnects when
+      they name another master (the writes of that gap are what ``ASYNCINFER_SUBMIT_REPLICAS``
+      guards: the old master has no replica left to confirm them);
+    - turns a ``READONLY`` reply, also one wrapped in a script error (Redis 6 reports a write
+      refused inside EVAL as ``ERR Error running script ... READONLY ...``), into a
+      ConnectionError after closing the socket, so the retry finds the new master (so does
+      ``WAIT cannot be used with replica instances``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._next_check_s = 0.0
+
+    def _connect(self) -> Any:
+        if self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+            self._next_check_s = time.monotonic() + MASTER_CHECK_S
+        return super()._connect()
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._sock is not None and self.connection_pool.is_master:
+            self._leave_old_master()
+        super().send_packed_command(command, check_health)
+
+    def _leave_old_master(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_check_s:
+            self._next_check_s = now + MASTER_CHECK_S
+            try:
+                self.connection_pool.get_master_address()  # also drops the pool's idle ones
+            except redis.ConnectionError:
+                return  # no Sentinel answers: keep the master we have
+        known = self.connection_pool.master_address
+        if known is not None and tuple(known) != (self.host, self.port):
+            log.warning("Sentinel names %s:%s as master now; leaving %s:%s", *known, self.host,
+                        self.port)
+            self.disconnect()
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            text = str(exc)
+            if ("READONLY" in text or "replica instances" in text) and self.connection_pool.is_master:
+                self.disconnect()
+                raise redis.ConnectionError(f"the master is now a replica ({exc})") from exc
+            raise
+
+
+def redis_client(url: str, settings: Settings | None = None, **kwargs: Any) -> redis.Redis:
+    """A client of the Redis server ``url`` names; ``kwargs`` go to redis-py's connections.
+
+    For ``sentinel://`` the client is the master's that the Sentinels name
+    (``settings.sentinel_master``, default ``mymaster``), found again after every failover.
+    """
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    parsed = parse_sentinel_url(url)
+    master = settings.sentinel_master if settings is not None else "mymaster"
+    own: dict[str, Any] = sentinel_kwargs(settings) or {}
+    # Sentinel queries are short: never wait on a silent Sentinel longer than a connect.
+    timeout_s = kwargs.get("socket_connect_timeout") or kwargs.get("socket_timeout") or (
+        settings.connect_timeout_s if settings is not None else 5.0)
+    own.setdefault("socket_timeout", timeout_s)
+    own.setdefault("socket_connect_timeout", timeout_s)
+    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=own)
+    credentials: Mapping[str, Any] = {k: v for k, v in (("username", parsed.username),
+                                                          ("password", parsed.password)) if v}
+    client: redis.Redis = manager.master_for(
+        master, redis_class=_SentinelMaster, connection_pool_class=SentinelConnectionPool,
+        connection_class=_FollowingConnection, db=parsed.db, **credentials, **kwargs)
+    return client
+
+
+def wait_replicas(client: redis.Redis, replicas: int, timeout_ms: int) -> int:
+    """How many replicas hold every write made on ``client``'s master so far, waiting up to
+    ``timeout_ms`` for ``replicas`` of them (Redis ``WAIT``).
+
+    Redis' WAIT counts the writes of its own connection only, and a pooled client may send it on
+    another connection than the one that wrote (and WAIT inside MULTI never waits): so WAIT follows
+    a PUBLISH on :data:`REPLICATION_MARK_CHANNEL` in one pipeline. The PUBLISH is replicated, so
+    waiting for it waits for every write the master took before it — ours, in any connection.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    if timeout_ms < 1:
+        raise ValueError(f"timeout_ms must be >= 1 (0 would wait forever), got {timeout_ms!r}")
+    pipe = client.pipeline(transaction=False)
+    pipe.publish(REPLICATION_MARK_CHANNEL, b"")
+    pipe.execute_command("WAIT", int(replicas), int(timeout_ms))
+    return int(pipe.execute()[-1])
+
+
+def require_replicas(client: redis.Redis, replicas: int, timeout_ms: int, what: str) -> int:
+    """:func:`wait_replicas`, raising :class:`~asyncinfer.errors.NotReplicated` (naming ``what``,
+    e.g. ``"request <id>"``) when fewer than ``replicas`` confirmed in ``timeout_ms``. The writes are
+    on the master either way. Returns the count."""
+    confirmed = wait_replicas(client, replicas, timeout_ms)
+    if confirmed < replicas:
+        raise NotReplicated(
+            f"{what}: written on the Redis master, but {confirmed} of {replicas} replicas confirmed it "
+            f"within {timeout_ms} ms (ASYNCINFER_SUBMIT_REPLICAS); a failover now could lose it",
+            confirmed=confirmed, required=replicas)
+    return confirmed

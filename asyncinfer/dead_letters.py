@@ -1,0 +1,384 @@
+"""Dead letters: requests that failed for good, kept for a human to look at and send again.
+
+A model opts in through ``ASYNCINFER_MODEL_OPTIONS`` (``{"mlp": {"dead_letter": true}}``, or
+``"*"`` for every model). Then every request of it that ends in FAILURE — out of retries, retry
+budget spent, time limit, the model raised, bad input — is also kept in the Redis list
+``asyncinfer:dead:<model>`` on the broker, newest first: its message (kombu's envelope, as it was
+taken), the reason (exception type and message), the attempts (retries + 1), the worker and the
+time. Bad input is kept too: a malformed or refused request needs a human as much as a poison one
+(SQS and Triton users expect it there), and an ``UnknownModel`` or a payload over the limit may run
+once the configuration is fixed. REVOKED requests (cancelled, expired) are not kept: nothing failed.
+
+The list holds at most ``dead_letter_max_entries`` (LTRIM) and expires ``dead_letter_ttl_s``
+after its newest entry (EXPIRE on every push). The fast consumer's writer adds the entry in the
+broker transaction that acknowledges the message — the one that stores the FAILURE too when results
+live on the broker's Redis, the default (:func:`add_to`); Celery's stock
+path adds it from the ``task_failure`` signal, just after Celery stored the FAILURE
+(:func:`add_stock_failure`; its message rebuilt from the task request, as Celery keeps no bytes).
+
+:class:`DeadLetters` reads the list, requeues entries (the message back on ``infer.<model>`` with
+``retries`` 0, no ``eta`` and a new delivery tag, and its stored FAILURE removed, in one atomic
+step) and purges it: ``asyncinfer dead list|show|requeue|purge MODEL``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+from celery import Celery, signals, states
+
+from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.constants import (
+    RESULT_KEY_PREFIX,
+    dead_letter_key,
+    model_from_queue,
+    queue_for,
+    queue_of_list,
+)
+
+if TYPE_CHECKING:
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.workers.result_writer import Outcome
+
+__all__ = ["DeadLetter", "DeadLetters", "Requeued", "entry_for", "push", "add_to", "add_stock_failure",
+           "requeue_message", "options_of"]
+
+log = logging.getLogger(__name__)
+
+#: Content types a worker accepts; the body of any other (pickle, say) is not kept.
+_ACCEPTED = ("application/json", "application/x-msgpack", "application/msgpack")
+#: How much of a malformed message's text is kept.
+RAW_MAX_CHARS = 4096
+#: The message headers of Celery's task protocol 2 (what a stock-path entry is rebuilt from).
+_HEADERS = ("lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+            "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
+            "replaced_task_nesting", "stamped_headers", "stamps")
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One request that failed for good, as kept in ``asyncinfer:dead:<model>``."""
+
+    request_id: str
+    model: str
+    #: The Redis list the message was taken from (``infer.<model>``, or one of its priority lists).
+    queue: str
+    #: The exception's type name and its message.
+    reason_type: str
+    reason: str
+    #: How many times it ran (retries + 1).
+    attempts: int
+    worker: str
+    #: When it failed: ISO 8601, UTC.
+    failed_at: str
+    #: kombu's envelope as it was taken; None when the message was no envelope (then ``raw`` holds
+    #: the start of its text). Its body is None when its content type is refused (pickle).
+    envelope: dict[str, Any] | None
+    raw: str = ""
+
+    def to_json(self) -> str:
+        """The entry as stored."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DeadLetter:
+        """An entry as stored (ValueError when it is not one)."""
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("a dead-letter entry is a JSON object")
+        return cls(**doc)
+
+    @property
+    def requeueable(self) -> str:
+        """Why the entry cannot run again as it was, or "" when it can."""
+        if not isinstance(self.envelope, dict) or not isinstance(self.envelope.get("properties"), dict):
+            return "its message was not a kombu envelope"
+        if self.envelope.get("content-type") not in _ACCEPTED or self.envelope.get("body") is None:
+            return f"its content type {self.envelope.get('content-type')!r} is refused"
+        return ""
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _kept_envelope(envelope: dict[str, Any]) -> dict[str, Any]:
+    """``envelope`` without the body of a refused content type: never keep what no worker decodes."""
+    if envelope.get("content-type") not in _ACCEPTED:
+        return {**envelope, "body": None}
+    return envelope
+
+
+def entry_for(request_id: str, queue: str, exc: BaseException | Any, *, raw: bytes | str,
+              retries: int, worker: str, model: str | None = None) -> DeadLetter:
+    """The entry of a request that failed with ``exc``, from the message text ``raw``."""
+    text = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    envelope: dict[str, Any] | None
+    try:
+        doc = json.loads(text)
+        envelope = _kept_envelope(doc) if isinstance(doc, dict) else None
+    except ValueError:
+        envelope = None
+    return DeadLetter(
+        request_id=request_id, model=model or model_from_queue(queue_of_list(queue)) or queue,
+        queue=queue, reason_type=type(exc).__name__ if isinstance(exc, BaseException) else "Unknown",
+        reason=str(exc), attempts=max(0, int(retries or 0)) + 1, worker=worker,
+        failed_at=_now_iso(), envelope=envelope, raw="" if envelope is not None else text[:RAW_MAX_CHARS])
+
+
+def push(pipe: Any, entry: DeadLetter, options: ModelOptions) -> None:
+    """Add ``entry`` to its model's list in ``pipe`` (a pipeline or client of the broker): LPUSH,
+    LTRIM to ``dead_letter_max_entries``, EXPIRE ``dead_letter_ttl_s``."""
+    key = dead_letter_key(entry.model)
+    pipe.lpush(key, entry.to_json())
+    pipe.ltrim(key, 0, options.dead_letter_max_entries - 1)
+    if options.dead_letter_ttl_s > 0:
+        pipe.expire(key, max(1, int(options.dead_letter_ttl_s)))
+    else:
+        pipe.persist(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _options(settings: Settings, model: str) -> ModelOptions:
+    return settings.options_for(model, ModelOptions())
+
+
+def options_of(app: Celery, model: str) -> ModelOptions:
+    """The options of ``model`` under the app's settings (``ASYNCINFER_MODEL_OPTIONS``; a model's
+    own defaults never opt it in)."""
+    settings = getattr(app, "asyncinfer_settings", None)
+    if settings is None:
+        return ModelOptions()
+    try:
+        return _options(settings, model)
+    except TypeError:  # settings that cannot be hashed: read them each time
+        return settings.options_for(model, ModelOptions())  # type: ignore[no-any-return]
+
+
+# -- the worker's side ------------------------------------------------------------------------------
+
+@signals.celeryd_after_setup.connect
+def _remember_node_name(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is not None and sender:
+        app.asyncinfer_node_name = str(sender)
+
+
+def _worker_name(app: Celery) -> str:
+    return str(getattr(app, "asyncinfer_node_name", "") or f"{os.getpid()}@{socket.gethostname()}")
+
+
+def add_to(pipe: Any, app: Celery, outcome: Outcome) -> None:
+    """Add the dead letter of ``outcome`` to ``pipe`` (the broker's write of that outcome) when it
+    is a final FAILURE of a model that opted in. Never raises: a dead letter must not cost a result."""
+    try:
+        d = outcome.delivery
+        if outcome.state != states.FAILURE or not outcome.store or outcome.retry is not None:
+            return
+        model = model_from_queue(queue_of_list(d.queue))
+        if not d.request_id or model is None:
+            return
+        options = options_of(app, model)
+        if not options.dead_letter:
+            return
+        entry = entry_for(d.request_id, d.list_key, outcome.result, raw=d.raw,
+                          retries=_int(d.headers.get("retries")), worker=_worker_name(app), model=model)
+        push(pipe, entry, options)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("request %s: its dead letter could not be kept",
+                      getattr(getattr(outcome, "delivery", None), "request_id", "?"))
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _stock_envelope(request: Any) -> str:
+    """The message Celery's stock path ran, rebuilt from its task request (the worker keeps the
+    headers, properties, arguments and embed; not the bytes)."""
+    headers = {k: getattr(request, k, None) for k in _HEADERS}
+    embed = {k: getattr(request, k, None) for k in ("callbacks", "errbacks", "chain", "chord")}
+    parts = [list(request.args or ()), dict(request.kwargs or {}), embed]
+    try:
+        body, content_type, encoding = json.dumps(parts).encode(), "application/json", "utf-8"
+    except (TypeError, ValueError):  # bytes in the request: as the client sent it, msgpack
+        body, content_type, encoding = msgpack.packb(parts, use_bin_type=True), _ACCEPTED[1], "binary"
+    info = getattr(request, "delivery_info", None) or {}
+    properties = dict(getattr(request, "properties", None) or {})
+    properties.update(body_encoding="base64",
+                      delivery_info={"exchange": info.get("exchange") or "",
+                                     "routing_key": info.get("routing_key") or ""})
+    properties.setdefault("delivery_tag", str(uuid.uuid4()))
+    return json.dumps({"body": base64.b64encode(body).decode(), "content-encoding": encoding,
+                       "content-type": content_type, "headers": headers, "properties": properties})
+
+
+def add_stock_failure(task: Any, request_id: str, exc: BaseException) -> None:
+    """Keep the dead letter of a request that failed on Celery's stock path (``task_failure``),
+    when its model opted in. Never raises."""
+    try:
+        request = task.request
+        queue = str((getattr(request, "delivery_info", None) or {}).get("routing_key") or "")
+        kwargs = request.kwargs if isinstance(request.kwargs, dict) else {}
+        model = model_from_queue(queue_of_list(queue)) or kwargs.get("model")
+        if not request_id or not isinstance(model, str):
+            return
+        options = options_of(task.app, model)
+        if not options.dead_letter:
+            return
+        entry = entry_for(request_id, queue or queue_for(model), exc, raw=_stock_envelope(request),
+                          retries=_int(getattr(request, "retries", 0)),
+                          worker=str(getattr(request, "hostname", "") or _worker_name(task.app)),
+                          model=model)
+        client = _stock_client(task.app)
+        pipe = client.pipeline(transaction=True)
+        push(pipe, entry, options)
+        pipe.execute()
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("request %s: its dead letter could not be kept", request_id)
+
+
+def _stock_client(app: Celery) -> Any:
+    client = getattr(app, "asyncinfer_dead_letter_client", None)
+    if client is None:
+        from asyncinfer.connections import redis_client
+
+        client = redis_client(str(app.conf.broker_url), getattr(app, "asyncinfer_settings", None))
+        app.asyncinfer_dead_letter_client = client  # type: ignore[attr-defined]
+    return client
+
+
+# -- reading and requeueing (``asyncinfer dead``) -------------------------------------------------
+
+def requeue_message(entry: DeadLetter) -> str:
+    """The message that runs ``entry`` again: its envelope with ``retries`` 0, no ``eta``, not
+    ``redelivered``, and a new delivery tag. ValueError when it cannot run again as it was."""
+    why = entry.requeueable
+    if why:
+        raise ValueError(f"request {entry.request_id}: cannot be requeued: {why}")
+    envelope = json.loads(json.dumps(entry.envelope))  # a copy
+    headers = envelope.setdefault("headers", {})
+    headers["retries"] = 0
+    headers["eta"] = None
+    headers.pop("redelivered", None)
+    properties = envelope["properties"]
+    properties["delivery_tag"] = str(uuid.uuid4())
+    (properties.get("delivery_info") or {}).pop("redelivered", None)
+    return json.dumps(envelope)
+
+
+# KEYS: the dead-letter list, the queue, [the request's stored result].
+# ARGV: the entry as stored, the message to push.
+# Removes the entry; only if it was there, pushes the message and deletes the stored FAILURE.
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+if KEYS[3] then redis.call('DEL', KEYS[3]) end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """What :meth:`DeadLetters.requeue` did."""
+
+    requeued: list[str]
+    not_found: list[str]
+    refused: dict[str, str]
+
+
+class DeadLetters:
+    """The dead letters of one model on the broker ``client``.
+
+    ``results_shared``: the result backend is the broker's Redis and database, so a requeue also
+    deletes the request's stored FAILURE (a client asking for the result waits for the new run).
+    """
+
+    def __init__(self, client: Any, model: str, *, results_shared: bool = True) -> None:
+        self.client = client
+        self.model = model
+        self.key = dead_letter_key(model)
+        self.results_shared = results_shared
+        self._requeue = client.register_script(_REQUEUE)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
+        """The dead letters of ``model`` on the broker ``settings`` name (which must be Redis)."""
+        from asyncinfer.connections import is_redis_url, redis_client
+
+        broker = settings.resolved_broker_url()
+        if not is_redis_url(broker):
+            raise ValueError(f"dead letters are kept on a Redis broker; the broker is {broker}")
+        client = redis_client(broker, settings, socket_connect_timeout=settings.connect_timeout_s)
+        return cls(client, model, results_shared=settings.resolved_result_backend() == broker)
+
+    def entries(self) -> list[tuple[bytes, DeadLetter]]:
+        """Every entry, newest first, with its stored text; unreadable ones are skipped (logged)."""
+        out = []
+        for stored in self.client.lrange(self.key, 0, -1):
+            try:
+                out.append((stored, DeadLetter.from_json(stored)))
+            except (ValueError, TypeError) as exc:
+                log.warning("%s holds an entry that is not a dead letter (%s): %.200r", self.key, exc,
+                            stored)
+        return out
+
+    def find(self, request_id: str) -> DeadLetter | None:
+        """The newest entry of ``request_id``, or None."""
+        return next((e for _, e in self.entries() if e.request_id == request_id), None)
+
+    def requeue(self, request_ids: Iterable[str] | None = None) -> Requeued:
+        """Send entries back to the model's queue (all of them when ``request_ids`` is None)."""
+        wanted = None if request_ids is None else list(dict.fromkeys(request_ids))
+        newest: dict[str, tuple[bytes, DeadLetter]] = {}
+        older: dict[str, list[bytes]] = {}  # a request kept twice runs once: its newest entry
+        for stored, entry in self.entries():
+            if wanted is None or entry.request_id in wanted:
+                if entry.request_id in newest:
+                    older.setdefault(entry.request_id, []).append(stored)
+                else:
+                    newest[entry.request_id] = (stored, entry)
+        done: list[str] = []
+        refused: dict[str, str] = {}
+        for stored, entry in reversed(newest.values()):  # oldest first: they go back in order
+            try:
+                message = requeue_message(entry)
+            except ValueError as exc:
+                refused[entry.request_id] = str(exc)
+                continue
+            keys = [self.key, self._queue_of(entry)]
+            if self.results_shared:
+                keys.append(RESULT_KEY_PREFIX + entry.request_id)
+            if int(self._requeue(keys=keys, args=[stored, message])):
+                done.append(entry.request_id)
+                for duplicate in older.get(entry.request_id, ()):
+                    self.client.lrem(self.key, 1, duplicate)
+        not_found = [i for i in wanted or () if i not in newest]
+        return Requeued(done, not_found, refused)
+
+    def purge(self) -> int:
+        """Remove every entry; how many there were."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.llen(self.key)
+        pipe.delete(self.key)
+        count, _ = pipe.execute()
+        return int(count)
+
+    def _queue_of(self, entry: DeadLetter) -> str:
+        """The list it came from when that is one of the model's, else ``infer.<model>``."""
+        queue = queue_for(self.model)
+        return entry.queue if queue_of_list(entry.queue) == queue else queue

@@ -1,0 +1,225 @@
+"""Faults nobody names: a worker frozen while idle and then killed, kill -9 again and again during
+a paced stream, Redis out of memory, a vital thread that dies.
+
+Each runs on a broker no other worker consumes (a database of its own on the session Redis, or a
+Redis of its own), so what it counts is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from celery import Celery
+
+from asyncinfer.client import Client
+from asyncinfer.errors import BrokerRefused
+from asyncinfer.redis_server import RedisServer
+from asyncinfer.workers.vital import EXIT_THREAD_DIED
+from tests.conftest import ROOT, start_worker, url_with_db, wait_for
+
+#: This module's broker database on the session Redis.
+DELIVERY_DB = 8
+
+
+def _gated(redis_url: str, tag: str) -> tuple[str, str, redis.Redis, dict[str, str]]:
+    url = url_with_db(redis_url, DELIVERY_DB)
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": "4", "GATED_REDIS_URL": url, "GATED_PREFIX": prefix}
+    return url, prefix, r, env
+
+
+def _index(i: int) -> dict[str, np.ndarray]:
+    return {"index": np.array([[float(i)]], np.float64)}
+
+
+def _executions(r: redis.Redis, prefix: str) -> dict[int, int]:
+    return {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+
+
+@pytest.mark.timeout(120)
+def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> None:
+    # Given an idle worker, frozen (SIGSTOP) while it waits for work
+    url, prefix, r, env = _gated(redis_url, "idle")
+    first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
+                         "--hostname", "idle-first@%h", **env)
+    second = None
+    client = Client(broker_url=url)
+    celery = Celery("producer", broker=url, backend=url)
+    celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    try:
+        assert client.infer("gated", _index(100), timeout_s=30)["output"].tolist() == [[100.0]]
+        os.kill(first.pid, signal.SIGSTOP)
+        # When requests arrive from our client and from Celery's send_task (which rings nothing)
+        futures = [client.submit("gated", _index(i)) for i in range(4)]
+        results = [celery.send_task("asyncinfer.infer", queue="infer.gated", kwargs={
+            "model": "gated", "inputs": [{"name": "index", "shape": [1, 1], "datatype": "FP64",
+                                          "data": [float(i)]}]}) for i in range(4, 8)]
+        time.sleep(0.5)  # Redis answers the frozen worker's blocking command now, if ever
+        # Then none has left its queue: waking a worker takes nothing
+        assert r.llen("infer.gated") == 8 and r.hlen("unacked") == 0
+        # And when the frozen worker is killed and a fresh one starts, each runs, once
+        first.process.kill()
+        first.process.wait()
+        second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "gated",
+                              "--hostname", "idle-second@%h", **env)
+        for i, f in enumerate(futures):
+            assert f.result(timeout=60)["output"].tolist() == [[float(i)]]
+        for i, res in enumerate(results, start=4):
+            assert res.get(timeout=60)["outputs"][0]["data"] == [float(i)]
+        assert _executions(r, prefix) == {100: 1, **{i: 1 for i in range(8)}}
+    finally:
+        client.close()
+        celery.close()
+        if first.process.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+        first.stop()
+        if second is not None:
+            second.stop()
+        r.flushdb()
+        r.close()
+
+
+def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[str, str],
+                             log_dir: os.PathLike[str], *, rate_per_s: float, duration_s: float,
+                             kill_every_s: float) -> dict[str, int]:
+    """Send ``rate_per_s`` requests for ``duration_s`` while, every ``kill_every_s``, one of two
+    workers is killed with SIGKILL and replaced; return sent / answered / lost / ran twice."""
+    client = Client(broker_url=url)
+    workers = []
+    futures = []
+    done_sending = threading.Event()
+
+    def stream() -> None:
+        start = time.monotonic()
+        for i in range(int(rate_per_s * duration_s)):
+            pause = start + i / rate_per_s - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            futures.append(client.submit("gated", _index(i)))
+        done_sending.set()
+
+    def start(n: int):  # noqa: ANN202
+        return start_worker(url, Path(log_dir) / f"w{n}.log", "--device", "cpu", "--models",
+                            "gated", "--hostname", f"paced{n}@%h", "--concurrency", "8", **env)
+
+    kills = 0
+    try:
+        workers += [start(0), start(1)]
+        sender = threading.Thread(target=stream)
+        sender.start()
+        while not done_sending.wait(kill_every_s):
+            victim = workers.pop(0)
+            victim.process.kill()
+            victim.process.wait()
+            kills += 1
+            workers.append(start(len(workers) + kills))
+        sender.join()
+        deadline = time.monotonic() + 60
+        for f in futures:
+            try:
+                f.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - counted as lost below
+                pass
+        executions = _executions(r, prefix)
+        answered = sum(1 for i, f in enumerate(futures)
+                       if f.done() and not f.exception() and f.result()["output"].tolist() == [[i]])
+        return {"sent": len(futures), "answered": answered, "lost": len(futures) - answered,
+                "ran_twice": sum(1 for n in executions.values() if n > 1), "kills": kills}
+    finally:
+        client.close()
+        for w in workers:
+            w.stop()
+
+
+@pytest.mark.timeout(150)
+def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_url, tmp_path) -> None:
+    # Given two workers sharing a paced stream (mostly idle between requests, where waking on a
+    # request once took it off its queue unrecorded)
+    url, prefix, r, env = _gated(redis_url, "paced")
+    try:
+        # When one of them is killed with SIGKILL every 3 s and replaced
+        counts = kill_during_paced_stream(url, r, prefix, env, tmp_path, rate_per_s=50,
+                                          duration_s=15, kill_every_s=3)
+        # Then every request sent is answered with its own value
+        assert counts["kills"] >= 3 and counts["sent"] == 750
+        assert counts["lost"] == 0, counts
+        print("paced kill -9 stream:", counts)
+    finally:
+        r.flushdb()
+        r.close()
+
+
+@pytest.mark.timeout(150)
+def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path) -> None:
+    # Given a Redis of its own (noeviction, as Celery requires) and a worker of identity
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    worker = start_worker(server.url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "identity", "--hostname", "oom@%h", "--concurrency", "8")
+    client = Client(broker_url=server.url, serializer="msgpack")
+    r = redis.Redis.from_url(server.url)
+    try:
+        big = np.arange(65536, dtype=np.float32).reshape(1, -1)  # 256 KiB a request and a result
+        for f in [client.submit("identity", {"x": big}) for _ in range(30)]:
+            assert f.result(timeout=60)["x"].shape == (1, 65536)
+        # When Redis is full of those results (maxmemory below what it uses) while requests wait
+        os.kill(worker.pid, signal.SIGSTOP)
+        waiting = [client.submit("identity", {"x": big + i}) for i in range(10)]
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - 2 * 1024 * 1024)
+        os.kill(worker.pid, signal.SIGCONT)
+        # Then the worker takes them but Redis refuses their results: it says so and retries
+        wait_for(lambda: "OutOfMemoryError" in worker.log(), 30, "the worker meeting OOM")
+        # And a submit is refused with an asyncinfer error naming the request and the cause,
+        # leaving nothing registered in the result watcher
+        with pytest.raises(BrokerRefused, match=r"request oom-1: broker is out of memory") as err:
+            client.submit("identity", {"x": big}, request_id="oom-1")
+        assert "oom-1" not in client.watcher._callbacks, err.value
+        # When memory is freed (the old results deleted)
+        for key in r.scan_iter("celery-task-meta-*", count=1000):
+            r.delete(key)
+        # Then the same worker process stores the waiting results and serves new requests
+        for i, f in enumerate(waiting):
+            assert f.result(timeout=60)["x"][0, :3].tolist() == [i, i + 1.0, i + 2.0]
+        assert client.infer("identity", {"x": big[:, :4]}, timeout_s=30)["x"].tolist() == [[0, 1, 2, 3]]
+        assert worker.process.poll() is None
+    finally:
+        if worker.process.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+        client.close()
+        r.close()
+        worker.stop()
+        server.stop()
+
+
+_DYING_THREAD = """
+import time
+from asyncinfer.workers.vital import vital_thread
+
+def loop():
+    raise RuntimeError("a bug nobody caught")
+
+vital_thread(loop, "asyncinfer-results").start()
+time.sleep(30)
+raise SystemExit(0)
+"""
+
+
+def test_a_vital_thread_that_dies_takes_the_process_down_non_zero() -> None:
+    # Given a process whose vital thread raises: it must not live on serving nothing
+    proc = subprocess.run([sys.executable, "-c", _DYING_THREAD], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    # Then it exits at once with EXIT_THREAD_DIED, saying which thread died and why
+    assert proc.returncode == EXIT_THREAD_DIED
+    assert "thread asyncinfer-results died (RuntimeError: a bug nobody caught)" in proc.stderr
