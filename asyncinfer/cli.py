@@ -109,12 +109,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.table:
         print(settings_table())
         return 0
+    from asyncinfer.connections import masked_url
+
     settings = Settings.from_env()
-    print(f"broker_url      {settings.resolved_broker_url()}")
-    print(f"result_backend  {settings.resolved_result_backend()}")
+    print(f"broker_url      {masked_url(settings.resolved_broker_url())}")
+    print(f"result_backend  {masked_url(settings.resolved_result_backend())}")
     for key, value in vars(settings).items():
-        if key not in ("broker_url", "result_backend"):
-            print(f"{key:15} {value}")
+        if key in ("broker_url", "result_backend"):
+            continue
+        if "password" in key and value:
+            value = "**"
+        print(f"{key:15} {value}")
     return 0
 
 

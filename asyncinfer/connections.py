@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
-           "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas", "require_replicas",
-           "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S",
+           "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
+           "require_replicas", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S",
            "REPLICATION_MARK_CHANNEL"]
 
 #: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
@@ -123,6 +123,13 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
             raise ValueError(f"the entries of a Sentinel URL name different {what} ({shown}); name one")
     return SentinelUrl(tuple(sentinels), db=next(iter(dbs), 0), username=next(iter(users), None),
                        password=next(iter(passwords), None))
+
+
+def masked_url(url: str) -> str:
+    """``url`` with every password in it replaced by ``**`` (each entry of a Sentinel URL too)."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return ";".join(str(maybe_sanitize_url(part)) for part in url.split(";"))
 
 
 def normalized_url(url: str) -> str:

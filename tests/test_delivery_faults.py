@@ -79,6 +79,10 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> No
         for i, res in enumerate(results, start=4):
             assert res.get(timeout=60)["outputs"][0]["data"] == [float(i)]
         assert _executions(r, prefix) == {100: 1, **{i: 1 for i in range(8)}}
+        # And a worker stopped with SIGTERM leaves cleanly (status 0, no thread "died")
+        second.stop()
+        assert second.process.returncode == 0 and " died " not in second.log(), second.log()[-2000:]
+        second = None
     finally:
         client.close()
         celery.close()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from celery.canvas import chunks, xmap
 
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, priority_lists
 from asyncinfer.errors import InvalidRequest, UnknownModel
@@ -364,3 +366,36 @@ def test_minilm_forward_stage_refuses_token_ids_out_of_range() -> None:
     with pytest.raises(InvalidRequest, match=r"^request r2: input 'input_ids': length 300 exceeds"):
         model.validate_forward(forward_request([101] * 300, 300))
 
+
+
+@pytest.mark.parametrize("errback_task", ["celery.map", "celery.chunks"])
+def test_errbacks_of_a_failed_request_are_sent_never_run_in_the_worker(
+        stock_target: tuple[str, WorkerProcess], errback_task: str) -> None:
+    # Given Celery's stock consumer and a request that fails, whose link_error names a task that
+    # Celery's tracer would call in-process (registered, more than one argument)
+    url, proc = stock_target
+    app = bare_app(url)
+    errq = f"errbacks-{uuid.uuid4().hex[:6]}"
+    cleanup = app.signature("celery.backend_cleanup")
+    errback = (xmap(cleanup, [()], app=app) if errback_task == "celery.map"
+               else chunks(cleanup, [()], 1, app=app))
+    errback = errback.set(queue=errq)
+    result = app.send_task(TASK_NAME, kwargs=mlp_request(float("nan")), queue="infer.mlp",
+                           link_error=errback)
+    # When it fails (NaN into mlp)
+    with pytest.raises(Exception, match="NaN"):
+        result.get(timeout=30, propagate=True)
+    # Then its errback went out as a message, with the request ID, for a worker that serves it,
+    client = redis.Redis.from_url(url)
+    try:
+        raw = wait_for(lambda: client.lindex(errq, 0), 15, "the errback message")
+        message = json.loads(raw)
+        assert message["headers"]["task"] == errback_task
+        assert message["headers"]["parent_id"] == result.id
+    finally:
+        client.delete(errq)
+        client.close()
+    # and the device worker called nothing itself
+    assert f"Errback {errback_task!r}" not in proc.log()
+    assert "celery.backend_cleanup" not in proc.log()
+    app.close()

@@ -8,9 +8,10 @@ fleet's retry budget in Redis before a retry.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from celery import Task
+from celery import Task, group
 from celery.exceptions import Ignore
 
 from asyncinfer.celery_app import app
@@ -23,11 +24,38 @@ from asyncinfer.workers.time_limits import time_limits_of
 
 __all__ = ["infer", "InferTask"]
 
+log = logging.getLogger(__name__)
+
 _settings = app.asyncinfer_settings  # type: ignore[attr-defined]
 
 
 class InferTask(Task):
-    """``asyncinfer.infer``: a retry first asks the fleet's retry budget."""
+    """``asyncinfer.infer``: a retry first asks the fleet's retry budget; errbacks are sent.
+
+    Celery's tracer calls some ``link_error`` callbacks inside the worker (registered tasks that
+    take more than one argument: ``celery.map``, ``celery.chunks``, ...), which would let a
+    request make a device worker run something other than inference. Here every errback of a
+    failed request is sent as a message (called with the request ID, as the fast consumer does)
+    for a worker that serves it.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        request.asyncinfer_errbacks = request.errbacks  # kept for a retry's message, and sent
+        request.errbacks = None  # on failure by on_failure, never called in this process
+        return super().__call__(*args, **kwargs)
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any,
+                   einfo: Any) -> None:
+        errbacks = getattr(self.request, "asyncinfer_errbacks", None)
+        if not errbacks:
+            return
+        try:
+            root_id = self.request.root_id or task_id
+            group([self.app.signature(e) for e in errbacks], app=self.app).apply_async(
+                (task_id,), parent_id=task_id, root_id=root_id)
+        except Exception:  # noqa: BLE001 - a broken errback must not hide the failure itself
+            log.exception("request %s: sending its errbacks failed", task_id)
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
               eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
@@ -39,8 +67,13 @@ class InferTask(Task):
                 raise RetryBudgetExhausted(f"request {self.request.id}: not retried after "
                                            f"{type(exc).__name__}: {exc}: {budget.describe(decision)}"
                                            ) from exc
-        return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
-                             countdown=countdown, max_retries=max_retries, **options)
+        request = self.request
+        request.errbacks = getattr(request, "asyncinfer_errbacks", None)  # the retry's message
+        try:  # carries them on; the failure of this attempt calls none here
+            return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                 countdown=countdown, max_retries=max_retries, **options)
+        finally:
+            request.errbacks = None
 
 
 @app.task(name=TASK_NAME, bind=True, typing=False, base=InferTask,

@@ -99,10 +99,11 @@ class Waker:
                 try:
                     found = self._block(key)
                     backoff_s = 0.1
-                except redis.RedisError as exc:
+                except Exception as exc:  # noqa: BLE001 - Redis errors, or a socket closed under it
                     if self._done():
-                        return
-                    log.warning("watching %s failed (%s); again in %.1f s", key, exc, backoff_s)
+                        return  # close() cut the connection
+                    log.warning("watching %s failed (%s: %s); again in %.1f s", key,
+                                type(exc).__name__, exc, backoff_s)
                     self._closed.wait(backoff_s)
                     backoff_s = min(backoff_s * 2, 5.0)
                     continue
