@@ -252,7 +252,7 @@ class Client:
         """
         serializer = serializer or self.settings.task_serializer
         claim = request_id is not None  # generated IDs cannot collide
-        request_id = request_id or str(uuid.uuid4())
+        request_id = str(uuid.uuid4()) if request_id is None else request_id
         if not valid_request_id(request_id):
             raise InvalidRequest(f"request {printable(request_id)}: a request ID must be 1 to "
                                  f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")

@@ -93,6 +93,24 @@ def url_with_db(url: str, db: int) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
 
 
+def gated_broker(redis_url: str, db: int, tag: str,
+                 visibility_timeout_s: str = "4") -> tuple[str, str, redis.Redis, dict[str, str]]:
+    """Database ``db`` of the session Redis (emptied), a key prefix for the "gated" test model's
+    records, a client of it, and the environment of a worker whose "gated" model counts there."""
+    url = url_with_db(redis_url, db)
+    prefix = f"{tag}-{os.urandom(4).hex()}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": visibility_timeout_s, "GATED_REDIS_URL": url,
+           "GATED_PREFIX": prefix}
+    return url, prefix, r, env
+
+
+def gated_executions(r: redis.Redis, prefix: str) -> dict[int, int]:
+    """How often the "gated" model ran each index."""
+    return {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+
+
 def start_up(env: dict[str, str], log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
     """Start ``asyncinfer up --devices cpu`` with ``args``, its output going to ``log``."""
     return subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu", *args],

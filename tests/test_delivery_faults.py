@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,33 +24,20 @@ from asyncinfer.client import Client
 from asyncinfer.errors import BrokerRefused
 from asyncinfer.redis_server import RedisServer
 from asyncinfer.workers.vital import EXIT_THREAD_DIED
-from tests.conftest import ROOT, start_worker, url_with_db, wait_for
+from tests.conftest import ROOT, gated_broker, gated_executions, start_worker, wait_for
 
 #: This module's broker database on the session Redis.
 DELIVERY_DB = 8
-
-
-def _gated(redis_url: str, tag: str) -> tuple[str, str, redis.Redis, dict[str, str]]:
-    url = url_with_db(redis_url, DELIVERY_DB)
-    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": "4", "GATED_REDIS_URL": url, "GATED_PREFIX": prefix}
-    return url, prefix, r, env
 
 
 def _index(i: int) -> dict[str, np.ndarray]:
     return {"index": np.array([[float(i)]], np.float64)}
 
 
-def _executions(r: redis.Redis, prefix: str) -> dict[int, int]:
-    return {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
-
-
 @pytest.mark.timeout(120)
 def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> None:
     # Given an idle worker, frozen (SIGSTOP) while it waits for work
-    url, prefix, r, env = _gated(redis_url, "idle")
+    url, prefix, r, env = gated_broker(redis_url, DELIVERY_DB, "idle")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "idle-first@%h", **env)
     second = None
@@ -78,7 +64,7 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> No
             assert f.result(timeout=60)["output"].tolist() == [[float(i)]]
         for i, res in enumerate(results, start=4):
             assert res.get(timeout=60)["outputs"][0]["data"] == [float(i)]
-        assert _executions(r, prefix) == {100: 1, **{i: 1 for i in range(8)}}
+        assert gated_executions(r, prefix) == {100: 1, **{i: 1 for i in range(8)}}
         # And a worker stopped with SIGTERM leaves cleanly (status 0, no thread "died")
         second.stop()
         assert second.process.returncode == 0 and " died " not in second.log(), second.log()[-2000:]
@@ -136,7 +122,7 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
                 f.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - counted as lost below
                 pass
-        executions = _executions(r, prefix)
+        executions = gated_executions(r, prefix)
         answered = sum(1 for i, f in enumerate(futures)
                        if f.done() and not f.exception() and f.result()["output"].tolist() == [[i]])
         return {"sent": len(futures), "answered": answered, "lost": len(futures) - answered,
@@ -151,7 +137,7 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
 def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_url, tmp_path) -> None:
     # Given two workers sharing a paced stream (mostly idle between requests, where waking on a
     # request once took it off its queue unrecorded)
-    url, prefix, r, env = _gated(redis_url, "paced")
+    url, prefix, r, env = gated_broker(redis_url, DELIVERY_DB, "paced")
     try:
         # When one of them is killed with SIGKILL every 3 s and replaced
         counts = kill_during_paced_stream(url, r, prefix, env, tmp_path, rate_per_s=50,

@@ -7,7 +7,6 @@ a Redis of their own), so what they count is theirs alone.
 from __future__ import annotations
 
 import time
-import uuid
 from concurrent.futures import wait
 
 import numpy as np
@@ -16,11 +15,10 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.redis_server import RedisServer
-from tests.conftest import start_worker, url_with_db, wait_for
+from tests.conftest import gated_broker, gated_executions, start_worker, wait_for
 
 #: The kill test's broker database on the session Redis (other tests use 0 and 3).
 FAULTS_DB = 7
-VISIBILITY_TIMEOUT_S = "4"
 
 
 
@@ -38,18 +36,6 @@ def _whereabouts(r: redis.Redis, request_ids: list[str], queue: str) -> str:
     return "requests never answered:\n" + "\n".join(lines) + f"\nother keys: {keys}"
 
 
-def _gated_broker(redis_url: str, tag: str) -> tuple[str, str, redis.Redis, dict[str, str]]:
-    """The faults database (emptied), a key prefix for the "gated" model's records, a client of
-    it, and the environment of a worker whose "gated" model counts there."""
-    url = url_with_db(redis_url, FAULTS_DB)
-    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = {"ASYNCINFER_VISIBILITY_TIMEOUT_S": VISIBILITY_TIMEOUT_S, "GATED_REDIS_URL": url,
-           "GATED_PREFIX": prefix}
-    return url, prefix, r, env
-
-
 def _index(i: int) -> dict[str, np.ndarray]:
     return {"index": np.array([[float(i)]], np.float64)}
 
@@ -58,7 +44,7 @@ def _index(i: int) -> dict[str, np.ndarray]:
 def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tmp_path) -> None:
     # Given a worker for the model "gated" (which counts executions per index in Redis and runs
     # only while the gate is open) on a database of its own, with a 4 s visibility timeout
-    url, prefix, r, env = _gated_broker(redis_url, "faults")
+    url, prefix, r, env = gated_broker(redis_url, FAULTS_DB, "faults")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "gated-first@%h", **env)
     second = None
@@ -86,7 +72,7 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
             assert response["output"].tolist() == [[float(i)]]
         assert all(f.result().parameters["worker"].startswith("gated-second@") for f in futures[30:])
         # And each ran exactly once: none lost, none twice
-        executions = {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+        executions = gated_executions(r, prefix)
         assert executions == {i: 1 for i in range(150)}
         wait_for(lambda: r.hlen("unacked") == 0, 30, "acks of the last results", poll_s=0.02)
     finally:
@@ -101,7 +87,7 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
 @pytest.mark.timeout(150)
 def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) -> None:
     # Given a worker taking a steady stream of requests (the gate open: the model only counts)
-    url, prefix, r, env = _gated_broker(redis_url, "stream")
+    url, prefix, r, env = gated_broker(redis_url, FAULTS_DB, "stream")
     workers = []
     client = Client(broker_url=url)
     try:
@@ -127,7 +113,7 @@ def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) 
         assert not missing, _whereabouts(r, missing[:5], "infer.gated")
         for i, f in enumerate(futures):
             assert f.result(timeout=0)["output"].tolist() == [[float(i)]]
-        executions = {int(k): int(v) for k, v in r.hgetall(f"{prefix}:executions").items()}
+        executions = gated_executions(r, prefix)
         assert set(executions) == set(range(len(futures)))
     finally:
         client.close()
