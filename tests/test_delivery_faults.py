@@ -213,3 +213,37 @@ def test_a_vital_thread_that_dies_takes_the_process_down_non_zero() -> None:
     # Then it exits at once with EXIT_THREAD_DIED, saying which thread died and why
     assert proc.returncode == EXIT_THREAD_DIED
     assert "thread asyncinfer-results died (RuntimeError: a bug nobody caught)" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_redis_frozen_mid_stream_loses_nothing_and_runs_nothing_twice(tmp_path) -> None:
+    # Given a Redis of its own, a worker of the counting model and requests flowing
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    env = {"GATED_REDIS_URL": server.url, "GATED_PREFIX": "frozen"}
+    worker = start_worker(server.url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "gated", "--hostname", "frozen@%h", "--concurrency", "8", **env)
+    client = Client(broker_url=server.url)
+    r = redis.Redis.from_url(server.url)
+    try:
+        futures = [client.submit("gated", _index(i)) for i in range(20)]
+        # When Redis is frozen (SIGSTOP) for 3 s while more requests are being submitted
+        os.kill(server.process.pid, signal.SIGSTOP)
+        late: list = []
+        sender = threading.Thread(target=lambda: late.extend(
+            client.submit("gated", _index(i)) for i in range(20, 30)))
+        sender.start()
+        time.sleep(3)
+        os.kill(server.process.pid, signal.SIGCONT)
+        sender.join(timeout=60)
+        # Then every request is answered with its own value, each run once, by the same process
+        for i, f in enumerate(futures + late):
+            assert f.result(timeout=60)["output"].tolist() == [[float(i)]]
+        assert len(late) == 10
+        assert gated_executions(r, "frozen") == {i: 1 for i in range(30)}
+        assert worker.process.poll() is None
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        client.close()
+        r.close()
+        worker.stop()
+        server.stop()

@@ -218,7 +218,7 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
             submits.append(future)
             time.sleep(pause_s)
         outcomes = [f.result() for f in submits]
-    deadline = time.monotonic() + 20.0
+    deadline = time.monotonic() + 40.0  # the worker catches up on what queued in the failover
     counts = {p: {"sent": 0, "refused": 0, "answered": 0, "lost": 0} for p in phases}
     refusals, lost = [], []
     for phase_of, request_id, outcome in outcomes:
@@ -240,7 +240,7 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
     return report
 
 
-@pytest.mark.timeout(58)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize("replicas", [0, 1])
 def test_worker_and_client_follow_a_failover_without_restart(tmp_path: Path, replicas: int) -> None:
     # Given a worker and a client on the Sentinel URL; with replicas=1 every submit and result

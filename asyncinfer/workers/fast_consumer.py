@@ -100,8 +100,10 @@ class FastConsumer:
         self.writer = ResultWriter(app, self.client, self._written)
         self.taker = Taker(self.client)
         # The watchers block on their own connections (one each), never on the consumer's.
-        self.waker = Waker(redis_client(app.conf.broker_url, getattr(app, "asyncinfer_settings", None),
-                                        health_check_interval=30),
+        settings = getattr(app, "asyncinfer_settings", None)
+        self.waker = Waker(redis_client(app.conf.broker_url, settings, health_check_interval=30),
+                           redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                                        single_connection_client=True),
                            self._lists, stopping=self._stopping_now)
         #: Celery task events (Flower); :class:`FastConsumerStep` turns them on with the worker's.
         self.events = TaskEvents(app, hostname, enabled=False)

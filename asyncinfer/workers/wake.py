@@ -11,16 +11,22 @@ script, whoever the producer is (our client, Celery's ``send_task``, ``redis-cli
 language), so a request is at all times either on its queue or in kombu's unacknowledged
 bookkeeping.
 
-A watcher that fired waits until the consumer is idle again (:meth:`Waker.arm`) before it blocks
-again; otherwise it would spin on a list that is not empty. Redis older than 6.2 has no BLMOVE:
-``BRPOPLPUSH list list`` is used instead (it moves the oldest message to the front of its list,
-which changes the order of that one message, never loses it).
+The caller itself blocks on the first list (its main queue, where nearly all requests arrive)
+on a connection of its own, so the common wake-up costs no thread hand-off (each hand-off waits
+for the GIL, which a busy device thread holds). Watcher threads cover the other lists (priority
+lists, other queues); one that fires sets the wake-up flag and, if the caller is blocked in Redis,
+cuts that block short with ``CLIENT UNBLOCK``. A watcher that fired waits until the consumer is
+idle again (:meth:`Waker.arm`) before it blocks again; otherwise it would spin on a list that is
+not empty. Redis older than 6.2 has no BLMOVE: ``BRPOPLPUSH list list`` is used instead (it moves
+the oldest message to the front of its list, which changes the order of that one message, never
+loses it).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,15 +40,20 @@ log = logging.getLogger(__name__)
 
 
 class Waker:
-    """Watches ``lists`` on ``client``'s server; :meth:`wait` returns once one may hold a message.
+    """Watches ``lists``; :meth:`wait` returns once one of them may hold a message.
 
-    ``client`` must have a socket timeout longer than ``block_s`` (or none): each watcher blocks
-    for up to ``block_s`` at a time, and looks whether it should stop in between.
+    ``own`` is a single-connection client (``single_connection_client=True``) on which
+    :meth:`wait` blocks on ``lists[0]``; ``client`` gives the watcher threads of the other lists a
+    connection each. Neither may have a socket timeout shorter than ``block_s``.
     """
 
-    def __init__(self, client: redis.Redis, lists: Sequence[str], *, block_s: int = 5,
-                 stopping: Callable[[], bool] | None = None) -> None:
+    #: How long a watcher that fired keeps trying to cut the caller's block short (seconds).
+    unblock_for_s = 0.2
+
+    def __init__(self, client: redis.Redis, own: redis.Redis, lists: Sequence[str], *,
+                 block_s: int = 5, stopping: Callable[[], bool] | None = None) -> None:
         self.client = client
+        self.own = own
         self.lists = list(lists)
         self.block_s = block_s
         self._stopping = stopping or (lambda: False)
@@ -51,10 +62,19 @@ class Waker:
         self._cond = threading.Condition()
         self._generation = 0
         self._rotate = False  # BRPOPLPUSH instead of BLMOVE (Redis < 6.2)
+        self._blocking = False  # the caller is in (or about to send) its blocking command
+        self._own_id: int | None = None
         self._threads = [vital_thread(self._watch, f"asyncinfer-wake-{i}", key)
-                         for i, key in enumerate(self.lists)]
+                         for i, key in enumerate(self.lists[1:], start=1)]
 
     def start(self) -> Waker:
+        connection = getattr(self.own, "connection", None)
+        if connection is not None:  # a reconnect gets a new client ID: learn it each time
+            connection.register_connect_callback(self._on_own_connect)
+        try:
+            self._own_id = int(self.own.client_id())
+        except redis.RedisError as exc:  # learnt on the next connect
+            log.warning("could not learn the consumer's Redis client ID (%s)", exc)
         for thread in self._threads:
             thread.start()
         return self
@@ -70,8 +90,21 @@ class Waker:
             self._cond.notify_all()
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until a watched list had a message since :meth:`clear` (True), or ``timeout_s``."""
-        return self._wake.wait(timeout_s)
+        """Block until a watched list had a message since :meth:`clear` (True), or about
+        ``timeout_s`` (whole seconds in Redis, at least 1)."""
+        self._blocking = True
+        try:
+            if self._wake.is_set() or self._done():
+                return True
+            try:
+                found = self._block(self.own, self.lists[0], max(1, round(timeout_s)))
+            except Exception:
+                if self._done():
+                    return True  # close() cut the connection
+                raise
+            return found is not None or self._wake.is_set()
+        finally:
+            self._blocking = False
 
     def close(self) -> None:
         """Stop the watchers (their blocked commands are cut by closing the connections)."""
@@ -79,10 +112,24 @@ class Waker:
         self._wake.set()
         with self._cond:
             self._cond.notify_all()
-        try:
-            self.client.connection_pool.disconnect()
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
+        for client in (self.client, self.own):
+            try:
+                client.connection_pool.disconnect()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+
+    def _on_own_connect(self, connection: Any) -> None:
+        connection.send_command("CLIENT", "ID")
+        self._own_id = int(connection.read_response())
+
+    def _unblock(self) -> None:
+        """Cut the caller's blocking command short, if it is in one (it may be on its way to
+        Redis: try again for a moment, until it has returned)."""
+        deadline = time.monotonic() + self.unblock_for_s
+        while self._blocking and self._own_id is not None and not self._done():
+            if self.client.client_unblock(self._own_id) or time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
 
     def _done(self) -> bool:
         return self._closed.is_set() or self._stopping()
@@ -97,7 +144,7 @@ class Waker:
                 seen = self._generation
             while not self._done():
                 try:
-                    found = self._block(key)
+                    found = self._block(self.client, key, self.block_s)
                     backoff_s = 0.1
                 except Exception as exc:  # noqa: BLE001 - Redis errors, or a socket closed under it
                     if self._done():
@@ -109,15 +156,16 @@ class Waker:
                     continue
                 if found is not None:
                     self._wake.set()
+                    self._unblock()
                     break
 
-    def _block(self, key: str) -> Any:
+    def _block(self, client: redis.Redis, key: str, timeout_s: int) -> Any:
         if not self._rotate:
             try:
-                return self.client.blmove(key, key, self.block_s, src="RIGHT", dest="RIGHT")
+                return client.blmove(key, key, timeout_s, src="RIGHT", dest="RIGHT")
             except redis.ResponseError as exc:
                 if "unknown command" not in str(exc).lower():
                     raise
                 log.info("this Redis has no BLMOVE (before 6.2): watching with BRPOPLPUSH")
                 self._rotate = True
-        return self.client.brpoplpush(key, key, self.block_s)
+        return client.brpoplpush(key, key, timeout_s)

@@ -1,0 +1,67 @@
+"""The idle wait: it returns when any watched list gets a message, and takes none of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from asyncinfer.constants import priority_lists
+from asyncinfer.workers.wake import Waker
+from tests.conftest import url_with_db
+
+pytestmark = pytest.mark.timeout(60)
+
+LISTS = priority_lists(["infer.a", "infer.b"])  # infer.a, infer.b, then their priority lists
+
+
+@pytest.fixture()
+def waker(redis_url: str) -> Iterator[tuple[Waker, redis.Redis]]:
+    url = url_with_db(redis_url, 14)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    w = Waker(redis.Redis.from_url(url), redis.Redis.from_url(url, single_connection_client=True),
+              LISTS, block_s=30).start()
+    yield w, r
+    w.close()
+    r.flushdb()
+    r.close()
+
+
+def _wait_in_thread(w: Waker, timeout_s: float) -> tuple[threading.Thread, list[bool]]:
+    woke: list[bool] = []
+    thread = threading.Thread(target=lambda: woke.append(w.wait(timeout_s)))
+    thread.start()
+    return thread, woke
+
+
+@pytest.mark.parametrize("key", LISTS)
+def test_a_message_on_any_list_ends_the_wait_and_stays_on_its_list(waker, key: str) -> None:
+    w, r = waker
+    w.clear()
+    w.arm()
+    # Given the caller blocked for up to 30 s (its own list in Redis, the others by watchers)
+    thread, woke = _wait_in_thread(w, 30)
+    time.sleep(0.3)  # let it block (a message sent earlier would end the wait just the same)
+    assert thread.is_alive()
+    # When a producer pushes one message on one of the lists
+    r.lpush(key, b"m1")
+    # Then the wait ends long before its timeout, and the message is still on its list
+    thread.join(timeout=10)
+    assert not thread.is_alive() and woke == [True], key
+    assert r.lrange(key, 0, -1) == [b"m1"]
+
+
+def test_a_wake_up_before_the_wait_is_not_lost(waker) -> None:
+    w, r = waker
+    w.clear()
+    w.arm()
+    r.lpush(LISTS[5], b"early")  # a priority list: a watcher fires while nobody waits
+    deadline = time.monotonic() + 10
+    while not w._wake.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert w.wait(30) is True and time.monotonic() - started < 10
