@@ -224,6 +224,8 @@ def redis_client(url: str, settings: Settings | None = None, **kwargs: Any) -> r
     """
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
+    # A client option, not a connection option: applied to the master's client below.
+    single_connection = bool(kwargs.pop("single_connection_client", False))
     parsed = parse_sentinel_url(url)
     master = settings.sentinel_master if settings is not None else "mymaster"
     own: dict[str, Any] = sentinel_kwargs(settings) or {}
@@ -238,6 +240,8 @@ def redis_client(url: str, settings: Settings | None = None, **kwargs: Any) -> r
     client: redis.Redis = manager.master_for(
         master, redis_class=_SentinelMaster, connection_pool_class=SentinelConnectionPool,
         connection_class=_FollowingConnection, db=parsed.db, **credentials, **kwargs)
+    if single_connection:
+        client = _SentinelMaster(connection_pool=client.connection_pool, single_connection_client=True)
     return client
 
 
