@@ -139,6 +139,7 @@ def test_hostile_envelopes_fail_alone_and_valid_ones_are_answered_at_once(
     wait_for(lambda: redis_client.hlen("unacked") == 0, 30, "every message acknowledged")
     assert redis_client.llen(QUEUE) == 0
     growth_mib = (_rss_kib(worker.pid) - rss_before) / 1024
+    print(f"hostile envelopes: worker RSS grew by {growth_mib:.0f} MiB")
     assert growth_mib < 400, f"worker RSS grew by {growth_mib:.0f} MiB"
     # And the worker goes on serving
     assert worker.process.poll() is None
