@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import redis
 
@@ -23,7 +24,8 @@ def waker(redis_url: str) -> Iterator[tuple[Waker, redis.Redis]]:
     url = url_with_db(redis_url, 14)
     r = redis.Redis.from_url(url)
     r.flushdb()
-    w = Waker(redis.Redis.from_url(url), redis.Redis.from_url(url, single_connection_client=True),
+    w = Waker(redis.Redis.from_url(url, socket_timeout=40),
+              redis.Redis.from_url(url, socket_timeout=40, single_connection_client=True),
               LISTS, block_s=30).start()
     yield w, r
     w.close()
@@ -65,3 +67,13 @@ def test_a_wake_up_before_the_wait_is_not_lost(waker) -> None:
         time.sleep(0.01)
     started = time.monotonic()
     assert w.wait(30) is True and time.monotonic() - started < 10
+
+
+def test_an_idle_worker_waits_quietly_through_whole_blocking_cycles(client, worker) -> None:
+    # Given the session worker answering, then idle for longer than one watcher's block
+    assert client.infer("identity", {"x": np.ones((1, 1), np.float32)}, timeout_s=30)
+    seen = len(worker.log())
+    time.sleep(Waker.block_s + 1.5)
+    # Then no watcher's blocking command ran into its socket timeout (redis-py's default is 5 s)
+    assert "watching" not in worker.log()[seen:], worker.log()[seen:][-2000:]
+    assert client.infer("identity", {"x": np.ones((1, 1), np.float32)}, timeout_s=30)

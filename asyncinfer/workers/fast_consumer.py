@@ -101,9 +101,11 @@ class FastConsumer:
         self.taker = Taker(self.client)
         # The watchers block on their own connections (one each), never on the consumer's.
         settings = getattr(app, "asyncinfer_settings", None)
-        self.waker = Waker(redis_client(app.conf.broker_url, settings, health_check_interval=30),
-                           redis_client(app.conf.broker_url, settings, health_check_interval=30,
-                                        single_connection_client=True),
+        # Blocking commands need a socket timeout beyond their own (redis-py's default is 5 s).
+        blocking = {"health_check_interval": 30, "socket_timeout": Waker.block_s + 5}
+        self.waker = Waker(redis_client(app.conf.broker_url, settings, **blocking),
+                           redis_client(app.conf.broker_url, settings, single_connection_client=True,
+                                        **blocking),
                            self._lists, stopping=self._stopping_now)
         #: Celery task events (Flower); :class:`FastConsumerStep` turns them on with the worker's.
         self.events = TaskEvents(app, hostname, enabled=False)

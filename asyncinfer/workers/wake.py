@@ -49,13 +49,16 @@ class Waker:
 
     #: How long a watcher that fired keeps trying to cut the caller's block short (seconds).
     unblock_for_s = 0.2
+    #: How long one blocking command of a watcher lasts (seconds): between two looks at stopping.
+    block_s = 5
 
     def __init__(self, client: redis.Redis, own: redis.Redis, lists: Sequence[str], *,
-                 block_s: int = 5, stopping: Callable[[], bool] | None = None) -> None:
+                 block_s: int | None = None, stopping: Callable[[], bool] | None = None) -> None:
         self.client = client
         self.own = own
         self.lists = list(lists)
-        self.block_s = block_s
+        if block_s is not None:
+            self.block_s = block_s
         self._stopping = stopping or (lambda: False)
         self._closed = threading.Event()
         self._wake = threading.Event()
