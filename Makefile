@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-unit lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast tier: no Redis, no subprocess.
+test-unit: setup
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check asyncinfer tests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,6 +154,23 @@ def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> Work
     """Start ``asyncinfer worker`` with ``args`` and wait until it consumes."""
     argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
     return WorkerProcess(argv, worker_env(redis_url, **env), log_path).wait_ready()
+
+
+def _refuse_subprocess(self: object, *args: object, **kwargs: object) -> None:
+    raise RuntimeError("a test marked unit starts no subprocess (mark it otherwise)")
+
+
+def _refuse_connect(self: object, address: object) -> None:
+    raise RuntimeError(f"a test marked unit opens no connection (to {address!r}; mark it otherwise)")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_stays_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``unit`` (``make test-unit``) fails if it starts a process or connects to
+    anything (Redis included: fakeredis is in-process), so the fast tier stays fast and true."""
+    if request.node.get_closest_marker("unit") is not None:
+        monkeypatch.setattr(subprocess.Popen, "__init__", _refuse_subprocess)
+        monkeypatch.setattr(socket.socket, "connect", _refuse_connect)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 from asyncinfer.workers.batcher import Batcher, WorkItem
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
 
 
 def item(tag: str, rows: int = 1, signature: Hashable = "a") -> WorkItem:

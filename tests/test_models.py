@@ -17,7 +17,7 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.protocol import Request, decode_request
 from tests.support_models import tiny_linear_module
 
-pytestmark = [pytest.mark.timeout(60),
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit,
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
 
 #: The built-ins: identity and mlp always, minilm when its extra is installed.

@@ -241,6 +241,7 @@ def test_stock_celery_path_logs_once_and_counts(redis_url, tmp_path) -> None:
         proc.stop()
 
 
+@pytest.mark.unit
 def test_throughput_ring_counts_the_last_seconds() -> None:
     ring = _Ring(10)
     for second in range(100, 110):

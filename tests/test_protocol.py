@@ -26,7 +26,7 @@ from asyncinfer.protocol import (
     to_input_payload,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 NAN, INF = float("nan"), float("inf")
 TORCH = {

@@ -21,7 +21,7 @@ from asyncinfer.workers.device import Device, DeviceSpec
 from asyncinfer.workers.runner import Completed, ModelRunner
 from tests.support_models import Poison
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 WAIT_S = 10.0
 
