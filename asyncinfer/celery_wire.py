@@ -31,8 +31,6 @@ import msgpack
 from asyncinfer.errors import InvalidRequest
 
 __all__ = [
-    "UNACKED_KEY",
-    "UNACKED_INDEX_KEY",
     "Delivery",
     "parse_envelope",
     "decode_body",
@@ -51,9 +49,6 @@ __all__ = [
     "restored_message",
 ]
 
-#: kombu's Redis transport bookkeeping of unacknowledged messages (its defaults).
-UNACKED_KEY = "unacked"
-UNACKED_INDEX_KEY = "unacked_index"
 
 _JSON = "application/json"
 _MSGPACK = ("application/x-msgpack", "application/msgpack")

@@ -42,8 +42,9 @@ from asyncinfer.errors import (
     InvalidRequest,
     RequestTimeout,
 )
+from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
-from asyncinfer.publisher import CLAIM_PREFIX, Publisher
+from asyncinfer.publisher import Publisher
 from asyncinfer.result_watcher import ResultWatcher
 
 __all__ = ["Client", "InferFuture", "InferResponse"]

@@ -30,21 +30,19 @@ import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from asyncinfer.errors import NotReplicated
+from asyncinfer.keys import REPLICATION_MARK_CHANNEL
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S",
-           "REPLICATION_MARK_CHANNEL"]
+           "require_replicas", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
 
 #: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 DEFAULT_SENTINEL_PORT = 26379
 _SEPARATOR = ";"
-#: What :func:`wait_replicas` publishes on (nobody listens): a replicated write to wait for.
-REPLICATION_MARK_CHANNEL = "asyncinfer:replicated"
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
 MASTER_CHECK_S = 1.0
 

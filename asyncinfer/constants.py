@@ -1,4 +1,4 @@
-"""Names on the wire and Redis key prefixes: the fixed part of the contract, in one place."""
+"""Names on the wire: the fixed part of the contract, in one place (Redis keys: keys.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ __all__ = [
     "QUEUE_PREFIX",
     "queue_for",
     "model_from_queue",
-    "RESULT_KEY_PREFIX",
-    "KEY_PREFIX",
     "PRIORITY_SEP",
     "PRIORITY_STEPS",
     "priority_lists",
     "queue_of_list",
-    "DEAD_LETTER_PREFIX",
-    "dead_letter_key",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -31,11 +27,7 @@ CPU_QUEUE = "asyncinfer.cpu"
 #: Requests for model ``M`` go to the Celery queue ``infer.M``.
 QUEUE_PREFIX = "infer."
 
-#: Celery's Redis result backend stores each result under this prefix + request ID.
-RESULT_KEY_PREFIX = "celery-task-meta-"
 
-#: Every other key asyncinfer writes in Redis starts with this.
-KEY_PREFIX = "asyncinfer:"
 
 
 #: kombu's Redis transport keeps a queue's messages of priority step 3, 6, 9 in lists named
@@ -54,13 +46,6 @@ def queue_of_list(key: str) -> str:
     return key.split(PRIORITY_SEP, 1)[0]
 
 
-#: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
-DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"
-
-
-def dead_letter_key(model: str) -> str:
-    """The dead-letter list of ``model`` (see dead_letters.py)."""
-    return DEAD_LETTER_PREFIX + model
 
 
 def queue_for(model: str) -> str:

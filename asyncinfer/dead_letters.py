@@ -39,13 +39,8 @@ import msgpack
 from celery import Celery, signals, states
 
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.constants import (
-    RESULT_KEY_PREFIX,
-    dead_letter_key,
-    model_from_queue,
-    queue_for,
-    queue_of_list,
-)
+from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
+from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings

@@ -22,10 +22,10 @@ from typing import Any
 
 from asyncinfer.connections import require_replicas
 from asyncinfer.errors import InvalidRequest, QueueFull
+from asyncinfer.keys import CLAIM_PREFIX
 
-__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CLAIM_PREFIX"]
+__all__ = ["Publisher", "PUBLISHED", "DUPLICATE"]
 
-CLAIM_PREFIX = "asyncinfer:request:"
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
 # KEYS: queue, claim key, result key.

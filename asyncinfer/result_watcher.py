@@ -19,6 +19,8 @@ from typing import Any
 import redis
 from celery import states
 
+from asyncinfer.keys import WATCHER_CHANNEL
+
 __all__ = ["ResultWatcher"]
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class ResultWatcher:
                     pass
 
     def _serve(self, pubsub: Any) -> None:
-        pubsub.subscribe("asyncinfer:watcher")  # opens the connection
+        pubsub.subscribe(WATCHER_CHANNEL)  # opens the connection
         while not self._closed:
             finished = self._subscribe_new(pubsub)
             # Read while anything is buffered or readable (subscribe replies are messages too),

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.keys import RETRY_BUDGET_PREFIX
+
 __all__ = ["RetryBudget", "BudgetDecision"]
 
-KEY_PREFIX = "asyncinfer:retry-budget"
 
 # KEYS: requests (this window, previous), retries (this window, previous).
 # ARGV: retries wanted, ratio, minimum, key TTL in seconds.
@@ -70,7 +71,7 @@ class RetryBudget:
         """Count ``n`` first attempts; added to ``pipe`` when given (executed by the caller)."""
         if n <= 0:
             return
-        key = f"{KEY_PREFIX}:requests:{self._window(now)}"
+        key = f"{RETRY_BUDGET_PREFIX}:requests:{self._window(now)}"
         target = pipe if pipe is not None else self.client.pipeline(transaction=False)
         target.incrby(key, n)
         target.expire(key, self.ttl_s)
@@ -82,8 +83,8 @@ class RetryBudget:
         if wanted <= 0:
             return BudgetDecision(0, 0, 0)
         window = self._window(now)
-        keys = [f"{KEY_PREFIX}:requests:{window}", f"{KEY_PREFIX}:requests:{window - 1}",
-                f"{KEY_PREFIX}:retries:{window}", f"{KEY_PREFIX}:retries:{window - 1}"]
+        keys = [f"{RETRY_BUDGET_PREFIX}:requests:{window}", f"{RETRY_BUDGET_PREFIX}:requests:{window - 1}",
+                f"{RETRY_BUDGET_PREFIX}:retries:{window}", f"{RETRY_BUDGET_PREFIX}:retries:{window - 1}"]
         granted, requests, spent = self._spend(keys=keys, args=[wanted, repr(float(self.ratio)),
                                                                  self.minimum, self.ttl_s])
         return BudgetDecision(int(granted), int(requests), int(spent))

@@ -15,7 +15,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from asyncinfer.celery_wire import Delivery, parse_envelope, retry_message, seconds_until, task_message
 from asyncinfer.errors import InvalidRequest, QueueFull, TransientError, TransientModelError
-from asyncinfer.publisher import CLAIM_PREFIX, DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.publisher import DUPLICATE, PUBLISHED, Publisher
 from asyncinfer.retries import RetryPolicy, is_transient
 from asyncinfer.retry_budget import RetryBudget
 from asyncinfer.workers.time_limits import TimeLimits, time_limits_of

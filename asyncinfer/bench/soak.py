@@ -28,6 +28,7 @@ import redis
 
 from asyncinfer.bench.systems import WorkerUnderTest
 from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.keys import RESULT_KEY_PREFIX, UNACKED_KEY
 from asyncinfer.loadgen import percentile, run_closed_loop
 from asyncinfer.redis_server import RedisServer
 
@@ -90,12 +91,12 @@ class Sampler(threading.Thread):
 
 def where_is(client: redis.Redis, request_id: str, queue: str) -> str:
     """Where a request without a result lies in Redis: stored, taken, queued, or nowhere."""
-    meta = client.get(f"celery-task-meta-{request_id}")
+    meta = client.get(RESULT_KEY_PREFIX + request_id)
     if meta is not None:
         status = json.loads(meta).get("status")
         return f"its result is stored ({status}) but the client did not hear of it"
     key = request_id.encode()
-    if any(key in entry for entry in client.hvals("unacked")):
+    if any(key in entry for entry in client.hvals(UNACKED_KEY)):
         return "taken by a worker, not acknowledged"
     if any(key in message for message in client.lrange(queue, 0, -1)):
         return "still in its queue"

@@ -34,8 +34,6 @@ from celery import Celery, bootsteps, states
 from celery.exceptions import TaskRevokedError, TimeLimitExceeded
 
 from asyncinfer.celery_wire import (
-    UNACKED_INDEX_KEY,
-    UNACKED_KEY,
     Delivery,
     decode_body,
     expired,
@@ -56,6 +54,7 @@ from asyncinfer.errors import (
     RequestRevoked,
     RetryBudgetExhausted,
 )
+from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.retries import RetryPolicy, retry_budget_for
 from asyncinfer.workers import metrics

@@ -28,9 +28,10 @@ from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer import dead_letters
-from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY, Delivery, result_meta
+from asyncinfer.celery_wire import Delivery, result_meta
 from asyncinfer.connections import wait_replicas
 from asyncinfer.errors import ModelError, RetryBudgetExhausted
+from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.retries import retry_budget_for
 from asyncinfer.workers.vital import vital_thread
 

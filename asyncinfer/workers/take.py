@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.celery_wire import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 
 __all__ = ["Taker", "MAX_ENVELOPE_DEPTH"]
 

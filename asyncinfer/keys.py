@@ -1,0 +1,54 @@
+"""Every Redis key and channel name asyncinfer reads or writes, in one place.
+
+Celery's and kombu's own names (results, the unacknowledged bookkeeping) are here too, because
+the fast consumer and the result writer speak them directly. The queues themselves are the wire
+contract's (``infer.<model>``, constants.py).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KEY_PREFIX",
+    "RESULT_KEY_PREFIX",
+    "UNACKED_KEY",
+    "UNACKED_INDEX_KEY",
+    "CLAIM_PREFIX",
+    "DEAD_LETTER_PREFIX",
+    "RETRY_BUDGET_PREFIX",
+    "REPLICATION_MARK_CHANNEL",
+    "WATCHER_CHANNEL",
+    "dead_letter_key",
+]
+
+#: Every key asyncinfer itself writes starts with this.
+KEY_PREFIX = "asyncinfer:"
+
+#: Celery's Redis result backend stores each result under this prefix + request ID, and
+#: publishes it on a channel of the same name.
+RESULT_KEY_PREFIX = "celery-task-meta-"
+
+#: kombu's Redis transport bookkeeping of unacknowledged messages (its defaults): a hash of
+#: delivery tag → ``[envelope, exchange, routing_key]`` and a sorted set of tag → time taken.
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
+
+#: A caller-chosen request ID claimed at submit (idempotency); the value is the queue it went to.
+CLAIM_PREFIX = KEY_PREFIX + "request:"
+
+#: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
+DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"
+
+#: The fleet's retry budget: ``…:requests:<window>`` and ``…:retries:<window>`` counters.
+RETRY_BUDGET_PREFIX = KEY_PREFIX + "retry-budget"
+
+#: Published (and replicated) before ``WAIT``, so the wait covers writes of every connection.
+REPLICATION_MARK_CHANNEL = KEY_PREFIX + "replicated"
+
+#: The result watcher's first subscription (it opens the pub/sub connection; nothing is sent).
+WATCHER_CHANNEL = KEY_PREFIX + "watcher"
+
+
+def dead_letter_key(model: str) -> str:
+    """The dead-letter list of ``model`` (see dead_letters.py)."""
+    return DEAD_LETTER_PREFIX + model
+
