@@ -57,7 +57,7 @@ from asyncinfer.errors import (
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.protocol import Request, request_kwargs
 from asyncinfer.retries import RetryPolicy, retry_budget_for
-from asyncinfer.workers import metrics
+from asyncinfer.workers import inspection, metrics
 from asyncinfer.workers.batcher import WorkItem
 from asyncinfer.workers.events import FAILED_FORMAT, TaskEvents
 from asyncinfer.workers.result_writer import Outcome, ResultWriter
@@ -423,6 +423,7 @@ class FastConsumer:
             self._fail(d, exc, embed)
             return
         self.events.started(d)
+        inspection.count_started()
         future.add_done_callback(lambda f: self._finish(d, request, f, embed))
 
     def _fail(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None,
@@ -512,6 +513,7 @@ class FastConsumerStep(bootsteps.StartStopStep):
         # sends the worker's heartbeats.
         consumer.events = TaskEvents(worker.app, worker.hostname, enabled=bool(worker.task_events))
         metrics.watch(in_flight=lambda: consumer.in_flight)
+        inspection.serve(self.queues, consumer.max_in_flight)
         self.consumer = consumer.start()
 
     def stop(self, worker: Any) -> None:
