@@ -9,24 +9,20 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import redis
-from celery import Celery, states
-from celery.exceptions import TaskRevokedError
-from celery.result import AsyncResult
+from celery import Celery
 
 from asyncinfer import aio
 from asyncinfer.celery_app import create_app
 from asyncinfer.celery_wire import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import is_redis_url, redis_client
+from asyncinfer.connections import broker_error, is_redis_url, redis_client
 from asyncinfer.constants import (
     CPU_QUEUE,
     POSTPROCESS_TASK,
@@ -36,108 +32,15 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import (
-    AsyncInferError,
-    BrokerRefused,
-    BrokerUnavailable,
     InvalidRequest,
-    RequestTimeout,
 )
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.protocol import output_to_numpy, output_to_torch, to_input_payload
+from asyncinfer.protocol import to_input_payload
 from asyncinfer.publisher import Publisher
+from asyncinfer.responses import InferFuture, InferResponse
 from asyncinfer.result_watcher import ResultWatcher
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
-
-
-class InferResponse:
-    """A v2 inference response; ``response["output"]`` is that output as a numpy array."""
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.raw = dict(raw)
-        self.id: str = raw["id"]
-        self.model_name: str = raw["model_name"]
-        self.parameters: dict[str, Any] = dict(raw.get("parameters") or {})
-        self.outputs: dict[str, dict[str, Any]] = {o["name"]: o for o in raw["outputs"]}
-
-    def _output(self, name: str | None) -> dict[str, Any]:
-        if name is None:
-            return next(iter(self.outputs.values()))
-        try:
-            return self.outputs[name]
-        except KeyError:
-            raise KeyError(f"response {self.id} has no output {name!r} "
-                           f"(outputs: {', '.join(self.outputs)})") from None
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return output_to_numpy(self._output(name))
-
-    def as_numpy(self, name: str | None = None) -> np.ndarray:
-        """Output ``name`` (default: the first) as a numpy array."""
-        return output_to_numpy(self._output(name))
-
-    def as_torch(self, name: str | None = None) -> Any:
-        """Output ``name`` (default: the first) as a torch tensor (numeric outputs)."""
-        return output_to_torch(self._output(name))
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{n}: {o['datatype']}{o['shape']}" for n, o in self.outputs.items())
-        return f"InferResponse(id={self.id!r}, model={self.model_name!r}, outputs={{{shapes}}})"
-
-
-class InferFuture(concurrent.futures.Future[InferResponse]):
-    """A ``concurrent.futures.Future`` for one request; ``cancel()`` revokes it in Celery."""
-
-    def __init__(self, request_id: str, client: Client) -> None:
-        super().__init__()
-        self.id = request_id
-        self._client = client
-
-    @property
-    def async_result(self) -> AsyncResult:
-        """Celery's view of the same request."""
-        return AsyncResult(self.id, app=self._client.app)
-
-    def cancel(self) -> bool:
-        """Revoke the request (it will not run if it has not started) and cancel this future."""
-        if self.done():
-            return False
-        self._client.app.control.revoke(self.id)
-        self._client.watcher.unwatch(self.id)
-        return super().cancel()
-
-    def result(self, timeout: float | None = None) -> InferResponse:
-        """The response; raises the request's error, or :class:`RequestTimeout` (a
-        ``TimeoutError`` naming the request) when it is not done within ``timeout`` seconds."""
-        try:
-            return super().result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise RequestTimeout(f"request {self.id}: no result within {timeout:g} s; it may still "
-                                 f"finish (look it up later by its ID)") from None
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            return super().exception(timeout)
-        except concurrent.futures.TimeoutError:
-            raise RequestTimeout(f"request {self.id}: not finished within {timeout:g} s") from None
-
-    def _settle(self, meta: dict[str, Any]) -> None:
-        if self.done():
-            return
-        status = meta.get("status")
-        if status == states.SUCCESS:
-            result = meta["result"]
-            is_response = isinstance(result, dict) and "outputs" in result and "id" in result
-            self.set_result(InferResponse(result) if is_response else result)
-        elif status == states.REVOKED:
-            stored = self._client.app.backend.exception_to_python(meta.get("result"))
-            self.set_exception(stored if isinstance(stored, TaskRevokedError)
-                               else TaskRevokedError(f"request {self.id} was revoked"))
-        else:
-            self.set_exception(self._client.app.backend.exception_to_python(meta.get("result")))
-
-    def __repr__(self) -> str:
-        return f"<InferFuture {self.id} {self._state}>"
 
 
 class Client:
@@ -388,35 +291,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
-    """The asyncinfer error for a Redis error that a publish of ``request_id`` met.
-
-    Unreachable, timed out or refused credentials: :class:`BrokerUnavailable`; Redis refusing the
-    write (out of memory, a read-only replica, a missing permission, any other error reply):
-    :class:`BrokerRefused`. A timeout leaves it open whether the request went out.
-    """
-    where = f"request {request_id}: "
-    if isinstance(exc, redis.AuthenticationError):
-        return BrokerUnavailable(where + f"broker refused the credentials in the broker URL: {exc}")
-    if isinstance(exc, redis.TimeoutError):
-        return BrokerUnavailable(where + f"broker did not answer in time ({exc}); the request may "
-                                 "have been sent all the same: submit it again with the same "
-                                 "request_id to have it run once")
-    if isinstance(exc, redis.ConnectionError):
-        return BrokerUnavailable(where + f"broker unreachable: {exc}")
-    # A refusal inside a script comes as a plain ResponseError carrying Redis' error code.
-    said = str(exc)
-    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in said:
-        return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {exc}")
-    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in said:
-        return BrokerRefused(where + f"broker is out of memory (maxmemory reached) and takes no "
-                             f"writes; not sent: {exc}")
-    if isinstance(exc, redis.exceptions.ReadOnlyError) or "READONLY" in said:
-        return BrokerRefused(where + f"broker is a read-only replica (a failover in progress?); not "
-                             f"sent: {exc}")
-    return BrokerRefused(where + f"broker refused the request ({type(exc).__name__}): {exc}")
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

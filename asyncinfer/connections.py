@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote, urlsplit
 import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from asyncinfer.errors import NotReplicated
+from asyncinfer.errors import AsyncInferError, BrokerRefused, BrokerUnavailable, NotReplicated
 from asyncinfer.keys import REPLICATION_MARK_CHANNEL
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
+           "require_replicas", "broker_error", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
 
 #: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
@@ -273,3 +273,32 @@ def require_replicas(client: redis.Redis, replicas: int, timeout_ms: int, what: 
             f"within {timeout_ms} ms (ASYNCINFER_SUBMIT_REPLICAS); a failover now could lose it",
             confirmed=confirmed, required=replicas)
     return confirmed
+
+
+def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
+    """The asyncinfer error for a Redis error that a publish of ``request_id`` met.
+
+    Unreachable, timed out or refused credentials: :class:`BrokerUnavailable`; Redis refusing the
+    write (out of memory, a read-only replica, a missing permission, any other error reply):
+    :class:`BrokerRefused`. A timeout leaves it open whether the request went out.
+    """
+    where = f"request {request_id}: "
+    if isinstance(exc, redis.AuthenticationError):
+        return BrokerUnavailable(where + f"broker refused the credentials in the broker URL: {exc}")
+    if isinstance(exc, redis.TimeoutError):
+        return BrokerUnavailable(where + f"broker did not answer in time ({exc}); the request may "
+                                 "have been sent all the same: submit it again with the same "
+                                 "request_id to have it run once")
+    if isinstance(exc, redis.ConnectionError):
+        return BrokerUnavailable(where + f"broker unreachable: {exc}")
+    # A refusal inside a script comes as a plain ResponseError carrying Redis' error code.
+    said = str(exc)
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in said:
+        return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {exc}")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in said:
+        return BrokerRefused(where + f"broker is out of memory (maxmemory reached) and takes no "
+                             f"writes; not sent: {exc}")
+    if isinstance(exc, redis.exceptions.ReadOnlyError) or "READONLY" in said:
+        return BrokerRefused(where + f"broker is a read-only replica (a failover in progress?); not "
+                             f"sent: {exc}")
+    return BrokerRefused(where + f"broker refused the request ({type(exc).__name__}): {exc}")

@@ -55,12 +55,12 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:
-        from kombu.utils.url import maybe_sanitize_url
+        from asyncinfer.connections import masked_url
 
         state = settings.redis_dir
         running = published_url(state)
         if running:
-            print(f"asyncinfer up: another 'asyncinfer up' serves {maybe_sanitize_url(running)}; "
+            print(f"asyncinfer up: another 'asyncinfer up' serves {masked_url(running)}; "
                   f"stop it first", file=sys.stderr)
             return 1
         try:
@@ -69,7 +69,7 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
             print(f"asyncinfer up: {e}", file=sys.stderr)
             return 1
         url = redis.url
-        print(f"asyncinfer up: embedded Redis at {maybe_sanitize_url(url)} (data, password and "
+        print(f"asyncinfer up: embedded Redis at {masked_url(url)} (data, password and "
               f"URL in {state})", flush=True)
     env = dict(os.environ, ASYNCINFER_BROKER_URL=url)
     children = []
