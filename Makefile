@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m asyncinfer.demo
+	$(PY) -m asyncinfer.ops.demo
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

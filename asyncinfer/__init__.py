@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return app
     if name in ("Client", "InferFuture", "InferResponse"):
-        from asyncinfer import client
+        import asyncinfer.client as client
 
         return getattr(client, name)
     raise AttributeError(f"module 'asyncinfer' has no attribute {name!r}")

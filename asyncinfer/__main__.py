@@ -2,6 +2,6 @@
 
 import sys
 
-from asyncinfer.cli import main
+from asyncinfer.ops.cli import main
 
 sys.exit(main())

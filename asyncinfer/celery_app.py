@@ -21,4 +21,4 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 app = create_app()
 app.set_current()
-app.conf.include = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.workers.bootstrap"]
+app.conf.include = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.worker.bootstrap"]

@@ -23,8 +23,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncinfer.ops.redis_server import RedisServer
 from asyncinfer.processes import pid_alive, stop_process
-from asyncinfer.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

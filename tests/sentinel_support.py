@@ -18,8 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from asyncinfer.ops.redis_server import free_port, redis_server_binary
 from asyncinfer.processes import stop_process
-from asyncinfer.redis_server import free_port, redis_server_binary
 
 __all__ = ["SentinelGroup"]
 

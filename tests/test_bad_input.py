@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.celery_wire import task_message
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest, UnknownModel
+from asyncinfer.wire.envelope import task_message
 from tests.conftest import SESSION_MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 
 import pytest
 
-from asyncinfer.workers.batcher import Batcher, WorkItem
+from asyncinfer.engine.batcher import Batcher, WorkItem
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
 

@@ -50,7 +50,7 @@ def test_a_wait_that_times_out_names_the_request_and_the_time(client) -> None:
 def test_a_large_result_arrives_without_the_watcher_reconnecting(redis_url, worker, caplog) -> None:
     # Given results of 2 MiB each (the session worker takes bodies up to 4 MiB, base64 encoded)
     x = np.arange(2 * 1024 * 1024 // 4, dtype=np.float32).reshape(1, -1)
-    caplog.set_level(logging.WARNING, logger="asyncinfer.result_watcher")
+    caplog.set_level(logging.WARNING, logger="asyncinfer.client.result_watcher")
     with Client(broker_url=redis_url, serializer="msgpack") as big_client:
         futures = [big_client.submit("identity", {"x": x + i}) for i in range(6)]
         for i, f in enumerate(futures):

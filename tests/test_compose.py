@@ -40,7 +40,7 @@ def _option(argv: list[str], name: str) -> str:
 
 
 def _parse_asyncinfer(argv: list[str]) -> Any:
-    from asyncinfer.cli import build_parser
+    from asyncinfer.ops.cli import build_parser
 
     assert argv[0] == "asyncinfer"
     try:

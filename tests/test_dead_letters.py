@@ -21,12 +21,15 @@ import pytest
 import redis
 from celery import states
 
-from asyncinfer.celery_wire import Delivery, parse_envelope, task_message
 from asyncinfer.client import Client
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP
-from asyncinfer.dead_letters import (
+from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
+from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
+from asyncinfer.ops.redis_server import RedisServer
+from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.worker.dead_letters import (
     DeadLetter,
     DeadLetters,
     add_to,
@@ -35,10 +38,7 @@ from asyncinfer.dead_letters import (
     push,
     requeue_message,
 )
-from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
-from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
-from asyncinfer.redis_server import RedisServer
-from asyncinfer.workers.result_writer import Outcome
+from asyncinfer.worker.intake.result_writer import Outcome
 from tests.conftest import ROOT, WorkerProcess, start_worker, url_with_db, wait_for, worker_env
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,9 +21,9 @@ import redis
 from celery import Celery
 
 from asyncinfer.client import Client
+from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused
-from asyncinfer.redis_server import RedisServer
-from asyncinfer.workers.vital import EXIT_THREAD_DIED
+from asyncinfer.ops.redis_server import RedisServer
 from tests.conftest import ROOT, gated_broker, gated_executions, start_worker, wait_for
 
 #: This module's broker database on the session Redis.
@@ -195,7 +195,7 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path) -
 
 _DYING_THREAD = """
 import time
-from asyncinfer.workers.vital import vital_thread
+from asyncinfer.engine.vital import vital_thread
 
 def loop():
     raise RuntimeError("a bug nobody caught")

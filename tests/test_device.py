@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncinfer.workers.device import (
+from asyncinfer.engine.device import (
     VISIBLE_DEVICE_VARS,
     Device,
     DeviceSpec,

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import redis
 
-import asyncinfer.redis_server as redis_server
+import asyncinfer.ops.redis_server as redis_server
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.processes import pid_alive
-from asyncinfer.redis_server import (
+from asyncinfer.ops.redis_server import (
     CONF_FILE,
     PASSWORD_FILE,
     PID_FILE,
@@ -27,8 +26,9 @@ from asyncinfer.redis_server import (
     make_private_dir,
     published_url,
 )
-from asyncinfer.status import cluster_status
-from asyncinfer.up import start_embedded_redis
+from asyncinfer.ops.status import cluster_status
+from asyncinfer.ops.up import start_embedded_redis
+from asyncinfer.processes import pid_alive
 from tests.conftest import embedded_up_env, start_up, stop_up, wait_for
 
 pytestmark = pytest.mark.timeout(120)

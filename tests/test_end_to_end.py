@@ -263,7 +263,7 @@ def test_a_request_past_its_expires_never_runs_and_says_it_expired(client) -> No
 def test_an_unreachable_broker_is_reported_at_once() -> None:
     from asyncinfer.client import Client
     from asyncinfer.errors import BrokerUnavailable
-    from asyncinfer.redis_server import free_port
+    from asyncinfer.ops.redis_server import free_port
 
     # Given a broker URL where nothing listens
     with Client(broker_url=f"redis://127.0.0.1:{free_port()}/0") as nowhere:

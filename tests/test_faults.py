@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from asyncinfer.client import Client
-from asyncinfer.redis_server import RedisServer
+from asyncinfer.ops.redis_server import RedisServer
 from tests.conftest import gated_broker, gated_executions, start_worker, wait_for
 
 #: The kill test's broker database on the session Redis (other tests use 0 and 3).

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from asyncinfer.celery_wire import task_message
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.envelope import task_message
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(180)

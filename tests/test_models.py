@@ -14,7 +14,7 @@ from asyncinfer.models.base import InputSpec, Model
 from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.files import FileModel
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import Request, decode_request
+from asyncinfer.wire.protocol import Request, decode_request
 from tests.support_models import tiny_linear_module
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit,

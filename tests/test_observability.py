@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.redis_server import free_port
-from asyncinfer.workers.metrics import _Ring
+from asyncinfer.ops.redis_server import free_port
+from asyncinfer.worker.metrics import _Ring
 from tests.conftest import ROOT, TEST_FACTORIES, WorkerProcess, scrape, start_worker, value, worker_env
 
 pytestmark = pytest.mark.timeout(180)

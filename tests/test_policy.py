@@ -23,9 +23,9 @@ from asyncinfer.errors import (
     RetryBudgetExhausted,
     TransientModelError,
 )
+from asyncinfer.ops.redis_server import free_port
+from asyncinfer.ops.status import cluster_status
 from asyncinfer.processes import pid_alive
-from asyncinfer.redis_server import free_port
-from asyncinfer.status import cluster_status
 from tests.conftest import (
     WorkerProcess,
     scrape,

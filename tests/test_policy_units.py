@@ -13,14 +13,14 @@ import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from asyncinfer.celery_wire import Delivery, parse_envelope, retry_message, seconds_until, task_message
+from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import InvalidRequest, QueueFull, TransientError, TransientModelError
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.publisher import DUPLICATE, PUBLISHED, Publisher
-from asyncinfer.retries import RetryPolicy, is_transient
-from asyncinfer.retry_budget import RetryBudget
-from asyncinfer.workers.time_limits import TimeLimits, time_limits_of
-from asyncinfer.workers.timer import Timer
+from asyncinfer.policy.retries import RetryPolicy, is_transient
+from asyncinfer.policy.retry_budget import RetryBudget
+from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
+from asyncinfer.wire.envelope import Delivery, parse_envelope, retry_message, seconds_until, task_message
 from tests.conftest import url_with_db
 
 

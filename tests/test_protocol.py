@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.protocol import (
+from asyncinfer.wire.protocol import (
     DATATYPES,
     Request,
     Tensor,

@@ -121,7 +121,7 @@ def test_a_failure_is_a_failure_of_the_right_type(amqp_client) -> None:
 
 
 def test_status_lists_the_worker_and_the_queue_depths(amqp_client, amqp_worker) -> None:
-    from asyncinfer.status import cluster_status
+    from asyncinfer.ops.status import cluster_status
 
     status = cluster_status(amqp_client.app, timeout_s=5.0)
     mine = [w for w in status.workers if w.pid == amqp_worker.pid]

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.engine.device import Device, DeviceSpec
+from asyncinfer.engine.runner import Completed, ModelRunner
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.models.builtin import Identity
-from asyncinfer.protocol import Request, decode_request
-from asyncinfer.workers.device import Device, DeviceSpec
-from asyncinfer.workers.runner import Completed, ModelRunner
+from asyncinfer.wire.protocol import Request, decode_request
 from tests.support_models import Poison
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]

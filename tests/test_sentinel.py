@@ -32,8 +32,8 @@ from asyncinfer.connections import (
     wait_replicas,
 )
 from asyncinfer.errors import BrokerUnavailable, NotReplicated
-from asyncinfer.status import queue_depths
-from asyncinfer.workers.launch import uses_fast_consumer
+from asyncinfer.ops.status import queue_depths
+from asyncinfer.worker.launch import uses_fast_consumer
 from tests.conftest import start_worker, wait_for
 from tests.sentinel_support import SentinelGroup
 

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from asyncinfer.celery_app import create_app
-from asyncinfer.celery_wire import task_message
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.workers.take import Taker
+from asyncinfer.wire.envelope import task_message
+from asyncinfer.worker.intake.take import Taker
 from tests.conftest import url_with_db
 
 

@@ -22,8 +22,8 @@ from celery.canvas import chunks, xmap
 
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, priority_lists
 from asyncinfer.errors import InvalidRequest, UnknownModel
-from asyncinfer.protocol import FORWARD_STAGE, decode_request
-from asyncinfer.workers.task_policy import CONTROL_QUEUE, QueueKind, TaskPolicy
+from asyncinfer.policy.task_policy import CONTROL_QUEUE, QueueKind, TaskPolicy
+from asyncinfer.wire.protocol import FORWARD_STAGE, decode_request
 from tests.conftest import WorkerProcess, start_worker, url_with_db, wait_for, worker_env
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,9 +11,9 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
+from asyncinfer.ops.redis_server import PID_FILE, published_url
+from asyncinfer.ops.status import cluster_status
 from asyncinfer.processes import pid_alive
-from asyncinfer.redis_server import PID_FILE, published_url
-from asyncinfer.status import cluster_status
 from tests.conftest import embedded_up_env, start_up, stop_up, wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from asyncinfer.constants import priority_lists
-from asyncinfer.workers.wake import Waker
+from asyncinfer.worker.intake.wake import Waker
 from tests.conftest import url_with_db
 
 pytestmark = pytest.mark.timeout(60)

@@ -47,7 +47,7 @@ def test_bare_celery_app_gets_the_v2_response(worker, redis_url) -> None:
 
 
 def test_redis_cli_producer_from_the_readme(worker, redis_url) -> None:
-    from asyncinfer.redis_server import redis_server_binary
+    from asyncinfer.ops.redis_server import redis_server_binary
 
     url = urlparse(redis_url)
     cli = str(Path(redis_server_binary()).with_name("redis-cli"))

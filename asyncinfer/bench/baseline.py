@@ -17,7 +17,7 @@ from asyncinfer.config.celery_config import celery_config
 from asyncinfer.config.settings import Settings
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import decode_request, encode_tensor, tensor_from_value
+from asyncinfer.wire.protocol import decode_request, encode_tensor, tensor_from_value
 
 __all__ = ["app", "TASK", "QUEUE_PREFIX"]
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from asyncinfer.loadgen import percentile
+from asyncinfer.bench.loadgen import percentile
 from asyncinfer.models.base import Model
-from asyncinfer.protocol import decode_request
+from asyncinfer.wire.protocol import decode_request
 
 __all__ = ["Run", "closed_loop", "open_loop", "model_limit", "direct_call_ms"]
 

@@ -23,7 +23,7 @@ from asyncinfer.bench.systems import WorkerUnderTest, payload_kwargs, process_cp
 from asyncinfer.bench.workloads import WORKLOADS, Workload
 from asyncinfer.client import Client
 from asyncinfer.models.registry import Registry
-from asyncinfer.redis_server import RedisServer
+from asyncinfer.ops.redis_server import RedisServer
 
 __all__ = ["main"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.protocol import to_input_payload
+from asyncinfer.wire.protocol import to_input_payload
 
 __all__ = ["Workload", "WORKLOADS"]
 

@@ -89,7 +89,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": settings.send_events,
         "worker_concurrency": settings.concurrency,
         "worker_prefetch_multiplier": settings.prefetch_multiplier,
-        "worker_consumer": "asyncinfer.workers.consumer:Consumer",
+        "worker_consumer": "asyncinfer.worker.intake.celery_consumer:Consumer",
         "worker_hijack_root_logger": True,
         "worker_redirect_stdouts": False,
     }

@@ -226,7 +226,7 @@ class Settings:
         """The configured broker URL, else the one `asyncinfer up` published, else the default."""
         if self.broker_url:
             return self.broker_url
-        from asyncinfer.redis_server import published_url
+        from asyncinfer.ops.redis_server import published_url
 
         return published_url(self.redis_dir) or DEFAULT_BROKER_URL
 

@@ -11,7 +11,7 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.protocol import Request
+from asyncinfer.wire.protocol import Request
 
 __all__ = ["InputSpec", "Model", "Batch"]
 

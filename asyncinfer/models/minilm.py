@@ -24,7 +24,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.models.base import Batch, InputSpec, Model
-from asyncinfer.protocol import Request
+from asyncinfer.wire.protocol import Request
 
 __all__ = ["MiniLM", "bundled_model_path"]
 

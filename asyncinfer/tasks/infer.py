@@ -2,7 +2,7 @@
 
 Its retry options are Celery's own (``autoretry_for``, ``max_retries``, ``retry_backoff``,
 ``retry_backoff_max``, ``retry_jitter``), set from ``ASYNCINFER_*`` settings; Celery's stock
-worker applies them, the fast consumer reads them (:mod:`asyncinfer.retries`). Both draw on the
+worker applies them, the fast consumer reads them (:mod:`asyncinfer.policy.retries`). Both draw on the
 fleet's retry budget in Redis before a retry.
 """
 
@@ -15,12 +15,12 @@ from celery import Task, group
 from celery.exceptions import Ignore
 
 from asyncinfer.celery_app import app
-from asyncinfer.celery_wire import seconds_until
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest, RequestRevoked, RetryBudgetExhausted
-from asyncinfer.protocol import request_kwargs
-from asyncinfer.retries import AUTORETRY_FOR, retry_budget_for
-from asyncinfer.workers.time_limits import time_limits_of
+from asyncinfer.policy.retries import AUTORETRY_FOR, retry_budget_for
+from asyncinfer.policy.time_limits import time_limits_of
+from asyncinfer.wire.envelope import seconds_until
+from asyncinfer.wire.protocol import request_kwargs
 
 __all__ = ["infer", "InferTask"]
 
@@ -86,7 +86,7 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     Keyword arguments are the Open Inference Protocol v2 request: ``model``, ``inputs``,
     ``parameters``. The return value is the v2 response.
     """
-    from asyncinfer.workers.runtime import get_runtime
+    from asyncinfer.worker.runtime import get_runtime
 
     request_id = str(self.request.id)
     if not self.request.retries:

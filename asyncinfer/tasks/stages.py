@@ -19,7 +19,7 @@ from asyncinfer.celery_app import app
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import (
+from asyncinfer.wire.protocol import (
     FORWARD_STAGE,
     decode_request,
     encode_tensor,

@@ -21,7 +21,7 @@ from typing import Any
 from celery import Celery, states
 from celery.utils.saferepr import saferepr
 
-from asyncinfer.celery_wire import Delivery
+from asyncinfer.wire.envelope import Delivery
 
 __all__ = ["TaskEvents", "FAILED_FORMAT"]
 

@@ -26,6 +26,10 @@ import torch
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.engine.batcher import Batcher, WorkItem
+from asyncinfer.engine.device import Device
+from asyncinfer.engine.timer import Timer
+from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import (
     InvalidRequest,
     ModelError,
@@ -34,14 +38,10 @@ from asyncinfer.errors import (
     TransientModelError,
 )
 from asyncinfer.models.base import Batch, Model
-from asyncinfer.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
-from asyncinfer.retries import is_transient
-from asyncinfer.workers import metrics
-from asyncinfer.workers.batcher import Batcher, WorkItem
-from asyncinfer.workers.device import Device
-from asyncinfer.workers.time_limits import TimeLimits
-from asyncinfer.workers.timer import Timer
-from asyncinfer.workers.vital import vital_thread
+from asyncinfer.policy.retries import is_transient
+from asyncinfer.policy.time_limits import TimeLimits
+from asyncinfer.wire.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
+from asyncinfer.worker import metrics
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -137,7 +137,7 @@ class ModelRunner:
         default now. A request still waiting ``expires_in_s`` after that never runs: its future
         raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
         fail with ``SoftTimeLimitExceeded`` / ``TimeLimitExceeded`` (see
-        :mod:`asyncinfer.workers.time_limits`).
+        :mod:`asyncinfer.policy.time_limits`).
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if forward_only:  # a prepared request carries the preprocess's tensors, checked as such

@@ -1,6 +1,6 @@
 """asyncio forms of the client's calls: ``ainfer``, ``asubmit``, ``amap``, ``as_completed``.
 
-Nothing here polls. A request's :class:`~asyncinfer.client.InferFuture` is settled by the client's
+Nothing here polls. A request's :class:`~asyncinfer.client.client.InferFuture` is settled by the client's
 result watcher thread; ``asyncio.wrap_future`` hands that to the event loop through
 ``call_soon_threadsafe``. Publishing runs in the loop's default executor, so a broker that is slow
 to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``) never blocks the loop.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union
 from asyncinfer.errors import RequestTimeout
 
 if TYPE_CHECKING:
-    from asyncinfer.client import Client, InferFuture, InferResponse
+    from asyncinfer.client.client import Client, InferFuture, InferResponse
 
 __all__ = ["publish", "wait_response", "amap", "as_completed"]
 

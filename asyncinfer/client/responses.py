@@ -16,10 +16,10 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from asyncinfer.errors import RequestTimeout
-from asyncinfer.protocol import output_to_numpy, output_to_torch
+from asyncinfer.wire.protocol import output_to_numpy, output_to_torch
 
 if TYPE_CHECKING:
-    from asyncinfer.client import Client
+    from asyncinfer.client.client import Client
 
 __all__ = ["InferFuture", "InferResponse"]
 

@@ -17,11 +17,10 @@ from celery.concurrency import get_implementation
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
-from asyncinfer import dead_letters
 from asyncinfer.constants import TASK_NAME, model_from_queue
-from asyncinfer.workers import metrics
-from asyncinfer.workers.events import FAILED_FORMAT
-from asyncinfer.workers.runtime import close_runtime, get_runtime
+from asyncinfer.worker import dead_letters, metrics
+from asyncinfer.worker.events import FAILED_FORMAT
+from asyncinfer.worker.runtime import close_runtime, get_runtime
 
 __all__ = ["hosted_models"]
 

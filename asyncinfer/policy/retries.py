@@ -80,10 +80,10 @@ class RetryPolicy:
 
 
 def retry_budget_for(app: Celery) -> Any:
-    """The app's :class:`~asyncinfer.retry_budget.RetryBudget` (on the result backend's Redis)."""
+    """The app's :class:`~asyncinfer.policy.retry_budget.RetryBudget` (on the result backend's Redis)."""
     budget = getattr(app, "asyncinfer_retry_budget", None)
     if budget is None:
-        from asyncinfer.retry_budget import RetryBudget
+        from asyncinfer.policy.retry_budget import RetryBudget
 
         settings = app.asyncinfer_settings  # type: ignore[attr-defined]
         budget = RetryBudget(app.backend.client, ratio=settings.retry_budget_ratio,

@@ -44,7 +44,7 @@ from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
-    from asyncinfer.workers.result_writer import Outcome
+    from asyncinfer.worker.intake.result_writer import Outcome
 
 __all__ = ["DeadLetter", "DeadLetters", "Requeued", "entry_for", "push", "add_to", "add_stock_failure",
            "requeue_message", "options_of"]

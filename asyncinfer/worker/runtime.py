@@ -14,14 +14,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncinfer.config.settings import Settings
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.device import Device, bind_visible_device, parse_device
+from asyncinfer.engine.runner import Completed, ModelRunner, settle
+from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
-from asyncinfer.protocol import Request, decode_request, encode_tensor
-from asyncinfer.workers.batcher import WorkItem
-from asyncinfer.workers.device import Device, bind_visible_device, parse_device
-from asyncinfer.workers.runner import Completed, ModelRunner, settle
-from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits
-from asyncinfer.workers.timer import Timer
+from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits
+from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 
 __all__ = ["WorkerRuntime", "get_runtime", "close_runtime"]
 

@@ -2,7 +2,7 @@
 
 Celery enforces ``soft_time_limit``/``time_limit`` only in its prefork pool (by signals), and a
 signal could not interrupt device work anyway. Here the limits are watched by the worker's
-:class:`~asyncinfer.workers.timer.Timer` and counted from the moment the worker took the request
+:class:`~asyncinfer.engine.timer.Timer` and counted from the moment the worker took the request
 (its STARTED state):
 
 - soft limit: the request fails with Celery's ``SoftTimeLimitExceeded`` (a transient failure, so

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from asyncinfer.workers.vital import vital_thread
+from asyncinfer.engine.vital import vital_thread
 
 __all__ = ["Timer"]
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for
+from asyncinfer.engine.device import bind_visible_device, parse_device
 from asyncinfer.models.registry import Registry
-from asyncinfer.workers.device import bind_visible_device, parse_device
 
 __all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "CONTROL_QUEUE"]
 
@@ -50,7 +50,7 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     queues = [queue_for(m) for m in hosted]
     threads = settings.concurrency
     if uses_fast_consumer(settings, app.conf.broker_url):
-        from asyncinfer.workers.fast_consumer import FastConsumerStep
+        from asyncinfer.worker.intake.fast_consumer import FastConsumerStep
 
         # The fast consumer takes the infer.* queues; Celery's consumer must consume some queue,
         # and serves remote control (status, revoke, ping) and the events.

@@ -33,7 +33,22 @@ import redis
 from celery import Celery, bootsteps, states
 from celery.exceptions import TaskRevokedError, TimeLimitExceeded
 
-from asyncinfer.celery_wire import (
+from asyncinfer.connections import redis_client
+from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.runner import Completed
+from asyncinfer.engine.vital import vital_thread
+from asyncinfer.errors import (
+    AsyncInferError,
+    InvalidRequest,
+    ModelError,
+    RequestRevoked,
+    RetryBudgetExhausted,
+)
+from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.policy.retries import RetryPolicy, retry_budget_for
+from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits, time_limits_of
+from asyncinfer.wire.envelope import (
     Delivery,
     decode_body,
     expired,
@@ -45,28 +60,13 @@ from asyncinfer.celery_wire import (
     seconds_until,
     tag_in,
 )
-from asyncinfer.connections import redis_client
-from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
-from asyncinfer.errors import (
-    AsyncInferError,
-    InvalidRequest,
-    ModelError,
-    RequestRevoked,
-    RetryBudgetExhausted,
-)
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.protocol import Request, request_kwargs
-from asyncinfer.retries import RetryPolicy, retry_budget_for
-from asyncinfer.workers import inspection, metrics
-from asyncinfer.workers.batcher import WorkItem
-from asyncinfer.workers.events import FAILED_FORMAT, TaskEvents
-from asyncinfer.workers.result_writer import Outcome, ResultWriter
-from asyncinfer.workers.runner import Completed
-from asyncinfer.workers.runtime import WorkerRuntime
-from asyncinfer.workers.take import MAX_ENVELOPE_DEPTH, Taker
-from asyncinfer.workers.time_limits import EXIT_WEDGED, TimeLimits, time_limits_of
-from asyncinfer.workers.vital import vital_thread
-from asyncinfer.workers.wake import Waker
+from asyncinfer.wire.protocol import Request, request_kwargs
+from asyncinfer.worker import inspection, metrics
+from asyncinfer.worker.events import FAILED_FORMAT, TaskEvents
+from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taker
+from asyncinfer.worker.intake.wake import Waker
+from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["FastConsumer", "FastConsumerStep"]
 
@@ -501,7 +501,7 @@ class FastConsumerStep(bootsteps.StartStopStep):
         return bool(self.queues)
 
     def start(self, worker: Any) -> None:
-        from asyncinfer.workers.runtime import get_runtime
+        from asyncinfer.worker.runtime import get_runtime
 
         settings = worker.app.asyncinfer_settings
         consumer = FastConsumer(

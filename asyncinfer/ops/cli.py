@@ -24,7 +24,7 @@ def _read_inputs(path: str, datatype: str | None) -> tuple[Any, dict[str, Any]]:
     Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
     name → (nested) list, or a bare (nested) list for the input named ``input``.
     """
-    from asyncinfer.protocol import to_input_payload
+    from asyncinfer.wire.protocol import to_input_payload
 
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     doc = json.loads(text)
@@ -54,7 +54,7 @@ def _bytes_as_list(value: Any) -> Any:
 def cmd_worker(args: argparse.Namespace) -> int:
     import os
 
-    from asyncinfer.workers.launch import run_worker
+    from asyncinfer.worker.launch import run_worker
 
     if args.broker_url:
         os.environ["ASYNCINFER_BROKER_URL"] = args.broker_url
@@ -66,7 +66,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from asyncinfer.up import run_up
+    from asyncinfer.ops.up import run_up
 
     return run_up(broker_url=args.broker_url, devices=_models(args.devices or ""),
                   models=_models(args.models or ""), concurrency=args.concurrency)
@@ -96,7 +96,7 @@ def cmd_result(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from asyncinfer.status import cluster_status, format_status
+    from asyncinfer.ops.status import cluster_status, format_status
 
     with _client(args) as client:
         print(format_status(cluster_status(client.app, timeout_s=args.timeout_s)))
@@ -127,7 +127,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
     import redis
 
     from asyncinfer.config.settings import Settings
-    from asyncinfer.dead_letters import DeadLetters
+    from asyncinfer.worker.dead_letters import DeadLetters
 
     if args.action == "requeue" and bool(args.request_ids) == bool(args.all):
         print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncinfer`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["worker"], ["up"]):
-        import asyncinfer.workers  # noqa: F401 - sets OpenMP's wait policy before torch loads
+        import asyncinfer.engine  # noqa: F401 - sets OpenMP's wait policy before torch loads
     if argv[:1] == ["bench"]:  # its own parser: `asyncinfer bench --help`
         from asyncinfer.bench.run import main as bench_main
 

@@ -17,9 +17,11 @@ from typing import Any
 import redis
 from celery import Celery
 
-from asyncinfer import aio
 from asyncinfer.celery_app import create_app
-from asyncinfer.celery_wire import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
+from asyncinfer.client import aio
+from asyncinfer.client.publisher import Publisher
+from asyncinfer.client.responses import InferFuture, InferResponse
+from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import broker_error, is_redis_url, redis_client
@@ -35,10 +37,8 @@ from asyncinfer.errors import (
     InvalidRequest,
 )
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.protocol import to_input_payload
-from asyncinfer.publisher import Publisher
-from asyncinfer.responses import InferFuture, InferResponse
-from asyncinfer.result_watcher import ResultWatcher
+from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
+from asyncinfer.wire.protocol import to_input_payload
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 
@@ -245,7 +245,7 @@ class Client:
         """Wait for the response of the request ``request_id``."""
         return self.future(request_id).result(timeout=timeout_s)
 
-    # -- asyncio (asyncinfer.aio): the same calls from a coroutine, never blocking the loop ------
+    # -- asyncio (asyncinfer.client.aio): the same calls from a coroutine, never blocking the loop ------
 
     async def asubmit(self, model: str, inputs: Any, **options: Any) -> asyncio.Future[InferResponse]:
         """Send one request from a coroutine; return an asyncio future of its response.

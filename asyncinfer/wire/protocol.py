@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from asyncinfer.datatypes import (
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.datatypes import (
     DATATYPES,
     SPECS,
     DatatypeSpec,
@@ -28,7 +29,6 @@ from asyncinfer.datatypes import (
     encode_data,
     spec_for,
 )
-from asyncinfer.errors import InvalidRequest
 
 __all__ = [
     "FORWARD_STAGE",

@@ -6,7 +6,7 @@ waiting for a result that will never come. A message body over ``ASYNCINFER_MAX_
 is refused the same way, before anything decodes it.
 
 In a device worker (one that reads ``infer.*`` queues or the control queue) only the tasks
-:mod:`asyncinfer.workers.task_policy` allows run: every other task name — Celery's built-ins
+:mod:`asyncinfer.policy.task_policy` allows run: every other task name — Celery's built-ins
 included — is answered with a FAILURE under its ID and acknowledged before Celery creates a
 request for it, so it never runs.
 """
@@ -21,12 +21,12 @@ from celery import states
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed
 
-from asyncinfer.celery_wire import payload_too_large, refused_content
 from asyncinfer.constants import PREPROCESS_TASK, model_from_queue
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.workers.bootstrap import hosted_models
-from asyncinfer.workers.events import FAILED_FORMAT
-from asyncinfer.workers.task_policy import TaskPolicy
+from asyncinfer.policy.task_policy import TaskPolicy
+from asyncinfer.wire.envelope import payload_too_large, refused_content
+from asyncinfer.worker.bootstrap import hosted_models
+from asyncinfer.worker.events import FAILED_FORMAT
 
 __all__ = ["Consumer"]
 

@@ -28,7 +28,7 @@ from asyncinfer.constants import (
     model_from_queue,
 )
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.workers.launch import CONTROL_QUEUE
+from asyncinfer.worker.launch import CONTROL_QUEUE
 
 __all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from asyncinfer.workers.vital import vital_thread
+from asyncinfer.engine.vital import vital_thread
 
 __all__ = ["Waker"]
 

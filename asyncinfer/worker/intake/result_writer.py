@@ -27,13 +27,13 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
-from asyncinfer import dead_letters
-from asyncinfer.celery_wire import Delivery, result_meta
 from asyncinfer.connections import wait_replicas
+from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError, RetryBudgetExhausted
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.retries import retry_budget_for
-from asyncinfer.workers.vital import vital_thread
+from asyncinfer.policy.retries import retry_budget_for
+from asyncinfer.wire.envelope import Delivery, result_meta
+from asyncinfer.worker import dead_letters
 
 __all__ = ["Outcome", "ResultWriter"]
 

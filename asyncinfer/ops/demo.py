@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from asyncinfer.loadgen import LoadResult, run_closed_loop
+from asyncinfer.bench.loadgen import LoadResult, run_closed_loop
 from asyncinfer.processes import pid_alive, stop_process
 
 __all__ = ["main"]
@@ -31,8 +31,8 @@ def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes],
                       timeout_s: float) -> tuple[str, list[Any]]:
     from asyncinfer.celery_app import create_app
     from asyncinfer.config.settings import Settings
-    from asyncinfer.redis_server import published_url
-    from asyncinfer.status import cluster_status
+    from asyncinfer.ops.redis_server import published_url
+    from asyncinfer.ops.status import cluster_status
 
     deadline = time.monotonic() + timeout_s
     url = None

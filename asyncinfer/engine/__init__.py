@@ -1,4 +1,4 @@
-"""Device workers: device binding, batcher, model runners, start-up and supervision.
+"""The engine: device binding, batcher, model runners, timer. Imports neither Celery nor Redis.
 
 Imported before torch in a worker process: OpenMP threads that spin between operations take the
 CPU that the serving threads need (measured: half the mlp throughput on a 2-core host), so

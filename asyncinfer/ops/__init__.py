@@ -1,0 +1,1 @@
+"""Operations: the CLI, ``asyncinfer up``, status, the demo, the embedded Redis."""

@@ -1,0 +1,1 @@
+"""Policy: retries and the retry budget, time limits, the tasks a worker runs."""
