@@ -21,6 +21,8 @@ __all__ = [
     "TransientModelError",
     "RetryBudgetExhausted",
     "NotReplicated",
+    "SoftTimeLimit",
+    "HardTimeLimit",
 ]
 
 
@@ -98,3 +100,13 @@ class RequestRevoked(AsyncInferError):
 
 class RequestExpired(RequestRevoked):
     """The request's ``expires`` passed before it reached the device; it never ran."""
+
+
+class SoftTimeLimit(TransientError):
+    """The engine's soft time limit passed (retried like any transient failure). The worker
+    reports it as Celery's ``SoftTimeLimitExceeded``."""
+
+
+class HardTimeLimit(AsyncInferError):
+    """The engine's hard time limit passed. The worker reports it as Celery's
+    ``TimeLimitExceeded``."""

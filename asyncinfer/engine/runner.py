@@ -23,25 +23,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.batcher import Batcher, WorkItem
 from asyncinfer.engine.device import Device
+from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.timer import Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import (
+    HardTimeLimit,
     InvalidRequest,
     ModelError,
     RequestExpired,
     RequestRevoked,
+    SoftTimeLimit,
     TransientModelError,
 )
 from asyncinfer.models.base import Batch, Model
-from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
-from asyncinfer.worker import metrics
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -79,7 +79,8 @@ class ModelRunner:
 
     def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
-                 on_wedged: WedgedHandler | None = None) -> None:
+                 on_wedged: WedgedHandler | None = None, is_transient: Transient = is_transient,
+                 on_batch: BatchObserver | None = None) -> None:
         self.model = model
         self.device = device
         opts = options or model.options
@@ -90,6 +91,9 @@ class ModelRunner:
         self.is_revoked = is_revoked or (lambda request_id: False)
         self.timer = timer
         self.on_wedged = on_wedged or _settle_wedged
+        #: Which model exceptions are worth retrying; who hears of each finished batch.
+        self.is_transient = is_transient
+        self.on_batch: BatchObserver = on_batch or _ignore_batch
         #: Set once a batch overran its hard time limit on the device: the process is being
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
@@ -136,7 +140,7 @@ class ModelRunner:
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
         default now. A request still waiting ``expires_in_s`` after that never runs: its future
         raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
-        fail with ``SoftTimeLimitExceeded`` / ``TimeLimitExceeded`` (see
+        fail with :class:`SoftTimeLimit` / :class:`HardTimeLimit` (see
         :mod:`asyncinfer.policy.time_limits`).
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
@@ -170,7 +174,7 @@ class ModelRunner:
             self.timer.call_later(limits.hard_s - elapsed_s, lambda: self._hard_limit(item, limits))
 
     def _soft_limit(self, item: WorkItem, limits: TimeLimits) -> None:
-        settle(item.future, exc=SoftTimeLimitExceeded(
+        settle(item.future, exc=SoftTimeLimit(
             f"request {item.request.id}: soft time limit ({limits.soft_s:g} s) exceeded on model "
             f"'{self.model.name}' ({'on the device' if item.on_device else 'waiting for the device'})"))
 
@@ -178,7 +182,7 @@ class ModelRunner:
         if not item.on_device and (item.future.done() or self.wedged):
             return  # answered, or left unanswered for redelivery once the process is replaced
         where = "its batch is still on the device" if item.on_device else "waiting for the device"
-        exc = TimeLimitExceeded(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
+        exc = HardTimeLimit(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
                                 f"exceeded on model '{self.model.name}' ({where})")
         if item.on_device:  # the device has not come back in time: it is wedged
             log.critical("model %s: %s; the device is wedged", self.model.name, exc)
@@ -367,7 +371,7 @@ class ModelRunner:
         if isinstance(exc, InvalidRequest):
             settle(item.future, exc=exc)
             return
-        kind = TransientModelError if is_transient(exc) else ModelError
+        kind = TransientModelError if self.is_transient(exc) else ModelError
         err = kind(f"request {item.request.id}: model '{self.model.name}' raised "
                    f"{type(exc).__name__}: {exc}")
         err.__cause__ = exc
@@ -392,8 +396,8 @@ class ModelRunner:
                                  f"for a batch of {total}")
         pieces = {name: _split(value, rows) for name, value in outputs.items()}
         compute_ms = (finished - started) * 1000.0
-        metrics.record_batch(self.model.name, self.device.label, total, finished - started,
-                             [started - item.received_at for item in items])
+        self.on_batch(self.model.name, self.device.label, total, finished - started,
+                      [started - item.received_at for item in items])
         for i, item in enumerate(items):
             if item.future.done():  # revoked after its batch was formed
                 continue
@@ -402,6 +406,11 @@ class ModelRunner:
             settle(item.future, Completed(
                 outputs=result, batch_size=total,
                 queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
+
+
+def _ignore_batch(model: str, device: str, rows: int, compute_s: float,
+                  waits_s: Sequence[float]) -> None:
+    pass
 
 
 def _rows_of(request: Request) -> int:

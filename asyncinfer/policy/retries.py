@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import torch
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
+from asyncinfer.engine.failures import TRANSIENT_CAUSES
 from asyncinfer.errors import InvalidRequest, TransientError
 
 __all__ = ["AUTORETRY_FOR", "RetryPolicy", "is_transient", "retry_budget_for"]
@@ -30,12 +30,10 @@ __all__ = ["AUTORETRY_FOR", "RetryPolicy", "is_transient", "retry_budget_for"]
 #: What ``asyncinfer.infer`` retries by default.
 AUTORETRY_FOR: tuple[type[BaseException], ...] = (TransientError, SoftTimeLimitExceeded)
 
-#: Failures that may pass: device out of memory, the accelerator runtime's own errors, and a
-#: lost connection (a model that calls out, a broker or store that went away).
-_TRANSIENT_CAUSES: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
-                ConnectionError, TimeoutError, redis.ConnectionError, redis.TimeoutError)
-    if isinstance(t, type))
+#: The engine's transient causes, and the broker client's lost connections (a model that calls
+#: out to a store that went away).
+_TRANSIENT_CAUSES: tuple[type[BaseException], ...] = (*TRANSIENT_CAUSES, redis.ConnectionError,
+                                                      redis.TimeoutError)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -20,8 +20,11 @@ from asyncinfer.engine.runner import Completed, ModelRunner, settle
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
+from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
+from asyncinfer.worker import metrics
+from asyncinfer.worker.celery_errors import as_celery
 
 __all__ = ["WorkerRuntime", "get_runtime", "close_runtime"]
 
@@ -72,7 +75,9 @@ class WorkerRuntime:
                 options = self.settings.options_for(model, instance.options)
                 runner = ModelRunner(instance, self.device, options, is_revoked=_is_revoked,
                                      timer=self.timer,
-                                     on_wedged=lambda item, exc: self.on_wedged(item, exc)).start()
+                                     on_wedged=lambda item, exc: self.on_wedged(item, exc),
+                                     is_transient=is_transient,
+                                     on_batch=metrics.record_batch).start()
                 log.info("model %s loaded on %s", model, self.device.label)
                 self._runners[model] = runner
         return runner
@@ -110,6 +115,9 @@ class WorkerRuntime:
         """Decode, validate and run one request (batched with others); return its v2 response."""
         request, future = self.submit(request_id, kwargs, expires_in_s=expires_in_s,
                                       time_limits=time_limits)
+        exc = future.exception()
+        if exc is not None:
+            raise as_celery(exc)
         return self.response(request, future.result(), worker)
 
     def response(self, request: Request, done: Completed, worker: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 from celery import Celery, bootsteps, states
-from celery.exceptions import TaskRevokedError, TimeLimitExceeded
+from celery.exceptions import TaskRevokedError
 
 from asyncinfer.connections import redis_client
 from asyncinfer.constants import TASK_NAME, model_from_queue, priority_lists, queue_of_list
@@ -62,6 +62,7 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.protocol import Request, request_kwargs
 from asyncinfer.worker import inspection, metrics
+from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import FAILED_FORMAT, TaskEvents
 from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
 from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taker
@@ -172,8 +173,7 @@ class FastConsumer:
         the other held requests back, and leave so that the supervisor starts a fresh process."""
         d = next((d for d in list(self._held.values()) if d.request_id == item.request.id), None)
         if d is not None and not item.future.done():
-            self._fail(d, exc if isinstance(exc, TimeLimitExceeded) else TimeLimitExceeded(str(exc)),
-                       None, retry=False)
+            self._fail(d, as_celery(exc), None, retry=False)
             self._held.pop(id(d), None)
         with self._wedge_lock:
             if self._wedged_already:
@@ -464,6 +464,7 @@ class FastConsumer:
                 embed: dict[str, Any] | None) -> None:
         exc = future.exception()
         if exc is not None:
+            exc = as_celery(exc)
             if isinstance(exc, RequestRevoked):
                 self._put(Outcome(d, states.REVOKED, TaskRevokedError(str(exc)), embed))
             else:

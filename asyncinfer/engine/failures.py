@@ -1,0 +1,34 @@
+"""What the engine tells its host about failures and batches, without knowing who listens.
+
+:func:`is_transient` is the engine's own rule for a model's exception worth retrying: device
+out-of-memory, the accelerator runtime's errors and lost connections. The worker passes a wider
+rule (its broker client's errors too) and a batch observer (its metrics) to each runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from asyncinfer.errors import TransientError
+
+__all__ = ["BatchObserver", "Transient", "TRANSIENT_CAUSES", "is_transient"]
+
+#: Decides whether a model's exception is worth retrying.
+Transient = Callable[[BaseException], bool]
+
+#: Hears of each finished batch: ``(model, device, rows, compute_s, waits_s)``.
+BatchObserver = Callable[[str, str, int, float, Sequence[float]], None]
+
+#: Failures that may pass: device out of memory, the accelerator runtime's own errors, and a
+#: lost connection (a model that calls out).
+TRANSIENT_CAUSES: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
+                ConnectionError, TimeoutError)
+    if isinstance(t, type))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a model's exception is worth retrying, as far as the engine can tell."""
+    return isinstance(exc, (TransientError, *TRANSIENT_CAUSES))
