@@ -23,6 +23,9 @@ TASK_NAME = "asyncinfer.infer"
 PREPROCESS_TASK = "asyncinfer.preprocess"
 POSTPROCESS_TASK = "asyncinfer.postprocess"
 CPU_QUEUE = "asyncinfer.cpu"
+#: What Celery's own consumer listens on in a worker whose fast consumer takes the infer.* queues
+#: (remote control, events and the worker's heartbeat go through Celery's consumer).
+CONTROL_QUEUE = "asyncinfer.control"
 
 #: Requests for model ``M`` go to the Celery queue ``infer.M``.
 QUEUE_PREFIX = "infer."

@@ -13,6 +13,8 @@ from celery.states import READY_STATES
 
 from asyncinfer.errors import ModelError
 from asyncinfer.models.builtin import MLP
+from tests.support.marks import ForwardMarks
+from tests.support.waiting import on_broker, wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,11 +125,12 @@ def _wait_state(client, request_id: str, wanted: str, timeout_s: float = 30.0) -
     return state
 
 
-def test_cancelling_an_awaited_request_revokes_it(client) -> None:
+def test_cancelling_an_awaited_request_revokes_it(client, redis_client) -> None:
     # Given the sleep model busy with a long request
+    marks = ForwardMarks(redis_client, "sleep")
     blocker = client.submit("sleep", np.array([[1.5]], np.float32))
     assert _wait_state(client, blocker.id, "STARTED") in ("STARTED", "SUCCESS")
-    time.sleep(0.3)  # the blocker's batch is on the device, so the next ones cannot join it
+    marks.wait_on_device(1.5)  # the blocker's batch is on the device, so the next ones cannot join it
     ids = {kind: f"acancel-{kind}-{uuid.uuid4().hex}" for kind in ("asubmit", "ainfer", "timeout")}
     queued = np.array([[0.0]], np.float32)
 
@@ -143,7 +146,8 @@ def test_cancelling_an_awaited_request_revokes_it(client) -> None:
                  asyncio.create_task(client.ainfer("sleep", queued, request_id=ids["ainfer"])),
                  asyncio.create_task(client.ainfer("sleep", queued, request_id=ids["timeout"],
                                                    timeout_s=60))]
-        await asyncio.sleep(0.3)  # published and waiting
+        await wait_for_async(lambda: on_broker(redis_client, ids.values(), "infer.sleep"), 30,
+                             "the three requests on the broker")  # published and waiting
         for task in tasks:
             task.cancel()
         return future.cancelled(), await asyncio.gather(*tasks, return_exceptions=True)
@@ -162,7 +166,7 @@ def test_readme_asyncio_example_runs(worker, redis_url) -> None:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, worker_env
+    from tests.support.processes import ROOT, worker_env
 
     text = (ROOT / "README.md").read_text()
     code = re.search(r"<!-- readme-asyncio-example[^>]*-->\s*```python\n(.*?)```", text, re.S).group(1)

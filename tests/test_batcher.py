@@ -22,6 +22,25 @@ def tags(batch: list[WorkItem] | None) -> list[str]:
     return [i.request for i in batch]
 
 
+class _WaitsSeen(threading.Condition):
+    """A condition that sets ``waiting`` whenever a thread begins to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def consumer_blocked(batcher: Batcher) -> threading.Event:
+    """A gate, set once a consumer of the (still unused) ``batcher`` blocks in it."""
+    condition = _WaitsSeen()
+    batcher._cond = condition
+    return condition.waiting
+
+
 def test_a_lone_item_does_not_wait_for_the_delay() -> None:
     # Given: a long delay and one item, nothing arriving
     batcher = Batcher(max_batch_size=8, max_delay_ms=2000)
@@ -83,6 +102,7 @@ def test_incompatible_signatures_go_to_separate_batches_in_order() -> None:
 def test_a_batch_waits_for_an_arriving_item_and_includes_it() -> None:
     # Given: one queued item while another thread is still decoding its request
     batcher = Batcher(max_batch_size=8, max_delay_ms=2000)
+    blocked = consumer_blocked(batcher)
     batcher.put(item("first"))
     entered, release = threading.Event(), threading.Event()
 
@@ -98,8 +118,8 @@ def test_a_batch_waits_for_an_arriving_item_and_includes_it() -> None:
     got: list[list[WorkItem] | None] = []
     consumer = threading.Thread(target=lambda: got.append(batcher.next_batch()))
     consumer.start()
-    # When: the batch is still open a little later, then the item arrives
-    time.sleep(0.1)
+    # When: the batch is still open once the consumer waits, then the item arrives
+    assert blocked.wait(5)
     assert consumer.is_alive(), "the batch must wait for the arriving item"
     release.set()
     consumer.join(5)
@@ -170,10 +190,11 @@ def test_close_returns_leftovers_and_next_batch_returns_none() -> None:
 
 def test_close_wakes_a_waiting_consumer() -> None:
     batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    blocked = consumer_blocked(batcher)
     got: list[list[WorkItem] | None] = []
     consumer = threading.Thread(target=lambda: got.append(batcher.next_batch()))
     consumer.start()
-    time.sleep(0.05)
+    assert blocked.wait(5)
     assert consumer.is_alive()  # blocked on an empty queue
     batcher.close()
     consumer.join(5)
@@ -183,10 +204,11 @@ def test_close_wakes_a_waiting_consumer() -> None:
 
 def test_a_consumer_blocked_on_an_empty_queue_gets_the_next_item() -> None:
     batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    blocked = consumer_blocked(batcher)
     got: list[list[WorkItem] | None] = []
     consumer = threading.Thread(target=lambda: got.append(batcher.next_batch()))
     consumer.start()
-    time.sleep(0.05)
+    assert blocked.wait(5)
     batcher.put(item("r0"))
     consumer.join(5)
     assert tags(got[0]) == ["r0"]

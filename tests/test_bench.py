@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, worker_env
+from tests.support.processes import ROOT, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 

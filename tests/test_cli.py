@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, start_worker, worker_env
+from tests.support.processes import ROOT, start_worker, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,7 +82,7 @@ def test_celery_cli_worker_serves_requests(redis_url, client, tmp_path) -> None:
 
 
 def start_worker_with_celery(redis_url: str, tmp_path):
-    from tests.conftest import WorkerProcess
+    from tests.support.processes import WorkerProcess
 
     env = worker_env(redis_url, ASYNCINFER_MODEL_FACTORIES="echo=asyncinfer.models.builtin:Identity",
                      ASYNCINFER_DEVICE="cpu")

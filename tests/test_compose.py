@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.unit
 

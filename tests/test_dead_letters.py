@@ -1,6 +1,7 @@
 """Dead letters (``asyncinfer:dead:<model>``): the entry format and its bounds in-process (fakeredis),
-then real workers on a Redis server of this module's own — the fast consumer and Celery's stock
-path — with requeue and purge through the real ``asyncinfer dead`` command."""
+then real workers on databases of the session Redis that are this module's own — the fast
+consumer and Celery's stock path — with requeue and purge through the real ``asyncinfer dead``
+command."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import fakeredis
@@ -22,12 +22,12 @@ import redis
 from celery import states
 
 from asyncinfer.client import Client
+from asyncinfer.config.bound import bind
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
-from asyncinfer.ops.redis_server import RedisServer
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
@@ -37,9 +37,12 @@ from asyncinfer.worker.dead_letters import (
     options_of,
     push,
     requeue_message,
+    set_worker_name,
 )
 from asyncinfer.worker.intake.result_writer import Outcome
-from tests.conftest import ROOT, WorkerProcess, start_worker, url_with_db, wait_for, worker_env
+from tests.support.databases import RedisDatabase, RedisDatabases
+from tests.support.processes import ROOT, WorkerProcess, start_worker, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,9 +67,15 @@ def _delivery(model: str = "poison", retries: int = 0, key: str = "") -> Deliver
     return d
 
 
+class _App:
+    """Enough of an app for the dead-letter functions: its settings, bound as asyncinfer binds them."""
+
+
 def _app(options: str = OPTIONS) -> Any:
-    return SimpleNamespace(asyncinfer_settings=Settings(model_options=options),
-                           asyncinfer_node_name="unit@host")
+    app = _App()
+    bind(app, Settings(model_options=options))
+    set_worker_name("unit@host")
+    return app
 
 
 @pytest.mark.unit
@@ -177,20 +186,10 @@ def test_options_validate_and_star_opts_every_model_in() -> None:
             ModelOptions().merged(bad)
 
 
-# -- a Redis server of this module's own ---------------------------------------------------------
+# -- a real Redis --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path_factory.mktemp("dead-redis"), appendonly=False).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def test_requeue_and_purge_on_a_real_redis(server: RedisServer) -> None:
-    r = redis.Redis.from_url(url_with_db(server.url, 2))
-    r.flushdb()
+def test_requeue_and_purge_on_a_real_redis(redis_db: RedisDatabase) -> None:
+    r = redis_db.client
     options = ModelOptions(dead_letter=True)
     ds = [_delivery("poison") for _ in range(3)]
     for d in ds:
@@ -222,24 +221,25 @@ def test_requeue_and_purge_on_a_real_redis(server: RedisServer) -> None:
                           retries=attempts, worker="w"), options)
     assert dead.requeue([twice.request_id]).requeued == [twice.request_id]
     assert r.llen("infer.poison") == 1 and not r.exists(dead_letter_key("poison"))
-    r.close()
 
 
 # -- real workers --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fast(server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+def fast(redis_databases: RedisDatabases, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[str, WorkerProcess]]:
-    url = url_with_db(server.url, 0)
-    proc = start_worker(url, tmp_path_factory.mktemp("dead") / "worker.log", "--device", "cpu",
-                        "--models", "poison,sleep,flaky,affine3", "--hostname", "dead@%h",
-                        ASYNCINFER_MODEL_OPTIONS=OPTIONS, ASYNCINFER_MAX_RETRIES="1",
-                        ASYNCINFER_RETRY_BACKOFF_S="0.05", ASYNCINFER_RETRY_BACKOFF_MAX_S="0.1",
-                        ASYNCINFER_RETRY_BUDGET_MIN="1000", FLAKY_REDIS_URL=url, FLAKY_PREFIX="dead")
-    try:
-        yield url, proc
-    finally:
-        proc.stop()
+    with redis_databases.take("test_dead_letters fast worker") as db:
+        url = db.url
+        proc = start_worker(url, tmp_path_factory.mktemp("dead") / "worker.log", "--device", "cpu",
+                            "--models", "poison,sleep,flaky,affine3", "--hostname", "dead@%h",
+                            ASYNCINFER_MODEL_OPTIONS=OPTIONS, ASYNCINFER_MAX_RETRIES="1",
+                            ASYNCINFER_RETRY_BACKOFF_S="0.05", ASYNCINFER_RETRY_BACKOFF_MAX_S="0.1",
+                            ASYNCINFER_RETRY_BUDGET_MIN="1000", FLAKY_REDIS_URL=url,
+                            FLAKY_PREFIX="dead")
+        try:
+            yield url, proc
+        finally:
+            proc.stop()
 
 
 def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -357,9 +357,8 @@ def test_requeue_through_the_command_runs_it_again_to_success(fast: tuple[str, W
     r.close()
 
 
-def test_the_stock_celery_path_keeps_and_requeues_too(server: RedisServer, tmp_path: Path) -> None:
-    url = url_with_db(server.url, 1)
-    redis.Redis.from_url(url).flushdb()
+def test_the_stock_celery_path_keeps_and_requeues_too(redis_db: RedisDatabase, tmp_path: Path) -> None:
+    url = redis_db.url
     proc = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "poison,flaky",
                         "--hostname", "stockdead@%h", ASYNCINFER_CONSUMER="celery",
                         ASYNCINFER_MODEL_OPTIONS=OPTIONS, ASYNCINFER_MAX_RETRIES="0",

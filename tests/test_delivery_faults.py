@@ -24,10 +24,9 @@ from asyncinfer.client import Client
 from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused
 from asyncinfer.ops.redis_server import RedisServer
-from tests.conftest import ROOT, gated_broker, gated_executions, start_worker, wait_for
-
-#: This module's broker database on the session Redis.
-DELIVERY_DB = 8
+from tests.support.databases import gated_broker, gated_executions
+from tests.support.processes import ROOT, start_worker
+from tests.support.waiting import wait_for
 
 
 def _index(i: int) -> dict[str, np.ndarray]:
@@ -35,9 +34,10 @@ def _index(i: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(120)
-def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> None:
+def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> None:
     # Given an idle worker, frozen (SIGSTOP) while it waits for work
-    url, prefix, r, env = gated_broker(redis_url, DELIVERY_DB, "idle")
+    url = redis_db.url
+    prefix, r, env = gated_broker(url, "idle")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "idle-first@%h", **env)
     second = None
@@ -77,7 +77,6 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_url, tmp_path) -> No
         first.stop()
         if second is not None:
             second.stop()
-        r.flushdb()
         r.close()
 
 
@@ -134,10 +133,11 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
 
 
 @pytest.mark.timeout(150)
-def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_url, tmp_path) -> None:
+def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_db, tmp_path) -> None:
     # Given two workers sharing a paced stream (mostly idle between requests, where waking on a
     # request once took it off its queue unrecorded)
-    url, prefix, r, env = gated_broker(redis_url, DELIVERY_DB, "paced")
+    url = redis_db.url
+    prefix, r, env = gated_broker(url, "paced")
     try:
         # When one of them is killed with SIGKILL every 3 s and replaced
         counts = kill_during_paced_stream(url, r, prefix, env, tmp_path, rate_per_s=50,
@@ -147,7 +147,6 @@ def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_url, tmp_
         assert counts["lost"] == 0, counts
         print("paced kill -9 stream:", counts)
     finally:
-        r.flushdb()
         r.close()
 
 

@@ -29,7 +29,8 @@ from asyncinfer.ops.redis_server import (
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.ops.up import start_embedded_redis
 from asyncinfer.processes import pid_alive
-from tests.conftest import embedded_up_env, start_up, stop_up, wait_for
+from tests.support.processes import embedded_up_env, start_up, stop_up
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

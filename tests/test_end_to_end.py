@@ -16,7 +16,8 @@ import torch
 
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.builtin import MLP
-from tests.conftest import ROOT, url_with_db, worker_env
+from tests.support.marks import ForwardMarks
+from tests.support.processes import ROOT, worker_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,11 +156,12 @@ def test_unknown_model_on_a_hosted_queue_is_refused(client) -> None:
         result.get(timeout=60)
 
 
-def test_one_poisoned_request_does_not_fail_its_batch(client, worker) -> None:
+def test_one_poisoned_request_does_not_fail_its_batch(client, worker, redis_client) -> None:
     # Given a slow request occupying the device, then good and poisoned requests queued behind it
+    marks = ForwardMarks(redis_client, "poison")
     blocker = client.submit("poison", np.array([[100.5]], np.float32))
     _wait_started(blocker)
-    time.sleep(0.2)  # the blocker is on the device; the next requests queue up behind it
+    marks.wait_on_device(100.5)  # the blocker is on the device; the next requests queue up behind it
     good = [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6)]
     bad = client.submit("poison", np.array([[-1.0]], np.float32))
     good += [client.submit("poison", np.array([[float(i)]], np.float32)) for i in range(6, 10)]
@@ -180,11 +182,12 @@ def _wait_started(future, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_cancel_revokes_a_queued_request(client) -> None:
+def test_cancel_revokes_a_queued_request(client, redis_client) -> None:
     # Given the sleep model busy with a long request, and a request queued behind it
+    marks = ForwardMarks(redis_client, "sleep")
     blocker = client.submit("sleep", np.array([[1.5]], np.float32))
     _wait_started(blocker)
-    time.sleep(0.3)  # the blocker's batch is on the device, so the next one cannot join it
+    marks.wait_on_device(1.5)  # the blocker's batch is on the device, so the next one cannot join it
     queued = client.submit("sleep", np.array([[0.0]], np.float32))
     # When the queued one is cancelled
     assert queued.cancel() is True
@@ -207,13 +210,13 @@ def test_result_timeout_raises(client) -> None:
     assert future.result(timeout=60)["output"].tolist() == [[1.0]]
 
 
-def test_results_go_to_a_separate_result_backend(redis_url, tmp_path) -> None:
+def test_results_go_to_a_separate_result_backend(redis_url, redis_db, tmp_path) -> None:
     # Given a worker and a client whose result backend is another Redis database than the broker
     from asyncinfer.client import Client
     from asyncinfer.config.settings import Settings
-    from tests.conftest import start_worker
+    from tests.support.processes import start_worker
 
-    backend_url = url_with_db(redis_url, 3)
+    backend_url = redis_db.url
     proc = start_worker(redis_url, tmp_path / "w.log", "--device", "cpu", "--models", "split",
                         "--hostname", "split-backend@%h", ASYNCINFER_RESULT_BACKEND=backend_url,
                         ASYNCINFER_MODEL_FACTORIES="split=asyncinfer.models.builtin:Identity",

@@ -15,11 +15,9 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.ops.redis_server import RedisServer
-from tests.conftest import gated_broker, gated_executions, start_worker, wait_for
-
-#: The kill test's broker database on the session Redis (other tests use 0 and 3).
-FAULTS_DB = 7
-
+from tests.support.databases import gated_broker, gated_executions
+from tests.support.processes import start_worker
+from tests.support.waiting import wait_for
 
 
 def _whereabouts(r: redis.Redis, request_ids: list[str], queue: str) -> str:
@@ -41,10 +39,11 @@ def _index(i: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(120)
-def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tmp_path) -> None:
+def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_db, tmp_path) -> None:
     # Given a worker for the model "gated" (which counts executions per index in Redis and runs
     # only while the gate is open) on a database of its own, with a 4 s visibility timeout
-    url, prefix, r, env = gated_broker(redis_url, FAULTS_DB, "faults")
+    url = redis_db.url
+    prefix, r, env = gated_broker(url, "faults")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "gated-first@%h", **env)
     second = None
@@ -80,14 +79,14 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_url, tm
         first.stop()
         if second is not None:
             second.stop()
-        r.flushdb()
         r.close()
 
 
 @pytest.mark.timeout(150)
-def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) -> None:
+def test_workers_killed_while_requests_stream_in_lose_none(redis_db, tmp_path) -> None:
     # Given a worker taking a steady stream of requests (the gate open: the model only counts)
-    url, prefix, r, env = gated_broker(redis_url, FAULTS_DB, "stream")
+    url = redis_db.url
+    prefix, r, env = gated_broker(url, "stream")
     workers = []
     client = Client(broker_url=url)
     try:
@@ -119,7 +118,6 @@ def test_workers_killed_while_requests_stream_in_lose_none(redis_url, tmp_path) 
         client.close()
         for w in workers:
             w.stop()
-        r.flushdb()
         r.close()
 
 

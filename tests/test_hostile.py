@@ -19,7 +19,7 @@ import pytest
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import task_message
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,11 +88,12 @@ HOSTILE: dict[str, tuple[Callable[[str], str | bytes], str | None]] = {
     "timelimit junk": (_edited(_set("headers.timelimit", {"hard": 1})), r"header 'timelimit'"),
     "task a number": (_edited(_set("headers.task", 7)), r"header 'task' must be a string"),
     "celery.accumulate": (_edited(_set("headers.task", "celery.accumulate")),
-                          r"task 'celery.accumulate' is not served on queue infer.identity"),
+                          r"task 'celery.accumulate' is refused: only asyncinfer.infer is served "
+                          r"on queue infer.identity"),
     "celery.backend_cleanup": (_edited(_set("headers.task", "celery.backend_cleanup")),
-                               r"task 'celery.backend_cleanup' is not served"),
+                               r"task 'celery.backend_cleanup' is refused: only asyncinfer.infer is served"),
     "asyncinfer.preprocess": (_edited(_set("headers.task", "asyncinfer.preprocess")),
-                              r"task 'asyncinfer.preprocess' is not served"),
+                              r"task 'asyncinfer.preprocess' is refused: only asyncinfer.infer is served"),
     "body a number": (_edited(_kwargs_body(5)), r"\[args, kwargs, embed\]"),  # type: ignore[arg-type]
     "not JSON at all": (lambda rid: "{garbage " + "x" * 100, None),
     "a JSON array": (lambda rid: "[1, 2, 3]", None),

@@ -7,7 +7,7 @@ import socket
 import numpy as np
 import pytest
 
-from tests.conftest import WORKER_MODELS
+from tests.support.processes import WORKER_MODELS
 
 pytestmark = pytest.mark.timeout(60)
 

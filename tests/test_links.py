@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from celery import signature
 
-from tests.conftest import WorkerProcess, worker_env
+from tests.support.processes import WorkerProcess, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def callback_worker(redis_url, worker, tmp_path_factory):
-    argv = [sys.executable, "-m", "celery", "-A", "tests.callback_app", "worker", "-Q", "callbacks",
+    argv = [sys.executable, "-m", "celery", "-A", "tests.support.callback_app", "worker", "-Q", "callbacks",
             "-n", "callbacks@%h", "-l", "INFO"]
     proc = WorkerProcess(argv, worker_env(redis_url), tmp_path_factory.mktemp("cb") / "cb.log").wait_ready()
     yield proc

@@ -15,7 +15,7 @@ from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.files import FileModel
 from asyncinfer.models.registry import Registry
 from asyncinfer.wire.protocol import Request, decode_request
-from tests.support_models import tiny_linear_module
+from tests.support.models import tiny_linear_module
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit,
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
@@ -66,7 +66,7 @@ def test_unknown_model_without_a_request_id() -> None:
 
 
 def test_from_config_registers_a_factory() -> None:
-    registry = Registry.from_config(["affine = tests.support_models:make_affine"])
+    registry = Registry.from_config(["affine = tests.support.models:make_affine"])
     assert "affine" in registry.names()
     model = registry.create("affine")
     assert model.name == "affine"
@@ -75,17 +75,17 @@ def test_from_config_registers_a_factory() -> None:
 
 
 def test_from_config_name_wins_over_the_class_name() -> None:
-    registry = Registry.from_config(["p2=tests.support_models:Poison"])
+    registry = Registry.from_config(["p2=tests.support.models:Poison"])
     assert registry.create("p2").name == "p2"
 
 
 @pytest.mark.parametrize(("entry", "named"), [
     ("nonsense", "nonsense"),
-    ("=tests.support_models:Poison", "=tests.support_models:Poison"),
+    ("=tests.support.models:Poison", "=tests.support.models:Poison"),
     ("x=nomodule", "nomodule"),
-    ("x=tests.support_models:", "tests.support_models:"),
+    ("x=tests.support.models:", "tests.support.models:"),
     ("x=no.such.module:f", "no.such.module:f"),
-    ("x=tests.support_models:NoSuchFactory", "tests.support_models:NoSuchFactory"),
+    ("x=tests.support.models:NoSuchFactory", "tests.support.models:NoSuchFactory"),
 ])
 def test_malformed_factory_entries_raise(entry: str, named: str) -> None:
     with pytest.raises(ValueError) as info:

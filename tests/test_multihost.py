@@ -11,18 +11,19 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import start_worker, url_with_db
+from tests.support.databases import RedisDatabase
+from tests.support.processes import start_worker
 
 pytestmark = pytest.mark.timeout(240)
 
 REQUESTS = 200
 
 
-def test_two_hosts_share_one_queue(redis_url: str, tmp_path) -> None:
+def test_two_hosts_share_one_queue(redis_db: RedisDatabase, tmp_path) -> None:
     from asyncinfer.client import Client
 
     # Given two workers on "different hosts" consuming the same infer.sleep queue
-    url = url_with_db(redis_url, 6)
+    url = redis_db.url
     workers = []
     try:
         for node in ("a@hostA", "b@hostB"):

@@ -16,13 +16,14 @@ import pytest
 
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.worker.metrics import _Ring
-from tests.conftest import ROOT, TEST_FACTORIES, WorkerProcess, scrape, start_worker, value, worker_env
+from tests.support.metrics import scrape, value
+from tests.support.processes import ROOT, TEST_FACTORIES, WorkerProcess, start_worker, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
 #: Models only the metrics worker serves, so its counts are exactly what these tests sent.
 OBS_FACTORIES = (TEST_FACTORIES + ",obs_identity=asyncinfer.models.builtin:Identity"
-                 ",obs_poison=tests.support_models:Poison")
+                 ",obs_poison=tests.support.models:Poison")
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def test_stock_celery_path_logs_once_and_counts(redis_url, tmp_path) -> None:
 
     # Given Celery's own worker command, with metrics from the environment
     port = free_port()
-    env = worker_env(redis_url, ASYNCINFER_MODEL_FACTORIES="stock_poison=tests.support_models:Poison",
+    env = worker_env(redis_url, ASYNCINFER_MODEL_FACTORIES="stock_poison=tests.support.models:Poison",
                      ASYNCINFER_DEVICE="cpu", ASYNCINFER_METRICS_PORT=str(port))
     argv = [sys.executable, "-m", "celery", "-A", "asyncinfer", "worker", "-Q", "infer.stock_poison",
             "-n", "stock-cpu@%h", "-c", "4", "-l", "INFO"]

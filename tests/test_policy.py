@@ -26,27 +26,12 @@ from asyncinfer.errors import (
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.processes import pid_alive
-from tests.conftest import (
-    WorkerProcess,
-    scrape,
-    start_up,
-    start_worker,
-    stop_up,
-    url_with_db,
-    value,
-    wait_for,
-    worker_env,
-)
+from tests.support.databases import RedisDatabase, RedisDatabases
+from tests.support.metrics import scrape, value
+from tests.support.processes import WorkerProcess, start_up, start_worker, stop_up, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _fresh_db(redis_url: str, db: int) -> str:
-    url = url_with_db(redis_url, db)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    client.close()
-    return url
 
 
 def _flaky(index: int, failures: int) -> np.ndarray:
@@ -61,16 +46,17 @@ def _runs(r: redis.Redis, prefix: str, index: int) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def narrow_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory
+def narrow_worker(redis_databases: RedisDatabases, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[str, WorkerProcess]]:
-    url = _fresh_db(redis_url, 10)
-    proc = start_worker(url, tmp_path_factory.mktemp("narrow") / "worker.log", "--device", "cpu",
-                        "--models", "sleep", "--concurrency", "1", "--hostname", "narrow@%h",
-                        ASYNCINFER_MAX_RETRIES="0", ASYNCINFER_PREFETCH_MULTIPLIER="2")
-    try:
-        yield url, proc
-    finally:
-        proc.stop()
+    with redis_databases.take("narrow_worker") as db:
+        proc = start_worker(db.url, tmp_path_factory.mktemp("narrow") / "worker.log", "--device",
+                            "cpu", "--models", "sleep", "--concurrency", "1",
+                            "--hostname", "narrow@%h",
+                            ASYNCINFER_MAX_RETRIES="0", ASYNCINFER_PREFETCH_MULTIPLIER="2")
+        try:
+            yield db.url, proc
+        finally:
+            proc.stop()
 
 
 def test_soft_time_limit_fails_the_request_and_the_worker_goes_on(
@@ -123,22 +109,20 @@ RETRY_METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def retry_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory
+def retry_worker(redis_databases: RedisDatabases, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[str, redis.Redis]]:
-    url = _fresh_db(redis_url, 11)
-    proc = start_worker(url, tmp_path_factory.mktemp("retry") / "worker.log", "--device", "cpu",
-                        "--models", "flaky", "--hostname", "retry@%h",
-                        "--metrics-port", str(RETRY_METRICS_PORT),
-                        ASYNCINFER_MAX_RETRIES="3", ASYNCINFER_RETRY_BACKOFF_S="0.05",
-                        ASYNCINFER_RETRY_BACKOFF_MAX_S="0.2", ASYNCINFER_RETRY_BUDGET_MIN="1000",
-                        ASYNCINFER_RESULT_EXPIRES_S="600",
-                        FLAKY_REDIS_URL=url, FLAKY_PREFIX="retry")
-    r = redis.Redis.from_url(url)
-    try:
-        yield url, r
-    finally:
-        proc.stop()
-        r.close()
+    with redis_databases.take("retry_worker") as db:
+        proc = start_worker(db.url, tmp_path_factory.mktemp("retry") / "worker.log", "--device",
+                            "cpu", "--models", "flaky", "--hostname", "retry@%h",
+                            "--metrics-port", str(RETRY_METRICS_PORT),
+                            ASYNCINFER_MAX_RETRIES="3", ASYNCINFER_RETRY_BACKOFF_S="0.05",
+                            ASYNCINFER_RETRY_BACKOFF_MAX_S="0.2", ASYNCINFER_RETRY_BUDGET_MIN="1000",
+                            ASYNCINFER_RESULT_EXPIRES_S="600",
+                            FLAKY_REDIS_URL=db.url, FLAKY_PREFIX="retry")
+        try:
+            yield db.url, db.client
+        finally:
+            proc.stop()
 
 
 def test_transient_failures_are_retried_until_success(retry_worker: tuple[str, redis.Redis]) -> None:
@@ -209,8 +193,8 @@ def test_every_key_written_expires(retry_worker: tuple[str, redis.Redis]) -> Non
 # -- a retry storm: every request fails, the budget keeps the load bounded -----------------------
 
 
-def test_retry_storm_stays_within_the_budget(redis_url: str, tmp_path: Path) -> None:
-    url = _fresh_db(redis_url, 12)
+def test_retry_storm_stays_within_the_budget(redis_db: RedisDatabase, tmp_path: Path) -> None:
+    url = redis_db.url
     requests, ratio, floor = 100, 0.1, 5
     backoff_s, backoff_max_s = 0.3, 0.6
     proc = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "flaky",
@@ -250,11 +234,11 @@ def test_retry_storm_stays_within_the_budget(redis_url: str, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(("consumer", "visibility_s"), [("fast", "30"), ("celery", "6")])
-def test_hard_time_limit_replaces_the_wedged_worker(redis_url: str, tmp_path: Path, consumer: str,
-                                                    visibility_s: str) -> None:
+def test_hard_time_limit_replaces_the_wedged_worker(redis_db: RedisDatabase, tmp_path: Path,
+                                                    consumer: str, visibility_s: str) -> None:
     # The fast consumer sends the requests it held back at once; on Celery's consumer they stay
     # unacknowledged and kombu redelivers them after the visibility timeout.
-    url = _fresh_db(redis_url, 13)
+    url = redis_db.url
     env = worker_env(url, ASYNCINFER_TIME_LIMIT_S="2", ASYNCINFER_VISIBILITY_TIMEOUT_S=visibility_s,
                      ASYNCINFER_MAX_RETRIES="0", ASYNCINFER_CONSUMER=consumer)
     log = open(tmp_path / "up.log", "wb")
@@ -294,8 +278,8 @@ def _state(client: Client, request_id: str) -> str:
 
 
 def test_stock_celery_consumer_retries_within_budget_and_honours_time_limits(
-        redis_url: str, tmp_path: Path) -> None:
-    url = _fresh_db(redis_url, 9)
+        redis_db: RedisDatabase, tmp_path: Path) -> None:
+    url = redis_db.url
     proc = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "flaky,sleep",
                         "--hostname", "stock@%h", ASYNCINFER_CONSUMER="celery",
                         ASYNCINFER_MAX_PAYLOAD_BYTES="4096",

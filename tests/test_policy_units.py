@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -21,17 +21,13 @@ from asyncinfer.policy.retries import RetryPolicy, is_transient
 from asyncinfer.policy.retry_budget import RetryBudget
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
 from asyncinfer.wire.envelope import Delivery, parse_envelope, retry_message, seconds_until, task_message
-from tests.conftest import url_with_db
+from tests.support.databases import RedisDatabase
 
 
 @pytest.fixture()
-def scratch(redis_url: str) -> Iterator[redis.Redis]:
+def scratch(redis_db: RedisDatabase) -> redis.Redis:
     """An emptied database of the session Redis that no worker uses."""
-    client = redis.Redis.from_url(url_with_db(redis_url, 14))
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    return redis_db.client
 
 
 # -- retry budget -------------------------------------------------------------------------------
@@ -94,13 +90,36 @@ def test_publisher_refuses_past_the_bound_and_names_the_request(scratch: redis.R
     assert not scratch.exists(CLAIM_PREFIX + "r3")
 
 
+class _RefusalsSeen:
+    """A Redis client whose publish script reports each refusal (queue full) on ``refused``."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.refused = threading.Event()
+
+    def register_script(self, text: str) -> Callable[..., Any]:
+        script = self.client.register_script(text)
+
+        def run(**kwargs: Any) -> Any:
+            reply = script(**kwargs)
+            if int(reply[0]) < 0:
+                self.refused.set()
+            return reply
+
+        return run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
 def test_publisher_waits_for_room_up_to_its_timeout(scratch: redis.Redis) -> None:
-    publisher = Publisher(scratch, claim_ttl_s=60)
+    watched = _RefusalsSeen(scratch)
+    publisher = Publisher(watched, claim_ttl_s=60)
     publisher.publish("infer.q", "a", "m", claim=False, max_queue_size=1)
     drained = threading.Event()
 
     def drain() -> None:
-        time.sleep(0.2)
+        watched.refused.wait(30)  # the publisher found the queue full and waits for room
         scratch.rpop("infer.q")
         drained.set()
 

@@ -18,7 +18,7 @@ import torch
 
 from asyncinfer.errors import ModelError
 from asyncinfer.models.builtin import MLP
-from tests.conftest import WorkerProcess, start_worker
+from tests.support.processes import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,7 +26,7 @@ AMQP_HOST, AMQP_PORT = "127.0.0.1", 5672
 AMQP_URL = f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}//"
 RUN = uuid.uuid4().hex[:8]
 FACTORIES = {"identity": "asyncinfer.models.builtin:Identity", "mlp": "asyncinfer.models.builtin:MLP",
-             "poison": "tests.support_models:Poison"}
+             "poison": "tests.support.models:Poison"}
 MODEL = {m: f"{m}_{RUN}" for m in FACTORIES}
 MODELS = tuple(MODEL.values())
 

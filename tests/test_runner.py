@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.engine.delivery import Completed
 from asyncinfer.engine.device import Device, DeviceSpec
-from asyncinfer.engine.runner import Completed, ModelRunner
+from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.models.builtin import Identity
 from asyncinfer.wire.protocol import Request, decode_request
-from tests.support_models import Poison
+from tests.support.models import Poison
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 

@@ -14,7 +14,7 @@ import redis
 from asyncinfer.client import Client
 from asyncinfer.errors import BrokerUnavailable
 from asyncinfer.ops.redis_server import RedisServer, TlsFiles, redis_server_binary, supports_tls
-from tests.conftest import start_worker
+from tests.support.processes import start_worker
 
 pytestmark = pytest.mark.timeout(120)
 

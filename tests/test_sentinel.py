@@ -2,7 +2,7 @@
 and ``ASYNCINFER_SUBMIT_REPLICAS``.
 
 The integration tests run a Sentinel group of their own (master, one replica, three Sentinels:
-tests/sentinel_support.py), so what they count is theirs alone.
+tests/support/sentinel.py), so what they count is theirs alone.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from asyncinfer.client import Client
 from asyncinfer.config.celery_config import celery_config
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import (
+    MASTER_CHECK_S,
     SentinelUrl,
     is_redis_url,
     normalized_url,
@@ -33,9 +34,10 @@ from asyncinfer.connections import (
 )
 from asyncinfer.errors import BrokerUnavailable, NotReplicated
 from asyncinfer.ops.status import queue_depths
-from asyncinfer.worker.launch import uses_fast_consumer
-from tests.conftest import start_worker, wait_for
-from tests.sentinel_support import SentinelGroup
+from asyncinfer.worker.intake.step import uses_fast_consumer
+from tests.support.processes import start_worker
+from tests.support.sentinel import SentinelGroup
+from tests.support.waiting import wait_for
 
 # -- URL parsing, settings and Celery's configuration (no server) ---------------------------------
 
@@ -200,7 +202,8 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
     """Send ``before_kill`` requests at ``rate_hz``, SIGKILL the master, keep sending at the same
     pace (from a pool of threads, so a submit waiting out the failover holds up no other) through
     the failover and ``after_promotion`` more once a replica is promoted (and has ``min_replicas``
-    of its own); wait for the answers. Returns the counts, by phase: before the kill, during the
+    of its own) and a client's master check (every ``MASTER_CHECK_S``) has had time to see it;
+    wait for the answers. Returns the counts, by phase: before the kill, during the
     failover, after the promotion."""
     phases = ("before", "during", "after")
 
@@ -219,8 +222,11 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
             if phase == "before" and len(submits) >= before_kill:
                 old_port = group.kill_master()
                 killed_at, phase = time.monotonic(), "during"
-            if phase == "during" and group.promoted_or_none(old_port, min_replicas):
-                promoted_at, phase = time.monotonic(), "after"
+            if phase == "during" and not promoted_at and group.promoted_or_none(old_port, min_replicas):
+                promoted_at = time.monotonic()
+            # a client re-checks its master at most every MASTER_CHECK_S: "after" starts then
+            if phase == "during" and promoted_at and time.monotonic() >= promoted_at + MASTER_CHECK_S:
+                phase = "after"
             future = pool.submit(send, len(submits), phase)
             future.phase = phase  # type: ignore[attr-defined]
             submits.append(future)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.constants import CPU_QUEUE
-from tests.conftest import WorkerProcess, worker_env
+from tests.support.processes import WorkerProcess, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -16,17 +15,12 @@ from asyncinfer.constants import PRIORITY_SEP, priority_lists
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import task_message
 from asyncinfer.worker.intake.take import Taker
-from tests.conftest import url_with_db
+from tests.support.databases import RedisDatabase
 
 
 @pytest.fixture()
-def broker(redis_url: str) -> Iterator[tuple[str, redis.Redis]]:
-    url = url_with_db(redis_url, 15)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
-    client.close()
+def broker(redis_db: RedisDatabase) -> tuple[str, redis.Redis]:
+    return redis_db.url, redis_db.client
 
 
 def _message(request_id: str, queue: str) -> str:

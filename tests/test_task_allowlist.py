@@ -24,12 +24,12 @@ from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, p
 from asyncinfer.errors import InvalidRequest, UnknownModel
 from asyncinfer.policy.task_policy import CONTROL_QUEUE, QueueKind, TaskPolicy
 from asyncinfer.wire.protocol import FORWARD_STAGE, decode_request
-from tests.conftest import WorkerProcess, start_worker, url_with_db, wait_for, worker_env
+from tests.support.databases import RedisDatabases
+from tests.support.processes import WorkerProcess, start_worker, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-#: The database of the extra workers, so that the session worker takes none of their messages.
-ALLOWLIST_DB = 8
 STAGE_QUEUE = "allowlist.stages"
 CPU_STAGE_QUEUE = "allowlist.cpu"
 
@@ -76,12 +76,11 @@ def bare_app(url: str, protocol: int = 2) -> Celery:
 
 
 @pytest.fixture(scope="module")
-def db_url(redis_url: str) -> str:
-    url = url_with_db(redis_url, ALLOWLIST_DB)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    client.close()
-    return url
+def db_url(redis_databases: RedisDatabases) -> Iterator[str]:
+    """The database of this module's workers, so that the session worker takes none of their
+    messages."""
+    with redis_databases.take("test_task_allowlist") as db:
+        yield db.url
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +94,8 @@ def stock_worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def celery_worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """``celery -A asyncinfer worker`` reading a device queue and a stage queue: it hosts affine3."""
+    """``celery -A asyncinfer worker`` reading a device queue and a stage queue: it hosts affine3
+    (the fast consumer takes infer.affine3; Celery's consumer reads the stage queue)."""
     argv = [sys.executable, "-m", "celery", "-A", "asyncinfer", "worker", "-P", "threads", "-c", "4",
             "-Q", f"infer.affine3,{STAGE_QUEUE}", "-n", "allowlist-celery@%h", "-l", "INFO"]
     proc = WorkerProcess(argv, worker_env(db_url, ASYNCINFER_DEVICE="cpu"),
@@ -226,17 +226,18 @@ def test_a_protocol_1_message_is_refused_too(session_target: tuple[str, WorkerPr
     assert f"[{result.id}] received" not in proc.log()
 
 
-def test_a_forged_routing_key_gets_the_strictest_rule(celery_target: tuple[str, WorkerProcess]) -> None:
-    # Given a stage task of the hosted model whose routing key names no queue the worker reads,
-    # moved onto its device queue (kombu's Redis transport reads the routing key from the message)
-    url, proc = celery_target
+def test_a_forged_routing_key_gets_the_strictest_rule(stock_target: tuple[str, WorkerProcess]) -> None:
+    # Given a stage task whose routing key names no queue the worker reads, moved onto its device
+    # queue (on Celery's stock consumer, kombu's Redis transport reads the routing key from the
+    # message; the fast consumer names the list it took the message from)
+    url, proc = stock_target
     app = bare_app(url)
     result = app.send_task(PREPROCESS_TASK, kwargs=affine3_request(), queue="made.up")
     client = redis.Redis.from_url(url)
     try:
         raw = wait_for(lambda: client.rpop("made.up"), 10, "the message on made.up")
         assert json.loads(raw)["properties"]["delivery_info"]["routing_key"] == "made.up"
-        client.lpush("infer.affine3", raw)
+        client.lpush("infer.mlp", raw)
     finally:
         client.close()
     # Then it is refused under the strictest rule of the worker's queues (asyncinfer.infer only)

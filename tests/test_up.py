@@ -14,7 +14,8 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import PID_FILE, published_url
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.processes import pid_alive
-from tests.conftest import embedded_up_env, start_up, stop_up, wait_for
+from tests.support.processes import embedded_up_env, start_up, stop_up
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,8 @@ import redis
 
 from asyncinfer.constants import priority_lists
 from asyncinfer.worker.intake.wake import Waker
-from tests.conftest import url_with_db
+from tests.support.databases import RedisDatabase
+from tests.support.waiting import blocked_in_redis, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,17 +21,13 @@ LISTS = priority_lists(["infer.a", "infer.b"])  # infer.a, infer.b, then their p
 
 
 @pytest.fixture()
-def waker(redis_url: str) -> Iterator[tuple[Waker, redis.Redis]]:
-    url = url_with_db(redis_url, 14)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+def waker(redis_db: RedisDatabase) -> Iterator[tuple[Waker, redis.Redis]]:
+    url = redis_db.url
     w = Waker(redis.Redis.from_url(url, socket_timeout=40),
               redis.Redis.from_url(url, socket_timeout=40, single_connection_client=True),
               LISTS, block_s=30).start()
-    yield w, r
+    yield w, redis_db.client
     w.close()
-    r.flushdb()
-    r.close()
 
 
 def _wait_in_thread(w: Waker, timeout_s: float) -> tuple[threading.Thread, list[bool]]:
@@ -45,9 +42,10 @@ def test_a_message_on_any_list_ends_the_wait_and_stays_on_its_list(waker, key: s
     w, r = waker
     w.clear()
     w.arm()
+    own_id = int(w.own.client_id())
     # Given the caller blocked for up to 30 s (its own list in Redis, the others by watchers)
     thread, woke = _wait_in_thread(w, 30)
-    time.sleep(0.3)  # let it block (a message sent earlier would end the wait just the same)
+    wait_for(lambda: blocked_in_redis(r, own_id), 10, "the caller blocked in Redis", poll_s=0.01)
     assert thread.is_alive()
     # When a producer pushes one message on one of the lists
     r.lpush(key, b"m1")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.errors import InvalidRequest
-from tests.conftest import ROOT
+from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

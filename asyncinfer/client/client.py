@@ -38,7 +38,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
-from asyncinfer.wire.protocol import to_input_payload
+from asyncinfer.wire.payloads import to_input_payload
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 

@@ -16,7 +16,7 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from asyncinfer.errors import RequestTimeout
-from asyncinfer.wire.protocol import output_to_numpy, output_to_torch
+from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
 
 if TYPE_CHECKING:
     from asyncinfer.client.client import Client
@@ -51,7 +51,8 @@ class InferResponse:
         return output_to_numpy(self._output(name))
 
     def as_torch(self, name: str | None = None) -> Any:
-        """Output ``name`` (default: the first) as a torch tensor (numeric outputs)."""
+        """Output ``name`` (default: the first) as a torch tensor (numeric outputs); the first
+        call loads torch, which nothing else on the client's side needs."""
         return output_to_torch(self._output(name))
 
     def __repr__(self) -> str:

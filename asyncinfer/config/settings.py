@@ -138,8 +138,9 @@ class Settings:
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
     consumer: str = _setting(
         "fast", "ASYNCINFER_CONSUMER",
-        "How `asyncinfer worker` takes requests on a Redis broker: `fast` (batched reads, results "
-        "and acks) or `celery` (Celery's stock per-task path).")
+        "How a device worker (`asyncinfer worker`, `celery -A asyncinfer worker -Q infer.M`) takes "
+        "requests on a Redis broker: `fast` (batched reads, results and acks) or `celery` (Celery's "
+        "stock per-task path).")
     model_options: str = _setting(
         "", "ASYNCINFER_MODEL_OPTIONS",
         "JSON object of model → batching options overriding the model's defaults: "

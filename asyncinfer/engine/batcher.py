@@ -107,6 +107,11 @@ class Batcher:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def waiting_ids(self) -> set[str]:
+        """The IDs of the requests waiting here for a batch (what ``inspect reserved`` shows)."""
+        with self._cond:
+            return {item.request.id for item in self._pending}
+
     def next_batch(self) -> list[WorkItem] | None:
         """Block until a batch is ready and return it; None once closed."""
         with self._cond:

@@ -17,15 +17,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.batcher import Batcher, WorkItem
+from asyncinfer.engine.delivery import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.timer import Timer
@@ -41,7 +41,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.policy.time_limits import TimeLimits
-from asyncinfer.wire.protocol import FORWARD_STAGE, Request, Tensor, datatype_of
+from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -52,16 +52,6 @@ log = logging.getLogger(__name__)
 
 #: Batches between stages at most (the slots below are the real bound).
 _STAGE_DEPTH = 4
-
-
-@dataclass
-class Completed:
-    """What a request gets back from the device."""
-
-    outputs: list[Tensor]
-    batch_size: int
-    queue_ms: float
-    compute_ms: float
 
 
 @dataclass
@@ -148,7 +138,7 @@ class ModelRunner:
             self.model.validate_forward(request)
         else:
             self.model.validate(request)
-        rows = _rows_of(request)
+        rows = rows_of(request)
         if rows > self.max_batch_size:
             raise InvalidRequest(
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
@@ -327,7 +317,7 @@ class ModelRunner:
                 on_host()
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
-        self._deliver(job.items, outputs, job.started)
+        self._deliver_batch(job.items, outputs, job.started)
 
     def _whole(self, job: _Job, stream: Any) -> None:
         self._prepare(job)
@@ -384,57 +374,14 @@ class ModelRunner:
         return {t.name: self.model.collate(t.name, [item.request.inputs[i].value for item in items])
                 for i, t in enumerate(first)}
 
-    def _deliver(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
-        finished = time.perf_counter()
-        rows = [item.rows for item in items]
-        total = sum(rows)
-        for name, value in outputs.items():
-            got = len(value) if isinstance(value, np.ndarray) else (
-                int(value.shape[0]) if value.dim() else -1)
-            if got != total:
-                raise ModelError(f"model '{self.model.name}': output '{name}' has {got} rows "
-                                 f"for a batch of {total}")
-        pieces = {name: _split(value, rows) for name, value in outputs.items()}
-        compute_ms = (finished - started) * 1000.0
-        self.on_batch(self.model.name, self.device.label, total, finished - started,
-                      [started - item.received_at for item in items])
-        for i, item in enumerate(items):
-            if item.future.done():  # revoked after its batch was formed
-                continue
-            result = [_output(name, parts[i], item.request.binary_output)
-                      for name, parts in pieces.items()]
-            settle(item.future, Completed(
-                outputs=result, batch_size=total,
-                queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
+
+    def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
+        deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 
 
 def _ignore_batch(model: str, device: str, rows: int, compute_s: float,
                   waits_s: Sequence[float]) -> None:
     pass
-
-
-def _rows_of(request: Request) -> int:
-    rows = {t.shape[0] for t in request.inputs}
-    if len(rows) != 1:
-        sizes = ", ".join(f"'{t.name}': {t.shape[0]}" for t in request.inputs)
-        raise InvalidRequest(
-            f"request {request.id}: inputs disagree on the batch dimension ({sizes})")
-    return rows.pop()
-
-
-def _split(value: Any, rows: list[int]) -> list[Any]:
-    if len(rows) == 1:
-        return [value]
-    if isinstance(value, np.ndarray):
-        return np.split(value, np.cumsum(rows)[:-1])
-    return list(torch.split(value, rows))
-
-
-def _output(name: str, value: Any, binary: bool) -> Tensor:
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        value = torch.from_numpy(value)
-    datatype = "BYTES" if isinstance(value, np.ndarray) else datatype_of(value)
-    return Tensor(name=name, datatype=datatype, shape=tuple(value.shape), value=value, binary=binary)
 
 
 def _forward_only(job: _Job) -> bool:
@@ -445,17 +392,6 @@ def _forward_only(job: _Job) -> bool:
 def _overrides(model: Model, method: str) -> bool:
     """Whether ``model`` has its own ``method`` (not the base class's no-op)."""
     return getattr(type(model), method) is not getattr(Model, method)
-
-
-def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Set the outcome of ``future`` unless something (a time limit, a revoke) already did."""
-    try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def _off_device(items: Sequence[WorkItem]) -> None:

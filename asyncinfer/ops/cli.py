@@ -24,7 +24,7 @@ def _read_inputs(path: str, datatype: str | None) -> tuple[Any, dict[str, Any]]:
     Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
     name → (nested) list, or a bare (nested) list for the input named ``input``.
     """
-    from asyncinfer.wire.protocol import to_input_payload
+    from asyncinfer.wire.payloads import to_input_payload
 
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     doc = json.loads(text)
@@ -52,16 +52,15 @@ def _bytes_as_list(value: Any) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import os
-
     from asyncinfer.worker.launch import run_worker
 
+    overrides: dict[str, Any] = {}
     if args.broker_url:
-        os.environ["ASYNCINFER_BROKER_URL"] = args.broker_url
+        overrides["broker_url"] = args.broker_url
     if args.metrics_port is not None:
-        os.environ["ASYNCINFER_METRICS_PORT"] = str(args.metrics_port)
+        overrides["metrics_port"] = args.metrics_port
     run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,
-               loglevel=args.loglevel, hostname=args.hostname)
+               loglevel=args.loglevel, hostname=args.hostname, **overrides)
     return 0
 
 

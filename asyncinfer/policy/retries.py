@@ -2,9 +2,10 @@
 
 ``asyncinfer.infer`` carries Celery's own retry options — ``autoretry_for``, ``max_retries``,
 ``retry_backoff``, ``retry_backoff_max``, ``retry_jitter`` — set from ``ASYNCINFER_*`` settings
-and overridable as Celery users do (``task_annotations``). Celery's stock worker applies them
-itself; the fast consumer reads them here and applies the same rules, with one difference: the
-backoff is in fractions of a second, where Celery rounds to whole seconds.
+and overridable as Celery users do (``task_annotations``). Both consumers read them into one
+:class:`RetryPolicy` (the worker's :class:`~asyncinfer.worker.lifecycle.Settlement` holds it), so a
+retry is decided the same way on each; the backoff is in fractions of a second (Celery's own
+autoretry rounds to whole seconds).
 
 Transient (retried): :class:`~asyncinfer.errors.TransientError` (a model may raise it), device
 out-of-memory, device runtime errors and lost connections (wrapped as
@@ -17,11 +18,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
+from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.engine.failures import TRANSIENT_CAUSES
 from asyncinfer.errors import InvalidRequest, TransientError
 
@@ -77,15 +81,19 @@ class RetryPolicy:
         return (rng or random).uniform(0.0, ceiling) if self.jitter else ceiling
 
 
+_budgets: WeakKeyDictionary[Any, Any] = WeakKeyDictionary()
+
+
 def retry_budget_for(app: Celery) -> Any:
-    """The app's :class:`~asyncinfer.policy.retry_budget.RetryBudget` (on the result backend's Redis)."""
-    budget = getattr(app, "asyncinfer_retry_budget", None)
+    """The app's :class:`~asyncinfer.policy.retry_budget.RetryBudget` (on the result backend's
+    Redis), one per app."""
+    budget = _budgets.get(app)
     if budget is None:
         from asyncinfer.policy.retry_budget import RetryBudget
 
-        settings = app.asyncinfer_settings  # type: ignore[attr-defined]
+        settings = settings_of(app) or Settings.from_env()
         budget = RetryBudget(app.backend.client, ratio=settings.retry_budget_ratio,
                              minimum=settings.retry_budget_min,
                              window_s=settings.retry_budget_window_s)
-        app.asyncinfer_retry_budget = budget  # type: ignore[attr-defined]
+        _budgets[app] = budget
     return budget

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from asyncinfer.constants import (
+    CONTROL_QUEUE,
     POSTPROCESS_TASK,
     PREPROCESS_TASK,
     QUEUE_PREFIX,
@@ -28,12 +29,17 @@ from asyncinfer.constants import (
     model_from_queue,
 )
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.worker.launch import CONTROL_QUEUE
 
-__all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy"]
+__all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy", "refused_on_infer_queue"]
 
 #: A model's CPU stages, served by a device worker on its stage queues for its own models.
 STAGE_TASKS = (PREPROCESS_TASK, POSTPROCESS_TASK)
+
+
+def refused_on_infer_queue(request_id: str, task: object, queue: str) -> InvalidRequest:
+    """The error of a task other than ``asyncinfer.infer`` sent to an ``infer.*`` queue."""
+    return InvalidRequest(f"request {request_id}: task {task!r} is refused: only {TASK_NAME} is "
+                          f"served on queue {queue}")
 
 
 class QueueKind(IntEnum):
@@ -93,7 +99,7 @@ class TaskPolicy:
         if task == TASK_NAME:
             return None
         if kind is QueueKind.INFER:
-            return InvalidRequest(f"{who} is refused: only {TASK_NAME} is served on queue {queue}")
+            return refused_on_infer_queue(request_id, task, queue)
         rule = (f"only {TASK_NAME} and the stage tasks of the models this worker hosts "
                 f"({', '.join(self.hosted) or 'none'}) are served on queue {queue}")
         if task not in STAGE_TASKS:

@@ -51,12 +51,17 @@ def _positive(value: Any) -> float | None:
     return number if number > 0 else None
 
 
-def time_limits_of(timelimit: Any, task: Any = None, conf: Any = None) -> TimeLimits:
+def time_limits_of(timelimit: Any, task: Any = None, conf: Any = None, *,
+                   defaults: TimeLimits | None = None) -> TimeLimits:
     """The limits of one request: its ``timelimit`` header ``[hard, soft]`` (Celery's order),
-    else ``task``'s ``time_limit``/``soft_time_limit``, else ``conf``'s task defaults."""
+    else ``defaults`` when given, else ``task``'s ``time_limit``/``soft_time_limit``, else
+    ``conf``'s task defaults."""
     hard = soft = None
     if isinstance(timelimit, (list, tuple)) and len(timelimit) == 2:
         hard, soft = _positive(timelimit[0]), _positive(timelimit[1])
+    if defaults is not None:
+        hard = defaults.hard_s if hard is None else hard
+        soft = defaults.soft_s if soft is None else soft
     if hard is None:
         hard = _positive(getattr(task, "time_limit", None)) or _positive(
             getattr(conf, "task_time_limit", None))

@@ -12,21 +12,24 @@ import logging
 from typing import Any
 
 from celery import Task, group
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 
 from asyncinfer.celery_app import app
+from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import InvalidRequest, RequestRevoked, RetryBudgetExhausted
-from asyncinfer.policy.retries import AUTORETRY_FOR, retry_budget_for
-from asyncinfer.policy.time_limits import time_limits_of
+from asyncinfer.errors import InvalidRequest, RequestRevoked
+from asyncinfer.policy.retries import AUTORETRY_FOR
 from asyncinfer.wire.envelope import seconds_until
 from asyncinfer.wire.protocol import request_kwargs
+from asyncinfer.worker.lifecycle import EXPIRED, REVOKED, admit
+from asyncinfer.worker.stock_path import model_of, settlement
 
 __all__ = ["infer", "InferTask"]
 
 log = logging.getLogger(__name__)
 
-_settings = app.asyncinfer_settings  # type: ignore[attr-defined]
+_settings = settings_of(app) or Settings.from_env()
 
 
 class InferTask(Task):
@@ -39,11 +42,30 @@ class InferTask(Task):
     for a worker that serves it.
     """
 
+    #: Celery wraps ``run`` with its autoretry unless this is set: the settlement decides instead.
+    _orig_run = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         request.asyncinfer_errbacks = request.errbacks  # kept for a retry's message, and sent
         request.errbacks = None  # on failure by on_failure, never called in this process
-        return super().__call__(*args, **kwargs)
+        # Celery delayed, revoked and expired it already; a revocation may have come since.
+        queue = str((request.delivery_info or {}).get("routing_key") or "")
+        admission = admit(str(request.id), self.name, queue, expires=request.expires)
+        if admission.verdict in (REVOKED, EXPIRED):
+            self.backend.mark_as_revoked(str(request.id), reason=admission.verdict, request=request)
+            settlement(self.app).revoked(request, model_of(request, args, kwargs),
+                                         admission.verdict == EXPIRED)
+            raise Ignore()
+        try:
+            return super().__call__(*args, **kwargs)
+        except (Ignore, Retry):
+            raise
+        except Exception as exc:
+            countdown_s = settlement(self.app).retry_countdown_s(exc, int(request.retries or 0))
+            if countdown_s is None:
+                raise
+            raise self.retry(exc=exc, countdown=countdown_s) from exc
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any,
                    einfo: Any) -> None:
@@ -61,12 +83,9 @@ class InferTask(Task):
               eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
         limit = self.max_retries if max_retries is None else max_retries
         if exc is not None and (limit is None or self.request.retries < limit):
-            budget = retry_budget_for(self.app)
-            decision = budget.spend(1)
-            if not decision.granted:
-                raise RetryBudgetExhausted(f"request {self.request.id}: not retried after "
-                                           f"{type(exc).__name__}: {exc}: {budget.describe(decision)}"
-                                           ) from exc
+            refusal = settlement(self.app).refused_retry([str(self.request.id)], [exc])[0]
+            if refusal is not None:
+                raise refusal
         request = self.request
         request.errbacks = getattr(request, "asyncinfer_errbacks", None)  # the retry's message
         try:  # carries them on; the failure of this attempt calls none here
@@ -90,9 +109,9 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
     request_id = str(self.request.id)
     if not self.request.retries:
-        retry_budget_for(self.app).count_requests(1)
+        settlement(self.app).policy.budget.count_requests(1)
     request = request_kwargs(request_id, args, kwargs)
-    limits = time_limits_of(self.request.timelimit, self, self.app.conf)
+    limits = settlement(self.app).policy.limits_for(self.request.timelimit)
     try:
         return get_runtime().infer(request_id, request, worker=str(self.request.hostname),
                                    expires_in_s=seconds_until(self.request.expires),

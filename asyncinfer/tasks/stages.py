@@ -16,6 +16,8 @@ import torch
 from celery import Task
 
 from asyncinfer.celery_app import app
+from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
@@ -38,7 +40,7 @@ def _cpu_model(name: str, request_id: str) -> Model:
     with _lock:
         model = _models.get(name)
         if model is None:
-            settings = app.asyncinfer_settings  # type: ignore[attr-defined]
+            settings = settings_of(app) or Settings.from_env()
             registry = Registry.from_config(settings.model_factories, settings.model_dir)
             model = registry.create(name, request_id)
             model.load(torch.device("cpu"))

@@ -1,8 +1,9 @@
-"""The Open Inference Protocol v2 datatypes and how each maps to torch and numpy.
+"""The Open Inference Protocol v2 datatypes, and the codec of their ``data`` in numpy.
 
-One table, :data:`SPECS`, says for every v2 datatype name which torch dtype holds its values,
-which little-endian numpy dtype its raw bytes have on the wire, what kind of Python element a
-JSON list may carry, and the range of its integers.
+One table, :data:`SPECS`, says for every v2 datatype name which numpy dtype holds its decoded
+values, which little-endian numpy dtype its raw bytes have on the wire, what kind of Python element
+a JSON list may carry, and the range of its integers. Nothing here imports torch: the client
+decodes and encodes with numpy alone; :mod:`asyncinfer.wire.tensors` maps the same values to torch.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.bfloat16 import from_bits, round_to_bf16, to_bits
 
 __all__ = [
     "DATATYPES",
     "SPECS",
     "DatatypeSpec",
-    "datatype_of",
+    "cast_array",
+    "datatype_of_dtype",
     "decode_data",
     "encode_data",
     "spec_for",
@@ -53,7 +55,8 @@ class DatatypeSpec:
 
     Attributes:
         name: The v2 name, e.g. ``"FP32"``.
-        torch_dtype: The torch dtype that holds decoded values; None for BYTES.
+        dtype: The (native byte order) numpy dtype that holds decoded values: ``bool`` for BOOL,
+            ``float32`` holding exact bfloat16 values for BF16; None for BYTES (an object array).
         wire: The little-endian numpy dtype of the raw bytes (``<u2`` bit patterns for BF16,
             ``u1`` holding 0/1 for BOOL); None for BYTES.
         kind: ``"bool"``, ``"int"``, ``"float"`` or ``"bytes"``: what list elements must be.
@@ -62,7 +65,7 @@ class DatatypeSpec:
     """
 
     name: str
-    torch_dtype: torch.dtype | None
+    dtype: np.dtype[np.generic] | None
     wire: np.dtype[np.generic] | None
     kind: str
     lo: int | None = None
@@ -74,28 +77,32 @@ class DatatypeSpec:
         return 0 if self.wire is None else self.wire.itemsize
 
 
-def _int(name: str, dtype: torch.dtype, wire: str, bits: int, signed: bool) -> DatatypeSpec:
+def _int(name: str, wire: str, bits: int, signed: bool) -> DatatypeSpec:
     lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
-    return DatatypeSpec(name, dtype, np.dtype(wire), "int", lo, hi)
+    return DatatypeSpec(name, np.dtype(wire).newbyteorder("="), np.dtype(wire), "int", lo, hi)
+
+
+def _float(name: str, wire: str) -> DatatypeSpec:
+    return DatatypeSpec(name, np.dtype(wire).newbyteorder("="), np.dtype(wire), "float")
 
 
 #: Every v2 datatype, keyed by name, in the order the protocol lists them.
 SPECS: dict[str, DatatypeSpec] = {
     s.name: s
     for s in (
-        DatatypeSpec("BOOL", torch.bool, np.dtype("u1"), "bool"),
-        _int("UINT8", torch.uint8, "u1", 8, False),
-        _int("UINT16", torch.uint16, "<u2", 16, False),
-        _int("UINT32", torch.uint32, "<u4", 32, False),
-        _int("UINT64", torch.uint64, "<u8", 64, False),
-        _int("INT8", torch.int8, "i1", 8, True),
-        _int("INT16", torch.int16, "<i2", 16, True),
-        _int("INT32", torch.int32, "<i4", 32, True),
-        _int("INT64", torch.int64, "<i8", 64, True),
-        DatatypeSpec("FP16", torch.float16, np.dtype("<f2"), "float"),
-        DatatypeSpec("BF16", torch.bfloat16, np.dtype("<u2"), "float"),
-        DatatypeSpec("FP32", torch.float32, np.dtype("<f4"), "float"),
-        DatatypeSpec("FP64", torch.float64, np.dtype("<f8"), "float"),
+        DatatypeSpec("BOOL", np.dtype(np.bool_), np.dtype("u1"), "bool"),
+        _int("UINT8", "u1", 8, False),
+        _int("UINT16", "<u2", 16, False),
+        _int("UINT32", "<u4", 32, False),
+        _int("UINT64", "<u8", 64, False),
+        _int("INT8", "i1", 8, True),
+        _int("INT16", "<i2", 16, True),
+        _int("INT32", "<i4", 32, True),
+        _int("INT64", "<i8", 64, True),
+        _float("FP16", "<f2"),
+        DatatypeSpec("BF16", np.dtype(np.float32), np.dtype("<u2"), "float"),
+        _float("FP32", "<f4"),
+        _float("FP64", "<f8"),
         DatatypeSpec("BYTES", None, None, "bytes"),
     )
 }
@@ -103,8 +110,11 @@ SPECS: dict[str, DatatypeSpec] = {
 #: The v2 datatype names: BOOL, UINT8 ... UINT64, INT8 ... INT64, FP16, BF16, FP32, FP64, BYTES.
 DATATYPES: tuple[str, ...] = tuple(SPECS)
 
-_BY_TORCH: dict[torch.dtype, str] = {
-    s.torch_dtype: s.name for s in SPECS.values() if s.torch_dtype is not None
+#: The v2 datatype of each numeric numpy dtype (kind and size); BF16 has no numpy dtype.
+_BY_NUMPY: dict[tuple[str, int], str] = {
+    (s.dtype.kind, s.dtype.itemsize): s.name
+    for s in SPECS.values()
+    if s.dtype is not None and s.name != "BF16"
 }
 
 
@@ -125,18 +135,37 @@ def spec_for(datatype: object, where: str) -> DatatypeSpec:
     )
 
 
-def datatype_of(value: torch.Tensor) -> str:
-    """Return the v2 datatype name of a torch tensor's dtype.
+def datatype_of_dtype(where: str, dtype: np.dtype[Any]) -> str:
+    """Return the v2 datatype name of a numeric numpy dtype (either byte order).
 
     Raises:
-        InvalidRequest: The dtype has no v2 counterpart (complex, float8, quantized ...).
+        InvalidRequest: The dtype has no v2 counterpart (complex, float128, datetime ...).
     """
     try:
-        return _BY_TORCH[value.dtype]
+        return _BY_NUMPY[dtype.kind, dtype.itemsize]
     except KeyError:
-        raise InvalidRequest(
-            f"torch dtype {value.dtype} has no v2 datatype; accepted: {', '.join(DATATYPES)}"
+        raise _fail(
+            where, f"numpy dtype {dtype} has no v2 datatype; accepted: {', '.join(DATATYPES)}"
         ) from None
+
+
+def cast_array(where: str, spec: DatatypeSpec, value: object) -> npt.NDArray[Any]:
+    """Cast numeric values (a numpy array or anything ``np.asarray`` takes) to ``spec``'s dtype.
+
+    Casting follows numpy (as torch's ``.to`` does): floats to integers truncate, integers wrap.
+    BF16 rounds to the nearest bfloat16. An array already of the dtype is returned as it is.
+
+    Raises:
+        InvalidRequest: The values are not numeric, or ``spec`` is BYTES.
+    """
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise _fail(where, f"a {spec.name} value must be numeric, got numpy dtype {arr.dtype}")
+    if spec.dtype is None:
+        raise _fail(where, f"cannot make BYTES from numeric values (numpy dtype {arr.dtype})")
+    if spec.name == "BF16":
+        return round_to_bf16(arr)
+    return arr.astype(spec.dtype, copy=False)
 
 
 def _fail(where: str, rule: str) -> InvalidRequest:
@@ -182,37 +211,39 @@ def _fits_float(x: int) -> bool:
     return True
 
 
-def _float_from_list(where: str, spec: DatatypeSpec, flat: list[Any]) -> torch.Tensor:
-    assert spec.torch_dtype is not None and spec.wire is not None
+def _float_from_list(where: str, spec: DatatypeSpec, flat: list[Any]) -> npt.NDArray[Any]:
+    assert spec.dtype is not None
     try:
         with np.errstate(over="ignore"):
             arr: npt.NDArray[Any] = np.array(
-                flat, dtype=np.float64 if spec.name == "BF16" else spec.wire.newbyteorder("=")
+                flat, dtype=np.float64 if spec.name == "BF16" else spec.dtype
             )
     except OverflowError:  # an int beyond the float64 range
         i = next((i for i, x in enumerate(flat) if type(x) is int and not _fits_float(x)), None)
         what = "a value" if i is None else f"data element {i}"
         raise _fail(where, f"{what} is out of range for {spec.name}") from None
-    t = torch.from_numpy(arr).to(spec.torch_dtype)
-    if spec.name != "FP64" and t.numel() and bool(torch.isinf(t).any()):
-        finite = np.isfinite(np.array(flat, dtype=np.float64))
-        bad = torch.isinf(t).numpy() & finite
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise _fail(where, f"data element {i} = {flat[i]!r} is out of range for {spec.name}")
-    return t
+    if spec.name == "BF16":
+        arr = round_to_bf16(arr)
+    if spec.name != "FP64" and arr.size:
+        inf = np.isinf(arr)
+        if inf.any():
+            bad = inf & np.isfinite(np.array(flat, dtype=np.float64))
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise _fail(where, f"data element {i} = {flat[i]!r} is out of range for {spec.name}")
+    return arr
 
 
-def _numeric_from_list(where: str, spec: DatatypeSpec, flat: list[Any], types: set[type]) -> torch.Tensor:
+def _numeric_from_list(where: str, spec: DatatypeSpec, flat: list[Any], types: set[type]) -> npt.NDArray[Any]:
     bad = types - _ALLOWED[spec.kind]
     if bad:
         raise _kind_error(where, spec, flat, bad)
-    assert spec.torch_dtype is not None and spec.wire is not None
+    assert spec.dtype is not None
     if spec.kind == "float":
         return _float_from_list(where, spec, flat)
     if spec.kind == "bool":
         if int not in types:
-            return torch.from_numpy(np.array(flat, dtype=np.bool_))
+            return np.array(flat, dtype=np.bool_)
         lo, hi = 0, 1
     else:
         assert spec.lo is not None and spec.hi is not None
@@ -231,11 +262,11 @@ def _numeric_from_list(where: str, spec: DatatypeSpec, flat: list[Any], types: s
             i = next(i for i, x in enumerate(flat) if x not in (0, 1))
             raise _fail(where, f"data element {i} is {flat[i]!r}; BOOL {_RULE['bool']}")
         raise _range_error(where, spec, flat, lo, hi)
-    return torch.from_numpy(arr.astype(spec.wire.newbyteorder("="))).to(spec.torch_dtype)
+    return arr.astype(spec.dtype, copy=False)
 
 
-def _numeric_from_raw(where: str, spec: DatatypeSpec, buf: memoryview, count: int) -> torch.Tensor:
-    assert spec.torch_dtype is not None and spec.wire is not None
+def _numeric_from_raw(where: str, spec: DatatypeSpec, buf: memoryview, count: int) -> npt.NDArray[Any]:
+    assert spec.dtype is not None and spec.wire is not None
     need = count * spec.itemsize
     if buf.nbytes != need:
         raise _fail(
@@ -243,14 +274,16 @@ def _numeric_from_raw(where: str, spec: DatatypeSpec, buf: memoryview, count: in
             f"raw data has {buf.nbytes} bytes but {count} {spec.name} elements need {need} "
             f"({spec.itemsize} bytes each)",
         )
-    arr = np.frombuffer(buf, dtype=spec.wire, count=count).astype(spec.wire.newbyteorder("="))
+    raw = np.frombuffer(buf, dtype=spec.wire, count=count)
+    if spec.name == "BF16":
+        return from_bits(raw)
+    arr = raw.astype(spec.wire.newbyteorder("="))  # a copy: the buffer may be read-only
     if spec.name == "BOOL":
         if arr.size and int(arr.max()) > 1:
             i = int(np.argmax(arr > 1))
             raise _fail(where, f"raw byte {i} is {int(arr[i])}; BOOL raw bytes must be 0 or 1")
-        return torch.from_numpy(arr.astype(np.bool_))
-    t = torch.from_numpy(arr)
-    return t.view(torch.bfloat16) if spec.name == "BF16" else t
+        return arr.astype(np.bool_)
+    return arr
 
 
 def _parse_bytes_blob(where: str, blob: bytes, count: int) -> list[bytes]:
@@ -283,8 +316,8 @@ def _object_array(items: list[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
 
 def decode_data(
     where: str, spec: DatatypeSpec, shape: tuple[int, ...], data: object
-) -> tuple[torch.Tensor | npt.NDArray[Any], bool]:
-    """Decode the ``data`` of one input or output into a value of ``shape``.
+) -> tuple[npt.NDArray[Any], bool]:
+    """Decode the ``data`` of one input or output into a numpy array of ``shape``.
 
     Args:
         where: Prefix of error messages, e.g. ``"request abc: input 'x'"``.
@@ -293,8 +326,8 @@ def decode_data(
         data: A (nested) list of elements, or raw little-endian bytes (BYTES: the v2 blob).
 
     Returns:
-        The value (a torch tensor, or for BYTES a numpy object array) and whether the data
-        came in binary form (raw bytes).
+        The values as an array of ``spec.dtype`` (for BYTES an object array of str/bytes), and
+        whether the data came in binary form (raw bytes).
 
     Raises:
         InvalidRequest: The data breaks a rule: count, byte length, element kind or range.
@@ -332,12 +365,13 @@ def _bytes_element(where: str, x: object) -> str | bytes:
 
 
 def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binary: bool) -> Any:
-    """Encode a value of ``count`` elements as the ``data`` of one v2 input or output.
+    """Encode values of ``count`` elements as the ``data`` of one v2 input or output.
 
     Args:
         where: Prefix of error messages.
-        spec: The datatype; a numeric value is cast to it and moved to the CPU.
-        value: A torch tensor or numpy array (BYTES: an array or list of str/bytes).
+        spec: The datatype.
+        value: A numpy array of ``spec.dtype`` (:func:`cast_array` makes one); for BYTES an
+            array or list of str/bytes.
         count: The number of elements the shape needs.
         binary: True for raw little-endian bytes, False for a flat list. BYTES is a list of its
             elements either way, each kept as it is (str or bytes).
@@ -346,25 +380,16 @@ def encode_data(where: str, spec: DatatypeSpec, value: object, count: int, binar
         InvalidRequest: The value does not hold ``count`` elements, or is of the wrong kind.
     """
     if spec.kind == "bytes":
-        if isinstance(value, torch.Tensor):
-            raise _fail(where, "a BYTES value must be a numpy object array, not a torch tensor")
         items = np.asarray(value, dtype=object).reshape(-1).tolist()
         if len(items) != count:
             raise _fail(where, f"value has {len(items)} elements but the shape needs {count}")
         return [_bytes_element(where, x) for x in items]
-    assert spec.torch_dtype is not None and spec.wire is not None
-    if isinstance(value, torch.Tensor):
-        t = value
-    else:
-        arr = np.asarray(value)
-        if arr.dtype.kind not in "biuf":
-            raise _fail(where, f"a {spec.name} value must be numeric, got numpy dtype {arr.dtype}")
-        t = torch.from_numpy(arr.astype(arr.dtype.newbyteorder("="), copy=False))
-    t = t.detach().to("cpu", spec.torch_dtype).contiguous().reshape(-1)
-    if t.numel() != count:
-        raise _fail(where, f"value has {t.numel()} elements but the shape needs {count}")
-    if spec.name == "BF16":
-        arr = (t.view(torch.uint16) if binary else t.float()).numpy()
-    else:
-        arr = t.numpy()
-    return arr.astype(spec.wire, copy=False).tobytes() if binary else arr.tolist()
+    assert spec.dtype is not None and spec.wire is not None
+    arr = np.asarray(value).reshape(-1)
+    if arr.dtype != spec.dtype:
+        raise TypeError(f"{where}: encode_data needs numpy dtype {spec.dtype}, got {arr.dtype}")
+    if arr.size != count:
+        raise _fail(where, f"value has {arr.size} elements but the shape needs {count}")
+    if not binary:
+        return arr.tolist()
+    return (to_bits(arr) if spec.name == "BF16" else arr).astype(spec.wire, copy=False).tobytes()

@@ -1,10 +1,11 @@
-"""The tensor codec between Open Inference Protocol v2 (KServe) payloads and torch tensors.
+"""Decoded v2 requests as the worker sees them: each numeric input a torch tensor.
 
-Each input or output on the wire is ``{"name", "shape", "datatype", "data"}``; ``data`` is a
-flat row-major list (JSON; nested lists are flattened) or the raw little-endian bytes of the
-values (msgpack). BYTES data is a list of str/bytes elements, or one blob in the v2 binary form
-(each element a 4-byte little-endian length, then its bytes). Every rule broken raises
-:class:`~asyncinfer.errors.InvalidRequest` naming the request, the input and the rule.
+Each input or output on the wire is ``{"name", "shape", "datatype", "data"}``;
+:mod:`asyncinfer.wire.payloads` decodes and encodes one with numpy (the client uses it alone, and
+loads no torch), :mod:`asyncinfer.wire.tensors` turns its arrays into tensors and back. Every
+rule broken raises :class:`~asyncinfer.errors.InvalidRequest` naming the request, the input and
+the rule. The client helpers are re-exported here for the callers that import them from this
+module.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -20,15 +20,16 @@ import numpy.typing as npt
 import torch
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.datatypes import (
-    DATATYPES,
-    SPECS,
-    DatatypeSpec,
-    datatype_of,
-    decode_data,
-    encode_data,
-    spec_for,
+from asyncinfer.wire.datatypes import DATATYPES, cast_array, encode_data, spec_for
+from asyncinfer.wire.payloads import (
+    array_from_value,
+    check_shape,
+    decode_payload,
+    output_to_numpy,
+    output_to_torch,
+    to_input_payload,
 )
+from asyncinfer.wire.tensors import array_from_tensor, cast_tensor, datatype_of, tensor_from_array
 
 __all__ = [
     "FORWARD_STAGE",
@@ -93,19 +94,10 @@ def _fail(where: str, rule: str) -> InvalidRequest:
     return InvalidRequest(f"{where}: {rule}")
 
 
-def _check_shape(where: str, shape: object) -> tuple[int, ...]:
-    if not isinstance(shape, _SEQ) or not shape or not all(type(d) is int and d >= 0 for d in shape):
-        raise _fail(where, f"shape must be a non-empty list of non-negative integers, got {shape!r}")
-    return tuple(shape)
-
-
 def _decode_tensor(where: str, item: Mapping[str, Any], name: str) -> Tensor:
-    for key in ("shape", "datatype", "data"):
-        if key not in item:
-            raise _fail(where, f"missing '{key}'")
-    spec = spec_for(item["datatype"], where)
-    shape = _check_shape(where, item["shape"])
-    value, binary = decode_data(where, spec, shape, item["data"])
+    spec, shape, value, binary = decode_payload(where, item)
+    if spec.dtype is not None:
+        return Tensor(name, spec.name, shape, tensor_from_array(spec.name, value), binary)
     return Tensor(name, spec.name, shape, value, binary)
 
 
@@ -168,7 +160,8 @@ def encode_tensor(t: Tensor, binary: bool) -> dict[str, Any]:
     """Encode one tensor as a v2 input/output dict ``{"name", "shape", "datatype", "data"}``.
 
     Args:
-        t: The tensor; a numeric value is cast to ``t.datatype`` and moved to the CPU.
+        t: The tensor; a numeric value (torch tensor or numpy array) is cast to ``t.datatype``
+            and moved to the CPU.
         binary: True for raw little-endian bytes, False for a flat list. BYTES data is a list
             of its elements either way, each kept as it came (str stays str, bytes stays bytes).
 
@@ -177,137 +170,38 @@ def encode_tensor(t: Tensor, binary: bool) -> dict[str, Any]:
     """
     where = f"tensor '{t.name}'"
     spec = spec_for(t.datatype, where)
-    shape = _check_shape(where, t.shape)
-    data = encode_data(where, spec, t.value, math.prod(shape), binary)
+    shape = check_shape(where, t.shape)
+    value: Any = t.value
+    if spec.dtype is None:
+        if isinstance(value, torch.Tensor):
+            raise _fail(where, "a BYTES value must be a numpy object array, not a torch tensor")
+    elif isinstance(value, torch.Tensor):
+        value = array_from_tensor(spec.name, value)
+    else:
+        value = cast_array(where, spec, value)
+    data = encode_data(where, spec, value, math.prod(shape), binary)
     return {"name": t.name, "shape": list(shape), "datatype": spec.name, "data": data}
-
-
-def _nested(where: str, value: list[Any] | tuple[Any, ...]) -> tuple[list[int], list[Any], set[type]]:
-    """Return the shape, the flat elements and their types of a rectangular nested list."""
-    shape, flat = [len(value)], list(value)
-    while True:
-        types = set(map(type, flat))
-        if not types & {list, tuple}:
-            return shape, flat, types
-        lens = set(map(len, flat)) if types <= {list, tuple} else set()
-        if len(lens) != 1:
-            raise _fail(where, "nested lists are ragged (rows of different lengths or depths)")
-        shape.append(lens.pop())
-        flat = list(chain.from_iterable(flat))
-
-
-def _infer(flat: list[Any], types: set[type]) -> str:
-    if types and types <= {str, bytes}:
-        return "BYTES"
-    if types and types <= {bool}:
-        return "BOOL"
-    if types and types <= {int} and max(flat) > 2**63 - 1 and min(flat) >= 0:
-        return "UINT64"
-    return "INT64" if types and types <= {int, bool} else "FP32"
 
 
 def tensor_from_value(name: str, value: Any, datatype: str | None = None) -> Tensor:
     """Make a :class:`Tensor` from a torch tensor, numpy array, (nested) list, str or bytes.
 
-    Without ``datatype`` it is inferred: from the torch or numpy dtype (numpy str, bytes and
-    object arrays give BYTES); for lists, str/bytes elements give BYTES, bools BOOL, ints
-    INT64 (UINT64 above the INT64 range) and floats FP32 (as ``torch.tensor`` does). A scalar
-    (a 0-d tensor or array, a number, a str or bytes) becomes shape ``[1]``.
-
-    Args:
-        name: The input or output name.
-        value: The values.
-        datatype: A v2 datatype name to cast numeric values to; None to infer it.
-
-    Raises:
-        InvalidRequest: Unsupported value or dtype, ragged lists, or elements that do not fit
-            ``datatype``.
+    The datatype is inferred (or ``value`` cast to ``datatype``) as
+    :func:`~asyncinfer.wire.payloads.array_from_value` does; a torch tensor keeps its dtype. A
+    numpy array is copied, so that the tensor does not change with it. InvalidRequest for values
+    that cannot be a v2 tensor.
     """
-    where = f"tensor '{name}'"
-    spec = None if datatype is None else spec_for(datatype, where)
-    if isinstance(value, (str, bytes, bytearray, bool, int, float)):
-        value = [value]
-    elif isinstance(value, np.generic):
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray) and value.dtype.kind not in "USO":
-        value = torch.from_numpy(value.astype(value.dtype.newbyteorder("="), copy=True))
     if isinstance(value, torch.Tensor):
-        dt = datatype_of(value)
-        if spec is not None and spec.name != dt:
-            if spec.torch_dtype is None:
-                raise _fail(where, f"cannot make BYTES from a torch tensor of {dt}")
-            value, dt = value.to(spec.torch_dtype), spec.name
-        value = value.detach().reshape(value.shape or (1,))
-        return Tensor(name, dt, tuple(value.shape), value, False)
-    if isinstance(value, np.ndarray):
-        shape = tuple(value.shape) or (1,)
-        flat = value.astype(object).reshape(-1).tolist()
-        types = set(map(type, flat))
-    elif isinstance(value, _SEQ):
-        shape_list, flat, types = _nested(where, value)
-        shape = tuple(shape_list)
-    else:
-        raise _fail(where, f"cannot make a tensor from a {type(value).__name__}")
-    if bytearray in types:
-        flat = [bytes(x) if isinstance(x, bytearray) else x for x in flat]
-        types = set(map(type, flat))
-    spec = spec or SPECS[_infer(flat, types)]
-    val, _ = decode_data(where, spec, shape, flat)
-    return Tensor(name, spec.name, shape, val, False)
-
-
-def to_input_payload(
-    name: str, value: Any, binary: bool = False, datatype: str | None = None
-) -> dict[str, Any]:
-    """Make a v2 input dict from a value, as :func:`tensor_from_value` takes it.
-
-    Args:
-        name: The input name.
-        value: A torch tensor, numpy array, (nested) list, str or bytes.
-        binary: True to send the data as raw little-endian bytes (msgpack only).
-        datatype: A v2 datatype name; None to infer it.
-    """
-    return encode_tensor(tensor_from_value(name, value, datatype), binary)
-
-
-def _decode_output(output: Mapping[str, Any]) -> tuple[DatatypeSpec, torch.Tensor | npt.NDArray[Any]]:
-    if not isinstance(output, Mapping):
-        raise InvalidRequest(f"output must be a mapping, got {type(output).__name__}")
-    where = f"output '{output.get('name', '?')}'"
-    for key in ("shape", "datatype", "data"):
-        if key not in output:
-            raise _fail(where, f"missing '{key}'")
-    spec = spec_for(output["datatype"], where)
-    shape = _check_shape(where, output["shape"])
-    return spec, decode_data(where, spec, shape, output["data"])[0]
-
-
-def output_to_numpy(output: Mapping[str, Any]) -> npt.NDArray[Any]:
-    """Decode one v2 output dict (data as a list or raw bytes) into a numpy array of its shape.
-
-    BF16 is upcast to float32 (exactly); BYTES gives an object array of str/bytes elements.
-
-    Raises:
-        InvalidRequest: The output breaks a rule of the wire contract.
-    """
-    spec, value = _decode_output(output)
-    if isinstance(value, np.ndarray):
-        return value
-    return (value.float() if spec.name == "BF16" else value).numpy()
-
-
-def output_to_torch(output: Mapping[str, Any]) -> torch.Tensor:
-    """Decode one numeric v2 output dict into a torch tensor of its shape and datatype.
-
-    Raises:
-        InvalidRequest: The output is BYTES (use :func:`output_to_numpy`) or breaks a rule.
-    """
-    _, value = _decode_output(output)
-    if not isinstance(value, torch.Tensor):
-        raise InvalidRequest(
-            f"output '{output.get('name', '?')}': BYTES has no torch form; use output_to_numpy"
-        )
-    return value
+        where = f"tensor '{name}'"
+        dt, t = cast_tensor(where, value, None if datatype is None else spec_for(datatype, where))
+        t = t.detach().reshape(t.shape or (1,))
+        return Tensor(name, dt, tuple(t.shape), t, False)
+    dt, shape, arr = array_from_value(name, value, datatype)
+    if dt == "BYTES":
+        return Tensor(name, dt, shape, arr, False)
+    if isinstance(value, np.ndarray) and np.may_share_memory(arr, value):
+        arr = arr.copy()
+    return Tensor(name, dt, shape, tensor_from_array(dt, arr), False)
 
 
 #: ``parameters["stage"]`` of a request that a ``asyncinfer.preprocess`` task already prepared:

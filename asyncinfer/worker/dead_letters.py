@@ -34,10 +34,12 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 import msgpack
 from celery import Celery, signals, states
 
+from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
@@ -152,7 +154,7 @@ def _options(settings: Settings, model: str) -> ModelOptions:
 def options_of(app: Celery, model: str) -> ModelOptions:
     """The options of ``model`` under the app's settings (``ASYNCINFER_MODEL_OPTIONS``; a model's
     own defaults never opt it in)."""
-    settings = getattr(app, "asyncinfer_settings", None)
+    settings = settings_of(app)
     if settings is None:
         return ModelOptions()
     try:
@@ -163,15 +165,23 @@ def options_of(app: Celery, model: str) -> ModelOptions:
 
 # -- the worker's side ------------------------------------------------------------------------------
 
+#: The worker's node name, once Celery has set it up (this process runs one worker).
+_node_name = [""]
+
+
+def set_worker_name(name: str) -> None:
+    """The node name the dead letters of this process name as their worker."""
+    _node_name[0] = name
+
+
 @signals.celeryd_after_setup.connect
-def _remember_node_name(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    app = getattr(instance, "app", None)
-    if app is not None and sender:
-        app.asyncinfer_node_name = str(sender)
+def _remember_node_name(sender: Any = None, **_: Any) -> None:
+    if sender:
+        set_worker_name(str(sender))
 
 
 def _worker_name(app: Celery) -> str:
-    return str(getattr(app, "asyncinfer_node_name", "") or f"{os.getpid()}@{socket.gethostname()}")
+    return _node_name[0] or f"{os.getpid()}@{socket.gethostname()}"
 
 
 def add_to(pipe: Any, app: Celery, outcome: Outcome) -> None:
@@ -247,13 +257,16 @@ def add_stock_failure(task: Any, request_id: str, exc: BaseException) -> None:
         log.exception("request %s: its dead letter could not be kept", request_id)
 
 
+_stock_clients: WeakKeyDictionary[Any, Any] = WeakKeyDictionary()
+
+
 def _stock_client(app: Celery) -> Any:
-    client = getattr(app, "asyncinfer_dead_letter_client", None)
+    client = _stock_clients.get(app)
     if client is None:
         from asyncinfer.connections import redis_client
 
-        client = redis_client(str(app.conf.broker_url), getattr(app, "asyncinfer_settings", None))
-        app.asyncinfer_dead_letter_client = client  # type: ignore[attr-defined]
+        client = redis_client(str(app.conf.broker_url), settings_of(app))
+        _stock_clients[app] = client
     return client
 
 

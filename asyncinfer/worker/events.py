@@ -23,13 +23,9 @@ from celery.utils.saferepr import saferepr
 
 from asyncinfer.wire.envelope import Delivery
 
-__all__ = ["TaskEvents", "FAILED_FORMAT"]
+__all__ = ["TaskEvents"]
 
 log = logging.getLogger(__name__)
-
-#: The one log line of a failed request (WARNING): request ID, model, worker, exception class and
-#: message. Both request paths log it once per failure, and nothing else logs that failure.
-FAILED_FORMAT = "request %s failed: model=%s worker=%s reason=%s: %s"
 
 #: Celery's ``resultrepr_maxsize``: a result is shown as a repr cut to this many characters.
 _RESULT_REPR_MAX = 1024
@@ -66,7 +62,7 @@ class TaskEvents:
         if self.enabled:
             self._dispatcher.send("task-started", uuid=d.request_id)
 
-    def finished(self, d: Delivery, state: str, result: Any) -> None:
+    def finished(self, d: Delivery, state: str, result: Any, expired: bool = False) -> None:
         """``task-succeeded`` (with its runtime), ``task-failed``, ``task-revoked`` or
         ``task-retried``."""
         if not self.enabled or not d.request_id:
@@ -77,7 +73,7 @@ class TaskEvents:
                  runtime=time.perf_counter() - d.received_at)
         elif state == states.REVOKED:
             send("task-revoked", uuid=d.request_id, terminated=False, signum=None,
-                 expired="expired" in str(result))
+                 expired=expired)
         elif state == states.FAILURE:
             send("task-failed", uuid=d.request_id, exception=saferepr(result),
                  traceback=_traceback_of(result))

@@ -15,8 +15,9 @@ from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.delivery import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
-from asyncinfer.engine.runner import Completed, ModelRunner, settle
+from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
@@ -25,13 +26,20 @@ from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.worker import metrics
 from asyncinfer.worker.celery_errors import as_celery
+from asyncinfer.worker.lifecycle import is_revoked
 
-__all__ = ["WorkerRuntime", "get_runtime", "close_runtime"]
+__all__ = ["WorkerRuntime", "get_runtime", "close_runtime", "set_device_label"]
 
 log = logging.getLogger(__name__)
 
-#: Set by ``asyncinfer worker`` to the device name the user gave, for reporting.
-DEVICE_LABEL_ENV = "ASYNCINFER_DEVICE_LABEL"
+#: The device name the user gave ``asyncinfer worker`` (``cuda:1``), for reporting: after the
+#: visible-device variable is set, the process itself sees that device as ``cuda:0``.
+_device_label: list[str | None] = [None]
+
+
+def set_device_label(label: str | None) -> None:
+    """Report this process's device as ``label`` (None: as the runtime names it)."""
+    _device_label[0] = label
 
 
 class WorkerRuntime:
@@ -40,7 +48,7 @@ class WorkerRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         spec = parse_device(settings.device)
-        label = os.environ.get(DEVICE_LABEL_ENV) or None
+        label = _device_label[0]
         if label is None and spec.type != "auto":
             label = str(spec)
         self.device = Device(bind_visible_device(spec), label=label)
@@ -73,7 +81,7 @@ class WorkerRuntime:
             if runner is None:
                 instance = self.registry.create(model, request_id)
                 options = self.settings.options_for(model, instance.options)
-                runner = ModelRunner(instance, self.device, options, is_revoked=_is_revoked,
+                runner = ModelRunner(instance, self.device, options, is_revoked=is_revoked,
                                      timer=self.timer,
                                      on_wedged=lambda item, exc: self.on_wedged(item, exc),
                                      is_transient=is_transient,
@@ -94,6 +102,10 @@ class WorkerRuntime:
     def pending(self) -> dict[str, int]:
         """Requests waiting for the device, per model."""
         return {name: len(runner.batcher) for name, runner in self._runners.items()}
+
+    def waiting_ids(self) -> set[str]:
+        """IDs of the requests waiting in the batchers (handed to a model, not yet on its device)."""
+        return set().union(*(runner.batcher.waiting_ids() for runner in self.runners()))
 
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
@@ -152,12 +164,6 @@ def _exit_wedged(item: WorkItem, exc: BaseException) -> None:
     exit_timer = threading.Timer(2.0, os._exit, args=(EXIT_WEDGED,))
     exit_timer.daemon = True
     exit_timer.start()
-
-
-def _is_revoked(request_id: str) -> bool:
-    from celery.worker import state
-
-    return request_id in state.revoked
 
 
 _runtime: WorkerRuntime | None = None

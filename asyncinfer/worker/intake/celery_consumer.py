@@ -21,12 +21,13 @@ from celery import states
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed
 
-from asyncinfer.constants import PREPROCESS_TASK, model_from_queue
+from asyncinfer.config.bound import settings_of
+from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME, model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.task_policy import TaskPolicy
 from asyncinfer.wire.envelope import payload_too_large, refused_content
 from asyncinfer.worker.bootstrap import hosted_models
-from asyncinfer.worker.events import FAILED_FORMAT
+from asyncinfer.worker.lifecycle import FAILED_FORMAT, already_answered
 
 __all__ = ["Consumer"]
 
@@ -58,7 +59,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)
-        settings = getattr(self.app, "asyncinfer_settings", None)
+        settings = settings_of(self.app)
         limit = int(settings.max_payload_bytes) if settings is not None else 0
 
         def on_task_received(message: Any) -> Any:
@@ -72,9 +73,33 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             policy = self._task_policy()
             if policy is not None and self._refused_by(policy, message):
                 return None
+            if self._answered_before(message):
+                return None
             return handle(message)
 
         return on_task_received
+
+    def _answered_before(self, message: Any) -> bool:
+        """Acknowledge, without running it again, a redelivered request whose final result is
+        already stored (a worker died between storing it and the acknowledgement): the
+        lifecycle's admission, asked before Celery accepts the message (its tracer would overwrite
+        the stored result with STARTED). True when it was acknowledged."""
+        headers = message.headers or {}
+        request_id = headers.get("id")
+        if not (headers.get("redelivered") and headers.get("task") == TASK_NAME
+                and isinstance(request_id, str) and request_id):
+            return False
+        try:
+            status = self.app.backend.get_task_meta(request_id, cache=False).get("status")
+        except Exception as exc:  # noqa: BLE001 - cannot tell: run it again (at least once)
+            log.warning("could not look up redelivered request %s (%s); running it", request_id, exc)
+            return False
+        if not already_answered(status):
+            return False
+        log.info("request %s was redelivered but its result (%s) is already stored; acknowledged "
+                 "without running it again", request_id, status)
+        message.ack()
+        return True
 
     def _answer_refused(self, message: Any, request_id: Any, error: InvalidRequest) -> None:
         """Log, store the FAILURE of (when it names its request) and acknowledge a message that is

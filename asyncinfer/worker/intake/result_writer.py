@@ -27,11 +27,11 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
+from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
 from asyncinfer.engine.vital import vital_thread
-from asyncinfer.errors import ModelError, RetryBudgetExhausted
+from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.policy.retries import retry_budget_for
 from asyncinfer.wire.envelope import Delivery, result_meta
 from asyncinfer.worker import dead_letters
 
@@ -54,6 +54,10 @@ class Outcome:
     store: bool = True
 
 
+def _nothing(batch: list[Outcome]) -> None:
+    pass
+
+
 class ResultWriter:
     """A thread that stores outcomes in batches and calls ``on_written(outcomes)`` after each.
 
@@ -65,7 +69,7 @@ class ResultWriter:
     max_batch = 256
 
     def __init__(self, app: Celery, broker: redis.Redis,
-                 on_written: Callable[[list[Outcome]], None]) -> None:
+                 on_written: Callable[[list[Outcome]], None] | None = None) -> None:
         self.app = app
         self.backend = app.backend
         self.broker = broker
@@ -73,7 +77,7 @@ class ResultWriter:
         # are the same server and database.
         self.shared = str(app.conf.result_backend) == str(app.conf.broker_url)
         self.results: redis.Redis = broker if self.shared else app.backend.client
-        settings = getattr(app, "asyncinfer_settings", None)
+        settings = settings_of(app)
         #: ASYNCINFER_SUBMIT_REPLICAS: after each write, wait until this many replicas hold it.
         self.replicas = settings.submit_replicas if settings is not None else 0
         self.replicas_timeout_ms = (max(1, int(settings.submit_replicas_timeout_s * 1000))
@@ -81,7 +85,10 @@ class ResultWriter:
         self.expires_s = int(app.conf.result_expires.total_seconds()
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
-        self.on_written = on_written
+        #: Called with each batch before its first write (may change outcomes: the retry budget),
+        #: and after it is written.
+        self.before_write: Callable[[list[Outcome]], None] = _nothing
+        self.on_written: Callable[[list[Outcome]], None] = on_written or _nothing
         self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         self._thread = vital_thread(self._run, "asyncinfer-results")
         self._thread.start()
@@ -134,8 +141,8 @@ class ResultWriter:
         budgeted = False
         while True:
             try:
-                if not budgeted:
-                    self._budget_retries(batch)
+                if not budgeted:  # the retry budget is asked once per batch, however many tries
+                    self.before_write(batch)
                     budgeted = True
                 acks = self.broker.pipeline(transaction=True)
                 results = acks if self.shared else self.results.pipeline(transaction=True)
@@ -212,26 +219,6 @@ class ResultWriter:
         if d.tag:  # a malformed message was never recorded as unacknowledged
             acks.zrem(UNACKED_INDEX_KEY, d.tag)
             acks.hdel(UNACKED_KEY, d.tag)
-
-    def _budget_retries(self, batch: list[Outcome]) -> None:
-        """Ask the fleet's retry budget for the retries in ``batch``; those refused fail now."""
-        retries = [o for o in batch if o.state == states.RETRY]
-        if not retries:
-            return
-        budget = retry_budget_for(self.app)
-        decision = budget.spend(len(retries))
-        for outcome in retries[decision.granted:]:
-            cause = outcome.result
-            err = RetryBudgetExhausted(
-                f"request {outcome.delivery.request_id}: not retried after {type(cause).__name__}: "
-                f"{cause}: {budget.describe(decision)}")
-            err.__cause__ = cause
-            # the consumer logs its one failure line after the write (on_written)
-            outcome.state, outcome.result, outcome.retry = states.FAILURE, err, None
-        for outcome in retries[:decision.granted]:
-            log.info("request %s: retry %s after %s: %s", outcome.delivery.request_id,
-                     int(outcome.delivery.headers.get("retries") or 0) + 1,
-                     type(outcome.result).__name__, outcome.result)
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import redis
@@ -20,6 +19,7 @@ from redis.retry import Retry
 
 from asyncinfer.ops.redis_server import free_port, redis_server_binary
 from asyncinfer.processes import stop_process
+from tests.support.waiting import wait_for
 
 __all__ = ["SentinelGroup"]
 
@@ -84,14 +84,15 @@ class SentinelGroup:
                 self.data[port] = self._data_node(
                     "replica", port, ["--replicaof", "127.0.0.1", str(self.master_port)])
                 self._wait_ping(port, self.password, timeout_s)
-            self._wait(lambda: self._info(self.master_port).get("connected_slaves")
-                       == len(self.replica_ports), timeout_s, "the replicas to attach")
+            wait_for(lambda: self._info(self.master_port).get("connected_slaves")
+                     == len(self.replica_ports), timeout_s, "the replicas to attach", poll_s=0.05)
             for i, port in enumerate(self.sentinel_ports):
                 self.sentinels.append(self._sentinel(i, port))
             for port in self.sentinel_ports:
                 self._wait_ping(port, self.sentinel_password, timeout_s)
             # Ready when every Sentinel knows the replica and the other Sentinels.
-            self._wait(self._sentinels_see_everyone, timeout_s, "the Sentinels to discover each other")
+            wait_for(self._sentinels_see_everyone, timeout_s, "the Sentinels to discover each other",
+                     poll_s=0.05)
         except BaseException:
             self.stop()
             raise
@@ -161,7 +162,8 @@ class SentinelGroup:
 
     def wait_promoted(self, old_port: int, timeout_s: float = 20.0) -> int:
         """Wait for :meth:`promoted_or_none`; return the new master's port."""
-        return int(self._wait(lambda: self.promoted_or_none(old_port), timeout_s, "a promoted replica"))
+        return int(wait_for(lambda: self.promoted_or_none(old_port), timeout_s, "a promoted replica",
+                            poll_s=0.05))
 
     def sentinel_client(self, index: int = 0) -> redis.Redis:
         """A client of one Sentinel."""
@@ -224,14 +226,4 @@ class SentinelGroup:
             except redis.RedisError:
                 return False
 
-        self._wait(ping, timeout_s, f"redis-server on port {port}")
-
-    @staticmethod
-    def _wait(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise TimeoutError(f"{what} not seen in {timeout_s} s")
+        wait_for(ping, timeout_s, f"redis-server on port {port}", poll_s=0.05)

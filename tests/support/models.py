@@ -1,4 +1,4 @@
-"""Models that only the tests register (through ASYNCINFER_MODEL_FACTORIES)."""
+"""Models that only the tests register (through ASYNCINFER_MODEL_FACTORIES, see processes.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ import redis
 import torch
 
 from asyncinfer.models.base import Batch, InputSpec, Model
+from tests.support.marks import mark_forward, marks_client
 
 
 class Sleep(Model):
-    """``input`` FP32 [n, 1]: sleeps the batch's largest value in seconds, returns the input."""
+    """``input`` FP32 [n, 1]: sleeps the batch's largest value in seconds, returns the input.
+
+    Marks each batch it starts (marks.py) when ``FORWARD_MARKS_URL`` is set.
+    """
 
     name = "sleep"
     inputs = {"input": InputSpec(("FP32",), (1,))}
+    marks: redis.Redis | None = None
+
+    def __init__(self) -> None:
+        self.marks = marks_client()
 
     def forward(self, batch: Batch) -> Batch:
+        mark_forward(self.marks, "sleep", batch["input"].reshape(-1).tolist())
         time.sleep(float(batch["input"].max()) if len(batch["input"]) else 0.0)
         return {"output": batch["input"]}
 
@@ -26,13 +35,19 @@ class Poison(Model):
     """``input`` FP32 [n, 1] → ``output`` = input × 2; raises when any row is negative.
 
     A row ≥ 100 makes the batch first sleep (value − 100) seconds: a way to keep the device busy.
+    Marks each batch it starts (marks.py) when ``FORWARD_MARKS_URL`` is set.
     """
 
     name = "poison"
     inputs = {"input": InputSpec(("FP32",), (1,))}
+    marks: redis.Redis | None = None
+
+    def __init__(self) -> None:
+        self.marks = marks_client()
 
     def forward(self, batch: Batch) -> Batch:
         x = batch["input"]
+        mark_forward(self.marks, "poison", x.reshape(-1).tolist())
         if len(x) and float(x.max()) >= 100:
             time.sleep(float(x.max()) - 100)
         if bool((x < 0).any()):

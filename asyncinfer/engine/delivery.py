@@ -1,0 +1,93 @@
+"""A batch's way back: each request gets exactly its own rows of the outputs, as a :class:`Completed`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.failures import BatchObserver
+from asyncinfer.errors import InvalidRequest, ModelError
+from asyncinfer.models.base import Batch
+from asyncinfer.wire.protocol import Request, Tensor, datatype_of
+
+__all__ = ["Completed", "deliver", "rows_of", "settle", "split_rows"]
+
+
+@dataclass
+class Completed:
+    """What a request gets back from the device."""
+
+    outputs: list[Tensor]
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+
+
+def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: str, device: str,
+            on_batch: BatchObserver) -> None:
+    """Give each request of a finished batch exactly its own rows of ``outputs`` (those already
+    answered, by a revoke or a time limit, are skipped); ModelError if an output's rows do not add
+    up to the batch."""
+    finished = time.perf_counter()
+    rows = [item.rows for item in items]
+    total = sum(rows)
+    for name, value in outputs.items():
+        got = len(value) if isinstance(value, np.ndarray) else (
+            int(value.shape[0]) if value.dim() else -1)
+        if got != total:
+            raise ModelError(f"model '{model}': output '{name}' has {got} rows "
+                             f"for a batch of {total}")
+    pieces = {name: split_rows(value, rows) for name, value in outputs.items()}
+    compute_ms = (finished - started) * 1000.0
+    on_batch(model, device, total, finished - started,
+             [started - item.received_at for item in items])
+    for i, item in enumerate(items):
+        if item.future.done():  # revoked after its batch was formed
+            continue
+        result = [_output(name, parts[i], item.request.binary_output)
+                  for name, parts in pieces.items()]
+        settle(item.future, Completed(
+            outputs=result, batch_size=total,
+            queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
+
+
+def rows_of(request: Request) -> int:
+    rows = {t.shape[0] for t in request.inputs}
+    if len(rows) != 1:
+        sizes = ", ".join(f"'{t.name}': {t.shape[0]}" for t in request.inputs)
+        raise InvalidRequest(
+            f"request {request.id}: inputs disagree on the batch dimension ({sizes})")
+    return rows.pop()
+
+
+def split_rows(value: Any, rows: list[int]) -> list[Any]:
+    if len(rows) == 1:
+        return [value]
+    if isinstance(value, np.ndarray):
+        return np.split(value, np.cumsum(rows)[:-1])
+    return list(torch.split(value, rows))
+
+
+def _output(name: str, value: Any, binary: bool) -> Tensor:
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        value = torch.from_numpy(value)
+    datatype = "BYTES" if isinstance(value, np.ndarray) else datatype_of(value)
+    return Tensor(name=name, datatype=datatype, shape=tuple(value.shape), value=value, binary=binary)
+
+
+def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Set the outcome of ``future`` unless something (a time limit, a revoke) already did."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

@@ -1,0 +1,114 @@
+"""What a fast consumer holds: every message it took and has not yet answered, in one account.
+
+A message is held from the take that recorded it until the write that stores its result and
+acknowledges it. While held it is one of:
+
+- ``reserved``: taken, not yet handed to the device (being decoded, or waiting in the batcher);
+- ``active``: handed to the model's runner;
+- ``scheduled``: a retry waiting for its ``eta``, outside the in-flight bound (as Celery's worker
+  holds ETA tasks).
+
+``in_flight`` (what the bound ``max_in_flight`` counts, and the metrics' gauge) is the number held
+and not scheduled. Everything held goes back to its queue at shutdown or when the device wedges.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asyncinfer.wire.envelope import Delivery
+
+__all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
+
+RESERVED, ACTIVE, SCHEDULED = "reserved", "active", "scheduled"
+
+
+@dataclass
+class Holding:
+    """One held message and where it stands."""
+
+    delivery: Delivery
+    state: str = RESERVED
+    #: ``time.time()`` when it was handed to the device (Celery's ``time_start``).
+    started_at: float | None = None
+
+
+class Holdings:
+    """The one in-flight account of a consumer, safe to use from any thread."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self._held: dict[int, Holding] = {}
+        self._in_flight = 0
+        self._cond = threading.Condition()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def add(self, d: Delivery) -> None:
+        """Hold ``d`` (taken); it counts towards the bound."""
+        with self._cond:
+            if id(d) not in self._held:
+                self._held[id(d)] = Holding(d)
+                self._in_flight += 1
+
+    def start(self, d: Delivery) -> None:
+        """``d`` is handed to the device."""
+        with self._cond:
+            holding = self._held.get(id(d))
+            if holding is not None:
+                holding.state, holding.started_at = ACTIVE, time.time()
+
+    def schedule(self, d: Delivery) -> None:
+        """``d`` waits for its ``eta``: still held, no longer counted."""
+        self._move(d, SCHEDULED, -1)
+
+    def resume(self, d: Delivery) -> None:
+        """``d``'s ``eta`` came: counted again."""
+        self._move(d, RESERVED, +1)
+
+    def _move(self, d: Delivery, state: str, count: int) -> None:
+        with self._cond:
+            holding = self._held.get(id(d))
+            if holding is None or (holding.state == SCHEDULED) == (state == SCHEDULED):
+                return
+            holding.state = state
+            self._in_flight += count
+            self._cond.notify_all()
+
+    def release(self, deliveries: list[Delivery]) -> None:
+        """``deliveries`` are answered and acknowledged: no longer held."""
+        with self._cond:
+            for d in deliveries:
+                holding = self._held.pop(id(d), None)
+                if holding is not None and holding.state != SCHEDULED:
+                    self._in_flight -= 1
+            self._cond.notify_all()
+
+    def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
+        """Wait until fewer than ``max_in_flight`` are in flight (or ``stopping()``); the room."""
+        with self._cond:
+            while self._in_flight >= self.max_in_flight and not stopping():
+                self._cond.wait(poll_s)
+            return self.max_in_flight - self._in_flight
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for nothing to be in flight; how many still are."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._in_flight and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            return self._in_flight
+
+    def held(self) -> list[Holding]:
+        """A snapshot of what is held."""
+        with self._cond:
+            return list(self._held.values())
+
+    def find(self, request_id: str) -> Delivery | None:
+        """The held message of ``request_id``, if any."""
+        return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)

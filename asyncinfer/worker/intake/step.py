@@ -1,0 +1,101 @@
+"""The worker bootstep that gives a device worker's ``infer.*`` queues to the fast consumer.
+
+Registered on the app, so it runs in ``asyncinfer worker`` and in ``celery -A asyncinfer worker
+-Q infer.mlp`` alike. When the broker is Redis, the consumer setting is ``fast``
+(``ASYNCINFER_CONSUMER``, the default) and the pool runs in the worker's own process (threads or
+solo, not prefork), the ``infer.*`` queues the worker was told to consume move from Celery's
+consumer to the :class:`~asyncinfer.worker.intake.fast_consumer.FastConsumer`; Celery's consumer
+keeps the other queues, and the control queue (``asyncinfer.control``) so that it always has one,
+and goes on serving remote control, events and heartbeats. Otherwise (RabbitMQ, ``consumer=celery``
+as a debug switch, prefork) Celery's stock consumer serves everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from celery import bootsteps
+from celery.concurrency import get_implementation
+
+from asyncinfer.config.bound import settings_of
+from asyncinfer.connections import is_redis_url
+from asyncinfer.constants import CONTROL_QUEUE, model_from_queue
+
+__all__ = ["FastConsumerStep", "fast_queues", "is_prefork", "uses_fast_consumer"]
+
+log = logging.getLogger(__name__)
+
+
+_fast_queues: WeakKeyDictionary[Any, list[str]] = WeakKeyDictionary()
+
+
+def fast_queues(app: Any) -> list[str]:
+    """The ``infer.*`` queues the fast consumer of this worker takes (empty: none runs)."""
+    return list(_fast_queues.get(app, ()))
+
+
+def is_prefork(pool_cls: Any) -> bool:
+    """Whether a worker's pool forks children (tasks then run outside the worker's process)."""
+    cls = get_implementation(pool_cls) if isinstance(pool_cls, str) else pool_cls
+    return "prefork" in getattr(cls, "__module__", "")
+
+
+def uses_fast_consumer(settings: Any, broker_url: str) -> bool:
+    """Whether a device worker runs the fast consumer: configured (the default), on a Redis
+    broker (kombu's Redis transport is what it speaks)."""
+    return settings is not None and settings.consumer == "fast" and is_redis_url(broker_url)
+
+
+class FastConsumerStep(bootsteps.StartStopStep):
+    """Runs a fast consumer beside Celery's own consumer, on the worker's ``infer.*`` queues."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self.consumer: Any = None
+        self.queues: list[str] = self._take_queues(worker)
+
+    @staticmethod
+    def _take_queues(worker: Any) -> list[str]:
+        app = worker.app
+        settings = settings_of(app)
+        if not uses_fast_consumer(settings, app.conf.broker_url) or is_prefork(worker.pool_cls):
+            return []
+        queues = app.amqp.queues
+        consumed = list(queues.consume_from or {})
+        taken = [name for name in consumed if model_from_queue(name) is not None]
+        if not taken:
+            return []
+        if CONTROL_QUEUE not in consumed:
+            queues.select_add(CONTROL_QUEUE)
+        for name in taken:
+            queues.deselect(name)
+        _fast_queues[app] = taken
+        return taken
+
+    def include_if(self, worker: Any) -> bool:
+        return bool(self.queues)
+
+    def start(self, worker: Any) -> None:
+        from asyncinfer.policy.policy import Policy
+        from asyncinfer.worker import inspection, metrics
+        from asyncinfer.worker.intake.fast_consumer import FastConsumer
+        from asyncinfer.worker.runtime import get_runtime
+
+        consumer = FastConsumer(
+            worker.app, get_runtime(), self.queues, hostname=worker.hostname,
+            policy=Policy.of_worker(worker.app),
+            # task events when the worker sends them (-E, ASYNCINFER_SEND_EVENTS); Celery's own
+            # consumer sends the worker's heartbeats
+            send_events=bool(worker.task_events))
+        metrics.watch(in_flight=lambda: consumer.in_flight)
+        inspection.serve(self.queues, consumer.max_in_flight, hostname=worker.hostname,
+                         held=consumer.holdings.held, waiting=consumer.runtime.waiting_ids)
+        self.consumer = consumer.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.consumer is not None:
+            self.consumer.stop()
+            self.consumer = None

@@ -1,0 +1,159 @@
+"""One request lifecycle for both consumers: admission before a request runs, settlement after.
+
+**Admission** (:func:`admit`): a request taken from its queue is delayed until its ``eta``
+(a retry's backoff), refused when it is not ``asyncinfer.infer``, revoked when revoked or past its
+``expires``, answered without running when a redelivered copy already has a final result stored
+(:func:`already_answered`), and otherwise run. The fast consumer asks for every message; Celery's
+stock path asks in the task before it runs (Celery has delayed, revoked and expired it already;
+what is left is the revocation that came after Celery accepted it, and a redelivered answer).
+
+**Settlement** (:class:`Settlement`): how a request ended is announced once, the same way on both
+paths: the one failure log line, the metrics (success, failure by reason, revoked, retries), the
+task events when the worker sends them itself (the fast consumer; Celery's worker sends its own),
+and the retry decision (:meth:`Settlement.retry_countdown_s` — the task's retry options — and the
+fleet's retry budget, :meth:`Settlement.refused_retry`), both from the worker's one
+:class:`~asyncinfer.policy.policy.Policy`. The stock path reaches it through Celery's
+signals (``task_success``, ``task_failure``, ``task_revoked``, ``task_retry``), the fast path directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import states
+from celery.exceptions import TaskRevokedError
+
+from asyncinfer.constants import TASK_NAME
+from asyncinfer.errors import RetryBudgetExhausted
+from asyncinfer.policy.policy import Policy
+from asyncinfer.policy.task_policy import refused_on_infer_queue
+from asyncinfer.wire.envelope import printable, seconds_until
+from asyncinfer.worker import metrics
+
+__all__ = ["Admission", "admit", "already_answered", "is_revoked", "Settlement",
+           "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
+
+log = logging.getLogger(__name__)
+
+#: The one log line of a failed request (WARNING): request ID, model, worker, exception class and
+#: message. Both request paths log it once per failure, and nothing else logs that failure.
+FAILED_FORMAT = "request %s failed: model=%s worker=%s reason=%s: %s"
+
+RUN, DELAY, REFUSED, REVOKED, EXPIRED = "run", "delay", "refused", "revoked", "expired"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What to do with a request now: its ``verdict``, and the delay or the error that goes with it."""
+
+    verdict: str
+    delay_s: float = 0.0
+    error: BaseException | None = None
+
+
+_RUN = Admission(RUN)
+
+
+def is_revoked(request_id: str) -> bool:
+    """Whether this worker was told to revoke ``request_id`` (Celery's ``revoke``, kept by its
+    worker state, on both consumers)."""
+    from celery.worker import state
+
+    return request_id in state.revoked
+
+
+def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: Any = None,
+          revoked: Callable[[str], bool] = is_revoked) -> Admission:
+    """The admission of one request (see the module documentation); ``eta`` only when it has not
+    been waited for yet."""
+    if eta:
+        delay_s = seconds_until(eta)
+        if delay_s is not None and delay_s > 0:
+            return Admission(DELAY, delay_s=delay_s)
+    if task != TASK_NAME:
+        return Admission(REFUSED, error=refused_on_infer_queue(request_id, task, queue))
+    if revoked(request_id):
+        return Admission(REVOKED, error=TaskRevokedError("revoked"))
+    left_s = seconds_until(expires)
+    if left_s is not None and left_s <= 0:
+        return Admission(EXPIRED, error=TaskRevokedError("expired"))
+    return _RUN
+
+
+def already_answered(status: Any) -> bool:
+    """Whether a stored result of this ``status`` answers a redelivered copy of its request (a
+    worker died between storing the result and the acknowledgement): run it again only if not."""
+    return status in states.READY_STATES
+
+
+class Settlement:
+    """How requests end on one worker, announced once (see the module documentation).
+
+    ``events``: the worker's :class:`~asyncinfer.worker.events.TaskEvents` when it sends task
+    events itself (the fast consumer), else None.
+    """
+
+    def __init__(self, hostname: str, device: str, policy: Policy, events: Any = None) -> None:
+        self.hostname = hostname
+        self.device = device
+        self.policy = policy
+        self.events = events
+
+    def succeeded(self, request: Any, model: str, response: Any) -> None:
+        metrics.record_outcome(model, self.device, states.SUCCESS)
+        if self.events is not None:
+            self.events.finished(request, states.SUCCESS, response)
+
+    def failed(self, request: Any, model: str, exc: BaseException, worker: str | None = None) -> None:
+        """The request ended in FAILURE: its one log line, its metric, its event."""
+        log.warning(FAILED_FORMAT, printable(_id_of(request)), model, worker or self.hostname,
+                    type(exc).__name__, printable(exc, 1000))
+        metrics.record_outcome(model, self.device, states.FAILURE, exc)
+        if self.events is not None:
+            self.events.finished(request, states.FAILURE, exc)
+
+    def revoked(self, request: Any, model: str, expired: bool) -> None:
+        metrics.record_outcome(model, self.device, states.REVOKED)
+        if self.events is not None:
+            self.events.finished(request, states.REVOKED, None, expired=expired)
+
+    def retrying(self, request: Any, model: str, exc: BaseException, retries: int) -> None:
+        """The request goes back to its queue for retry number ``retries + 1``."""
+        log.info("request %s: retry %s after %s: %s", printable(_id_of(request)), retries + 1,
+                 type(exc).__name__, printable(exc, 1000))
+        metrics.count_retry(model, self.device)
+        if self.events is not None:
+            self.events.finished(request, states.RETRY, exc)
+
+    def retry_countdown_s(self, exc: BaseException, retries: int) -> float | None:
+        """Seconds before a request that failed with ``exc`` after ``retries`` retries runs again,
+        or None when it is not retried (the task's retry options)."""
+        if not self.policy.retry.should_retry(exc, retries):
+            return None
+        return self.policy.retry.countdown_s(retries)
+
+    def refused_retry(self, request_ids: list[str],
+                      causes: list[BaseException]) -> list[RetryBudgetExhausted | None]:
+        """Ask the fleet's retry budget for these retries (one round trip); for each, None when it
+        is granted, else the final error it fails with."""
+        budget = self.policy.budget
+        if budget is None or not request_ids:
+            return [None] * len(request_ids)
+        decision = budget.spend(len(request_ids))
+        refused: list[RetryBudgetExhausted | None] = []
+        for i, (request_id, cause) in enumerate(zip(request_ids, causes, strict=True)):
+            if i < decision.granted:
+                refused.append(None)
+                continue
+            err = RetryBudgetExhausted(f"request {request_id}: not retried after "
+                                       f"{type(cause).__name__}: {cause}: {budget.describe(decision)}")
+            err.__cause__ = cause
+            refused.append(err)
+        return refused
+
+
+def _id_of(request: Any) -> str:
+    return str(getattr(request, "request_id", None) or getattr(request, "id", None) or "?")

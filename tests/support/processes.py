@@ -1,0 +1,95 @@
+"""Worker, ``asyncinfer up`` and client subprocesses of the tests; each is stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from asyncinfer.processes import pid_alive, stop_process
+
+__all__ = ["ROOT", "TEST_FACTORIES", "WORKER_MODELS", "SESSION_MAX_PAYLOAD_BYTES", "worker_env",
+           "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env"]
+
+#: The project's root folder (the working directory of every subprocess).
+ROOT = Path(__file__).resolve().parents[2]
+TEST_FACTORIES = ("sleep=tests.support.models:Sleep,poison=tests.support.models:Poison,"
+                  "affine=tests.support.models:make_affine,affine3=tests.support.models:Affine3,"
+                  "gated=tests.support.models:Gated,flaky=tests.support.models:Flaky")
+#: The models of the session worker (tests/conftest.py).
+WORKER_MODELS = "identity,mlp,sleep,poison,affine,affine3"
+#: ASYNCINFER_MAX_PAYLOAD_BYTES of the session worker: small, so tests can go over it cheaply.
+SESSION_MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
+
+
+def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
+    """Environment for a worker or client subprocess talking to ``redis_url``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+    env.update(ASYNCINFER_BROKER_URL=redis_url, ASYNCINFER_MODEL_FACTORIES=TEST_FACTORIES,
+               PYTHONPATH=str(ROOT), ASYNCINFER_LOG_LEVEL="info")
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A worker subprocess whose output goes to a log file; ready when Celery says so."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 90.0) -> WorkerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"worker not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        stop_process(self.process, signal.SIGTERM, timeout_s)
+        self._log.close()
+
+
+def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:
+    """Start ``asyncinfer worker`` with ``args`` and wait until it consumes."""
+    argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
+    return WorkerProcess(argv, worker_env(redis_url, **env), log_path).wait_ready()
+
+
+def start_up(env: dict[str, str], log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
+    """Start ``asyncinfer up --devices cpu`` with ``args``, its output going to ``log``."""
+    return subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu", *args],
+                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_up(up: subprocess.Popen[bytes], started: list[int]) -> None:
+    """Stop an ``asyncinfer up`` by its PID, then SIGKILL every PID it started still alive."""
+    stop_process(up, signal.SIGTERM, 30)
+    for pid in started:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def embedded_up_env(state_dir: Path) -> dict[str, str]:
+    """Environment for an ``asyncinfer up`` that starts its own Redis in ``state_dir``."""
+    env = worker_env("", ASYNCINFER_STATE_DIR=str(state_dir))
+    del env["ASYNCINFER_BROKER_URL"]
+    return env

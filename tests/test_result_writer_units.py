@@ -1,0 +1,156 @@
+"""The result writer on fakeredis: each batch's results and acknowledgements in one transaction,
+retried whole when Redis refuses it, the retry budget asked once per batch, one unencodable
+result failing alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from celery import states
+
+from asyncinfer.celery_app import create_app
+from asyncinfer.config.settings import Settings
+from asyncinfer.constants import TASK_NAME
+from asyncinfer.errors import ModelError
+from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
+
+pytestmark = pytest.mark.unit
+
+URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakeredis
+
+
+class _Refusing(fakeredis.FakeRedis):
+    """fakeredis whose next ``refusals`` transactions Redis refuses (out of memory)."""
+
+    refusals = 0
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        if transaction and self.refusals > 0:
+            type(self).refusals -= 1
+
+            def refuse(*_: Any, **__: Any) -> Any:
+                raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+
+            pipe.execute = refuse  # type: ignore[method-assign]
+        return pipe
+
+
+@pytest.fixture()
+def broker() -> Iterator[_Refusing]:
+    _Refusing.refusals = 0
+    r = _Refusing()
+    yield r
+    r.flushall()
+
+
+@pytest.fixture()
+def writer(broker: _Refusing) -> Iterator[tuple[ResultWriter, list[list[Outcome]]]]:
+    app = create_app(Settings(broker_url=URL))
+    written: list[list[Outcome]] = []
+    cond = threading.Condition()
+
+    def on_written(batch: list[Outcome]) -> None:
+        with cond:
+            written.append(list(batch))
+            cond.notify_all()
+
+    w = ResultWriter(app, broker, on_written)
+    w.written = (written, cond)  # type: ignore[attr-defined]
+    try:
+        yield w, written
+    finally:
+        w.close()
+
+
+def _taken(broker: redis.Redis, request_id: str) -> Delivery:
+    """A message as the take script leaves it: recorded as unacknowledged."""
+    d = Delivery(raw=task_message(TASK_NAME, request_id, {"model": "m", "inputs": []},
+                                  "infer.m").encode(), queue="infer.m", received_at=0.0, key="infer.m")
+    parse_envelope(d)
+    broker.hset(UNACKED_KEY, d.tag, d.unacked_entry)
+    broker.zadd(UNACKED_INDEX_KEY, {d.tag: 1.0})
+    return d
+
+
+def _meta(broker: redis.Redis, request_id: str) -> dict[str, Any]:
+    return json.loads(broker.get(f"celery-task-meta-{request_id}") or "{}")
+
+
+def _write(w: ResultWriter, outcomes: list[Outcome]) -> None:
+    """Hand ``outcomes`` to the writer; return once all of them are written."""
+    written, cond = w.written  # type: ignore[attr-defined]
+    with cond:
+        target = sum(len(b) for b in written) + len(outcomes)
+    for outcome in outcomes:
+        w.put(outcome)
+    with cond:
+        assert cond.wait_for(lambda: sum(len(b) for b in written) >= target, 10), "written"
+
+
+def test_results_and_acknowledgements_are_written_together(writer: Any, broker: _Refusing) -> None:
+    w, written = writer
+    ok, bad = _taken(broker, "ok"), _taken(broker, "bad")
+    _write(w, [Outcome(ok, states.SUCCESS, {"id": "ok", "outputs": []}),
+               Outcome(bad, states.FAILURE, ModelError("request bad: boom"))])
+    assert sorted(o.delivery.request_id for batch in written for o in batch) == ["bad", "ok"]
+    assert _meta(broker, "ok")["status"] == states.SUCCESS
+    assert _meta(broker, "ok")["result"] == {"id": "ok", "outputs": []}
+    failed = _meta(broker, "bad")
+    assert failed["status"] == states.FAILURE
+    assert failed["result"]["exc_type"] == "ModelError"
+    assert failed["result"]["exc_message"] == ["request bad: boom"]
+    assert broker.hlen(UNACKED_KEY) == 0 and broker.zcard(UNACKED_INDEX_KEY) == 0
+    assert 0 < broker.ttl("celery-task-meta-ok") <= Settings().result_expires_s
+
+
+def test_a_retry_goes_back_on_its_list_and_is_acknowledged(writer: Any, broker: _Refusing) -> None:
+    w, _ = writer
+    d = _taken(broker, "again")
+    _write(w, [Outcome(d, states.RETRY, ModelError("transient"), retry='{"retry": 1}')])
+    assert broker.lrange("infer.m", 0, -1) == [b'{"retry": 1}']
+    assert broker.hlen(UNACKED_KEY) == 0
+    assert _meta(broker, "again")["status"] == states.RETRY
+
+
+def test_a_refused_transaction_is_tried_again_whole_and_the_budget_asked_once(
+        writer: Any, broker: _Refusing) -> None:
+    w, written = writer
+    asked: list[int] = []
+    w.before_write = lambda batch: asked.append(len(batch))
+    d = _taken(broker, "patient")
+    _Refusing.refusals = 2
+    _write(w, [Outcome(d, states.SUCCESS, {"id": "patient"})])
+    assert asked == [1]  # not once per try
+    assert _meta(broker, "patient")["status"] == states.SUCCESS
+    assert broker.hlen(UNACKED_KEY) == 0 and _Refusing.refusals == 0
+    assert [[o.delivery.request_id for o in batch] for batch in written] == [["patient"]]
+
+
+def test_an_unencodable_result_fails_alone(writer: Any, broker: _Refusing) -> None:
+    w, _ = writer
+    good, odd = _taken(broker, "good"), _taken(broker, "odd")
+    _write(w, [Outcome(good, states.SUCCESS, {"id": "good"}),
+               Outcome(odd, states.SUCCESS, {"id": "odd", "value": object()})])
+    assert _meta(broker, "good")["status"] == states.SUCCESS
+    failed = _meta(broker, "odd")
+    assert failed["status"] == states.FAILURE
+    assert failed["result"]["exc_message"][0].startswith("request odd: its result could not be stored")
+    assert broker.hlen(UNACKED_KEY) == 0
+
+
+def test_acknowledge_only_stores_nothing(writer: Any, broker: _Refusing) -> None:
+    w, _ = writer
+    d = _taken(broker, "seen")
+    broker.set("celery-task-meta-seen", json.dumps({"status": "SUCCESS", "result": 1}))
+    _write(w, [Outcome(d, states.SUCCESS, None, store=False)])
+    assert _meta(broker, "seen") == {"status": "SUCCESS", "result": 1}
+    assert broker.hlen(UNACKED_KEY) == 0
