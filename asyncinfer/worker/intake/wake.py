@@ -149,18 +149,19 @@ class Waker:
                 try:
                     found = self._block(self.client, key, self.block_s)
                     backoff_s = 0.1
+                    if found is not None:
+                        self._wake.set()
+                        self._unblock()
+                        break
                 except Exception as exc:  # noqa: BLE001 - Redis errors, or a socket closed under it
                     if self._done():
                         return  # close() cut the connection
+                    if self._wake.is_set():
+                        break  # it fired; only cutting the caller's block short failed
                     log.warning("watching %s failed (%s: %s); again in %.1f s", key,
                                 type(exc).__name__, exc, backoff_s)
                     self._closed.wait(backoff_s)
                     backoff_s = min(backoff_s * 2, 5.0)
-                    continue
-                if found is not None:
-                    self._wake.set()
-                    self._unblock()
-                    break
 
     def _block(self, client: redis.Redis, key: str, timeout_s: int) -> Any:
         if not self._rotate:
