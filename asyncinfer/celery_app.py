@@ -9,6 +9,7 @@ that just calls ``AsyncResult(id)``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import cached_property
 from typing import Any
 
 from celery import Celery
@@ -22,6 +23,14 @@ __all__ = ["app", "create_app", "configure"]
 #: The modules a worker of the app imports: the tasks, and the worker's start-up and signals.
 INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.worker.bootstrap",
            "asyncinfer.worker.stock_path"]
+
+
+class _App(Celery):  # type: ignore[misc]
+    """Celery, with a worker whose banner tells a device worker's truth."""
+
+    @cached_property
+    def Worker(self) -> Any:  # noqa: N802 - Celery's name
+        return self.subclass_with_self("asyncinfer.worker.banner:Worker")
 
 
 class _FromSettings(Mapping[str, Any]):
@@ -49,7 +58,7 @@ class _FromSettings(Mapping[str, Any]):
 def create_app(settings: Settings | None = None, include: list[str] | None = None) -> Celery:
     """A Celery app configured from ``settings`` (default: the ``ASYNCINFER_*`` environment, read
     when first needed)."""
-    celery = Celery("asyncinfer", set_as_current=False, include=include)
+    celery = _App("asyncinfer", set_as_current=False, include=include)
     if settings is None:
         bind_lazily(celery, Settings.from_env)
     else:

@@ -144,11 +144,15 @@ def _batch_of(model: Model, payload: dict[str, Any], rows: int) -> dict[str, Any
 
 def model_limit(model: Model, payload: dict[str, Any], batch_sizes: tuple[int, ...],
                 duration_s: float) -> dict[int, float]:
-    """Rows/s of the model called in-process (preprocess, forward, postprocess) per batch size."""
+    """Rows/s of the model called in-process (preprocess, forward, postprocess) per batch size,
+    for the sizes the model's ``max_batch_size`` allows (and that size itself): a worker never
+    runs a larger batch, so a larger one is no limit of it."""
     model.load(torch.device("cpu"))
+    largest = model.options.max_batch_size if model.batchable else 1
+    sizes = sorted({s for s in batch_sizes if s <= largest} | {largest})
     rates = {}
     with torch.inference_mode():
-        for size in batch_sizes:
+        for size in sizes:
             batch = _batch_of(model, payload, size)
             model.postprocess(model.forward(model.preprocess(batch)))  # warm up
             began, calls = time.perf_counter(), 0

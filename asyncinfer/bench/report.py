@@ -11,9 +11,10 @@ __all__ = ["write_report", "markdown"]
 
 def markdown(doc: dict[str, Any]) -> str:
     """Closed-loop results and the targets as Markdown tables."""
-    lines = ["| workload | system | in flight | req/s | p50 ms | p95 ms | p99 ms | mean batch | "
-             "CPU ms/req: worker | client | Redis |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | system | in flight | req/s | share of limit | p50 ms | p95 ms | p99 ms | "
+             "mean batch | CPU ms/req: worker | client | Redis |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    limits = {name: max(rates.values()) for name, rates in (doc.get("limits") or {}).items() if rates}
     for run in doc["runs"]:
         if run["mode"] != "closed":
             continue
@@ -21,8 +22,10 @@ def markdown(doc: dict[str, Any]) -> str:
         mean = sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values()))
         cpu = " | ".join("" if run.get(k) is None else f"{run[k]:.2f}" for k in (
             "worker_cpu_ms_per_request", "client_cpu_ms_per_request", "redis_cpu_ms_per_request"))
+        limit = limits.get(run["workload"])
+        share = f"{run['throughput_rps'] / limit:.2f}" if limit else ""
         lines.append(f"| {run['workload']} | {run['system']} | {int(run['level'])} | "
-                     f"{run['throughput_rps']:.1f} | {run['p50_ms']:.2f} | {run['p95_ms']:.2f} | "
+                     f"{run['throughput_rps']:.1f} | {share} | {run['p50_ms']:.2f} | {run['p95_ms']:.2f} | "
                      f"{run['p99_ms']:.2f} | {mean:.1f} | {cpu} |")
     if doc.get("limits"):
         lines += ["", "| workload | in-process rows/s by batch size | best |", "|---|---|---:|"]
@@ -46,18 +49,42 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     workloads = list(dict.fromkeys(r["workload"] for r in doc["runs"]))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.8 * len(workloads), 4.2), squeeze=False)
     for ax, name in zip(axes[0], workloads, strict=True):
-        for system in sorted({r["system"] for r in doc["runs"] if r["workload"] == name}):
-            runs = sorted((r for r in doc["runs"] if r["workload"] == name and r["system"] == system
-                           and r["failures"] == 0), key=lambda r: r["throughput_rps"])
-            xs = [r["throughput_rps"] for r in runs]
-            ax.plot(xs, [r["p50_ms"] for r in runs], "o-", label=f"{system} p50")
-            ax.plot(xs, [r["p99_ms"] for r in runs], "x--", label=f"{system} p99")
-        ax.set_title(name)
+        latencies: list[float] = []
+        for i, system in enumerate(sorted({r["system"] for r in doc["runs"] if r["workload"] == name})):
+            color = f"C{i}"
+            for mode, marker in (("closed", "o-"), ("open", "s:")):
+                runs = sorted((r for r in doc["runs"] if r["workload"] == name
+                               and r["system"] == system and r["mode"] == mode
+                               and r["failures"] == 0), key=lambda r: r["throughput_rps"])
+                if not runs:
+                    continue
+                xs = [r["throughput_rps"] for r in runs]
+                p50 = [r["p50_ms"] for r in runs]
+                latencies += p50 + [r["p99_ms"] for r in runs]
+                ax.plot(xs, p50, marker, color=color, label=f"{system} p50 ({mode} loop)")
+                if mode == "closed":
+                    ax.plot(xs, [r["p99_ms"] for r in runs], "x--", color=color, alpha=0.6,
+                            label=f"{system} p99")
+                    for x, y, r in zip(xs, p50, runs, strict=True):  # each point: its in-flight level
+                        ax.annotate(f"{int(r['level'])}", (x, y), textcoords="offset points",
+                                    xytext=(3, 4), fontsize=7, color=color)
+        limit = max((doc.get("limits") or {}).get(name, {}).values(), default=0.0)
+        shown = [r["throughput_rps"] for r in doc["runs"] if r["workload"] == name]
+        if limit and shown and limit < 3 * max(shown):  # the in-process limit, where it fits
+            ax.axvline(limit, color="grey", linestyle="-.", linewidth=1,
+                       label=f"in-process limit {limit:.0f}/s")
+        ax.set_title(f"{name} (closed-loop points: requests in flight)", fontsize=9)
         ax.set_xlabel("throughput (req/s)")
         ax.set_ylabel("latency (ms)")
-        ax.set_yscale("log")
+        positive = [v for v in latencies if v > 0]
+        if positive and max(positive) / min(positive) > 20:  # log only where the range is wide
+            ax.set_yscale("log")
+        else:
+            ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+        ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+        ax.margins(x=0.08, y=0.12)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

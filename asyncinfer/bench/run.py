@@ -2,7 +2,8 @@
 
 For each workload: (a) the model called in-process at its best batch size — the limit; (b) plain
 Celery, one task per request; (c) asyncinfer. Closed loop at each in-flight level, then an open-
-loop rate sweep. Writes JSON, Markdown and a PNG plot under ``bench/results/``.
+loop rate sweep. Writes JSON, Markdown and a PNG plot under ``--out`` (``./bench-results``; the
+project's own figures are ``--out bench/results``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from tqdm import tqdm
 
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
 from asyncinfer.bench.report import markdown, write_report
-from asyncinfer.bench.systems import WorkerUnderTest, payload_kwargs, process_cpu_s, start_system
+from asyncinfer.bench.systems import (
+    WorkerUnderTest,
+    available_systems,
+    is_peer,
+    measure_peer_runs,
+    payload_kwargs,
+    process_cpu_s,
+    start_system,
+)
 from asyncinfer.bench.workloads import WORKLOADS, Workload
 from asyncinfer.client import Client
 from asyncinfer.models.registry import Registry
@@ -30,16 +39,19 @@ __all__ = ["main"]
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="asyncinfer bench", description=__doc__)
-    p.add_argument("--workloads", default="identity,mlp,minilm,pipeline3-async,pipeline3-sync")
+    p.add_argument("--workloads",
+                   default="identity,mlp,minilm,pipeline3-async,pipeline3-sync,sim-slow,sim-fast")
     p.add_argument("--systems", default="celery,asyncinfer")
-    p.add_argument("--in-flight", default="1,8,64", help="closed-loop levels")
+    p.add_argument("--in-flight", default="1,8,64,256", help="closed-loop levels")
     p.add_argument("--rates", default="0.25,0.5,0.75,1.0",
                    help="open-loop rates as fractions of the system's best closed-loop throughput")
     p.add_argument("--duration-s", type=float, default=4.0, help="seconds per run")
     p.add_argument("--concurrency", type=int, default=64, help="worker threads / requests in flight")
     p.add_argument("--device", default="cpu")
     p.add_argument("--broker-url", help="an existing Redis (default: an embedded one)")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench-results",
+                   help="folder for bench.{json,md,png} (default ./bench-results; the project's "
+                        "committed figures: bench/results)")
     return p.parse_args(argv)
 
 
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [WORKLOADS[n] for n in names]
     skipped = [w.name for w in workloads if not _available(w)]
     workloads = [w for w in workloads if w.name not in skipped]
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = available_systems([s.strip() for s in args.systems.split(",") if s.strip()])
     levels = [int(x) for x in args.in_flight.split(",")]
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     doc: dict[str, Any] = {
@@ -184,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                     if system == "celery" and workload.name.startswith("pipeline3"):
                         continue
                     bar.set_postfix_str(f"{workload.name}: {system}")
+                    if is_peer(system):  # closed loop only: its own load generator, its own venv
+                        runs = measure_peer_runs(system, workload, levels, args.duration_s, Path(tmp))
+                        doc["runs"] += [r.summary() for r in runs]
+                        bar.update(len(levels) + len(rates))
+                        continue
                     worker = start_system(system, workload, broker, Path(tmp), args.concurrency,
                                           args.device)
                     try:

@@ -4,7 +4,7 @@
 ``--in-flight`` requests outstanding until ``--requests`` are done, samples the worker's resident
 memory (``VmRSS``) and Redis' memory as it goes, and counts Redis keys before and after — by
 prefix, and how many have no TTL (a key without one is kept forever). Prints a table and writes
-``bench/results/soak.json``.
+``bench-results/soak.json`` (``--out bench/results/soak.json`` for the project's committed figures).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-every-s", type=float, default=5.0)
     parser.add_argument("--stall-s", type=float, default=60.0,
                         help="fail what is outstanding when nothing completes for this long")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/soak.json"))
     args = parser.parse_args(argv)
 
     from asyncinfer.client import Client

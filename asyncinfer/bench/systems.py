@@ -1,7 +1,9 @@
 """The systems under test, each a real worker process on the bench's Redis.
 
 ``asyncinfer``: ``asyncinfer worker`` (fast consumer, dynamic batching). ``celery``: plain Celery,
-one task per request, the same model code, the same thread concurrency.
+one task per request, the same model code, the same thread concurrency. ``triton`` and ``ray``:
+the peers (Triton through PyTriton, Ray Serve), started from their own venv (``make peers``) by
+:mod:`asyncinfer.bench.peers`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from celery import Celery
 
 from asyncinfer.bench.baseline import QUEUE_PREFIX as PLAIN_PREFIX
 from asyncinfer.bench.baseline import TASK as PLAIN_TASK
+from asyncinfer.bench.measure import Run
 from asyncinfer.bench.workloads import Workload
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.processes import stop_process
 
-__all__ = ["WorkerUnderTest", "start_system"]
+__all__ = ["WorkerUnderTest", "start_system", "available_systems", "is_peer", "measure_peer_runs"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -98,3 +101,37 @@ def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path
 def payload_kwargs(workload: Workload, i: int) -> dict[str, Any]:
     """The task keyword arguments of request ``i``."""
     return {"model": workload.model, **workload.payload(i)}
+
+
+def available_systems(systems: list[str]) -> list[str]:
+    """``systems`` less the peers (triton, ray) that cannot run here, each named in one line."""
+    from asyncinfer.bench.peers import PEERS, missing_message, peers_python
+
+    kept = []
+    for system in systems:
+        if system in PEERS and peers_python() is None:
+            print(missing_message(system))
+        else:
+            kept.append(system)
+    return kept
+
+
+def is_peer(system: str) -> bool:
+    """Whether ``system`` is a peer serving stack (started from the peers venv), not a worker."""
+    from asyncinfer.bench.peers import PEERS
+
+    return system in PEERS
+
+
+def measure_peer_runs(system: str, workload: Workload, levels: list[int], duration_s: float,
+                      log_dir: Path) -> list[Run]:
+    """Closed-loop runs of a peer on ``workload``; none (and one line saying why) when it fails."""
+    from asyncinfer.bench.peers.runner import measure_peer
+
+    if workload.name.startswith("pipeline3"):
+        return []  # the pipelined/serial comparison is asyncinfer's own
+    try:
+        return measure_peer(system, workload.name, levels, duration_s, log_dir)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"bench: {system} on {workload.name} failed: {str(exc).splitlines()[0]}")
+        return []

@@ -59,4 +59,8 @@ WORKLOADS = {
                                 {"pipelined": True}),
     "pipeline3-sync": Workload("pipeline3-sync", "pipeline3", "vector4", _SYNTHETIC,
                                {"pipelined": False}),
+    # accelerator-shaped: the device's time is known, so the share of its limit is exact
+    **{name: Workload(name, name, "vector4",
+                      f"{name}=asyncinfer.bench.synthetic:{name.replace('-', '_')}")
+       for name in ("sim-slow", "sim-fast", "sim-prep")},
 }

@@ -16,14 +16,16 @@ from typing import Any
 
 import redis
 from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.publisher import Publisher
-from asyncinfer.client.responses import InferFuture, InferResponse
+from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.config.settings import Settings
+from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, redis_client
 from asyncinfer.constants import (
     CPU_QUEUE,
@@ -33,9 +35,7 @@ from asyncinfer.constants import (
     model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import (
-    InvalidRequest,
-)
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
 from asyncinfer.wire.payloads import to_input_payload
@@ -74,6 +74,8 @@ class Client:
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._bounds: dict[str, int] = {}
+        #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
+        self._broker_guessed = self.settings.broker_url_origin() == "default"
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -199,7 +201,43 @@ class Client:
                 max_queue_size=self._queue_bound(queue),
                 timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
         except redis.RedisError as exc:
-            raise broker_error(request_id, exc) from exc
+            raise self._broker_error(broker_error(request_id, exc)) from exc
+
+    def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
+        """``error``, saying so when the broker URL was the default for want of any other."""
+        if not (self._broker_guessed and isinstance(error, BrokerUnavailable)):
+            return error
+        return BrokerUnavailable(f"{error} (no broker configured: ASYNCINFER_BROKER_URL is unset and "
+                                 f"no 'asyncinfer up' runs on this host, so the default "
+                                 f"{DEFAULT_BROKER_URL} was tried)")
+
+    def ping(self) -> None:
+        """Raise :class:`~asyncinfer.errors.BrokerUnavailable` (one line, within about
+        ``connect_timeout_s``) unless the broker and the result backend answer."""
+        timeout_s = self.settings.connect_timeout_s
+        urls = [str(self.app.conf.result_backend)]
+        if self._broker is None:  # another broker: one connection attempt, no retry loop
+            try:
+                with self.app.connection_for_read() as conn:
+                    conn.ensure_connection(max_retries=1, timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - kombu raises each transport's own errors
+                raise BrokerUnavailable(f"broker unreachable: {exc}") from exc
+        elif not self._results_shared:
+            urls.append(str(self.app.conf.broker_url))
+        for url in urls:
+            client = redis_client(url, self.settings, socket_connect_timeout=timeout_s,
+                                  socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+            try:
+                client.ping()
+            except redis.TimeoutError as exc:
+                raise self._broker_error(BrokerUnavailable(
+                    f"broker did not answer within {timeout_s:g} s ({exc})")) from exc
+            except redis.RedisError as exc:
+                error = broker_error("ping", exc)  # the wording of a submit's, without a request
+                raise self._broker_error(
+                    type(error)(str(error).removeprefix("request ping: "))) from exc
+            finally:
+                client.close()
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
@@ -242,8 +280,24 @@ class Client:
         return future
 
     def result(self, request_id: str, timeout_s: float | None = None) -> InferResponse:
-        """Wait for the response of the request ``request_id``."""
-        return self.future(request_id).result(timeout=timeout_s)
+        """Wait for the response of the request ``request_id``.
+
+        Raises :class:`~asyncinfer.errors.BrokerUnavailable` at once when Redis does not answer,
+        and, after ``timeout_s``, :class:`~asyncinfer.errors.RequestTimeout` saying where the
+        request is (queued, taken by a worker, running on which worker, or unknown).
+        """
+        self.ping()
+        try:
+            return self.future(request_id).result(timeout=timeout_s)
+        except RequestTimeout:
+            self.watcher.unwatch(request_id)
+            try:
+                where = whereabouts(request_id, self.app.backend.client, self.app.backend,
+                                    self._broker)
+            except redis.RedisError as exc:
+                where = f"where it is could not be read ({type(exc).__name__}: {exc})"
+            raise RequestTimeout(f"request {request_id}: no result within {timeout_s:g} s; "
+                                 f"{where}") from None
 
     # -- asyncio (asyncinfer.client.aio): the same calls from a coroutine, never blocking the loop ------
 

@@ -91,9 +91,16 @@ class ResultWatcher:
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if self._closed:
                     break
-                log.warning("result watcher lost Redis (%s); reconnecting in %.1f s", exc, backoff_s)
-                time.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                if isinstance(exc, redis.TimeoutError) and self._answers():
+                    # A read that timed out on a server that answers: the connection was slow
+                    # (a loaded client or server), not lost. Nothing to warn about; a new
+                    # connection resubscribes and reads every watched key again.
+                    log.debug("result watcher: a pub/sub read timed out (%s); resubscribing", exc)
+                else:
+                    log.warning("result watcher lost Redis (%s); reconnecting in %.1f s", exc,
+                                backoff_s)
+                    time.sleep(backoff_s)
+                    backoff_s = min(backoff_s * 2, 5.0)
                 with self._lock:  # resubscribe everything still waited on
                     self._new = list(self._callbacks)
             finally:
@@ -101,6 +108,13 @@ class ResultWatcher:
                     pubsub.close()
                 except Exception:  # noqa: BLE001
                     pass
+
+    def _answers(self) -> bool:
+        """Whether Redis answers a PING now (so a timeout was not a lost connection)."""
+        try:
+            return bool(self._client.ping())
+        except (redis.RedisError, OSError):
+            return False
 
     def _serve(self, pubsub: Any) -> None:
         pubsub.subscribe(WATCHER_CHANNEL)  # opens the connection

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,14 @@ from typing import Any
 
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
 
-__all__ = ["Settings", "settings_table", "default_state_dir", "DEFAULT_BROKER_URL"]
+__all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
+           "DEFAULT_BROKER_URL", "URL_EXAMPLES"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+#: What a broker or result backend URL looks like (said when a value is not one).
+URL_EXAMPLES = ("redis://[:password@]host:6379/0, rediss://…, unix:///path/redis.sock, "
+                "sentinel://host:26379;sentinel://host2:26379/0 or amqp://user:password@host:5672//")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def default_state_dir() -> Path:
@@ -179,6 +185,12 @@ class Settings:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        for name, where in (("broker_url", "ASYNCINFER_BROKER_URL (or --broker-url)"),
+                            ("result_backend", "ASYNCINFER_RESULT_BACKEND")):
+            url = getattr(self, name)
+            if url and not _URL.match(url):
+                shown = url if "@" not in url else "…@" + url.rsplit("@", 1)[1]  # no password
+                raise ValueError(f"{where} is not a URL: {shown!r}; a URL looks like {URL_EXAMPLES}")
         for name in ("task_serializer", "result_serializer"):
             if getattr(self, name) not in ("json", "msgpack"):
                 raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(self, name)!r}")
@@ -231,6 +243,15 @@ class Settings:
 
         return published_url(self.redis_dir) or DEFAULT_BROKER_URL
 
+    def broker_url_origin(self) -> str:
+        """Where :meth:`resolved_broker_url` comes from: ``configured``, ``published`` (by a
+        running ``asyncinfer up``) or ``default`` (nothing configured, no ``up`` running)."""
+        if self.broker_url:
+            return "configured"
+        from asyncinfer.ops.redis_server import published_url
+
+        return "published" if published_url(self.redis_dir) else "default"
+
     def resolved_result_backend(self) -> str:
         """The configured result backend, else the broker URL when that is Redis."""
         if self.result_backend:
@@ -242,6 +263,22 @@ class Settings:
             return broker
         raise ValueError(
             f"ASYNCINFER_RESULT_BACKEND must be set when the broker is not Redis (broker: {broker})")
+
+
+def setting_sources(environ: Mapping[str, str] | None = None, **overrides: Any) -> dict[str, str]:
+    """Where each setting of ``Settings.from_env(environ, **overrides)`` comes from: ``flag``,
+    ``environment (VAR)`` or ``default``."""
+    env = os.environ if environ is None else environ
+    sources = {}
+    for f in dataclasses.fields(Settings):
+        var = f.metadata["env"]
+        if overrides.get(f.name) is not None:
+            sources[f.name] = "flag"
+        elif env.get(var):
+            sources[f.name] = f"environment ({var})"
+        else:
+            sources[f.name] = "default"
+    return sources
 
 
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:

@@ -83,6 +83,9 @@ class Device:
             count = torch.accelerator.device_count()
             if spec.index is None or spec.index >= count:
                 raise ValueError(f"device {self.label}: {count} {spec.type} device(s) visible")
+        #: The backend's own stream and event classes where PyTorch's generic ones fall short
+        #: (torch_npu), else ``torch.Stream`` / ``torch.Event``.
+        self._stream_class, self._event_class = _stream_classes(torch, spec.type)
 
     def bind_thread(self) -> None:
         """Make this device current in the calling thread (current device is thread-local)."""
@@ -95,9 +98,7 @@ class Device:
         """A new stream on this device, or None on CPU."""
         if not self.is_accelerator:
             return None
-        import torch
-
-        return torch.Stream(self.torch_device)
+        return self._stream_class(self.torch_device)
 
     @staticmethod
     def on_stream(stream: Any) -> AbstractContextManager[Any]:
@@ -124,8 +125,27 @@ class Device:
         """An event recorded on ``stream`` (None on CPU, where work is done when the call returns)."""
         if stream is None:
             return None
-        import torch
+        if self._event_class is None:
+            import torch
 
-        event = torch.Event(self.torch_device, enable_timing=False)
+            event = torch.Event(self.torch_device, enable_timing=False)
+        else:  # torch_npu's Event takes no device: it is recorded on its stream's
+            event = self._event_class(enable_timing=False)
         event.record(stream)
         return event
+
+
+def _stream_classes(torch: Any, kind: str) -> tuple[Any, Any]:
+    """The stream class and event class (None: ``torch.Event``) for devices of type ``kind``.
+
+    On ``npu`` they are ``torch.npu.Stream`` / ``torch.npu.Event``: torch_npu's device guard has
+    no ``getNewStream`` (so ``torch.Stream("npu:0")`` is refused) and in some releases no
+    ``synchronizeEvent`` (so ``torch.Event.synchronize()`` raises); its own classes subclass the
+    generic ones and have both. CUDA and other backends use the generic classes.
+    """
+    module = getattr(torch, kind, None) if kind == "npu" else None
+    stream_class = getattr(module, "Stream", None)
+    event_class = getattr(module, "Event", None)
+    if stream_class is None or event_class is None:
+        return torch.Stream, None
+    return stream_class, event_class

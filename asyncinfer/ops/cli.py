@@ -1,4 +1,8 @@
-"""The ``asyncinfer`` command: up, worker, infer, submit, result, status, config, dead."""
+"""The ``asyncinfer`` command.
+
+commands: up (broker + a worker per device; --detach), down, worker (one device worker), infer,
+submit, result, cancel, purge, status, config, dead (dead letters), bench.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,17 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["main"]
+
+#: A model's refusal of a datatype (models/base.py), which ``--datatype`` answers for list inputs.
+_DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+)")
 
 
 def _models(value: str) -> list[str]:
@@ -41,8 +50,19 @@ def _client(args: argparse.Namespace) -> Any:
     return Client(broker_url=args.broker_url, serializer=getattr(args, "serializer", None))
 
 
-def _print_response(response: Any) -> None:
-    print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
+def _print_response(response: Any, args: argparse.Namespace) -> None:
+    """The response as one JSON line (``--pretty``: indented), or ``--output npy``: its outputs as
+    an ``.npz`` archive of numpy arrays on stdout (``np.load`` reads it)."""
+    if getattr(args, "output", "json") == "npy":
+        import numpy as np
+
+        np.savez(sys.stdout.buffer, **{name: response[name] for name in response.outputs})
+        sys.stdout.buffer.flush()
+        return
+    if getattr(args, "pretty", False):
+        print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
+    else:
+        print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
 
 
 def _bytes_as_list(value: Any) -> Any:
@@ -59,24 +79,58 @@ def cmd_worker(args: argparse.Namespace) -> int:
         overrides["broker_url"] = args.broker_url
     if args.metrics_port is not None:
         overrides["metrics_port"] = args.metrics_port
-    run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,
-               loglevel=args.loglevel, hostname=args.hostname, **overrides)
-    return 0
+    from asyncinfer.worker.launch import CANNOT_START, WorkerCannotStart
+
+    try:
+        return run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,
+                          loglevel=args.loglevel, hostname=args.hostname, **overrides)
+    except WorkerCannotStart as exc:
+        print(f"asyncinfer worker: cannot start: {exc}", file=sys.stderr, flush=True)
+        return CANNOT_START
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from asyncinfer.ops.up import run_up
+    from asyncinfer.ops.up import detect_devices, run_up
 
+    if args.detach:
+        from asyncinfer.config.settings import Settings
+        from asyncinfer.ops.detach import detach
+
+        argv = [a for a in args.argv if a != "--detach"]
+        devices = _models(args.devices or "") or detect_devices()
+        return detach(argv, Settings.from_env(broker_url=args.broker_url), len(devices))
     return run_up(broker_url=args.broker_url, devices=_models(args.devices or ""),
                   models=_models(args.models or ""), concurrency=args.concurrency)
 
 
+def cmd_down(args: argparse.Namespace) -> int:
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.ops.detach import down
+
+    return down(Settings.from_env())
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
+    from asyncinfer.errors import InvalidRequest
+
     inputs, parameters = _read_inputs(args.input, args.datatype)
     with _client(args) as client:
-        _print_response(client.infer(args.model, inputs, parameters=parameters,
-                                     timeout_s=args.timeout_s))
+        try:
+            response = client.infer(args.model, inputs, parameters=parameters,
+                                    timeout_s=args.timeout_s)
+        except InvalidRequest as exc:
+            raise _with_datatype_hint(exc, args.datatype) from None
+        _print_response(response, args)
     return 0
+
+
+def _with_datatype_hint(exc: Exception, given: str | None) -> Exception:
+    """``exc``, plus ``--datatype X`` when the model refused the datatype inferred from a list."""
+    refused = _DATATYPE_REFUSED.search(str(exc))
+    if given or refused is None:
+        return exc
+    return type(exc)(f"{exc}; the list was sent as {refused.group(1)}: pass "
+                     f"--datatype {refused.group(2)}")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -90,7 +144,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_result(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        _print_response(client.result(args.request_id, timeout_s=args.timeout_s))
+        _print_response(client.result(args.request_id, timeout_s=args.timeout_s), args)
     return 0
 
 
@@ -98,81 +152,135 @@ def cmd_status(args: argparse.Namespace) -> int:
     from asyncinfer.ops.status import cluster_status, format_status
 
     with _client(args) as client:
-        print(format_status(cluster_status(client.app, timeout_s=args.timeout_s)))
+        client.ping()  # one line at once when the broker is down, not kombu's retry loop
+        while True:
+            status = cluster_status(client.app, timeout_s=args.timeout_s)
+            if args.json:
+                print(json.dumps(dataclasses.asdict(status), sort_keys=True), flush=True)
+            else:
+                if args.watch:
+                    print("\033[H\033[J", end="")  # clear the terminal between refreshes
+                print(format_status(status), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Revoke requests (Celery's revoke): a request not yet on the device never runs."""
+    with _client(args) as client:
+        client.ping()
+        client.app.control.revoke(list(args.request_ids))
+        for request_id in args.request_ids:
+            print(f"revoked {request_id}")
+    return 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    """Remove every request waiting on ``infer.MODEL`` (and its priority lists); each gets REVOKED,
+    so whoever waits for it hears."""
+    from asyncinfer.connections import is_redis_url, redis_client
+    from asyncinfer.ops.purge import purge_queue, waiting
+
+    with _client(args) as client:
+        client.ping()
+        url = str(client.app.conf.broker_url)
+        if not is_redis_url(url):
+            raise ValueError("purge reads Redis lists; on RabbitMQ use `celery -A asyncinfer purge -Q "
+                             f"infer.{args.model}`")
+        broker = redis_client(url, client.settings)
+        count = waiting(broker, args.model)
+        if not count:
+            print(f"infer.{args.model}: nothing waiting")
+            return 0
+        if not args.yes:
+            answer = input(f"remove {count} requests waiting on infer.{args.model}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing removed")
+                return 1
+        removed = purge_queue(broker, client.app.backend, args.model)
+        print(f"infer.{args.model}: removed {removed} requests (REVOKED)")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from asyncinfer.config.settings import Settings, settings_table
+    from asyncinfer.config.settings import Settings, setting_sources, settings_table
 
     if args.table:
         print(settings_table())
         return 0
     from asyncinfer.connections import masked_url
 
-    settings = Settings.from_env()
-    print(f"broker_url      {masked_url(settings.resolved_broker_url())}")
-    print(f"result_backend  {masked_url(settings.resolved_result_backend())}")
+    settings = Settings.from_env(broker_url=args.broker_url)
+    sources = setting_sources(broker_url=args.broker_url)
+    origin = settings.broker_url_origin()
+    if origin != "configured":
+        sources["broker_url"] = (
+            f"published by the running 'asyncinfer up' ({settings.redis_dir / 'broker_url'})"
+            if origin == "published" else
+            "default (ASYNCINFER_BROKER_URL unset, no 'asyncinfer up' running on this host)")
+    if not settings.result_backend:
+        sources["result_backend"] = "the broker URL"
+    rows = [("broker_url", masked_url(settings.resolved_broker_url())),
+            ("result_backend", masked_url(settings.resolved_result_backend()))]
     for key, value in vars(settings).items():
-        if key in ("broker_url", "result_backend"):
-            continue
-        if "password" in key and value:
-            value = "**"
-        print(f"{key:15} {value}")
+        if key not in ("broker_url", "result_backend"):
+            rows.append((key, "**" if "password" in key and value else value))
+    wide = max(len(str(value)) for _, value in rows)
+    for key, value in rows:
+        print(f"{key:26} {str(value):{min(wide, 40)}}  [{sources[key]}]")
     return 0
 
 
 def cmd_dead(args: argparse.Namespace) -> int:
-    import redis
+    from asyncinfer.ops.dead import run_dead
 
-    from asyncinfer.config.settings import Settings
-    from asyncinfer.worker.dead_letters import DeadLetters
+    return run_dead(args)
 
-    if args.action == "requeue" and bool(args.request_ids) == bool(args.all):
-        print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)
-        return 2
-    dead = DeadLetters.from_settings(Settings.from_env(broker_url=args.broker_url), args.model)
-    try:
-        if args.action == "list":
-            for _, e in dead.entries():
-                reason = " ".join(e.reason.split())
-                print(f"{e.request_id}  {e.failed_at}  attempts={e.attempts}  {e.reason_type}: {reason}")
-        elif args.action == "show":
-            entry = dead.find(args.request_id)
-            if entry is None:
-                print(f"asyncinfer dead show: request {args.request_id} is not among the dead letters "
-                      f"of model {args.model!r}", file=sys.stderr)
-                return 1
-            print(json.dumps(dataclasses.asdict(entry), indent=2))
-        elif args.action == "requeue":
-            done = dead.requeue(None if args.all else args.request_ids)
-            print(f"requeued {len(done.requeued)}")
-            for request_id in done.not_found:
-                print(f"request {request_id} is not among the dead letters of model {args.model!r}",
-                      file=sys.stderr)
-            for why in done.refused.values():
-                print(why, file=sys.stderr)
-            return 1 if done.not_found or done.refused else 0
-        else:
-            print(f"purged {dead.purge()}")
-    except redis.RedisError as exc:
-        print(f"asyncinfer dead {args.action}: the broker failed ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
-        return 1
-    return 0
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to an option's help unless it names its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
+                and action.option_strings):
+            text += f" (default: {action.default})"
+        return text
+
+
+class _SubParser(argparse.ArgumentParser):
+    """A subcommand's parser: every option's help shows its default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pretty", action="store_true", help="indented JSON instead of one line")
+    p.add_argument("--output", choices=("json", "npy"), default="json",
+                   help="json: the v2 response; npy: the outputs as an .npz archive on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``asyncinfer`` command."""
-    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker-url", help="broker URL (default: ASYNCINFER_BROKER_URL)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_SubParser)
 
     p = sub.add_parser("up", help="broker (embedded Redis if none configured) + a worker per device")
     p.add_argument("--devices", help="comma-separated devices (default: every accelerator, else cpu)")
     p.add_argument("--models", help="comma-separated models (default: every registered model)")
     p.add_argument("--concurrency", type=int, help="task threads per worker")
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background; return once the workers are ready")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop the 'asyncinfer up' running in the background")
+    p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("worker", help="one device worker")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda:N, npu:N (default auto)")
@@ -190,21 +298,35 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("model")
         p.add_argument("--input", required=True, help="JSON file, or - for stdin")
         p.add_argument("--datatype", help="v2 datatype for list inputs (default: inferred)")
-        p.add_argument("--serializer", choices=("json", "msgpack"))
+        p.add_argument("--serializer", choices=("json", "msgpack"),
+                       help="message serializer (default: ASYNCINFER_TASK_SERIALIZER)")
         if name == "infer":
-            p.add_argument("--timeout-s", type=float, default=60.0)
+            p.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait")
+            _output_options(p)
         else:
             p.add_argument("--request-id", help="request ID (default: a new UUID)")
         p.set_defaults(func=func)
 
     p = sub.add_parser("result", help="wait for a request's response and print it")
     p.add_argument("request_id")
-    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait")
+    _output_options(p)
     p.set_defaults(func=cmd_result)
 
     p = sub.add_parser("status", help="workers, devices, models, queue depths")
-    p.add_argument("--timeout-s", type=float, default=1.0)
+    p.add_argument("--timeout-s", type=float, default=1.0, help="how long workers may take to answer")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("cancel", help="revoke requests: one not yet on the device never runs")
+    p.add_argument("request_ids", nargs="+", metavar="ID")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("purge", help="remove every request waiting on infer.MODEL (each REVOKED)")
+    p.add_argument("model")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=cmd_purge)
 
     sub.add_parser("bench", help="asyncinfer vs plain Celery vs the in-process limit "
                                  "(asyncinfer bench --help)")
@@ -239,7 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asyncinfer.bench.run import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.argv = argv
+    if extra:  # said by the subcommand's parser, with its usage
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     from asyncinfer.errors import AsyncInferError

@@ -232,6 +232,9 @@ class RedisServer:
         args = [self.binary, *self._conf_file(), *ports, "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no",
+                # every request appends ~4 KB (its message, bookkeeping, result): rewrite the file
+                # whenever it doubles from 8 MB on (Redis' default waits for 64 MB)
+                "--auto-aof-rewrite-percentage", "100", "--auto-aof-rewrite-min-size", "8mb",
                 "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from asyncinfer.config.settings import Settings
+from asyncinfer.ops.detach import clear_pid, write_pid
 from asyncinfer.ops.redis_server import RedisServer, make_private_dir, published_url
 from asyncinfer.worker.supervisor import Child, Supervisor
 
@@ -83,6 +84,7 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
             argv += ["--metrics-port", str(settings.metrics_port + i)]
         children.append(Child(name=f"worker {device}", argv=argv, env=env))
     supervisor = Supervisor(children)
+    write_pid(settings)  # for `asyncinfer down`
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         supervisor.stop()
@@ -96,5 +98,11 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
     finally:
         if redis is not None:
             redis.stop()
+        clear_pid(settings)
+    if supervisor.failure is not None:
+        name, line = supervisor.failure
+        print(f"asyncinfer up: {name} failed to start {supervisor.max_start_failures} times in a "
+              f"row; stopped: {line}", file=sys.stderr, flush=True)
+        return 1
     print("asyncinfer up: stopped", flush=True)
     return 0

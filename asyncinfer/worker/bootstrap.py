@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any
 
 from celery import Celery, signals
@@ -21,6 +22,7 @@ from asyncinfer.constants import model_from_queue
 from asyncinfer.worker import metrics
 from asyncinfer.worker.intake.step import fast_queues, is_prefork
 from asyncinfer.worker.runtime import close_runtime, get_runtime
+from asyncinfer.worker.supervisor import CANNOT_START
 
 __all__ = ["hosted_models"]
 
@@ -47,7 +49,16 @@ def _load(app: Celery) -> None:
         # loads no other when a request names one (UnknownModel instead).
         settings = dataclasses.replace(settings, models=tuple(hosted))
     runtime = get_runtime(settings)
-    runtime.load(hosted)
+    try:
+        runtime.load(hosted)
+    except Exception as exc:  # noqa: BLE001 - Celery's signal would log it and serve no model
+        # A worker that cannot load what it hosts must not report ready: one line, then the
+        # status its supervisor (``asyncinfer up``) reads as "cannot start as configured".
+        print(f"asyncinfer worker: cannot start: loading {', '.join(hosted)} failed: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        log.debug("loading failed", exc_info=True)
+        logging.shutdown()
+        os._exit(CANNOT_START)
     log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
     # Celery's stock path: its active requests are those in flight (the fast consumer, when it
     # starts, registers its own count instead).

@@ -8,19 +8,77 @@ is never initialised in a process that forks).
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for
-from asyncinfer.engine.device import bind_visible_device, parse_device
+from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visible_device, parse_device
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.models.registry import Registry
 from asyncinfer.worker.intake.step import uses_fast_consumer
 from asyncinfer.worker.runtime import set_device_label
+from asyncinfer.worker.supervisor import CANNOT_START
 
-__all__ = ["run_worker", "worker_hostname", "uses_fast_consumer"]
+__all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "check_device", "check_models",
+           "WorkerCannotStart", "CANNOT_START"]
 
+# CANNOT_START: the exit status of a worker that cannot start (sysexits' EX_CONFIG): starting it
+# again as it is fails again, so ``asyncinfer up`` stops after a few in a row.
+_SUPPORTED = "auto, cpu, cuda:N, npu:N"
+
+
+class WorkerCannotStart(AsyncInferError):
+    """A worker cannot start as configured (no such device, an unregistered model); the message
+    names the cause and what to do."""
+
+
+def check_device(spec: DeviceSpec, local: DeviceSpec | None = None) -> None:
+    """Raise :class:`WorkerCannotStart` unless this host has ``spec``; ``local`` is its name after
+    :func:`~asyncinfer.engine.device.bind_visible_device`. Counts devices, initialises none."""
+    local = local or spec
+    if spec.type in ("cpu", "auto"):
+        return
+    if spec.type == "npu":
+        try:
+            import torch_npu  # noqa: F401 - registers the npu device type with torch
+        except ImportError:
+            raise WorkerCannotStart(
+                f"device {spec}: needs torch_npu, which is not installed; on a host with Ascend's "
+                f"CANN toolkit (its set_env.sh sourced), pip install 'asyncinfer[npu]' (the npu "
+                f"extra), or choose --device cpu") from None
+    import torch
+
+    if spec.type == "cuda" and torch.version.cuda is None:
+        raise WorkerCannotStart(f"device {spec}: this torch ({torch.__version__}) is built without "
+                                f"CUDA; install a CUDA build of torch, or choose --device cpu")
+    if spec.type in ("cuda", "npu"):
+        module = getattr(torch, spec.type)
+        count = int(module.device_count()) if module.is_available() else 0
+    else:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if acc is None or acc.type != spec.type:
+            raise WorkerCannotStart(f"device {spec}: {spec.type!r} devices are not supported "
+                                    f"(devices: {_SUPPORTED})")
+        count = int(torch.accelerator.device_count())
+    if (local.index or 0) >= count:
+        var = VISIBLE_DEVICE_VARS.get(spec.type, "")
+        seen = f"{var}={os.environ[var]}: " if os.environ.get(var) else ""
+        raise WorkerCannotStart(f"device {spec}: no such {spec.type} device on this host ({seen}"
+                                f"torch sees {count}; is the driver loaded?); choose another "
+                                f"--device (devices: {_SUPPORTED})")
+
+
+def check_models(hosted: Sequence[str], registry: Registry) -> None:
+    """Raise :class:`WorkerCannotStart` naming each model of ``hosted`` not in ``registry``."""
+    known = registry.names()
+    unknown = [m for m in hosted if m not in known]
+    if unknown:
+        raise WorkerCannotStart(
+            f"model(s) {', '.join(unknown)} not registered (registered: {', '.join(known)}; "
+            f"register others with ASYNCINFER_MODEL_FACTORIES or ASYNCINFER_MODEL_DIR)")
 
 
 def worker_hostname(device: str) -> str:
@@ -30,22 +88,29 @@ def worker_hostname(device: str) -> str:
 
 def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency: int | None = None,
                loglevel: str | None = None, hostname: str | None = None,
-               extra_args: Sequence[str] = (), **overrides: Any) -> None:
-    """Run a device worker in this process until it is stopped (SIGTERM or Ctrl-C).
+               extra_args: Sequence[str] = (), **overrides: Any) -> int:
+    """Run a device worker in this process until it is stopped (SIGTERM or Ctrl-C); return its
+    exit status. Raises :class:`WorkerCannotStart` (before Celery starts) naming the cause when
+    the device is not there or a model is not registered.
 
     Its settings are the ``ASYNCINFER_*`` environment's with these arguments (and any other
     setting in ``overrides``, e.g. ``broker_url``) in their place, given to the app explicitly.
     """
-    spec = parse_device(device)
+    try:
+        spec = parse_device(device)
+    except ValueError as exc:
+        raise WorkerCannotStart(str(exc)) from None
     local = bind_visible_device(spec)  # before anything touches the device
+    check_device(spec, local)
     given: dict[str, Any] = {"device": str(local), **overrides}
     if models:
         given["models"] = tuple(models)
     if concurrency:
         given["concurrency"] = concurrency
     settings = Settings.from_env(**given)
-    hosted = list(settings.models) or Registry.from_config(
-        settings.model_factories, settings.model_dir).names()
+    registry = Registry.from_config(settings.model_factories, settings.model_dir)
+    hosted = list(settings.models) or registry.names()
+    check_models(hosted, registry)
     settings = dataclasses.replace(settings, models=tuple(hosted))
     set_device_label(str(spec) if spec.type != "auto" else None)
 
@@ -59,4 +124,20 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     argv = ["worker", "-P", "threads", "-c", str(threads), "-Q", ",".join(queues),
             "-n", hostname or worker_hostname(str(spec)),
             "-l", (loglevel or settings.log_level).upper(), *extra_args]
-    app.worker_main(argv)
+    return _celery_worker(app, argv)
+
+
+def _celery_worker(app: Any, argv: list[str]) -> int:
+    """Run ``celery worker`` (what ``app.worker_main`` runs) and return its exit status, which
+    ``worker_main`` drops: an "Unrecoverable error" (no broker at start, say) is 1, not 0."""
+    from celery.bin.celery import celery
+    from click.exceptions import Exit
+
+    celery.params[0].default = app  # what app.start() does: the --app option's default
+    try:
+        code = celery.main(args=argv, standalone_mode=False)
+    except Exit as exc:
+        code = exc.exit_code
+    finally:
+        celery.params[0].default = None
+    return code if isinstance(code, int) else 0

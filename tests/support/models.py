@@ -151,3 +151,16 @@ class Flaky(Model):
         if runs <= failures:
             raise TransientError(f"flaky row {index}: failure {runs} of {failures}")
         return {"output": batch["input"]}
+
+
+class Broken(Model):
+    """A model whose ``load`` raises: a worker hosting it cannot start."""
+
+    name = "broken"
+    inputs = {"input": InputSpec(("FP32",), (1,))}
+
+    def load(self, device: torch.device) -> None:
+        raise OSError("weights file is truncated")
+
+    def forward(self, batch: Batch) -> Batch:
+        return {"output": batch["input"]}

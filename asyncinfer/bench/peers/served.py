@@ -1,0 +1,80 @@
+"""The bench's model as a peer serves it: built from the project's registry, one batch per call.
+
+Imported in the peers venv (torch, numpy and the project on ``PYTHONPATH``): the peers run the
+same preprocess → forward → postprocess as asyncinfer's worker, on the same batch sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncinfer.bench.workloads import WORKLOADS, Workload
+from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.models.base import Model
+from asyncinfer.models.registry import Registry
+from asyncinfer.wire.protocol import decode_request
+
+__all__ = ["ServedModel", "model_options", "request_rows"]
+
+
+def _workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def _create(workload: Workload) -> Model:
+    registry = Registry.from_config([workload.factories] if workload.factories else [])
+    return registry.create(workload.model)
+
+
+def model_options(workload_name: str) -> ModelOptions:
+    """The workload's model's batching options (max batch, max delay), without loading it."""
+    return _create(_workload(workload_name)).options
+
+
+def request_rows(workload_name: str, count: int) -> tuple[str, str, list[np.ndarray]]:
+    """The input name, its v2 datatype and ``count`` one-row numpy values of the workload's
+    requests (BYTES as UTF-8 ``bytes``): the same requests the bench sends asyncinfer."""
+    workload = _workload(workload_name)
+    rows, name, datatype = [], "", ""
+    for i in range(count):
+        request = decode_request(f"peer-{i}", {"model": workload.model, **workload.payload(i)})
+        (tensor,) = request.inputs
+        name, datatype = tensor.name, tensor.datatype
+        if datatype == "BYTES":
+            value = np.array([s.encode() if isinstance(s, str) else s for s in tensor.value], dtype=object)
+        else:
+            value = np.asarray(tensor.value)
+        rows.append(value)
+    return name, datatype, rows
+
+
+class ServedModel:
+    """One loaded model of a workload; ``__call__`` runs one batch of rows."""
+
+    def __init__(self, workload_name: str) -> None:
+        workload = _workload(workload_name)
+        self.model: Model = _create(workload)
+        self.model.load(torch.device("cpu"))
+        self.name = workload.model
+        self.max_batch_size = self.model.options.max_batch_size
+        self.max_delay_ms = self.model.options.max_delay_ms
+        self.input_name, self.datatype, rows = request_rows(workload_name, 1)
+        self.row_shape = tuple(rows[0].shape[1:])
+        self.output_name, self.output_row_shape = "", ()
+        out = self(rows[0])  # warm up, and learn the output's name and row shape
+        self.output_row_shape = tuple(out.shape[1:])
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [n, ...] of the one input (object array of bytes for BYTES) → the one output."""
+        value: Any = rows.reshape(-1) if self.datatype == "BYTES" else torch.from_numpy(
+            np.ascontiguousarray(rows, dtype=np.float32))
+        with torch.inference_mode():
+            outputs = self.model.postprocess(self.model.forward(
+                self.model.preprocess({self.input_name: value})))
+        ((self.output_name, out),) = outputs.items()
+        return out.numpy() if isinstance(out, torch.Tensor) else np.asarray(out)

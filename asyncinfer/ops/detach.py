@@ -1,0 +1,117 @@
+"""``asyncinfer up --detach`` and ``asyncinfer down``.
+
+``up --detach`` starts ``asyncinfer up`` (the same arguments) in a session of its own, its output
+going to ``<state dir>/up.log``, and returns once every worker it supervises answers ``status``,
+saying how to stop it. The running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600);
+``asyncinfer down`` sends it SIGTERM and waits until it has stopped its workers and its Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from asyncinfer.config.settings import Settings
+from asyncinfer.ops.redis_server import make_private_dir, published_url, write_private
+from asyncinfer.processes import pid_alive
+
+__all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down"]
+
+PID_FILE = "up.pid"
+LOG_FILE = "up.log"
+
+
+def write_pid(settings: Settings) -> None:
+    """Record this process as the running ``asyncinfer up``."""
+    make_private_dir(settings.state_path)
+    write_private(settings.state_path / PID_FILE, str(os.getpid()))
+
+
+def clear_pid(settings: Settings) -> None:
+    path = settings.state_path / PID_FILE
+    if path.exists() and path.read_text().strip() == str(os.getpid()):
+        path.unlink()
+
+
+def running_pid(settings: Settings) -> int | None:
+    """The PID of the ``asyncinfer up`` running on this state dir, if one is."""
+    try:
+        pid = int((settings.state_path / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: float = 180.0) -> int:
+    """Start ``asyncinfer up`` with ``argv`` in the background; return once ``workers`` workers
+    answer (0), or when it exits or ``timeout_s`` passes first (1, with the end of its log)."""
+    if running_pid(settings) is not None:
+        print(f"asyncinfer up: already running (pid {running_pid(settings)}); stop it with "
+              f"`asyncinfer down`", file=sys.stderr)
+        return 1
+    make_private_dir(settings.state_path)
+    log_path = settings.state_path / LOG_FILE
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncinfer", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(f"asyncinfer up: exited with {proc.returncode} before its workers were ready:\n"
+                  f"{_tail(log_path)}", file=sys.stderr)
+            return 1
+        if _ready(settings, workers):
+            print(f"asyncinfer up: running in the background (pid {proc.pid}, log {log_path}); "
+                  f"stop it with `asyncinfer down`", flush=True)
+            return 0
+        time.sleep(0.5)
+    print(f"asyncinfer up: its workers were not ready in {timeout_s:g} s (pid {proc.pid}, log "
+          f"{log_path}); `asyncinfer down` stops it", file=sys.stderr)
+    return 1
+
+
+def _ready(settings: Settings, workers: int) -> bool:
+    from asyncinfer.client import Client
+    from asyncinfer.ops.status import cluster_status
+
+    url = settings.broker_url or published_url(settings.redis_dir)
+    if not url:
+        return False
+    try:
+        with Client(broker_url=url) as client:
+            client.ping()
+            return len(cluster_status(client.app, timeout_s=0.5).workers) >= workers
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def down(settings: Settings, timeout_s: float = 60.0) -> int:
+    """Stop the running ``asyncinfer up`` (SIGTERM), waiting until it has exited."""
+    pid = running_pid(settings)
+    if pid is None:
+        print(f"asyncinfer down: no 'asyncinfer up' is running (state dir {settings.state_path})",
+              file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if pid_alive(pid):
+        print(f"asyncinfer down: 'asyncinfer up' (pid {pid}) still runs after {timeout_s:g} s",
+              file=sys.stderr)
+        return 1
+    print(f"asyncinfer down: stopped 'asyncinfer up' (pid {pid})", flush=True)
+    return 0
