@@ -67,6 +67,17 @@ def test_bind_visible_device_leaves_a_set_variable_alone() -> None:
     assert local == DeviceSpec("cuda", 1)
 
 
+def test_bind_visible_device_narrows_a_set_variable_to_a_device_it_lists() -> None:
+    # a scheduler gave this process physical devices 4 and 5; the worker asked for npu:5
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "4, 5"}
+    assert bind_visible_device(DeviceSpec("npu", 5), env) == DeviceSpec("npu", 0)
+    assert env == {"ASCEND_RT_VISIBLE_DEVICES": "5"}
+    # an index it does not list is one among the visible devices, left as given
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "4,5"}
+    assert bind_visible_device(DeviceSpec("npu", 1), env) == DeviceSpec("npu", 1)
+    assert env == {"ASCEND_RT_VISIBLE_DEVICES": "4,5"}
+
+
 def test_bind_visible_device_treats_an_empty_variable_as_unset() -> None:
     env = {"CUDA_VISIBLE_DEVICES": ""}
     assert bind_visible_device(DeviceSpec("cuda", 2), env) == DeviceSpec("cuda", 0)

@@ -50,12 +50,17 @@ def bind_visible_device(spec: DeviceSpec,
                         environ: MutableMapping[str, str] | None = None) -> DeviceSpec:
     """Make only ``spec`` visible to this process and return its local name.
 
-    Must run before the first device call. When the variable is already set (a container that
-    mapped one device in, say), it is left alone and ``spec`` is used as given.
+    Must run before the first device call. When the variable is already set (a container or a
+    scheduler that gave this process some devices), a ``spec`` naming one of the IDs it lists
+    (``ASCEND_RT_VISIBLE_DEVICES=4,5`` and ``npu:5``) narrows it to that one device, seen as
+    index 0; any other ``spec`` is left alone, as an index among the devices already visible.
     """
     env = os.environ if environ is None else environ
     var = VISIBLE_DEVICE_VARS.get(spec.type)
-    if var is None or spec.index is None or env.get(var):
+    if var is None or spec.index is None:
+        return spec
+    given = env.get(var)
+    if given and str(spec.index) not in [part.strip() for part in given.split(",")]:
         return spec
     env[var] = str(spec.index)
     return DeviceSpec(spec.type, 0)
