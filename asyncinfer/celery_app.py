@@ -26,7 +26,10 @@ INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.work
 
 
 class _App(Celery):  # type: ignore[misc]
-    """Celery, with a worker whose banner tells a device worker's truth."""
+    """Celery, with a worker whose banner tells a device worker's truth, publishing json or
+    msgpack only (:mod:`asyncinfer.celery_amqp`)."""
+
+    amqp_cls = "asyncinfer.celery_amqp:AMQP"
 
     @cached_property
     def Worker(self) -> Any:  # noqa: N802 - Celery's name

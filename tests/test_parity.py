@@ -262,3 +262,19 @@ def test_link_and_link_error_are_sent_as_messages(target: Target) -> None:
 def test_the_worker_log_has_no_traceback_of_celerys_tracer(target: Target) -> None:
     # every failure above has its one line; Celery's tracer's own ERROR lines are not there
     assert "raised unexpected" not in target.worker.log()
+
+
+def test_a_callback_asking_for_pickle_is_sent_as_json(target: Target) -> None:
+    # a producer's link and link_error name pickle as their serializer: the worker that calls
+    # them publishes json all the same (it never sends pickle)
+    app = target.client.app
+    on_success = app.signature("parity.on_success", queue=CALLBACKS, serializer="pickle")
+    on_failure = app.signature("parity.on_failure", queue=CALLBACKS, serializer="pickle")
+    good = target.client.submit("flaky", _flaky(_index(), 0), link=on_success)
+    good.result(timeout=60)
+    bad = target.client.submit("flaky", _flaky(_index(), -1), link_error=on_failure)
+    with pytest.raises(ModelError):
+        bad.result(timeout=60)
+    sent = _callbacks(target.redis, 2)
+    assert sorted(m["headers"]["task"] for m in sent) == ["parity.on_failure", "parity.on_success"]
+    assert [m["content-type"] for m in sent] == ["application/json", "application/json"]

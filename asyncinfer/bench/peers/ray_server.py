@@ -6,6 +6,10 @@ and the sim models); ``max_ongoing_requests`` is raised above the bench's in-fli
 that Ray Serve's default (5) does not cap the batches. ``POST /`` with ``{"row": ...}`` (one row:
 a string, or a list of numbers) answers ``{"output": [...], "batch_size": n}``. Prints ``READY``
 once it serves; stops on SIGTERM.
+
+Ray ships the deployment and each request between its own processes with its own pickling: that
+is the peer's internals, in the peers venv. The bench's load reaches it as JSON over HTTP, and no
+asyncinfer message is ever pickled.
 """
 
 from __future__ import annotations
