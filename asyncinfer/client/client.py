@@ -73,6 +73,8 @@ class Client:
                                      replicas_timeout_s=self.settings.submit_replicas_timeout_s)
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
+        #: The no-retry clients of :meth:`ping`, by URL.
+        self._pingers: dict[str, redis.Redis] = {}
         self._bounds: dict[str, int] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
         self._broker_guessed = self.settings.broker_url_origin() == "default"
@@ -225,8 +227,12 @@ class Client:
         elif not self._results_shared:
             urls.append(str(self.app.conf.broker_url))
         for url in urls:
-            client = redis_client(url, self.settings, socket_connect_timeout=timeout_s,
-                                  socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+            # one client per URL, kept: a ping on its open connection is one round trip
+            client = self._pingers.get(url)
+            if client is None:
+                client = self._pingers[url] = redis_client(
+                    url, self.settings, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                    retry=Retry(NoBackoff(), 0))
             try:
                 client.ping()
             except redis.TimeoutError as exc:
@@ -236,8 +242,6 @@ class Client:
                 error = broker_error("ping", exc)  # the wording of a submit's, without a request
                 raise self._broker_error(
                     type(error)(str(error).removeprefix("request ping: "))) from exc
-            finally:
-                client.close()
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
@@ -338,6 +342,9 @@ class Client:
             self._watcher = None
         if self._broker is not None:
             self._broker.close()
+        for client in self._pingers.values():
+            client.close()
+        self._pingers.clear()
         self.app.close()
 
     def __enter__(self) -> Client:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import make_private_dir, published_url, write_private
@@ -68,34 +69,51 @@ def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: flo
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            print(f"asyncinfer up: exited with {proc.returncode} before its workers were ready:\n"
-                  f"{_tail(log_path)}", file=sys.stderr)
-            return 1
-        if _ready(settings, workers):
-            print(f"asyncinfer up: running in the background (pid {proc.pid}, log {log_path}); "
-                  f"stop it with `asyncinfer down`", flush=True)
-            return 0
-        time.sleep(0.5)
+    with _Readiness(settings) as ready:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                print(f"asyncinfer up: exited with {proc.returncode} before its workers were "
+                      f"ready:\n{_tail(log_path)}", file=sys.stderr)
+                return 1
+            if ready.workers() >= workers:
+                print(f"asyncinfer up: running in the background (pid {proc.pid}, log "
+                      f"{log_path}); stop it with `asyncinfer down`", flush=True)
+                return 0
+            time.sleep(0.5)
     print(f"asyncinfer up: its workers were not ready in {timeout_s:g} s (pid {proc.pid}, log "
           f"{log_path}); `asyncinfer down` stops it", file=sys.stderr)
     return 1
 
 
-def _ready(settings: Settings, workers: int) -> bool:
-    from asyncinfer.client import Client
-    from asyncinfer.ops.status import cluster_status
+class _Readiness:
+    """How many workers answer ``status``, through one client made once the broker is known."""
 
-    url = settings.broker_url or published_url(settings.redis_dir)
-    if not url:
-        return False
-    try:
-        with Client(broker_url=url) as client:
-            client.ping()
-            return len(cluster_status(client.app, timeout_s=0.5).workers) >= workers
-    except Exception:  # noqa: BLE001 - not up yet
-        return False
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client: Any = None
+
+    def workers(self) -> int:
+        from asyncinfer.ops.status import cluster_status
+
+        try:
+            if self.client is None:
+                url = self.settings.broker_url or published_url(self.settings.redis_dir)
+                if not url:
+                    return 0  # the embedded Redis has not published its URL yet
+                from asyncinfer.client import Client
+
+                self.client = Client(broker_url=url)
+            self.client.ping()
+            return len(cluster_status(self.client.app, timeout_s=0.5).workers)
+        except Exception:  # noqa: BLE001 - not up yet
+            return 0
+
+    def __enter__(self) -> _Readiness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.client is not None:
+            self.client.close()
 
 
 def down(settings: Settings, timeout_s: float = 60.0) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 from celery import states
 from celery.exceptions import TaskRevokedError
+from celery.worker import state as worker_state
 
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import RetryBudgetExhausted
@@ -52,6 +53,8 @@ class Admission:
     verdict: str
     delay_s: float = 0.0
     error: BaseException | None = None
+    #: For RUN: seconds left until the request's ``expires`` (None: no deadline).
+    expires_in_s: float | None = None
 
 
 _RUN = Admission(RUN)
@@ -60,9 +63,7 @@ _RUN = Admission(RUN)
 def is_revoked(request_id: str) -> bool:
     """Whether this worker was told to revoke ``request_id`` (Celery's ``revoke``, kept by its
     worker state, on both consumers)."""
-    from celery.worker import state
-
-    return request_id in state.revoked
+    return request_id in worker_state.revoked
 
 
 def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: Any = None,
@@ -78,9 +79,11 @@ def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: A
     if revoked(request_id):
         return Admission(REVOKED, error=TaskRevokedError("revoked"))
     left_s = seconds_until(expires)
-    if left_s is not None and left_s <= 0:
+    if left_s is None:
+        return _RUN
+    if left_s <= 0:
         return Admission(EXPIRED, error=TaskRevokedError("expired"))
-    return _RUN
+    return Admission(RUN, expires_in_s=left_s)
 
 
 def already_answered(status: Any) -> bool:

@@ -47,7 +47,6 @@ from asyncinfer.wire.envelope import (
     printable,
     request_id_in,
     restored_message,
-    seconds_until,
     tag_in,
 )
 from asyncinfer.wire.protocol import request_kwargs
@@ -256,7 +255,7 @@ class FastConsumer:
                 self._malformed(d, exc, recorded)
                 continue
             deliveries.append(d)
-            self.holdings.add(d)
+        self.holdings.add(*deliveries)  # one lock for the whole take
         return deliveries
 
     def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
@@ -365,7 +364,7 @@ class FastConsumer:
             args, kwargs, embed = decode_body(d, self.policy.max_payload_bytes)
             request, future = self.runtime.submit(
                 d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
-                expires_in_s=seconds_until(headers.get("expires")),
+                expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")))
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)

@@ -49,12 +49,13 @@ class Holdings:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def add(self, d: Delivery) -> None:
-        """Hold ``d`` (taken); it counts towards the bound."""
+    def add(self, *deliveries: Delivery) -> None:
+        """Hold ``deliveries`` (taken); each counts towards the bound."""
         with self._cond:
-            if id(d) not in self._held:
-                self._held[id(d)] = Holding(d)
-                self._in_flight += 1
+            for d in deliveries:
+                if id(d) not in self._held:
+                    self._held[id(d)] = Holding(d)
+                    self._in_flight += 1
 
     def start(self, d: Delivery) -> None:
         """``d`` is handed to the device."""
