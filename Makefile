@@ -32,6 +32,12 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
+# The gRPC front's messages: asyncinfer/gateway/proto/inference_pb2.py(i), generated code that is
+# committed; rerun after editing inference.proto. -I. keeps the proto's name in protobuf's pool unique.
+.PHONY: proto
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. asyncinfer/gateway/proto/inference.proto
+
 lint: setup
 	$(VENV)/bin/ruff check asyncinfer tests
 	$(VENV)/bin/mypy asyncinfer

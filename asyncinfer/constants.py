@@ -13,6 +13,7 @@ __all__ = [
     "PRIORITY_SEP",
     "PRIORITY_STEPS",
     "priority_lists",
+    "priority_list",
     "queue_of_list",
 ]
 
@@ -42,6 +43,12 @@ PRIORITY_STEPS = (0, 3, 6, 9)
 def priority_lists(queues: list[str]) -> list[str]:
     """The Redis lists of ``queues`` in the order kombu's BRPOP serves them (by step, then queue)."""
     return [q if step == 0 else f"{q}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS for q in queues]
+
+
+def priority_list(queue: str, priority: int) -> str:
+    """The Redis list kombu's Redis transport puts a message of ``priority`` (0-9) on."""
+    step = max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
+    return queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}"
 
 
 def queue_of_list(key: str) -> str:

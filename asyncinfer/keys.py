@@ -18,6 +18,10 @@ __all__ = [
     "REPLICATION_MARK_CHANNEL",
     "WATCHER_CHANNEL",
     "dead_letter_key",
+    "CATALOGUE_LIVE_KEY",
+    "CATALOGUE_HOSTS_KEY",
+    "CATALOGUE_KNOWN_KEY",
+    "CATALOGUE_META_KEY",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -52,3 +56,14 @@ def dead_letter_key(model: str) -> str:
     """The dead-letter list of ``model`` (see dead_letters.py)."""
     return DEAD_LETTER_PREFIX + model
 
+
+
+#: The model catalogue (catalogue.py): which worker hosts which model, live and recently.
+#: ``…:live`` sorted set of ``model\tworker`` → expiry time; ``…:hosts`` hash of the same member →
+#: JSON of that worker's device; ``…:known`` sorted set of model → last announced; ``…:meta``
+#: hash of model → JSON metadata (inputs, outputs, versions, max batch size).
+CATALOGUE_PREFIX = KEY_PREFIX + "models:"
+CATALOGUE_LIVE_KEY = CATALOGUE_PREFIX + "live"
+CATALOGUE_HOSTS_KEY = CATALOGUE_PREFIX + "hosts"
+CATALOGUE_KNOWN_KEY = CATALOGUE_PREFIX + "known"
+CATALOGUE_META_KEY = CATALOGUE_PREFIX + "meta"

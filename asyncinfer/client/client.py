@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.publisher import Publisher
@@ -35,7 +37,7 @@ from asyncinfer.constants import (
     model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout, UnknownModel
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
 from asyncinfer.wire.payloads import to_input_payload
@@ -78,6 +80,57 @@ class Client:
         self._bounds: dict[str, int] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
         self._broker_guessed = self.settings.broker_url_origin() == "default"
+        backend_url = str(self.app.conf.result_backend)
+        self._catalogue = (Catalogue(self.app.backend.client, ttl_s=self.settings.catalogue_ttl_s,
+                                     retention_s=self.settings.model_retention_s)
+                           if is_redis_url(backend_url) else None)
+        #: (read at, models known then) of the catalogue, re-read at most every KNOWN_FOR_S.
+        self._known: tuple[float, frozenset[str]] = (-1e9, frozenset())
+
+    @property
+    def broker(self) -> redis.Redis | None:
+        """The Redis client of the broker (None on another broker)."""
+        return self._broker
+
+    #: How long a read of the known models serves the unknown-model check (a model not among them
+    #: is looked up again at once, so a newly announced model is never refused).
+    KNOWN_FOR_S = 2.0
+
+    def models(self) -> dict[str, CatalogueEntry]:
+        """The model catalogue: every model the fleet announced within ``model_retention_s``,
+        with its metadata and the live workers hosting it (``entry.ready``: at least one)."""
+        return self._read_catalogue("models")
+
+    def _read_catalogue(self, what: str) -> dict[str, CatalogueEntry]:
+        if self._catalogue is None:
+            return {}
+        try:
+            return self._catalogue.read()
+        except redis.RedisError as exc:
+            raise self._broker_error(broker_error(what, exc)) from exc
+
+    def check_model(self, model: str, request_id: str = "") -> None:
+        """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
+        not ``model``, within ``model_retention_s`` (0: never). A known model with no live worker
+        passes: its requests wait in its queue for one."""
+        if self._catalogue is None or not self.settings.model_retention_s:
+            return
+        read_at, known = self._known
+        if model in known and time.monotonic() - read_at < self.KNOWN_FOR_S:
+            return
+        try:
+            known = frozenset(self._catalogue.read())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # the submit would fail too
+            raise self._broker_error(broker_error(request_id or "models", exc)) from exc
+        except redis.RedisError:  # a user not allowed the catalogue's keys: nothing to judge by
+            return
+        self._known = (time.monotonic(), known)
+        if known and model not in known:
+            who = f"request {request_id}: " if request_id else ""
+            raise UnknownModel(
+                f"{who}model '{model}' is unknown: no worker announced it in the last "
+                f"{_duration(self.settings.model_retention_s)} (known: {', '.join(sorted(known))}); "
+                f"start a worker that hosts it (asyncinfer worker --models {model})")
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -91,7 +144,7 @@ class Client:
                binary: bool | None = None, link: Any = None, link_error: Any = None,
                expires: float | None = None, timeout_s: float | None = None,
                soft_time_limit_s: float | None = None,
-               time_limit_s: float | None = None) -> InferFuture:
+               time_limit_s: float | None = None, priority: int | None = None) -> InferFuture:
         """Send one request and return its future at once.
 
         Args:
@@ -109,20 +162,27 @@ class Client:
                 ``submit_timeout_s`` setting (0: raise at once).
             soft_time_limit_s, time_limit_s: Celery's ``soft_time_limit`` and ``time_limit`` for
                 this request; default the worker's.
+            priority: Celery's message priority, 0 to 9; on Redis (Celery's Redis semantics) 0 is
+                served first, in steps 0, 3, 6, 9. Default 0.
 
         A ``request_id`` that was already sent is not sent again: the future is that request's.
+        Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
+        (see :meth:`check_model`).
         """
         serializer = serializer or self.settings.task_serializer
         if serializer not in ("json", "msgpack"):
             raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
         if binary is None:
             binary = serializer == "msgpack"
+        claim = request_id is not None  # generated IDs cannot collide
+        request_id = str(uuid.uuid4()) if request_id is None else request_id
+        self.check_model(model, request_id)
         payload = {"model": model, "inputs": _payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
-        return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id,
+        return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id, claim=claim,
                          serializer=serializer, link=link, link_error=link_error, expires=expires,
                          timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
-                         time_limit_s=time_limit_s)
+                         time_limit_s=time_limit_s, priority=priority)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -135,6 +195,7 @@ class Client:
         serializer = serializer or self.settings.task_serializer
         binary = serializer == "msgpack"
         request_id = request_id or str(uuid.uuid4())
+        self.check_model(model, request_id)
         payload = {"model": model, "inputs": _payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
         options = {"serializer": serializer}
@@ -147,10 +208,10 @@ class Client:
         return future
 
     def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,
-             serializer: str | None = None, link: Any = None, link_error: Any = None,
-             expires: float | None = None, timeout_s: float | None = None,
-             soft_time_limit_s: float | None = None,
-             time_limit_s: float | None = None) -> InferFuture:
+             claim: bool | None = None, serializer: str | None = None, link: Any = None,
+             link_error: Any = None, expires: float | None = None, timeout_s: float | None = None,
+             soft_time_limit_s: float | None = None, time_limit_s: float | None = None,
+             priority: int | None = None) -> InferFuture:
         """Send any task by name with ``kwargs`` to ``queue``; its future resolves to its result.
 
         :meth:`submit` is this for ``asyncinfer.infer``. On a Redis broker the message is one
@@ -159,8 +220,12 @@ class Client:
         RabbitMQ's ``x-max-length``).
         """
         serializer = serializer or self.settings.task_serializer
-        claim = request_id is not None  # generated IDs cannot collide
+        if claim is None:
+            claim = request_id is not None  # generated IDs cannot collide
         request_id = str(uuid.uuid4()) if request_id is None else request_id
+        if priority is not None and (type(priority) is not int or not 0 <= priority <= 9):
+            raise InvalidRequest(f"request {printable(request_id)}: priority must be an integer "
+                                 f"0 to 9, got {priority!r}")
         if not valid_request_id(request_id):
             raise InvalidRequest(f"request {printable(request_id)}: a request ID must be 1 to "
                                  f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")
@@ -169,7 +234,8 @@ class Client:
         try:
             self._send(future, task, queue, kwargs, claim=claim, serializer=serializer, link=link,
                        link_error=link_error, expires=expires, timeout_s=timeout_s,
-                       soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s)
+                       soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s,
+                       priority=priority or 0)
         except BaseException:
             self.watcher.unwatch(request_id)  # nothing is left waiting for a request not sent
             raise
@@ -178,7 +244,7 @@ class Client:
     def _send(self, future: InferFuture, task: str, queue: str, kwargs: dict[str, Any], *,
               claim: bool, serializer: str, link: Any, link_error: Any, expires: float | None,
               timeout_s: float | None, soft_time_limit_s: float | None,
-              time_limit_s: float | None) -> None:
+              time_limit_s: float | None, priority: int) -> None:
         request_id = future.id
         if self._broker is None:
             if claim and not self._claim(request_id):
@@ -186,7 +252,7 @@ class Client:
             self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
                                serializer=serializer, link=link, link_error=link_error,
                                expires=expires, time_limit=time_limit_s,
-                               soft_time_limit=soft_time_limit_s)
+                               soft_time_limit=soft_time_limit_s, priority=priority)
             return
         embed = {"callbacks": [dict(link)] if link is not None else None,
                  "errbacks": [dict(link_error)] if link_error is not None else None}
@@ -194,11 +260,12 @@ class Client:
                                embed=embed, expires_s=expires,
                                kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
                                max_body_bytes=self.settings.max_payload_bytes,
-                               time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s)
+                               time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s,
+                               priority=priority)
         assert self._publisher is not None
         try:
             self._publisher.publish(
-                queue, request_id, message, claim=claim,
+                queue, request_id, message, claim=claim, priority=priority,
                 result_key=self.watcher.key(request_id) if self._results_shared else None,
                 max_queue_size=self._queue_bound(queue),
                 timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
@@ -352,6 +419,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    """``86400`` → ``24 h``, ``90`` → ``90 s``."""
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from asyncinfer.connections import require_replicas
+from asyncinfer.constants import priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
 
@@ -28,8 +29,8 @@ __all__ = ["Publisher", "PUBLISHED", "DUPLICATE"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
-# KEYS: queue, claim key, result key.
-# ARGV: message, max queue size (0: none), claim TTL (0: none).
+# KEYS: the list to push on, claim key, result key, then every list of the queue (its priority lists).
+# ARGV: message, max queue size (0: none), claim TTL (0: none), queue name.
 # Returns {1} published, {0} already sent to this queue, {-1, queue length} when the queue is full,
 # {-2, other queue} when the ID was sent to another queue.
 _PUBLISH = """
@@ -37,17 +38,18 @@ local claim_ttl = tonumber(ARGV[3])
 if claim_ttl > 0 then
   local claimed = redis.call('GET', KEYS[2])
   if claimed then
-    if claimed ~= KEYS[1] and claimed ~= '1' then return {-2, claimed} end
+    if claimed ~= ARGV[4] and claimed ~= '1' then return {-2, claimed} end
     return {0}
   end
   if redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
 end
 local bound = tonumber(ARGV[2])
 if bound > 0 then
-  local depth = redis.call('LLEN', KEYS[1])
+  local depth = 0
+  for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
   if depth >= bound then return {-1, depth} end
 end
-if claim_ttl > 0 then redis.call('SET', KEYS[2], KEYS[1], 'EX', claim_ttl) end
+if claim_ttl > 0 then redis.call('SET', KEYS[2], ARGV[4], 'EX', claim_ttl) end
 redis.call('LPUSH', KEYS[1], ARGV[1])
 return {1}
 """
@@ -70,13 +72,15 @@ class Publisher:
 
     def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0,
-                timeout_s: float = 0.0) -> int:
+                timeout_s: float = 0.0, priority: int = 0) -> int:
         """LPUSH ``message`` on ``queue``. Returns PUBLISHED, or DUPLICATE when ``claim`` is set
         and the request ID was already sent (or its result is stored under ``result_key``).
-        Raises QueueFull when the queue stays at ``max_queue_size`` for ``timeout_s``."""
+        Raises QueueFull when the queue (all its priority lists) stays at ``max_queue_size`` for
+        ``timeout_s``. ``priority`` (0-9) picks the list as kombu's Redis transport does."""
         claim_key = CLAIM_PREFIX + request_id
-        keys = [queue, claim_key, result_key or claim_key]
-        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0]
+        keys = [priority_list(queue, priority), claim_key, result_key or claim_key,
+                *priority_lists([queue])]
+        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0, queue]
         deadline = time.monotonic() + max(0.0, timeout_s)
         pause_s = self.poll_s[0]
         while True:

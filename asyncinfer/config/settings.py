@@ -167,6 +167,26 @@ class Settings:
         0, "ASYNCINFER_METRICS_PORT",
         "Port on which each worker serves Prometheus metrics at `/metrics` (`asyncinfer worker "
         "--metrics-port`); 0: not served.")
+    catalogue_ttl_s: float = _setting(
+        15.0, "ASYNCINFER_CATALOGUE_TTL_S",
+        "Seconds a worker's entry in the model catalogue lives; it announces its models every third "
+        "of this, and a worker killed outright drops out when it passes.")
+    model_retention_s: float = _setting(
+        86400.0, "ASYNCINFER_MODEL_RETENTION_S",
+        "A model stays known this long after a worker last announced it: a submit for a model not "
+        "announced in that window is refused (`UnknownModel`), a known model with no live worker is "
+        "queued. 0: never refuse. While the fleet has announced nothing at all, nothing is refused.")
+    gateway_host: str = _setting(
+        "127.0.0.1", "ASYNCINFER_GATEWAY_HOST", "Address the gateway (`asyncinfer gateway`) listens on.")
+    http_port: int = _setting(
+        8000, "ASYNCINFER_HTTP_PORT", "The gateway's v2 HTTP/REST port (0: not served).")
+    grpc_port: int = _setting(
+        8001, "ASYNCINFER_GRPC_PORT", "The gateway's v2 gRPC port (0: not served).")
+    gateway_metrics_port: int = _setting(
+        8002, "ASYNCINFER_GATEWAY_METRICS_PORT",
+        "Port of the gateway's Prometheus metrics at `/metrics` (0: not served).")
+    gateway: bool = _setting(
+        True, "ASYNCINFER_GATEWAY", "Whether `asyncinfer up` starts a gateway (`up --no-gateway`).")
     send_events: bool = _setting(
         True, "ASYNCINFER_SEND_EVENTS",
         "Workers send Celery task events (Celery's `worker_send_task_events`, `-E`), so Flower and "

@@ -13,7 +13,7 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.protocol import Request
 
-__all__ = ["InputSpec", "Model", "Batch"]
+__all__ = ["InputSpec", "OutputSpec", "Model", "Batch"]
 
 #: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
 Batch = dict[str, Any]
@@ -59,6 +59,18 @@ class InputSpec:
             f"(element {first} is {bad})")
 
 
+@dataclass(frozen=True)
+class OutputSpec:
+    """One declared output: its datatype and the shape of one row (-1: any size)."""
+
+    datatype: str
+    row_shape: tuple[int, ...]
+
+
+def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": [-1, *row_shape]}
+
+
 class Model:
     """Base of every model the worker hosts.
 
@@ -79,6 +91,22 @@ class Model:
     forward_inputs: Mapping[str, InputSpec] | None = None
     #: Default batching options; configuration (ASYNCINFER_MODEL_OPTIONS) overrides them.
     options: ModelOptions = ModelOptions()
+    #: Declared outputs (for the model catalogue and v2 model metadata); None: not declared.
+    outputs: Mapping[str, OutputSpec] | None = None
+    #: The version the catalogue announces (v2 ``versions``).
+    version: str = "1"
+    #: The v2 ``platform`` of its metadata.
+    platform: str = "pytorch"
+
+    def metadata(self, options: ModelOptions) -> dict[str, Any]:
+        """What the worker announces in the model catalogue: the v2 model metadata (inputs and
+        outputs with -1 for the batch dimension; none for a model that declares none) and the
+        batching it serves with."""
+        inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape) for n, s in (self.inputs or {}).items()]
+        outputs = [_tensor_metadata(n, s.datatype, s.row_shape) for n, s in (self.outputs or {}).items()]
+        return {"name": self.name, "versions": [self.version], "platform": self.platform,
+                "inputs": inputs, "outputs": outputs, "max_batch_size": options.max_batch_size,
+                "batchable": self.batchable}
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncinfer.models.base import Batch, InputSpec, Model
+from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec
 
 __all__ = ["Identity", "MLP"]
 
@@ -31,6 +31,7 @@ class MLP(Model):
     hidden = 64
     out_features = 4
     inputs = {"input": InputSpec(("FP32",), (in_features,), allow_nonfinite=False)}
+    outputs = {"output": OutputSpec("FP32", (out_features,))}
 
     def __init__(self) -> None:
         gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.models.base import Batch, InputSpec, Model
+from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec
 from asyncinfer.wire.protocol import Request
 
 __all__ = ["MiniLM", "bundled_model_path"]
@@ -64,6 +64,7 @@ class MiniLM(Model):
 
     name = "minilm"
     inputs = {"text": InputSpec(("BYTES",), ())}
+    outputs = {"embedding": OutputSpec("FP32", (384,))}
     #: What the forward stage alone takes (``asyncinfer.preprocess``'s output): token IDs, mask and
     #: token types, INT64 [n, length]; narrowed at load to the tokenizer's own input names.
     forward_inputs = {name: InputSpec(("INT64",), (-1,))

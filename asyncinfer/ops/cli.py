@@ -1,7 +1,8 @@
 """The ``asyncinfer`` command.
 
-commands: up (broker + a worker per device; --detach), down, worker (one device worker), infer,
-submit, result, cancel, purge, status, config, dead (dead letters), bench.
+commands: up (broker + a worker per device + a gateway; --detach), down, worker (one device
+worker), gateway (KServe v2 HTTP/gRPC), infer, submit, result, cancel, purge, status, models,
+config, dead (dead letters), bench.
 """
 
 from __future__ import annotations
@@ -232,6 +233,31 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.gateway.server import Ports, run_gateway
+
+    settings = Settings.from_env(broker_url=args.broker_url)
+    ports = Ports(args.host or settings.gateway_host,
+                  *(settings_value if flag is None else flag for flag, settings_value in (
+                      (args.http_port, settings.http_port), (args.grpc_port, settings.grpc_port),
+                      (args.metrics_port, settings.gateway_metrics_port))))
+    return run_gateway(settings, ports)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from asyncinfer.ops.models import format_models
+
+    with _client(args) as client:
+        client.ping()
+        entries = client.models()
+        if args.json:
+            print(json.dumps({n: e.as_dict() for n, e in entries.items()}, sort_keys=True))
+        else:
+            print(format_models(entries))
+    return 0
+
+
 def cmd_dead(args: argparse.Namespace) -> int:
     from asyncinfer.ops.dead import run_dead
 
@@ -318,6 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("models", help="the model catalogue: models, versions, ready, workers")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("gateway", help="KServe v2 / Triton HTTP and gRPC in front of the fleet")
+    p.add_argument("--host", help="address to listen on (default ASYNCINFER_GATEWAY_HOST or 127.0.0.1)")
+    p.add_argument("--http-port", type=int,
+                   help="v2 REST port (default ASYNCINFER_HTTP_PORT or 8000; 0: off)")
+    p.add_argument("--grpc-port", type=int,
+                   help="v2 gRPC port (default ASYNCINFER_GRPC_PORT or 8001; 0: off)")
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus port (default ASYNCINFER_GATEWAY_METRICS_PORT or 8002; 0: off)")
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("cancel", help="revoke requests: one not yet on the device never runs")
     p.add_argument("request_ids", nargs="+", metavar="ID")

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -47,6 +48,7 @@ __all__ = [
     "MAX_REQUEST_ID_CHARS",
     "retry_message",
     "restored_message",
+    "SENT_AT",
 ]
 
 
@@ -256,13 +258,16 @@ def result_meta(request_id: str, state: str, result: Any, *, traceback: str | No
 
 
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
+#: The message property holding when a request was sent (epoch seconds), where our producers set it.
+SENT_AT = "asyncinfer_sent_at"
 
 
 def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str, *,
                  serializer: str = "json", embed: dict[str, Any] | None = None,
                  expires_s: float | None = None, kwargsrepr: str = "",
                  max_body_bytes: int | None = None,
-                 time_limit_s: float | None = None, soft_time_limit_s: float | None = None) -> str:
+                 time_limit_s: float | None = None, soft_time_limit_s: float | None = None,
+                 priority: int = 0) -> str:
     """The kombu envelope of a Celery protocol-2 task message, ready to LPUSH on ``queue``.
 
     The same message ``app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue)``
@@ -299,8 +304,10 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
         },
         "properties": {
             "correlation_id": request_id, "reply_to": "", "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
+            "delivery_info": {"exchange": "", "routing_key": queue}, "priority": priority,
             "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
+            # when it was sent (epoch seconds): the gateway's oldest-request-age gauge reads it
+            SENT_AT: round(time.time(), 3),
         },
     }
     return json.dumps(envelope)

@@ -19,9 +19,9 @@ from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.constants import model_from_queue
-from asyncinfer.worker import metrics
+from asyncinfer.worker import announcer, metrics
 from asyncinfer.worker.intake.step import fast_queues, is_prefork
-from asyncinfer.worker.runtime import close_runtime, get_runtime
+from asyncinfer.worker.runtime import close_runtime, existing_runtime, get_runtime
 from asyncinfer.worker.supervisor import CANNOT_START
 
 __all__ = ["hosted_models"]
@@ -69,10 +69,36 @@ def _load(app: Celery) -> None:
         metrics.serve(port)
 
 
+#: This worker's name (``celery@host``), known from ``worker_init`` (and kept across prefork's fork).
+_worker_name = [""]
+
+
+def _announce(worker: str) -> None:
+    """Put this process's models in the model catalogue (announcer.py) until the worker stops."""
+    runtime = existing_runtime()
+    if runtime is None or not runtime.models:
+        return
+
+    def hosted() -> list[dict[str, Any]]:
+        return [r.model.metadata(r.options) for r in runtime.runners()]
+
+    announcer.start(runtime.settings, worker, runtime.device.label, hosted)
+
+
 @signals.worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    if sender is not None:
+        _worker_name[0] = str(getattr(sender, "hostname", "") or "")
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    # Consuming now: its models are served. (A prefork child announces itself once loaded.)
+    pool_cls = getattr(getattr(sender, "controller", None), "pool_cls", None)
+    if pool_cls is None or not is_prefork(pool_cls):
+        _announce(_worker_name[0] or str(getattr(sender, "hostname", "")))
 
 
 @signals.worker_process_init.connect
@@ -80,11 +106,18 @@ def _on_worker_process_init(**_: Any) -> None:
     from asyncinfer.celery_app import app
 
     _load(app)
+    _announce(f"{_worker_name[0]}/{os.getpid()}")
 
 
 @signals.worker_shutdown.connect
 def _on_worker_shutdown(**_: Any) -> None:
+    announcer.stop()
     close_runtime()
+
+
+@signals.worker_process_shutdown.connect
+def _on_worker_process_shutdown(**_: Any) -> None:
+    announcer.stop()
 
 
 @inspect_command()  # type: ignore[misc]

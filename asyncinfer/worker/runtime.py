@@ -28,7 +28,7 @@ from asyncinfer.worker import metrics
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import is_revoked
 
-__all__ = ["WorkerRuntime", "get_runtime", "close_runtime", "set_device_label"]
+__all__ = ["WorkerRuntime", "get_runtime", "existing_runtime", "close_runtime", "set_device_label"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,11 @@ def get_runtime(settings: Settings | None = None) -> WorkerRuntime:
         with _runtime_lock:
             if _runtime is None:
                 _runtime = WorkerRuntime(settings or Settings.from_env())
+    return _runtime
+
+
+def existing_runtime() -> WorkerRuntime | None:
+    """This process's runtime if one was created (never creates one)."""
     return _runtime
 
 

@@ -13,7 +13,8 @@ from typing import IO
 from asyncinfer.processes import pid_alive, stop_process
 
 __all__ = ["ROOT", "TEST_FACTORIES", "WORKER_MODELS", "SESSION_MAX_PAYLOAD_BYTES", "worker_env",
-           "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env"]
+           "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env",
+           "GatewayProcess", "start_gateway"]
 
 #: The project's root folder (the working directory of every subprocess).
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,43 @@ def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> Work
     """Start ``asyncinfer worker`` with ``args`` and wait until it consumes."""
     argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
     return WorkerProcess(argv, worker_env(redis_url, **env), log_path).wait_ready()
+
+
+class GatewayProcess(WorkerProcess):
+    """An ``asyncinfer gateway`` subprocess on free ports; ready when it says so."""
+
+    READY = "asyncinfer gateway ready"
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *, http_port: int,
+                 grpc_port: int, metrics_port: int) -> None:
+        super().__init__(argv, env, log_path)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.http_url = f"127.0.0.1:{http_port}"
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+
+    def wait_ready(self, timeout_s: float = 60.0) -> GatewayProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.READY in self.log():
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"gateway not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+
+
+def start_gateway(redis_url: str, log_path: Path, **env: str) -> GatewayProcess:
+    """Start ``asyncinfer gateway`` on three free ports and wait until it serves."""
+    from asyncinfer.ops.redis_server import free_port
+
+    ports = [free_port() for _ in range(3)]
+    while len(set(ports)) < 3:
+        ports = [free_port() for _ in range(3)]
+    argv = [sys.executable, "-m", "asyncinfer", "gateway", "--http-port", str(ports[0]),
+            "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    return GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
+                          grpc_port=ports[1], metrics_port=ports[2]).wait_ready()
 
 
 def start_up(env: dict[str, str], log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:

@@ -1,0 +1,288 @@
+"""The v2 gRPC front: KServe v2 / Triton's ``inference.GRPCInferenceService``.
+
+Triton's clients (``tritonclient.grpc``, perf_analyzer, ...) call it as they call Triton: the
+messages (proto/inference.proto) carry Triton's field numbers, and the methods are registered
+under Triton's service name. Only the calls the gateway can answer are registered (health,
+metadata, model config, infer); any other method of the service (ModelStatistics,
+RepositoryIndex, shared memory, streaming, ...) gets gRPC's own UNIMPLEMENTED.
+
+Errors are aborts with the gRPC code :class:`~asyncinfer.gateway.service.GatewayError` maps to
+(429 → RESOURCE_EXHAUSTED also sends ``retry-after`` trailing metadata, in seconds). A client
+that cancels, or whose deadline passes, cancels its handler; the service then revokes the request.
+A client's deadline also becomes the request's expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import Message
+
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.proto import inference_pb2 as pb
+from asyncinfer.gateway.service import OFF_LOOP_BYTES, GatewayError, Service
+from asyncinfer.gateway.tensors import (
+    InferCall,
+    InferResult,
+    InputTensor,
+    RequestedOutput,
+    raw_from_list,
+)
+
+__all__ = ["start_grpc", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
+
+log = logging.getLogger(__name__)
+
+#: The service name Triton's clients call (the proto package of Triton's grpc_service.proto).
+SERVICE_NAME = "inference.GRPCInferenceService"
+#: Largest message either way by default (gRPC's own default, 4 MiB, is too small for tensors).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: The ``InferTensorContents`` field that holds each datatype's elements (Triton's choice);
+#: FP16 and BF16 have none and travel in ``raw_input_contents`` only.
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+_INT64_MAX = 2**63 - 1
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+# -- requests and responses ----------------------------------------------------------------------
+
+def _value(parameter: pb.InferParameter) -> Any:
+    """The plain Python value of an ``InferParameter`` (None when none of its fields is set)."""
+    which = parameter.WhichOneof("parameter_choice")
+    return None if which is None else getattr(parameter, which)
+
+
+def _set_value(parameter: pb.InferParameter, value: Any) -> None:
+    """Store ``value`` in the ``InferParameter`` field of its type (text for anything else)."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int) and value > _INT64_MAX:
+        parameter.uint64_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def _contents_list(where: str, tensor: pb.ModelInferRequest.InferInputTensor) -> list[Any]:
+    """The elements an input carries in its typed ``contents`` (the field its datatype uses).
+
+    Raises:
+        InvalidRequest: Elements in a field that is not the datatype's (or any, for FP16/BF16).
+    """
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    others = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    if others:
+        hint = (f"{tensor.datatype} data travels in raw_input_contents only" if field is None
+                else f"{tensor.datatype} data belongs in {field}")
+        raise InvalidRequest(f"{where}: has {', '.join(others)} ({hint})")
+    return [] if field is None else list(getattr(tensor.contents, field))
+
+
+def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
+    """The request's inputs, their data in the v2 binary form.
+
+    Raises:
+        InvalidRequest: Raw contents for some inputs only, typed contents beside raw ones, shared
+            memory (not served here), or typed contents that do not fit the datatype and shape.
+    """
+    request_id = request.id or "(no id)"
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"request {request_id}: {len(raw)} raw_input_contents for "
+                             f"{len(request.inputs)} inputs (give one per input, or none)")
+    tensors = []
+    for i, tensor in enumerate(request.inputs):
+        where = f"request {request_id}: input '{tensor.name}'"
+        if "shared_memory_region" in tensor.parameters:
+            raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
+        shape = list(tensor.shape)
+        if raw:
+            if tensor.contents.ListFields():
+                raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
+                                     f"(give one or the other)")
+            data = raw[i]
+        else:
+            data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
+        tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+    return tensors
+
+
+def _call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
+    """The :class:`InferCall` of a ModelInfer request; ``timeout_s``: the client's deadline."""
+    parameters = {k: v for k, p in request.parameters.items() if (v := _value(p)) is not None}
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for output in request.outputs:
+            if "shared_memory_region" in output.parameters:
+                raise InvalidRequest(f"request {request.id or '(no id)'}: output '{output.name}': "
+                                     f"shared memory is not supported")
+            outputs.append(RequestedOutput(output.name))
+    return InferCall(model=request.model_name, version=request.model_version, id=request.id,
+                     inputs=_inputs(request), parameters=parameters, outputs=outputs,
+                     timeout_s=timeout_s, protocol="grpc")
+
+
+def _infer_response(result: InferResult) -> pb.ModelInferResponse:
+    """The ModelInferResponse of a result: every output's data in ``raw_output_contents`` (where
+    tritonclient reads it), the worker's parameters (worker, device, batch_size, ...) as values."""
+    response = pb.ModelInferResponse(model_name=result.model_name,
+                                     model_version=result.model_version, id=result.id)
+    for name, value in result.parameters.items():
+        if value is not None:
+            _set_value(response.parameters[name], value)
+    for output in result.outputs:
+        response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+        response.raw_output_contents.append(output.raw)
+    return response
+
+
+def _tensor_metadata(tensor: Mapping[str, Any]) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(
+        name=str(tensor["name"]), datatype=str(tensor["datatype"]),
+        shape=[int(d) for d in tensor.get("shape") or []])
+
+
+def _data_type(name: str) -> pb.DataType:
+    """A ``TYPE_*`` name as a DataType (TYPE_INVALID for one Triton does not have)."""
+    return pb.DataType.Value(name) if name in pb.DataType.keys() else pb.TYPE_INVALID
+
+
+def _model_config(config: Mapping[str, Any]) -> pb.ModelConfig:
+    return pb.ModelConfig(
+        name=str(config["name"]), platform=str(config.get("platform", "")),
+        backend=str(config.get("backend", "")), max_batch_size=int(config.get("max_batch_size", 0)),
+        input=[pb.ModelInput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
+                             dims=[int(d) for d in t["dims"]]) for t in config.get("input", [])],
+        output=[pb.ModelOutput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
+                               dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])])
+
+
+# -- the methods ---------------------------------------------------------------------------------
+
+def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[Message]]]:
+    """Method name → (handler, request message, response message)."""
+
+    async def server_live(request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=service.live())
+
+    async def server_ready(request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=service.ready())
+
+    async def model_ready(request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        # An unknown model is not ready, not an error (as Triton answers).
+        return pb.ModelReadyResponse(ready=await service.model_ready(request.name, request.version))
+
+    async def server_metadata(request: pb.ServerMetadataRequest,
+                              context: Any) -> pb.ServerMetadataResponse:
+        meta = service.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
+                                         extensions=meta["extensions"])
+
+    async def model_metadata(request: pb.ModelMetadataRequest,
+                             context: Any) -> pb.ModelMetadataResponse:
+        meta = await service.model_metadata(request.name, request.version)
+        return pb.ModelMetadataResponse(
+            name=meta["name"], versions=[str(v) for v in meta["versions"]], platform=meta["platform"],
+            inputs=[_tensor_metadata(t) for t in meta["inputs"]],
+            outputs=[_tensor_metadata(t) for t in meta["outputs"]])
+
+    async def model_config(request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        config = await service.model_config(request.name, request.version)
+        return pb.ModelConfigResponse(config=_model_config(config))
+
+    async def model_infer(request: pb.ModelInferRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        timeout_s = context.time_remaining()
+        # Typed contents are converted element by element: off the loop when there are many.
+        if not request.raw_input_contents and request.ByteSize() > OFF_LOOP_BYTES:
+            call = await asyncio.get_running_loop().run_in_executor(None, _call, request, timeout_s)
+        else:
+            call = _call(request, timeout_s)
+        return _infer_response(await service.infer(call))
+
+    return {
+        "ServerLive": (server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+        "ServerReady": (server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
+        "ModelReady": (model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+        "ServerMetadata": (server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+        "ModelMetadata": (model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+        "ModelConfig": (model_config, pb.ModelConfigRequest, pb.ModelConfigResponse),
+        "ModelInfer": (model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
+    }
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: GatewayError) -> NoReturn:
+    """End the call with the error's gRPC code (and ``retry-after`` when it has one)."""
+    trailing: tuple[tuple[str, str], ...] = ()
+    if error.retry_after_s is not None:
+        trailing = (("retry-after", f"{max(1, round(error.retry_after_s))}"),)
+    await context.abort(getattr(grpc.StatusCode, error.grpc_code), error.message, trailing)
+    raise AssertionError("unreachable: ServicerContext.abort raises")
+
+
+def _unary(method: Handler) -> Handler:
+    """``method`` with its errors turned into aborts. Cancellation (the client went away, or its
+    deadline passed) is not caught: it reaches :meth:`Service.infer`, which revokes the request."""
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(request, context)
+        except GatewayError as exc:
+            error = exc
+        except InvalidRequest as exc:
+            error = GatewayError(400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, not a bare UNKNOWN
+            log.exception("gRPC %s failed", getattr(method, "__name__", "call"))
+            error = GatewayError(500, f"{type(exc).__name__}: {exc}")
+        await _abort(context, error)
+
+    return handler
+
+
+def make_handler(service: Service) -> grpc.GenericRpcHandler:
+    """The generic handler of ``inference.GRPCInferenceService`` for ``service``'s calls."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        name: grpc.unary_unary_rpc_method_handler(
+            _unary(method), request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString)
+        for name, (method, request_type, response_type) in _methods(service).items()})
+
+
+async def start_grpc(service: Service, host: str, port: int, *,
+                     max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """Serve the gRPC front on ``host:port``; stop with ``await server.stop(grace_s)``.
+
+    Raises:
+        OSError: ``host:port`` cannot be bound (grpc itself raises RuntimeError).
+    """
+    # gRPC sets SO_REUSEPORT by default: a second gateway on a taken port would share it silently.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", max_message_bytes),
+                                      ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((make_handler(service),))
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
+    await server.start()
+    return server

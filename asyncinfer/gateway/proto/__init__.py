@@ -1,0 +1,1 @@
+"""Generated protobuf messages of the gRPC front (inference.proto; regenerate with `make proto`)."""

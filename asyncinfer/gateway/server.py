@@ -1,0 +1,99 @@
+"""``asyncinfer gateway``: one process serving the v2 REST and gRPC fronts and the gateway's metrics.
+
+Both fronts run on one asyncio loop and share one :class:`~asyncinfer.gateway.service.Service`
+(one :class:`~asyncinfer.client.Client`: one set of Redis connections, one result watcher). Any
+number of gateways may run on any hosts: each is stateless; the queues and results are in Redis.
+SIGTERM or SIGINT stops it: the fronts stop taking calls, calls in flight get ``GRACE_S`` to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from asyncinfer import __version__
+from asyncinfer.client.client import Client
+from asyncinfer.config.settings import Settings
+from asyncinfer.gateway.grpc_api import start_grpc
+from asyncinfer.gateway.http_api import start_http
+from asyncinfer.gateway.metrics import GatewayMetrics
+from asyncinfer.gateway.service import Service
+
+__all__ = ["Ports", "run_gateway", "CANNOT_START"]
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a gateway that cannot start as configured (a port taken, say): as a worker's.
+CANNOT_START = 78
+#: Seconds calls in flight get to finish when the gateway stops.
+GRACE_S = 5.0
+#: Threads that publish requests and run other Redis calls off the event loop.
+EXECUTOR_THREADS = 16
+
+
+@dataclass(frozen=True)
+class Ports:
+    host: str
+    http: int
+    grpc: int
+    metrics: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> Ports:
+        return cls(settings.gateway_host, settings.http_port, settings.grpc_port,
+                   settings.gateway_metrics_port)
+
+
+def run_gateway(settings: Settings, ports: Ports | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status (``CANNOT_START`` when a port cannot be bound)."""
+    ports = ports or Ports.of(settings)
+    try:
+        return asyncio.run(_serve(settings, ports))
+    except OSError as exc:
+        print(f"asyncinfer gateway: cannot start: {exc}", file=sys.stderr, flush=True)
+        return CANNOT_START
+
+
+async def _serve(settings: Settings, ports: Ports) -> int:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+        EXECUTOR_THREADS, thread_name_prefix="asyncinfer-gateway"))
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    client = Client(settings=settings)
+    service = Service(client, version=__version__)
+    await service.start()
+    metrics = GatewayMetrics(client.broker, service.known_models, lambda: service.in_flight)
+    service.on_infer = metrics.record
+    fronts: list[Any] = []
+    try:
+        if ports.http:
+            fronts.append(await start_http(service, ports.host, ports.http,
+                                           max_body_bytes=settings.max_payload_bytes))
+        grpc_server = None
+        if ports.grpc:
+
+            grpc_server = await start_grpc(service, ports.host, ports.grpc,
+                                             max_message_bytes=settings.max_payload_bytes)
+        metrics_server = metrics.serve(ports.host, ports.metrics) if ports.metrics else None
+        where = [f"HTTP on http://{ports.host}:{ports.http}" if ports.http else "",
+                 f"gRPC on {ports.host}:{ports.grpc}" if ports.grpc else "",
+                 f"metrics on http://{ports.host}:{ports.metrics}/metrics" if ports.metrics else ""]
+        print(f"asyncinfer gateway ready: {', '.join(w for w in where if w)}", flush=True)
+        await stop.wait()
+        log.info("gateway stopping")
+        if grpc_server is not None:
+            await grpc_server.stop(GRACE_S)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+    finally:
+        for runner in fronts:
+            await runner.cleanup()
+        await service.close()
+    return 0

@@ -1,0 +1,301 @@
+"""What the gateway does for a v2 call, whichever front (HTTP or gRPC) it came through.
+
+An infer call becomes one ``asyncinfer.infer`` request on ``infer.<model>``, sent by the project's
+own :class:`~asyncinfer.client.Client` (same ID rules, validation, queue bound and errors), and
+its result is awaited without polling (the client's result watcher). Publishing runs in the
+loop's executor, so the event loop never waits on Redis. Model metadata and readiness come from the
+model catalogue (catalogue.py), read at most every ``CATALOGUE_FOR_S`` in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from asyncinfer import errors
+from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.client.client import Client
+from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
+from asyncinfer.wire.payloads import DATATYPES
+
+__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES"]
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "asyncinfer"
+#: What ``GET /v2`` and ServerMetadata advertise.
+EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+#: Data above this size (bytes) is converted off the event loop.
+OFF_LOOP_BYTES = 256 * 1024
+
+#: HTTP status → gRPC status code name.
+GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+              499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+#: Parameters the gateway itself consumes; the others travel to the worker with the request.
+_OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
+                   "headers", "sequence_id", "sequence_start", "sequence_end"}
+
+T = TypeVar("T")
+
+
+class GatewayError(Exception):
+    """An answer other than success: an HTTP ``status`` (and its gRPC code) and a message."""
+
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def grpc_code(self) -> str:
+        return GRPC_CODES.get(self.status, "UNKNOWN")
+
+
+def error_for(exc: BaseException) -> GatewayError:
+    """The gateway's answer to an error a request raised (submit or result)."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, errors.UnknownModel):
+        return GatewayError(404, message)
+    if isinstance(exc, errors.InvalidRequest):
+        return GatewayError(400, message)
+    if isinstance(exc, errors.QueueFull):
+        return GatewayError(429, message, retry_after_s=1.0)
+    if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated)):
+        return GatewayError(503, message)
+    if isinstance(exc, (errors.RequestExpired, errors.RequestTimeout, errors.SoftTimeLimit,
+                        errors.HardTimeLimit)) or type(exc).__name__ in (
+                            "SoftTimeLimitExceeded", "TimeLimitExceeded"):
+        return GatewayError(504, message)
+    if isinstance(exc, errors.RequestRevoked) or type(exc).__name__ == "TaskRevokedError":
+        return GatewayError(499, message)
+    return GatewayError(500, f"{type(exc).__name__}: {message}")
+
+
+class Service:
+    """The gateway's calls, shared by its fronts. Start with :meth:`start` inside the loop."""
+
+    #: Seconds a catalogue read serves metadata and readiness answers.
+    CATALOGUE_FOR_S = 1.0
+    #: Seconds between two broker health checks.
+    HEALTH_EVERY_S = 1.0
+
+    def __init__(self, client: Client, *, version: str = "") -> None:
+        self.client = client
+        self.version = version
+        self._catalogue: dict[str, CatalogueEntry] = {}
+        self._catalogue_at = -1e9
+        self._broker_ok = False
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Called with (call, HTTP status, seconds) after every infer call (the metrics).
+        self.on_infer: Callable[[InferCall, int, float], None] = lambda call, status, seconds: None
+        self.in_flight = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._check_broker()
+        await self._refresh()
+        self._tasks = [asyncio.create_task(self._every(self.HEALTH_EVERY_S, self._check_broker)),
+                       asyncio.create_task(self._every(self.CATALOGUE_FOR_S, self._refresh))]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._off_loop(self.client.close)
+
+    async def _every(self, period_s: float, step: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await step()
+            except Exception:  # noqa: BLE001 - a probe must never end
+                log.debug("gateway background step failed", exc_info=True)
+
+    async def _off_loop(self, call: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    async def _check_broker(self) -> None:
+        try:
+            await self._off_loop(self.client.ping)
+            if not self._broker_ok:
+                log.info("gateway: broker reachable")
+            self._broker_ok = True
+        except errors.BrokerUnavailable as exc:
+            if self._broker_ok:
+                log.warning("gateway: %s", exc)
+            self._broker_ok = False
+
+    async def _refresh(self) -> None:
+        try:
+            self._catalogue = await self._off_loop(self.client.models)
+            self._catalogue_at = time.monotonic()
+        except errors.BrokerUnavailable:
+            pass
+
+    # -- health and metadata ---------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        """Whether the gateway can reach the broker (checked every ``HEALTH_EVERY_S``)."""
+        return self._broker_ok
+
+    def known_models(self) -> list[str]:
+        """The models of the last catalogue read."""
+        return list(self._catalogue)
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": self.version, "extensions": list(EXTENSIONS)}
+
+    async def entry(self, model: str, version: str = "") -> CatalogueEntry:
+        """The catalogue entry of ``model`` (re-read once when it is not among the known ones).
+
+        Raises:
+            GatewayError: 404 when the fleet does not know it, or not that version.
+        """
+        entry = self._catalogue.get(model)
+        if entry is None:
+            await self._refresh()
+            entry = self._catalogue.get(model)
+        if entry is None:
+            known = ", ".join(self._catalogue) or "none"
+            raise GatewayError(404, f"model '{model}' is unknown: no worker announced it "
+                                    f"(known: {known})")
+        if version and version not in entry.versions:
+            raise GatewayError(404, f"model '{model}' has no version '{version}' "
+                                    f"(versions: {', '.join(entry.versions)})")
+        return entry
+
+    async def model_metadata(self, model: str, version: str = "") -> dict[str, Any]:
+        """The v2 model metadata (``name``, ``versions``, ``platform``, ``inputs``, ``outputs``)."""
+        entry = await self.entry(model, version)
+        meta = entry.metadata
+        return {"name": model, "versions": entry.versions,
+                "platform": str(meta.get("platform", "pytorch")),
+                "inputs": list(meta.get("inputs") or []), "outputs": list(meta.get("outputs") or [])}
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        """Whether a live worker hosts ``model`` (False for an unknown one)."""
+        try:
+            entry = await self.entry(model, version)
+        except GatewayError:
+            return False
+        return entry.ready
+
+    async def model_config(self, model: str, version: str = "") -> dict[str, Any]:
+        """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
+        inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension)."""
+        entry = await self.entry(model, version)
+        meta = entry.metadata
+        batchable = bool(meta.get("batchable", True))
+        return {"name": model, "platform": str(meta.get("platform", "pytorch")),
+                "backend": SERVER_NAME,
+                "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
+                "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
+                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []]}
+
+    # -- infer -----------------------------------------------------------------------------------
+
+    async def infer(self, call: InferCall) -> InferResult:
+        """Send ``call`` as one request and await its response.
+
+        Raises:
+            GatewayError: with the status the error maps to (404 unknown model, 400 bad input,
+                429 queue full, 503 broker unreachable, 504 expired, 500 a model failure).
+        """
+        started = time.perf_counter()
+        status = 200
+        self.in_flight += 1
+        try:
+            return await self._infer(call)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is answered with its status
+            error = error_for(exc)
+            status = error.status
+            raise error from (None if isinstance(exc, GatewayError) else exc)
+        finally:
+            self.in_flight -= 1
+            self.on_infer(call, status, time.perf_counter() - started)
+
+    async def _infer(self, call: InferCall) -> InferResult:
+        entry = await self.entry(call.model, call.version)
+        priority = _priority(call)
+        expires_s = _expires_s(call)
+        inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
+                  for t in call.inputs]
+        if not inputs:
+            raise GatewayError(400, f"request {call.id or '(no id)'}: a v2 request needs at least "
+                                    f"one input")
+        parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
+        future = await self.client.asubmit(
+            call.model, inputs, request_id=call.id or None, parameters=parameters,
+            serializer="msgpack", binary=True, expires=expires_s, timeout_s=0.0, priority=priority)
+        response = await future
+        raw = response.raw
+        wanted = None if call.outputs is None else [o.name for o in call.outputs]
+        outputs = {o["name"]: o for o in raw["outputs"]}
+        if wanted is not None:
+            missing = [n for n in wanted if n not in outputs]
+            if missing:
+                raise GatewayError(400, f"request {raw['id']}: model '{call.model}' has no output "
+                                        f"{', '.join(repr(m) for m in missing)} (outputs: "
+                                        f"{', '.join(repr(n) for n in outputs)})")
+        chosen = [outputs[n] for n in (wanted if wanted is not None else list(outputs))]
+        return InferResult(model_name=call.model, model_version=call.version or entry.versions[0],
+                           id=str(raw["id"]) if call.id else "",
+                           outputs=[_output(raw["id"], o) for o in chosen],
+                           parameters=dict(raw.get("parameters") or {}))
+
+
+def _output(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+    data = output["data"]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],
+                             list(output["shape"]), data)
+    return OutputTensor(str(output["name"]), str(output["datatype"]), list(output["shape"]),
+                        bytes(data))
+
+
+def _priority(call: InferCall) -> int | None:
+    value = call.parameters.get("priority")
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'priority' must be a "
+                                f"non-negative integer, got {value!r}")
+    return min(int(value), 9)
+
+
+def _expires_s(call: InferCall) -> float | None:
+    """The request's expiry: the ``timeout`` parameter (µs, Triton's) or the caller's deadline."""
+    limits = [] if call.timeout_s is None else [call.timeout_s]
+    value = call.parameters.get("timeout")
+    if value is not None:
+        if type(value) not in (int, float) or value <= 0:
+            raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'timeout' must be "
+                                    f"a positive number of microseconds, got {value!r}")
+        limits.append(float(value) / 1e6)
+    return min(limits) if limits else None
+
+
+def _config_tensor(tensor: Mapping[str, Any], batchable: bool) -> dict[str, Any]:
+    shape = list(tensor.get("shape") or [])
+    dims = shape[1:] if batchable and shape else shape
+    return {"name": tensor["name"], "data_type": "TYPE_" + _config_type(str(tensor["datatype"])),
+            "dims": dims}
+
+
+def _config_type(datatype: str) -> str:
+    """v2 datatype → the suffix of Triton's ModelConfig ``TYPE_*`` name."""
+    return {"BYTES": "STRING"}.get(datatype, datatype) if datatype in DATATYPES else datatype

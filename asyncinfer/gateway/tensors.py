@@ -1,0 +1,137 @@
+"""The gateway's form of a v2 call, shared by its HTTP and gRPC fronts.
+
+Tensor data travels through the gateway as raw little-endian bytes (BYTES: each element a 4-byte
+little-endian length, then its bytes: the v2 binary form, which is also the wire contract's), so a
+binary HTTP body or gRPC ``raw_input_contents`` goes to the worker without a copy into lists.
+JSON data (flat or nested lists) is turned into raw bytes here, with the wire contract's own
+checks, so a bad element is refused with the message a worker would give.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncinfer.wire.datatypes import decode_data, encode_data, spec_for
+
+__all__ = ["InputTensor", "OutputTensor", "RequestedOutput", "InferCall", "InferResult",
+           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob"]
+
+
+@dataclass
+class InputTensor:
+    """One input as a front received it; ``raw`` is its data in the v2 binary form."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    raw: bytes
+
+
+@dataclass
+class RequestedOutput:
+    """An output the caller asked for, and whether it wants it as binary data (HTTP)."""
+
+    name: str
+    binary: bool | None = None
+
+
+@dataclass
+class InferCall:
+    """One v2 infer call.
+
+    Args:
+        model, version: from the path (``version`` "" for none).
+        id: the v2 request ``id``; when given it is the request ID (same ID, same request).
+        parameters: the v2 request parameters (``timeout`` in µs, ``priority``, ...).
+        outputs: the outputs asked for; None for all.
+        timeout_s: the caller's own deadline (a gRPC deadline), if any.
+        protocol: the front it came through (``http`` or ``grpc``), for the metrics.
+    """
+
+    model: str
+    version: str
+    id: str
+    inputs: list[InputTensor]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: list[RequestedOutput] | None = None
+    timeout_s: float | None = None
+    protocol: str = "grpc"
+
+
+@dataclass
+class OutputTensor:
+    """One output of a response; ``raw`` is its data in the v2 binary form."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    raw: bytes
+
+
+@dataclass
+class InferResult:
+    """A v2 response; ``parameters`` holds the worker's (worker, device, batch_size, ...)."""
+
+    model_name: str
+    model_version: str
+    id: str
+    outputs: list[OutputTensor]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def raw_from_list(where: str, datatype: str, shape: list[int], data: Any) -> bytes:
+    """The v2 binary form of JSON data (a flat or nested list, or one element).
+
+    Raises:
+        InvalidRequest: Unknown datatype, bad shape, wrong element count or an element that does
+            not fit the datatype; the message starts with ``where``.
+    """
+    spec = spec_for(datatype, where)
+    if not isinstance(data, list):
+        data = [data]
+    value, _ = decode_data(where, spec, tuple(shape), data)
+    if spec.dtype is None:
+        return bytes_blob(value.reshape(-1).tolist())
+    return bytes(encode_data(where, spec, value, math.prod(shape), True))
+
+
+def bytes_blob(items: list[Any]) -> bytes:
+    """BYTES elements (str as UTF-8, or bytes) in the v2 binary form."""
+    parts = []
+    for x in items:
+        b = x.encode("utf-8") if isinstance(x, str) else bytes(x)
+        parts += [struct.pack("<I", len(b)), b]
+    return b"".join(parts)
+
+
+def list_from_raw(where: str, datatype: str, shape: list[int], raw: bytes) -> list[Any]:
+    """The flat JSON list of raw data (BYTES elements as str where they are UTF-8, else as the
+    bytes' Latin-1 text; BF16 as floats)."""
+    spec = spec_for(datatype, where)
+    value, _ = decode_data(where, spec, tuple(shape), raw)
+    flat = value.reshape(-1)
+    if spec.dtype is None:
+        return [_text(x) for x in flat.tolist()]
+    if spec.name == "BOOL":
+        return [bool(x) for x in flat.tolist()]
+    return np.asarray(flat).tolist()
+
+
+def check_raw(where: str, datatype: str, shape: list[int], raw: bytes) -> None:
+    """Raise InvalidRequest unless ``raw`` holds exactly ``prod(shape)`` elements of ``datatype``."""
+    spec = spec_for(datatype, where)
+    decode_data(where, spec, tuple(shape), raw)
+
+
+def _text(x: Any) -> str:
+    if isinstance(x, bytes):
+        try:
+            return x.decode("utf-8")
+        except UnicodeDecodeError:
+            return x.decode("latin-1")
+    return str(x)

@@ -1,0 +1,96 @@
+"""A device worker's entry in the model catalogue (catalogue.py): announced when it is ready, again
+every third of the TTL, withdrawn when it stops.
+
+The catalogue lives on the result backend's Redis (where the gateway and clients also read
+results). A failed announcement is logged and tried again at the next beat; it never stops the
+worker serving. Without a Redis result backend there is no catalogue, and nothing is announced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+
+from asyncinfer.catalogue import Catalogue
+from asyncinfer.config.settings import Settings
+from asyncinfer.connections import is_redis_url, redis_client
+
+__all__ = ["Announcer", "start", "stop"]
+
+log = logging.getLogger(__name__)
+
+
+class Announcer:
+    """Announces ``models()`` (their metadata dicts) for ``worker`` until :meth:`stop`."""
+
+    def __init__(self, catalogue: Catalogue, worker: str, models: Callable[[], Sequence[Mapping[str, Any]]],
+                 *, device: str) -> None:
+        self.catalogue = catalogue
+        self.worker = worker
+        self.models = models
+        self.device = device
+        self.interval_s = max(0.2, catalogue.ttl_s / 3)
+        self._stopped = threading.Event()
+        self._announced: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="asyncinfer-announcer", daemon=True)
+
+    def start(self) -> Announcer:
+        self.beat()  # before start() returns: a ready worker is in the catalogue
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """Announce once (errors logged, not raised)."""
+        try:
+            models = self.models()
+            self.catalogue.announce(self.worker, models, device=self.device, pid=os.getpid())
+            self._announced = [str(m["name"]) for m in models]
+        except redis.RedisError as exc:
+            log.warning("model catalogue: announcement failed (%s: %s); next try in %.1f s",
+                        type(exc).__name__, exc, self.interval_s)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            self.beat()
+
+    def stop(self) -> None:
+        """Stop announcing and withdraw what was announced."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        try:
+            self.catalogue.withdraw(self.worker, self._announced)
+        except redis.RedisError as exc:
+            log.warning("model catalogue: withdrawal failed (%s); the entry lapses in %.0f s",
+                        exc, self.catalogue.ttl_s)
+        self.catalogue.client.close()
+
+
+_current: list[Announcer] = []
+
+
+def start(settings: Settings, worker: str, device: str,
+          models: Callable[[], Sequence[Mapping[str, Any]]]) -> Announcer | None:
+    """Start this process's announcer (none without a Redis result backend)."""
+    stop()
+    backend = settings.resolved_result_backend()
+    if not is_redis_url(backend):
+        log.info("model catalogue: the result backend is not Redis; nothing is announced")
+        return None
+    client = redis_client(backend, settings, socket_connect_timeout=settings.connect_timeout_s,
+                          socket_timeout=max(settings.connect_timeout_s, 1.0))
+    catalogue = Catalogue(client, ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
+    announcer = Announcer(catalogue, worker, models, device=device).start()
+    _current.append(announcer)
+    return announcer
+
+
+def stop() -> None:
+    """Stop this process's announcer, if any (it withdraws its models)."""
+    while _current:
+        _current.pop().stop()
