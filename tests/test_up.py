@@ -1,13 +1,15 @@
-"""``asyncinfer up``: embedded Redis with persistence, supervised workers, clean stop."""
+"""``asyncinfer up``: embedded Redis with persistence, supervised workers, its gateway, clean stop."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
@@ -21,10 +23,19 @@ pytestmark = pytest.mark.timeout(240)
 
 
 
+def _answers(triton: httpclient.InferenceServerClient) -> bool:
+    try:
+        return bool(triton.is_model_ready("identity"))
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
 def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> None:
     # Given `asyncinfer up` with no broker configured and a private state folder
     log = open(tmp_path / "up.log", "wb")
-    up = start_up(embedded_up_env(tmp_path), log, "--models", "identity", "--concurrency", "4")
+    env = embedded_up_env(tmp_path)
+    up = start_up(env, log, "--models", "identity", "--concurrency", "4")
+    gateway = f"127.0.0.1:{env['ASYNCINFER_HTTP_PORT']}"
     state = tmp_path / "redis"
     client = None
     started: list[int] = []  # every PID `up` started, stopped here by PID whatever happens
@@ -40,6 +51,13 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         assert [w.device for w in first] == ["cpu"] and first[0].models == ["identity"]
         one = client.infer("identity", np.array([[1.0]], np.float32), timeout_s=60)
         assert one["input"].tolist() == [[1.0]]
+        # and its gateway serves Triton's client
+        triton = httpclient.InferenceServerClient(gateway)
+        wait_for(lambda: _answers(triton), 60, "up's gateway")
+        x = httpclient.InferInput("x", [1, 2], "INT32")
+        x.set_data_from_numpy(np.array([[3, 4]], np.int32))
+        assert triton.infer("identity", [x]).as_numpy("x").tolist() == [[3, 4]]
+        triton.close()
 
         # When the worker dies, the supervisor starts a new one, which serves
         os.kill(first[0].pid, signal.SIGKILL)
@@ -55,6 +73,8 @@ def test_up_serves_restarts_dead_workers_and_stops_cleanly(tmp_path: Path) -> No
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert not pid_alive(second[0].pid) and not pid_alive(redis_pid)
+        with pytest.raises(OSError):  # the gateway stopped with it
+            socket.create_connection(("127.0.0.1", int(env["ASYNCINFER_HTTP_PORT"])), timeout=2)
         assert published_url(state) is None
         assert (state / "appendonly.aof").exists(), "the embedded Redis keeps an append-only file"
     finally:

@@ -39,6 +39,8 @@ class Run:
     #: The bench's own process (the client: publishing, result delivery) and Redis.
     client_cpu_ms_per_request: float | None = None
     redis_cpu_ms_per_request: float | None = None
+    #: ``asyncinfer gateway`` (the ``gateway`` systems only).
+    gateway_cpu_ms_per_request: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -57,6 +59,7 @@ class Run:
             "worker_cpu_ms_per_request": _ms(self.worker_cpu_ms_per_request),
             "client_cpu_ms_per_request": _ms(self.client_cpu_ms_per_request),
             "redis_cpu_ms_per_request": _ms(self.redis_cpu_ms_per_request),
+            "gateway_cpu_ms_per_request": _ms(self.gateway_cpu_ms_per_request),
         }
 
 

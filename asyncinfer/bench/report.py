@@ -9,19 +9,28 @@ from typing import Any
 __all__ = ["write_report", "markdown"]
 
 
+#: The CPU columns (ms per request) of the closed-loop table: heading, run field.
+_CPU = [("worker", "worker_cpu_ms_per_request"), ("client", "client_cpu_ms_per_request"),
+        ("Redis", "redis_cpu_ms_per_request")]
+#: Shown only when some run has it (the ``gateway`` systems).
+_GATEWAY_CPU = ("gateway", "gateway_cpu_ms_per_request")
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """Closed-loop results and the targets as Markdown tables."""
+    columns = list(_CPU)
+    if any(run.get(_GATEWAY_CPU[1]) is not None for run in doc["runs"]):
+        columns.append(_GATEWAY_CPU)
     lines = ["| workload | system | in flight | req/s | share of limit | p50 ms | p95 ms | p99 ms | "
-             "mean batch | CPU ms/req: worker | client | Redis |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean batch | CPU ms/req: " + " | ".join(h for h, _ in columns) + " |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(columns)]
     limits = {name: max(rates.values()) for name, rates in (doc.get("limits") or {}).items() if rates}
     for run in doc["runs"]:
         if run["mode"] != "closed":
             continue
         sizes = {int(k): v for k, v in run["batch_sizes"].items()}
         mean = sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values()))
-        cpu = " | ".join("" if run.get(k) is None else f"{run[k]:.2f}" for k in (
-            "worker_cpu_ms_per_request", "client_cpu_ms_per_request", "redis_cpu_ms_per_request"))
+        cpu = " | ".join("" if run.get(k) is None else f"{run[k]:.2f}" for _, k in columns)
         limit = limits.get(run["workload"])
         share = f"{run['throughput_rps'] / limit:.2f}" if limit else ""
         lines.append(f"| {run['workload']} | {run['system']} | {int(run['level'])} | "

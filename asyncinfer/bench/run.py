@@ -2,8 +2,11 @@
 
 For each workload: (a) the model called in-process at its best batch size — the limit; (b) plain
 Celery, one task per request; (c) asyncinfer. Closed loop at each in-flight level, then an open-
-loop rate sweep. Writes JSON, Markdown and a PNG plot under ``--out`` (``./bench-results``; the
-project's own figures are ``--out bench/results``).
+loop rate sweep. ``--systems`` also takes ``triton`` and ``ray`` (the peers, closed loop only) and
+``gateway`` / ``gateway-http``: asyncinfer's worker behind ``asyncinfer gateway``, driven over
+gRPC / HTTP by Triton's own client as the Triton peer is (closed loop only). Writes JSON,
+Markdown and a PNG plot under ``--out`` (``./bench-results``; the project's own figures are
+``--out bench/results``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from tqdm import tqdm
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
 from asyncinfer.bench.report import markdown, write_report
 from asyncinfer.bench.systems import (
+    GATEWAYS,
     WorkerUnderTest,
     available_systems,
+    is_gateway,
     is_peer,
+    measure_gateway_runs,
     measure_peer_runs,
     payload_kwargs,
     process_cpu_s,
@@ -41,7 +47,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="asyncinfer bench", description=__doc__)
     p.add_argument("--workloads",
                    default="identity,mlp,minilm,pipeline3-async,pipeline3-sync,sim-slow,sim-fast")
-    p.add_argument("--systems", default="celery,asyncinfer")
+    p.add_argument("--systems", default="celery,asyncinfer",
+                   help="of celery, asyncinfer, gateway, gateway-http, triton, ray")
     p.add_argument("--in-flight", default="1,8,64,256", help="closed-loop levels")
     p.add_argument("--rates", default="0.25,0.5,0.75,1.0",
                    help="open-loop rates as fractions of the system's best closed-loop throughput")
@@ -149,11 +156,33 @@ def _targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         p50, p99 = ident["p50_ms"] - direct, ident["p99_ms"] - direct
         add("identity, 1 in flight: p50 added latency (ms)", p50, "<= 2", p50 <= 2)
         add("identity, 1 in flight: p99 added latency (ms)", p99, "<= 5", p99 <= 5)
+    out += added_latency_targets(doc)
     pa = _closed(doc, "pipeline3-async", "asyncinfer", 64)
     ps = _closed(doc, "pipeline3-sync", "asyncinfer", 64)
     if pa and ps:
         ratio = pa["throughput_rps"] / max(ps["throughput_rps"], 1e-9)
         add("balanced 3-stage pipeline, 64 in flight: async / sync", ratio, ">= 1.8", ratio >= 1.8)
+    return out
+
+
+#: The gateway's added latency at 1 in flight, p50 (ms): the goal.
+ADDED_LATENCY_GOAL_MS = 1.0
+
+
+def added_latency_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per workload and gateway front: its p50 at 1 in flight less the Python ``Client``'s (the
+    ``asyncinfer`` system's) p50 at 1 in flight, same workload, same run."""
+    out = []
+    workloads = list(dict.fromkeys(r["workload"] for r in doc["runs"]))
+    for workload in workloads:
+        base = _closed(doc, workload, "asyncinfer", 1)
+        for system, front in GATEWAYS.items():
+            run = _closed(doc, workload, system, 1)
+            if base and run:
+                added = run["p50_ms"] - base["p50_ms"]
+                out.append({"name": f"{workload}, 1 in flight: gateway ({front}) p50 − Client p50 (ms)",
+                            "value": added, "goal": f"<= {ADDED_LATENCY_GOAL_MS:g}",
+                            "met": added <= ADDED_LATENCY_GOAL_MS})
     return out
 
 
@@ -193,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                     doc["direct_call_ms"][workload.name] = round(direct, 4)
                 bar.update(1)
                 for system in systems:
-                    if system == "celery" and workload.name.startswith("pipeline3"):
-                        continue
+                    if system != "asyncinfer" and workload.name.startswith("pipeline3"):
+                        continue  # the pipelined/serial comparison is asyncinfer's own
                     bar.set_postfix_str(f"{workload.name}: {system}")
                     if is_peer(system):  # closed loop only: its own load generator, its own venv
                         runs = measure_peer_runs(system, workload, levels, args.duration_s, Path(tmp))
@@ -203,11 +232,17 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     worker = start_system(system, workload, broker, Path(tmp), args.concurrency,
                                           args.device)
+                    redis_pid = redis.process.pid if redis and redis.process else None
                     try:
                         worker.wait_ready(client.app)
+                        if is_gateway(system):  # closed loop only, as the peers
+                            runs = measure_gateway_runs(system, workload, worker, broker, levels,
+                                                        args.duration_s, Path(tmp), redis_pid)
+                            doc["runs"] += [r.summary() for r in runs]
+                            bar.update(len(levels) + len(rates))
+                            continue
                         runs = _measure(system, workload, client, worker, levels, rates,
-                                        args.duration_s, bar,
-                                        redis.process.pid if redis and redis.process else None)
+                                        args.duration_s, bar, redis_pid)
                         doc["runs"] += [r.summary() for r in runs]
                     finally:
                         worker.stop()

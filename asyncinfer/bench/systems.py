@@ -3,7 +3,9 @@
 ``asyncinfer``: ``asyncinfer worker`` (fast consumer, dynamic batching). ``celery``: plain Celery,
 one task per request, the same model code, the same thread concurrency. ``triton`` and ``ray``:
 the peers (Triton through PyTriton, Ray Serve), started from their own venv (``make peers``) by
-:mod:`asyncinfer.bench.peers`.
+:mod:`asyncinfer.bench.peers`. ``gateway`` (and ``gateway-http``): the same ``asyncinfer worker``
+behind one ``asyncinfer gateway``, driven over gRPC (HTTP) by Triton's own client, as the Triton
+peer is driven.
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ from asyncinfer.bench.workloads import Workload
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.processes import stop_process
 
-__all__ = ["WorkerUnderTest", "start_system", "available_systems", "is_peer", "measure_peer_runs"]
+__all__ = ["WorkerUnderTest", "GatewayUnderTest", "GATEWAYS", "start_system", "available_systems",
+           "is_peer", "is_gateway", "measure_peer_runs", "measure_gateway_runs"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+#: The systems that are ``asyncinfer worker`` behind ``asyncinfer gateway``: the front each drives.
+GATEWAYS = {"gateway": "gRPC", "gateway-http": "HTTP"}
+#: What ``asyncinfer gateway`` prints once it serves.
+GATEWAY_READY = b"asyncinfer gateway ready"
 
 
 class WorkerUnderTest:
@@ -69,13 +76,53 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path,
-                 concurrency: int, device: str = "cpu") -> WorkerUnderTest:
-    """Start the worker of ``system`` for ``workload``."""
-    host = socket.gethostname()
+def _env(broker_url: str, concurrency: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
     env.update(ASYNCINFER_BROKER_URL=broker_url, ASYNCINFER_LOG_LEVEL="warning",
                ASYNCINFER_CONCURRENCY=str(concurrency))
+    return env
+
+
+class GatewayUnderTest:
+    """One ``asyncinfer gateway`` on free ports of 127.0.0.1: its ports, CPU time, how to stop it."""
+
+    def __init__(self, broker_url: str, log_path: Path) -> None:
+        from asyncinfer.bench.peers.runner import free_port
+
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        argv = [sys.executable, "-m", "asyncinfer", "gateway", "--host", "127.0.0.1",
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                "--metrics-port", str(self.metrics_port)]
+        self.process = subprocess.Popen(argv, env=_env(broker_url, 1), stdout=self._log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def port(self, system: str) -> int:
+        """The port of the front ``system`` drives."""
+        return self.http_port if GATEWAYS[system] == "HTTP" else self.grpc_port
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if GATEWAY_READY in self.log_path.read_bytes():
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}: "
+                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway not ready in {timeout_s} s")
+
+    def stop(self) -> None:
+        stop_process(self.process, signal.SIGTERM, 30)
+        self._log.close()
+
+
+def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path,
+                 concurrency: int, device: str = "cpu") -> WorkerUnderTest:
+    """Start the worker of ``system`` for ``workload`` (a gateway system: the ``asyncinfer`` one)."""
+    host = socket.gethostname()
+    env = _env(broker_url, concurrency)
     if workload.factories:
         env["ASYNCINFER_MODEL_FACTORIES"] = workload.factories
     if workload.options:
@@ -83,8 +130,8 @@ def start_system(system: str, workload: Workload, broker_url: str, log_dir: Path
 
         env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({workload.model: workload.options})
     log_path = log_dir / f"{system}-{workload.name}.log"
-    if system == "asyncinfer":
-        hostname = f"bench-asyncinfer@{host}"
+    if system == "asyncinfer" or system in GATEWAYS:
+        hostname = f"bench-{system}@{host}"
         argv = [sys.executable, "-m", "asyncinfer", "worker", "--device", device,
                 "--models", workload.model, "--hostname", hostname]
         return WorkerUnderTest(system, argv, env, log_path, hostname, TASK_NAME,
@@ -135,3 +182,29 @@ def measure_peer_runs(system: str, workload: Workload, levels: list[int], durati
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"bench: {system} on {workload.name} failed: {str(exc).splitlines()[0]}")
         return []
+
+
+def is_gateway(system: str) -> bool:
+    """Whether ``system`` is ``asyncinfer worker`` driven through ``asyncinfer gateway``."""
+    return system in GATEWAYS
+
+
+def measure_gateway_runs(system: str, workload: Workload, worker: WorkerUnderTest, broker_url: str,
+                         levels: list[int], duration_s: float, log_dir: Path,
+                         redis_pid: int | None = None) -> list[Run]:
+    """Closed-loop runs of ``worker`` behind one ``asyncinfer gateway`` (started and stopped here),
+    driven as the Triton peer is (Triton's client, the load generator in a process of its own);
+    the gateway's and the worker's CPU in their own columns. None (and one line why) on failure."""
+    from asyncinfer.bench.peers.runner import run_load
+
+    gateway = GatewayUnderTest(broker_url, log_dir / f"{system}-{workload.name}-gateway.log")
+    try:
+        gateway.wait_ready()
+        pids = {"worker": worker.process.pid, **({"redis": redis_pid} if redis_pid else {})}
+        return run_load(sys.executable, system, gateway.port(system), workload.name, levels,
+                        duration_s, gateway.process.pid, log_dir, server="gateway", cpu_pids=pids)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"bench: {system} on {workload.name} failed: {str(exc).splitlines()[0]}")
+        return []
+    finally:
+        gateway.stop()

@@ -99,9 +99,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         argv = [a for a in args.argv if a != "--detach"]
         devices = _models(args.devices or "") or detect_devices()
-        return detach(argv, Settings.from_env(broker_url=args.broker_url), len(devices))
+        return detach(argv, Settings.from_env(broker_url=args.broker_url, **_gateway_flags(args)),
+                      len(devices))
     return run_up(broker_url=args.broker_url, devices=_models(args.devices or ""),
-                  models=_models(args.models or ""), concurrency=args.concurrency)
+                  models=_models(args.models or ""), concurrency=args.concurrency,
+                  **_gateway_flags(args))
+
+
+def _gateway_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``up``'s gateway flags as settings overrides (None: the environment's or the default)."""
+    return {"gateway": False if args.no_gateway else None, "http_port": args.http_port,
+            "grpc_port": args.grpc_port, "gateway_metrics_port": args.gateway_metrics_port}
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -302,7 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help="comma-separated models (default: every registered model)")
     p.add_argument("--concurrency", type=int, help="task threads per worker")
     p.add_argument("--detach", action="store_true",
-                   help="run in the background; return once the workers are ready")
+                   help="run in the background; return once the workers (and gateway) are ready")
+    p.add_argument("--no-gateway", action="store_true",
+                   help="do not start the v2 gateway (default: ASYNCINFER_GATEWAY, on)")
+    p.add_argument("--http-port", type=int, help="gateway's v2 REST port (default 8000; 0: off)")
+    p.add_argument("--grpc-port", type=int, help="gateway's v2 gRPC port (default 8001; 0: off)")
+    p.add_argument("--gateway-metrics-port", type=int,
+                   help="gateway's Prometheus port (default 8002; 0: off)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the 'asyncinfer up' running in the background")

@@ -77,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
         env["ASYNCINFER_STATE_DIR"] = str(state)
         env.setdefault("ASYNCINFER_LOG_LEVEL", "warning")  # no per-request log lines in the table run
+        http_port, grpc_port, metrics_port = _free_ports(3)  # never another server's 8000-8002
+        env.update(ASYNCINFER_HTTP_PORT=str(http_port), ASYNCINFER_GRPC_PORT=str(grpc_port),
+                   ASYNCINFER_GATEWAY_METRICS_PORT=str(metrics_port))
         up = subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--models", "identity,mlp"],
                               env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         print(f"demo: started 'asyncinfer up' (pid {up.pid}), waiting for its workers …", flush=True)
         results: list[LoadResult] = []
         worker_pids: list[int] = []
+        gateway_ok = False
         try:
             url, workers = _wait_for_workers(state, up, timeout_s=120)
             worker_pids = [w.pid for w in workers if w.pid]
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
                         results.append(run_closed_loop(name, submit, args.requests, in_flight,
                                                        on_done=lambda: bar.update(1)))
+            gateway_ok = _through_gateway(http_port)
         finally:
             stop_process(up, signal.SIGINT, 60)
         left = [pid for pid in worker_pids if pid_alive(pid)]
@@ -112,10 +117,45 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_table(results))
     print()
-    failures = sum(r.failures for r in results)
+    failures = sum(r.failures for r in results) + (0 if gateway_ok else 1)
     print(f"demo: {sum(r.requests for r in results)} requests, {failures} failed; "
           f"'asyncinfer up' exited with {up.returncode}; processes left behind: {left or 'none'}")
     return 0 if failures == 0 and not left and up.returncode == 0 else 1
+
+
+def _free_ports(n: int) -> list[int]:
+    from asyncinfer.ops.redis_server import free_port
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _through_gateway(port: int, timeout_s: float = 60.0) -> bool:
+    """One v2 REST call to ``up``'s gateway (what any KServe/Triton client sends); prints it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                                   "data": [0.5] * 16}]}).encode()
+    url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as r:
+                answer = json.loads(r.read())
+            break
+        except (urllib.error.URLError, ConnectionError) as exc:
+            if time.monotonic() > deadline:
+                print(f"demo: the gateway did not answer at {url}: {exc}")
+                return False
+            time.sleep(0.5)
+    output = answer["outputs"][0]
+    print(f"demo: v2 gateway: POST {url} -> {output['name']} {output['datatype']}{output['shape']} "
+          f"(batch {answer['parameters']['batch_size']} on {answer['parameters']['worker']})")
+    return True
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: flo
                 print(f"asyncinfer up: exited with {proc.returncode} before its workers were "
                       f"ready:\n{_tail(log_path)}", file=sys.stderr)
                 return 1
-            if ready.workers() >= workers:
+            if ready.workers() >= workers and ready.gateway():
                 print(f"asyncinfer up: running in the background (pid {proc.pid}, log "
                       f"{log_path}); stop it with `asyncinfer down`", flush=True)
                 return 0
@@ -107,6 +107,19 @@ class _Readiness:
             return len(cluster_status(self.client.app, timeout_s=0.5).workers)
         except Exception:  # noqa: BLE001 - not up yet
             return 0
+
+    def gateway(self) -> bool:
+        """Whether up's gateway answers (True when it has none, or no HTTP port)."""
+        if not (self.settings.gateway and self.settings.http_port):
+            return True
+        import urllib.request
+
+        url = f"http://{self.settings.gateway_host}:{self.settings.http_port}/v2/health/live"
+        try:
+            with urllib.request.urlopen(url, timeout=0.5) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
 
     def __enter__(self) -> _Readiness:
         return self

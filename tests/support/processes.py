@@ -14,7 +14,7 @@ from asyncinfer.processes import pid_alive, stop_process
 
 __all__ = ["ROOT", "TEST_FACTORIES", "WORKER_MODELS", "SESSION_MAX_PAYLOAD_BYTES", "worker_env",
            "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env",
-           "GatewayProcess", "start_gateway"]
+           "GatewayProcess", "start_gateway", "gateway_ports_env"]
 
 #: The project's root folder (the working directory of every subprocess).
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,8 +112,22 @@ def start_gateway(redis_url: str, log_path: Path, **env: str) -> GatewayProcess:
                           grpc_port=ports[1], metrics_port=ports[2]).wait_ready()
 
 
+def gateway_ports_env() -> dict[str, str]:
+    """Free ports for the gateway of an ``asyncinfer up`` (never Triton's defaults, 8000-8002)."""
+    from asyncinfer.ops.redis_server import free_port
+
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(free_port())
+    http, grpc, metrics = sorted(ports)
+    return {"ASYNCINFER_HTTP_PORT": str(http), "ASYNCINFER_GRPC_PORT": str(grpc),
+            "ASYNCINFER_GATEWAY_METRICS_PORT": str(metrics)}
+
+
 def start_up(env: dict[str, str], log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
-    """Start ``asyncinfer up --devices cpu`` with ``args``, its output going to ``log``."""
+    """Start ``asyncinfer up --devices cpu`` with ``args``, its output going to ``log`` (its
+    gateway on free ports unless ``env`` names them)."""
+    env = {**gateway_ports_env(), **env}
     return subprocess.Popen([sys.executable, "-m", "asyncinfer", "up", "--devices", "cpu", *args],
                             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -129,6 +143,6 @@ def stop_up(up: subprocess.Popen[bytes], started: list[int]) -> None:
 
 def embedded_up_env(state_dir: Path) -> dict[str, str]:
     """Environment for an ``asyncinfer up`` that starts its own Redis in ``state_dir``."""
-    env = worker_env("", ASYNCINFER_STATE_DIR=str(state_dir))
+    env = worker_env("", ASYNCINFER_STATE_DIR=str(state_dir), **gateway_ports_env())
     del env["ASYNCINFER_BROKER_URL"]
     return env

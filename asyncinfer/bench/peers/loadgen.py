@@ -5,7 +5,12 @@ asyncinfer.bench.peers.loadgen --peer triton --port P --workload minilm --in-fli
 For each in-flight level: N requests kept outstanding for the duration (asyncio: Triton's gRPC aio
 client, or HTTP to Ray Serve's proxy), the same requests the bench sends asyncinfer. Prints one JSON
 line per level: latencies, failures, elapsed time, the batch size each request ran in, and the CPU
-seconds of this process and of the server's process tree over the run.
+seconds of this process and of the server's process tree over the run (and of each process named
+with ``--cpu-pid NAME=PID``, under ``cpu_s``).
+
+``--peer gateway`` (and ``gateway-http``) drive ``asyncinfer gateway`` the same way, from the
+project's venv: Triton's gRPC aio client (or its HTTP aio client, binary tensors), the rows the
+Python ``Client`` sends, the batch size read from the response's ``batch_size`` parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from asyncinfer.bench.workloads import WORKLOADS
 Call = Callable[[int], Awaitable[int]]
 
 _WARM_UP = 20
+#: What ``--peer`` takes: the peers, and the asyncinfer gateway's two fronts.
+TARGETS = ("triton", "ray", "gateway", "gateway-http")
 
 
 async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
@@ -42,6 +49,47 @@ async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitabl
         tensor.set_data_from_numpy(row)
         result = await client.infer(model, [tensor])
         return int(result.as_numpy("batch_size").reshape(-1)[0])
+
+    return call, client.close
+
+
+def _grpc_parameter(parameter: Any) -> Any:
+    """The plain value of a gRPC ``InferParameter`` (None when none of its fields is set)."""
+    which = parameter.WhichOneof("parameter_choice")
+    return None if which is None else getattr(parameter, which)
+
+
+async def _gateway(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
+    import tritonclient.grpc.aio as grpcclient
+
+    model = WORKLOADS[workload].model
+    name, datatype, rows = request_rows(workload, 64)  # as the Python Client sends them
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+
+    async def call(i: int) -> int:
+        row = rows[i % len(rows)]
+        tensor = grpcclient.InferInput(name, list(row.shape), datatype)
+        tensor.set_data_from_numpy(row)
+        result = await client.infer(model, [tensor])
+        return int(_grpc_parameter(result.get_response().parameters["batch_size"]))
+
+    return call, client.close
+
+
+async def _gateway_http(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
+    import tritonclient.http.aio as httpclient
+
+    model = WORKLOADS[workload].model
+    name, datatype, rows = request_rows(workload, 64)
+    # no limit below the bench's levels: one connection per request in flight
+    client = httpclient.InferenceServerClient(url=f"127.0.0.1:{port}", conn_limit=1024)
+
+    async def call(i: int) -> int:
+        row = rows[i % len(rows)]
+        tensor = httpclient.InferInput(name, list(row.shape), datatype)
+        tensor.set_data_from_numpy(row, binary_data=True)
+        result = await client.infer(model, [tensor])  # no outputs named: all, as binary data
+        return int(result.get_response()["parameters"]["batch_size"])
 
     return call, client.close
 
@@ -90,8 +138,23 @@ async def closed_loop(call: Call, in_flight: int, duration_s: float) -> dict[str
             "batch_sizes": {str(k): v for k, v in sorted(batches.items())}}
 
 
+def parse_cpu_pids(values: list[str]) -> dict[str, int]:
+    """``--cpu-pid`` values (``NAME=PID``) as a mapping; ValueError for one of another form."""
+    pids = {}
+    for value in values:
+        name, sep, pid = value.partition("=")
+        if not sep or not name or not pid.isdigit():
+            raise ValueError(f"--cpu-pid wants NAME=PID, got {value!r}")
+        pids[name] = int(pid)
+    return pids
+
+
+_CONNECT = {"triton": _triton, "ray": _ray, "gateway": _gateway, "gateway-http": _gateway_http}
+
+
 async def _main(args: argparse.Namespace) -> None:
-    connect = _triton if args.peer == "triton" else _ray
+    connect = _CONNECT[args.peer]
+    others = parse_cpu_pids(args.cpu_pid)
     call, close = await connect(args.port, args.workload)
     try:
         for i in range(_WARM_UP):
@@ -100,10 +163,13 @@ async def _main(args: argparse.Namespace) -> None:
         await asyncio.gather(*(call(i) for i in range(model_options(args.workload).max_batch_size)))
         for level in (int(x) for x in args.in_flight.split(",")):
             client0, server0 = time.process_time(), tree_cpu_s(args.server_pid)
+            others0 = {n: tree_cpu_s(pid) for n, pid in others.items()}
             result = await closed_loop(call, level, args.duration_s)
             result.update(peer=args.peer, workload=args.workload, level=level,
                           client_cpu_s=time.process_time() - client0,
                           server_cpu_s=tree_cpu_s(args.server_pid) - server0)
+            if others:
+                result["cpu_s"] = {n: tree_cpu_s(pid) - others0[n] for n, pid in others.items()}
             print(json.dumps(result), flush=True)
     finally:
         await close()
@@ -111,12 +177,14 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--peer", choices=("triton", "ray"), required=True)
+    p.add_argument("--peer", choices=TARGETS, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--workload", required=True)
     p.add_argument("--in-flight", default="1,8,64")
     p.add_argument("--duration-s", type=float, default=4.0)
     p.add_argument("--server-pid", type=int, required=True)
+    p.add_argument("--cpu-pid", action="append", default=[], metavar="NAME=PID",
+                   help="another process whose CPU seconds each line reports (cpu_s.NAME)")
     asyncio.run(_main(p.parse_args()))
 
 

@@ -19,17 +19,24 @@ from asyncinfer.bench.peers import PEERS, peers_python, project_root
 from asyncinfer.bench.peers.host import tree_pids
 from asyncinfer.processes import die_with_parent, pid_alive, stop_process
 
-__all__ = ["PeerServer", "measure_peer", "run_from_line"]
+__all__ = ["PeerServer", "measure_peer", "run_from_line", "run_load", "free_port"]
 
 #: Ray starts a small cluster of its own: allow it time on a 2-core host.
 READY_TIMEOUT_S = 240.0
+#: A process's name in a load generator line → the ``Run`` field of its CPU ms per request.
+_CPU_COLUMNS = {"worker": "worker_cpu_ms_per_request", "gateway": "gateway_cpu_ms_per_request",
+                "client": "client_cpu_ms_per_request", "redis": "redis_cpu_ms_per_request"}
 
 
-def run_from_line(system: str, workload: str, line: str) -> Run:
+def run_from_line(system: str, workload: str, line: str, server: str = "worker") -> Run:
     """One JSON line of the peers' load generator as the bench's ``Run`` (closed loop).
 
-    The peer's server processes take the ``worker`` CPU column, the generator the ``client`` one;
-    a peer has no Redis. Raises ValueError on a line that is not such a result."""
+    The server's processes take the ``server`` CPU column (``worker`` for a peer; ``gateway`` for
+    ``asyncinfer gateway``), the generator the ``client`` one; the processes of the line's
+    ``cpu_s`` (``worker``, ``redis``) take their own columns; a peer has no Redis. Raises
+    ValueError on a line that is not such a result."""
+    if server not in _CPU_COLUMNS:
+        raise ValueError(f"unknown CPU column {server!r}; known: {', '.join(_CPU_COLUMNS)}")
     try:
         doc: dict[str, Any] = json.loads(line)
         latencies = [float(x) for x in doc["latencies_ms"]]
@@ -37,15 +44,17 @@ def run_from_line(system: str, workload: str, line: str) -> Run:
                   failures=int(doc["failures"]), elapsed_s=float(doc["elapsed_s"]),
                   batch_sizes=Counter({int(k): int(v) for k, v in doc["batch_sizes"].items()}))
         n = max(1, len(latencies))
-        run.worker_cpu_ms_per_request = float(doc["server_cpu_s"]) * 1000.0 / n
-        run.client_cpu_ms_per_request = float(doc["client_cpu_s"]) * 1000.0 / n
+        seconds = {server: float(doc["server_cpu_s"]), "client": float(doc["client_cpu_s"])}
+        seconds.update({k: float(v) for k, v in (doc.get("cpu_s") or {}).items() if k in _CPU_COLUMNS})
+        for column, value in seconds.items():
+            setattr(run, _CPU_COLUMNS[column], value * 1000.0 / n)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a load generator result line: {line[:200]!r} ({exc})") from exc
     run.rows = len(latencies)
     return run
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -69,11 +78,11 @@ class PeerServer:
         if python is None:
             raise RuntimeError(f"{system}: the peers venv is not there (make peers)")
         self.system, self.python = system, python
-        self.port = _free_port()
+        self.port = free_port()
         argv = [str(python), "-m", f"asyncinfer.bench.peers.{system}_server", "--workload", workload]
         if system == "triton":
-            argv += ["--grpc-port", str(self.port), "--http-port", str(_free_port()),
-                     "--metrics-port", str(_free_port())]
+            argv += ["--grpc-port", str(self.port), "--http-port", str(free_port()),
+                     "--metrics-port", str(free_port())]
         else:
             argv += ["--http-port", str(self.port)]
         self.log_path = log_dir / f"{system}-{workload}.log"
@@ -113,24 +122,35 @@ class PeerServer:
         self._log.close()
 
 
+def run_load(python: Path | str, target: str, port: int, workload: str, levels: list[int],
+             duration_s: float, server_pid: int, log_dir: Path, *, server: str = "worker",
+             cpu_pids: dict[str, int] | None = None, env: dict[str, str] | None = None) -> list[Run]:
+    """Run the load generator with ``python`` against ``target`` on ``port``: one closed-loop
+    ``Run`` per in-flight level (``server`` names the CPU column of ``server_pid``)."""
+    argv = [str(python), "-m", "asyncinfer.bench.peers.loadgen", "--peer", target,
+            "--port", str(port), "--workload", workload,
+            "--in-flight", ",".join(str(n) for n in levels), "--duration-s", str(duration_s),
+            "--server-pid", str(server_pid)]
+    argv += [a for name, pid in (cpu_pids or {}).items() for a in ("--cpu-pid", f"{name}={pid}")]
+    log = log_dir / f"{target}-{workload}-loadgen.log"
+    timeout_s = 300 + len(levels) * (duration_s + 60)
+    with open(log, "wb") as err:
+        done = subprocess.run(argv, env=env or _env(), stdout=subprocess.PIPE, stderr=err,
+                              stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{target} load generator exited {done.returncode}: {tail}")
+    lines = [x for x in done.stdout.decode().splitlines() if x.startswith("{")]
+    return [run_from_line(target, workload, x, server) for x in lines]
+
+
 def measure_peer(system: str, workload: str, levels: list[int], duration_s: float,
                  log_dir: Path) -> list[Run]:
     """Closed-loop runs of ``system`` serving ``workload`` at each in-flight level."""
     server = PeerServer(system, workload, log_dir)
     try:
         server.wait_ready()
-        argv = [str(server.python), "-m", "asyncinfer.bench.peers.loadgen", "--peer", system,
-                "--port", str(server.port), "--workload", workload,
-                "--in-flight", ",".join(str(n) for n in levels), "--duration-s", str(duration_s),
-                "--server-pid", str(server.process.pid)]
-        timeout_s = 300 + len(levels) * (duration_s + 60)
-        with open(log_dir / f"{system}-{workload}-loadgen.log", "wb") as err:
-            done = subprocess.run(argv, env=_env(), stdout=subprocess.PIPE, stderr=err,
-                                  stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
-        if done.returncode != 0:
-            tail = (log_dir / f"{system}-{workload}-loadgen.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{system} load generator exited {done.returncode}: {tail}")
-        lines = [x for x in done.stdout.decode().splitlines() if x.startswith("{")]
-        return [run_from_line(system, workload, x) for x in lines]
+        return run_load(server.python, system, server.port, workload, levels, duration_s,
+                        server.process.pid, log_dir)
     finally:
         server.stop()
