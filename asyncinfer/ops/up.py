@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.detach import clear_pid, write_pid
@@ -69,7 +70,7 @@ def gateway_line(settings: Settings) -> str:
 
 
 def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: Sequence[str] = (),
-           concurrency: int | None = None, **gateway: object) -> int:
+           concurrency: int | None = None, **gateway: Any) -> int:
     """Run broker, workers and a gateway until SIGINT or SIGTERM; return the exit status.
 
     ``gateway`` overrides the gateway's settings (``gateway=False``, ``http_port=…``, …)."""
