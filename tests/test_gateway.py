@@ -378,3 +378,26 @@ def test_grpc_256_concurrent_requests_agree_with_the_python_client(grpc, client)
     direct = np.concatenate([f.result(timeout=60)["output"] for f in futures])
     np.testing.assert_allclose(np.concatenate([answers[i] for i in range(256)]), direct,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_grpc_cancel_revokes_the_request(gateway, grpc, client, redis_client) -> None:
+    import tritonclient.grpc as grpcclient
+
+    # Given the sleep model busy with a long request
+    marks = ForwardMarks(redis_client, "sleep")
+    blocker = client.submit("sleep", np.array([[1.5]], np.float32))
+    marks.wait_on_device(1.5)
+    # When a gRPC client sends a request queued behind it, then cancels the call
+    request_id = f"gw-grpc-cancel-{uuid.uuid4().hex}"
+    x = grpcclient.InferInput("input", [1, 1], "FP32")
+    x.set_data_from_numpy(np.array([[0.0456]], np.float32))
+    call = grpc.async_infer("sleep", [x], callback=lambda result, error: None, request_id=request_id)
+    wait_for(lambda: redis_client.exists(CLAIM_PREFIX + request_id), 10, "the request sent")
+    call.cancel()
+    blocker.result(timeout=60)
+    # Then it is revoked and never runs
+    state = wait_for(lambda: (s := client.app.AsyncResult(request_id).state) in ("REVOKED", "SUCCESS")
+                     and s, 30, "the request settled")
+    assert state == "REVOKED"
+    time.sleep(0.5)
+    assert not any(0.0456 in batch for batch in marks.batches())

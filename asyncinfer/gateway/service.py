@@ -10,6 +10,7 @@ model catalogue (catalogue.py), read at most every ``CATALOGUE_FOR_S`` in the ba
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 from asyncinfer import errors
 from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.client import aio
 from asyncinfer.client.client import Client
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
 from asyncinfer.wire.payloads import DATATYPES
@@ -238,10 +240,17 @@ class Service:
             raise GatewayError(400, f"request {call.id or '(no id)'}: a v2 request needs at least "
                                     f"one input")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        future = await self.client.asubmit(
-            call.model, inputs, request_id=call.id or None, parameters=parameters,
-            serializer="msgpack", binary=True, expires=expires_s, timeout_s=0.0, priority=priority)
-        response = await future
+        sent = await aio.publish(self.client, functools.partial(
+            self.client.submit, call.model, inputs, request_id=call.id or None,
+            parameters=parameters, serializer="msgpack", binary=True, expires=expires_s,
+            timeout_s=0.0, priority=priority))
+        waiting = asyncio.wrap_future(sent)
+        try:
+            response = await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            # the caller went away: revoke it (a broadcast through the broker, off the loop)
+            asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+            raise
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
         outputs = {o["name"]: o for o in raw["outputs"]}
