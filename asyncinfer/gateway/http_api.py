@@ -129,10 +129,12 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
     return app
 
 
-async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int) -> web.AppRunner:
-    """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()``."""
+async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int,
+                     shutdown_timeout_s: float = 5.0) -> web.AppRunner:
+    """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()`` (calls still
+    running get ``shutdown_timeout_s``, then are cut off)."""
     runner = web.AppRunner(make_app(service, max_body_bytes=max_body_bytes), handler_cancellation=True,
-                           access_log=None)
+                           access_log=None, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -75,7 +75,8 @@ async def _serve(settings: Settings, ports: Ports) -> int:
     try:
         if ports.http:
             fronts.append(await start_http(service, ports.host, ports.http,
-                                           max_body_bytes=settings.max_payload_bytes))
+                                           max_body_bytes=settings.max_payload_bytes,
+                                           shutdown_timeout_s=GRACE_S / 2))  # aiohttp waits twice
         grpc_server = None
         if ports.grpc:
 
@@ -88,6 +89,7 @@ async def _serve(settings: Settings, ports: Ports) -> int:
         print(f"asyncinfer gateway ready: {', '.join(w for w in where if w)}", flush=True)
         await stop.wait()
         log.info("gateway stopping")
+        service.stopping = True
         if grpc_server is not None:
             await grpc_server.stop(GRACE_S)
         if metrics_server is not None:
@@ -95,5 +97,7 @@ async def _serve(settings: Settings, ports: Ports) -> int:
     finally:
         for runner in fronts:
             await runner.cleanup()
+        log.info("gateway: fronts closed")
         await service.close()
+        log.info("gateway stopped")
     return 0

@@ -98,6 +98,8 @@ class Service:
         #: Called with (call, HTTP status, seconds) after every infer call (the metrics).
         self.on_infer: Callable[[InferCall, int, float], None] = lambda call, status, seconds: None
         self.in_flight = 0
+        #: Set when the gateway stops: calls cut off then are not revoked.
+        self.stopping = False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -248,8 +250,10 @@ class Service:
         try:
             response = await asyncio.shield(waiting)
         except asyncio.CancelledError:
-            # the caller went away: revoke it (a broadcast through the broker, off the loop)
-            asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+            # the caller went away: revoke it (a broadcast through the broker, off the loop);
+            # a gateway that stops leaves its requests to run (a caller may ask again by ID)
+            if not self.stopping:
+                asyncio.get_running_loop().run_in_executor(None, sent.cancel)
             raise
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
