@@ -28,21 +28,39 @@ def _models(value: str) -> list[str]:
     return [m.strip() for m in value.split(",") if m.strip()]
 
 
-def _read_inputs(path: str, datatype: str | None) -> tuple[Any, dict[str, Any]]:
+def _read_inputs(path: str, datatype: str | None,
+                 declared: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
     """Inputs and parameters from a JSON file or stdin.
 
     Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
-    name → (nested) list, or a bare (nested) list for the input named ``input``.
+    name → (nested) list, or a bare (nested) list: the model's one declared input, else ``input``.
+    ``declared`` (input name → datatype, from the model catalogue) gives list inputs their
+    datatype when ``--datatype`` does not.
     """
     from asyncinfer.wire.payloads import to_input_payload
 
+    declared = declared or {}
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     doc = json.loads(text)
     if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
         return doc["inputs"], dict(doc.get("parameters") or {})
-    if isinstance(doc, dict):
-        return [to_input_payload(str(k), v, datatype=datatype) for k, v in doc.items()], {}
-    return [to_input_payload("input", doc, datatype=datatype)], {}
+    if not isinstance(doc, dict):
+        doc = {next(iter(declared)) if len(declared) == 1 else "input": doc}
+    return [to_input_payload(str(k), v, datatype=datatype or declared.get(str(k)))
+            for k, v in doc.items()], {}
+
+
+def _declared_inputs(client: Any, model: str) -> dict[str, str]:
+    """Input name → datatype of ``model`` as its workers announced it (empty when unknown)."""
+    from asyncinfer.errors import BrokerUnavailable
+
+    try:
+        entry = client.models().get(model)
+    except BrokerUnavailable:
+        return {}  # the submit says so in its own words
+    if entry is None:
+        return {}
+    return {str(t["name"]): str(t["datatype"]) for t in entry.metadata.get("inputs") or []}
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -122,8 +140,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_infer(args: argparse.Namespace) -> int:
     from asyncinfer.errors import InvalidRequest
 
-    inputs, parameters = _read_inputs(args.input, args.datatype)
     with _client(args) as client:
+        inputs, parameters = _read_inputs(args.input, args.datatype,
+                                          _declared_inputs(client, args.model))
         try:
             response = client.infer(args.model, inputs, parameters=parameters,
                                     timeout_s=args.timeout_s)
@@ -143,8 +162,9 @@ def _with_datatype_hint(exc: Exception, given: str | None) -> Exception:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    inputs, parameters = _read_inputs(args.input, args.datatype)
     with _client(args) as client:
+        inputs, parameters = _read_inputs(args.input, args.datatype,
+                                          _declared_inputs(client, args.model))
         future = client.submit(args.model, inputs, parameters=parameters,
                                request_id=args.request_id)
         print(future.id)
@@ -337,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("model")
         p.add_argument("--input", required=True, help="JSON file, or - for stdin")
-        p.add_argument("--datatype", help="v2 datatype for list inputs (default: inferred)")
+        p.add_argument("--datatype", help="v2 datatype for list inputs (default: the model's declared "
+                       "one, from the model catalogue; else inferred)")
         p.add_argument("--serializer", choices=("json", "msgpack"),
                        help="message serializer (default: ASYNCINFER_TASK_SERIALIZER)")
         if name == "infer":
