@@ -203,11 +203,25 @@ def test_v2_parameters_reach_the_request(gateway, redis_client) -> None:
     assert status == 200 and json.loads(again)["parameters"] == json.loads(answer)["parameters"]
 
 
-def test_a_client_that_disconnects_gets_its_request_revoked(gateway, client, redis_client) -> None:
-    # Given the sleep model busy with a long request
+def _sleep_model_busy(client, redis_client) -> tuple[ForwardMarks, object]:
+    """The sleep model's device busy with a 1.5 s request (so the next ones wait behind it)."""
     marks = ForwardMarks(redis_client, "sleep")
     blocker = client.submit("sleep", np.array([[1.5]], np.float32))
     marks.wait_on_device(1.5)
+    return marks, blocker
+
+
+def _never_ran(client, marks: ForwardMarks, request_id: str, value: float) -> None:
+    state = wait_for(lambda: (s := client.app.AsyncResult(request_id).state) in ("REVOKED", "SUCCESS")
+                     and s, 30, "the request settled")
+    assert state == "REVOKED"
+    time.sleep(0.5)
+    assert not any(value in batch for batch in marks.batches())
+
+
+def test_a_client_that_disconnects_gets_its_request_revoked(gateway, client, redis_client) -> None:
+    # Given the sleep model busy with a long request
+    marks, blocker = _sleep_model_busy(client, redis_client)
     # When a gateway client sends a request queued behind it, then hangs up
     request_id = f"gw-hangup-{uuid.uuid4().hex}"
     body = json.dumps({"id": request_id, "inputs": [
@@ -219,11 +233,7 @@ def test_a_client_that_disconnects_gets_its_request_revoked(gateway, client, red
     sock.close()
     blocker.result(timeout=60)
     # Then it is revoked and never runs
-    state = wait_for(lambda: (s := client.app.AsyncResult(request_id).state) in ("REVOKED", "SUCCESS")
-                     and s, 30, "the request settled")
-    assert state == "REVOKED"
-    time.sleep(0.5)
-    assert not any(0.0123 in batch for batch in marks.batches())
+    _never_ran(client, marks, request_id, 0.0123)
 
 
 def test_256_concurrent_requests_agree_with_the_celery_path(http, client) -> None:
@@ -389,9 +399,7 @@ def test_grpc_cancel_revokes_the_request(gateway, grpc, client, redis_client) ->
     import tritonclient.grpc as grpcclient
 
     # Given the sleep model busy with a long request
-    marks = ForwardMarks(redis_client, "sleep")
-    blocker = client.submit("sleep", np.array([[1.5]], np.float32))
-    marks.wait_on_device(1.5)
+    marks, blocker = _sleep_model_busy(client, redis_client)
     # When a gRPC client sends a request queued behind it, then cancels the call
     request_id = f"gw-grpc-cancel-{uuid.uuid4().hex}"
     x = grpcclient.InferInput("input", [1, 1], "FP32")
@@ -401,8 +409,4 @@ def test_grpc_cancel_revokes_the_request(gateway, grpc, client, redis_client) ->
     call.cancel()
     blocker.result(timeout=60)
     # Then it is revoked and never runs
-    state = wait_for(lambda: (s := client.app.AsyncResult(request_id).state) in ("REVOKED", "SUCCESS")
-                     and s, 30, "the request settled")
-    assert state == "REVOKED"
-    time.sleep(0.5)
-    assert not any(0.0456 in batch for batch in marks.batches())
+    _never_ran(client, marks, request_id, 0.0456)

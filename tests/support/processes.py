@@ -53,16 +53,20 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    #: What its log says once it serves, and what it is called in errors.
+    READY, WHAT = " ready.", "worker"
+
     def wait_ready(self, timeout_s: float = 90.0) -> WorkerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if " ready." in self.log():
+            if self.READY in self.log():
                 return self
             if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log()[-3000:]}")
-            time.sleep(0.1)
+                raise RuntimeError(f"{self.WHAT} exited with {self.process.returncode}:\n"
+                                   f"{self.log()[-3000:]}")
+            time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"worker not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+        raise TimeoutError(f"{self.WHAT} not ready in {timeout_s} s:\n{self.log()[-3000:]}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_process(self.process, signal.SIGTERM, timeout_s)
@@ -78,7 +82,7 @@ def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> Work
 class GatewayProcess(WorkerProcess):
     """An ``asyncinfer gateway`` subprocess on free ports; ready when it says so."""
 
-    READY = "asyncinfer gateway ready"
+    READY, WHAT = "asyncinfer gateway ready", "gateway"
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *, http_port: int,
                  grpc_port: int, metrics_port: int) -> None:
@@ -87,29 +91,16 @@ class GatewayProcess(WorkerProcess):
         self.http_url = f"127.0.0.1:{http_port}"
         self.grpc_url = f"127.0.0.1:{grpc_port}"
 
-    def wait_ready(self, timeout_s: float = 60.0) -> GatewayProcess:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.READY in self.log():
-                return self
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()[-3000:]}")
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"gateway not ready in {timeout_s} s:\n{self.log()[-3000:]}")
-
 
 def start_gateway(redis_url: str, log_path: Path, **env: str) -> GatewayProcess:
     """Start ``asyncinfer gateway`` on three free ports and wait until it serves."""
-    from asyncinfer.ops.redis_server import free_port
-
-    ports = [free_port() for _ in range(3)]
-    while len(set(ports)) < 3:
-        ports = [free_port() for _ in range(3)]
+    ports = [int(p) for p in gateway_ports_env().values()]
     argv = [sys.executable, "-m", "asyncinfer", "gateway", "--http-port", str(ports[0]),
             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
-    return GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
-                          grpc_port=ports[1], metrics_port=ports[2]).wait_ready()
+    proc = GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
+                          grpc_port=ports[1], metrics_port=ports[2])
+    proc.wait_ready(60.0)
+    return proc
 
 
 def gateway_ports_env() -> dict[str, str]:
