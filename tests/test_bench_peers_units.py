@@ -1,5 +1,6 @@
-"""The bench's peers (Triton, Ray Serve) in the parts that need neither their venv nor a process:
-reading their load generator's result line, skipping them where they are not installed."""
+"""The bench's peers (Triton, Ray Serve) and its gateway systems in the parts that need neither the
+peers' venv nor a process: reading the load generator's result line, skipping the peers where they
+are not installed."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 
 from asyncinfer.bench.peers import PEERS_VENV_ENV, missing_message
 from asyncinfer.bench.peers.host import tree_cpu_s, tree_pids
+from asyncinfer.bench.peers.loadgen import TARGETS, _grpc_parameter, parse_cpu_pids
 from asyncinfer.bench.peers.runner import run_from_line
 from asyncinfer.bench.peers.served import request_rows
-from asyncinfer.bench.systems import available_systems
+from asyncinfer.bench.systems import GATEWAYS, available_systems
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +78,40 @@ def test_the_peers_get_the_benchs_own_requests() -> None:
 def test_a_process_tree_starts_at_its_root_and_counts_its_cpu() -> None:
     assert tree_pids(os.getpid())[0] == os.getpid()
     assert tree_cpu_s(os.getpid()) > 0
+
+
+def test_a_gateway_line_puts_the_gateway_worker_and_redis_cpu_in_their_own_columns() -> None:
+    line = _line(peer="gateway", cpu_s={"worker": 0.008, "redis": 0.004, "other": 1.0})
+    summary = run_from_line("gateway", "minilm", line, server="gateway").summary()
+    assert summary["gateway_cpu_ms_per_request"] == 5.0  # 0.02 s over 4 requests
+    assert summary["worker_cpu_ms_per_request"] == 2.0
+    assert summary["redis_cpu_ms_per_request"] == 1.0
+    assert summary["client_cpu_ms_per_request"] == 0.5
+    # a peer's line has no gateway: its column stays empty
+    assert run_from_line("triton", "minilm", _line()).summary()["gateway_cpu_ms_per_request"] is None
+    with pytest.raises(ValueError, match="unknown CPU column 'disk'"):
+        run_from_line("gateway", "minilm", line, server="disk")
+
+
+def test_the_load_generator_reads_cpu_pids_as_name_equals_pid() -> None:
+    assert parse_cpu_pids(["worker=12", "redis=7"]) == {"worker": 12, "redis": 7}
+    assert parse_cpu_pids([]) == {}
+    for bad in ("worker", "=12", "worker=x", "worker=-1"):
+        with pytest.raises(ValueError, match="NAME=PID"):
+            parse_cpu_pids([bad])
+
+
+def test_the_gateways_batch_size_is_read_from_a_grpc_response_parameter() -> None:
+    from asyncinfer.gateway.proto import inference_pb2 as pb
+
+    response = pb.ModelInferResponse()
+    response.parameters["batch_size"].int64_param = 17
+    response.parameters["worker"].string_param = "w1@host"
+    assert _grpc_parameter(response.parameters["batch_size"]) == 17
+    assert _grpc_parameter(response.parameters["worker"]) == "w1@host"
+    assert _grpc_parameter(pb.InferParameter()) is None
+
+
+def test_the_load_generator_drives_the_gateways_two_fronts() -> None:
+    assert set(TARGETS) == {"triton", "ray", *GATEWAYS}
+    assert GATEWAYS == {"gateway": "gRPC", "gateway-http": "HTTP"}

@@ -1,11 +1,14 @@
-"""The bench's accelerator-shaped ``sim`` models and its in-process limit, in process."""
+"""The bench's accelerator-shaped ``sim`` models, its in-process limit, its systems and its report
+rows, in process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from asyncinfer.bench.measure import model_limit
+from asyncinfer.bench.measure import Run, model_limit
+from asyncinfer.bench.report import markdown
+from asyncinfer.bench.run import SYSTEMS, added_latency_targets, parse_systems
 from asyncinfer.bench.synthetic import SimDevice, sim_fast, sim_prep, sim_slow
 from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.models.registry import Registry
@@ -37,3 +40,42 @@ def test_each_sim_workload_names_a_model_its_factory_makes(name: str) -> None:
     workload = WORKLOADS[name]
     model = Registry.from_config([workload.factories]).create(workload.model)
     assert model.name == name and model.options.max_batch_size == 32
+
+
+def _run(system: str, workload: str, level: int, p50_ms: float, **cpu: float) -> dict[str, object]:
+    run = Run(system, workload, "closed", level, latencies_ms=[p50_ms] * 3, elapsed_s=1.0)
+    run.batch_sizes[1] = 3
+    for column, value in cpu.items():
+        setattr(run, f"{column}_cpu_ms_per_request", value)
+    return run.summary()
+
+
+def test_systems_are_checked_before_anything_starts() -> None:
+    assert parse_systems("asyncinfer, gateway,triton,gateway") == ["asyncinfer", "gateway", "triton"]
+    assert set(SYSTEMS) == {"celery", "asyncinfer", "gateway", "gateway-http", "triton", "ray"}
+    with pytest.raises(SystemExit, match=r"unknown system\(s\) \['gatway'\]"):
+        parse_systems("asyncinfer,gatway")
+
+
+def test_the_gateways_added_latency_is_its_p50_less_the_clients_at_one_in_flight() -> None:
+    doc = {"runs": [_run("asyncinfer", "mlp", 1, 2.0), _run("asyncinfer", "mlp", 256, 25.0),
+                    _run("gateway", "mlp", 1, 2.75), _run("gateway", "mlp", 256, 400.0),
+                    _run("gateway-http", "mlp", 1, 4.5),
+                    _run("gateway", "minilm", 1, 30.0)]}  # no asyncinfer run: no figure
+    targets = added_latency_targets(doc)
+    assert [(t["name"], t["value"], t["goal"], t["met"]) for t in targets] == [
+        ("mlp, 1 in flight: gateway (gRPC) p50 − Client p50 (ms)", 0.75, "<= 1", True),
+        ("mlp, 1 in flight: gateway (HTTP) p50 − Client p50 (ms)", 2.5, "<= 1", False)]
+
+
+def test_the_report_has_a_gateway_cpu_column_only_when_a_gateway_ran() -> None:
+    plain = {"runs": [_run("asyncinfer", "mlp", 1, 2.0, worker=1.5, client=0.5)]}
+    assert "| gateway |" not in markdown(plain).splitlines()[0]
+    doc = {"runs": plain["runs"] + [_run("gateway", "mlp", 1, 3.0, worker=1.75, gateway=1.25)],
+           "limits": {"mlp": {"1": 100.0, "32": 600.0}}}
+    lines = markdown(doc).splitlines()
+    assert lines[0].endswith("| CPU ms/req: worker | client | Redis | gateway |")
+    assert lines[1].count("---:") == 11
+    assert lines[2].endswith("| 1.0 | 1.50 | 0.50 |  |  |")  # the Client's run: no gateway
+    assert lines[3] == ("| mlp | gateway | 1 | 3.0 | 0.01 | 3.00 | 3.00 | 3.00 | 1.0 | 1.75 |  |  "
+                        "| 1.25 |")

@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
+from asyncinfer.bench.peers import PEERS
 from asyncinfer.bench.report import markdown, write_report
 from asyncinfer.bench.systems import (
     GATEWAYS,
@@ -60,6 +61,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for bench.{json,md,png} (default ./bench-results; the project's "
                         "committed figures: bench/results)")
     return p.parse_args(argv)
+
+
+#: What ``--systems`` takes.
+SYSTEMS = ("celery", "asyncinfer", *GATEWAYS, *PEERS)
+
+
+def parse_systems(text: str) -> list[str]:
+    """``--systems``: names separated by commas, each one of ``SYSTEMS`` (SystemExit otherwise)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    return list(dict.fromkeys(names))
 
 
 def _available(workload: Workload) -> bool:
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [WORKLOADS[n] for n in names]
     skipped = [w.name for w in workloads if not _available(w)]
     workloads = [w for w in workloads if w.name not in skipped]
-    systems = available_systems([s.strip() for s in args.systems.split(",") if s.strip()])
+    systems = available_systems(parse_systems(args.systems))
     levels = [int(x) for x in args.in_flight.split(",")]
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     doc: dict[str, Any] = {

@@ -6,11 +6,19 @@ binary part says how many bytes are its own (``parameters.binary_data_size``), i
 response an output is binary when the request asked for it (``outputs[i].parameters.binary_data``,
 or ``parameters.binary_data_output`` for all); its JSON then holds ``binary_data_size`` instead of
 ``data``. BYTES elements in binary form carry a 4-byte little-endian length each.
+
+Everything a request says is checked here, before anything is sent: a binary input's bytes must
+fit its datatype and shape (counted, never decoded or allocated from the shape), input names must
+be unique, a request ``id`` must be a valid request ID, and JSON nested deeper than the parser's
+recursion limit is refused as a bad request, not a server error.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,19 +28,70 @@ from asyncinfer.gateway.tensors import (
     InferResult,
     InputTensor,
     RequestedOutput,
+    check_raw,
     list_from_raw,
     raw_from_list,
 )
+from asyncinfer.wire.datatypes import spec_for
+from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, valid_request_id
 from asyncinfer.wire.payloads import check_shape
 
-__all__ = ["parse_infer_body", "render_infer_result", "HEADER_LENGTH"]
+__all__ = ["parse_infer_body", "render_infer_result", "check_binary_input", "check_request_id",
+           "check_unique_names", "HEADER_LENGTH"]
 
 #: The header that gives the length of the JSON part of a binary body.
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
+_DIGITS = re.compile(r"[0-9]+")
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 40, 40
+#: A short repr of a value a client sent (a huge or deeply nested one is cut, never expanded).
+_short = _REPR.repr
+
+
 def _fail(request: str, rule: str) -> InvalidRequest:
     return InvalidRequest(f"{request}: {rule}")
+
+
+def check_request_id(request_id: str) -> None:
+    """Raise InvalidRequest unless ``request_id`` is empty (none given) or a valid request ID."""
+    if request_id and not valid_request_id(request_id):
+        raise InvalidRequest(f"request {printable(request_id, 60)}: a request ID must be 1 to "
+                             f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")
+
+
+def check_unique_names(where: str, names: list[str]) -> None:
+    """Raise InvalidRequest when two inputs have the same name (the worker's rule, applied here
+    so that such a request is never sent)."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise _fail(f"{where}: input '{name}'", f"duplicate input name (input #{seen[name]} "
+                                                    f"has it too)")
+        seen[name] = i
+
+
+def check_binary_input(at: str, datatype: str, shape: list[int], raw: bytes) -> None:
+    """Raise InvalidRequest unless ``raw`` is ``prod(shape)`` elements of ``datatype`` in the v2
+    binary form: a known datatype, exactly ``count × itemsize`` bytes (BOOL bytes 0 or 1), or for
+    BYTES well-formed length prefixes. Nothing is allocated from the shape: a shape of 2**40
+    elements with a few bytes of data is refused by arithmetic."""
+    spec = spec_for(datatype, at)
+    count = math.prod(shape)
+    if spec.kind == "bytes":
+        if len(raw) < 4 * count:  # each element has at least its 4-byte length
+            raise _fail(at, f"BYTES binary data has {len(raw)} bytes, too few for the "
+                            f"{count} elements the shape needs (4-byte length each)")
+        check_raw(at, datatype, shape, raw)
+        return
+    need = count * spec.itemsize
+    if len(raw) != need:
+        raise _fail(at, f"raw data has {len(raw)} bytes but {count} {spec.name} elements need "
+                        f"{need} ({spec.itemsize} bytes each)")
+    if spec.name == "BOOL" and raw.translate(None, b"\x00\x01"):
+        i = next(i for i, b in enumerate(raw) if b > 1)
+        raise _fail(at, f"raw byte {i} is {raw[i]}; BOOL raw bytes must be 0 or 1")
 
 
 def parse_infer_body(model: str, version: str, body: bytes, header_length: str | None) -> InferCall:
@@ -48,11 +107,15 @@ def parse_infer_body(model: str, version: str, body: bytes, header_length: str |
         header = json.loads(json_part)
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("request body is not valid JSON: it nests arrays or objects too "
+                             "deeply") from None
     if not isinstance(header, Mapping):
         raise InvalidRequest(f"request body must be a JSON object, got {type(header).__name__}")
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidRequest(f"request body: 'id' must be a string, got {request_id!r}")
+        raise InvalidRequest(f"request body: 'id' must be a string, got {_short(request_id)}")
+    check_request_id(request_id)
     where = f"request {request_id or '(no id)'}"
     parameters = _parameters(where, header.get("parameters"), "request")
     raw_inputs = header.get("inputs")
@@ -62,6 +125,7 @@ def parse_infer_body(model: str, version: str, body: bytes, header_length: str |
     for i, item in enumerate(raw_inputs):
         tensor, offset = _input(where, i, item, binary_part, offset)
         inputs.append(tensor)
+    check_unique_names(where, [t.name for t in inputs])
     if offset != len(binary_part):
         raise _fail(where, f"the binary part holds {len(binary_part)} bytes but the inputs' "
                            f"binary_data_size add up to {offset}")
@@ -80,12 +144,13 @@ def parse_infer_body(model: str, version: str, body: bytes, header_length: str |
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
-    try:
-        n = int(header_length)
-    except ValueError:
-        raise InvalidRequest(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
-    if not 0 <= n <= len(body):
-        raise InvalidRequest(f"{HEADER_LENGTH} is {n} but the body has {len(body)} bytes")
+    text = header_length.strip()
+    if not _DIGITS.fullmatch(text):
+        raise InvalidRequest(f"{HEADER_LENGTH} must be a non-negative integer, got "
+                             f"{_short(header_length)}")
+    if len(text) > 18 or int(text) > len(body):
+        raise InvalidRequest(f"{HEADER_LENGTH} is {_short(text)} but the body has {len(body)} bytes")
+    n = int(text)
     return body[:n], body[n:]
 
 
@@ -103,7 +168,7 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
     name = item.get("name")
     if not isinstance(name, str) or not name:
         raise _fail(where, f"input #{i} needs a 'name' string")
-    at = f"{where}: input '{name}'"
+    at = f"{where}: input '{printable(name, 100)}'"
     datatype = item.get("datatype")
     if not isinstance(datatype, str):
         raise _fail(at, "needs a 'datatype' string")
@@ -112,13 +177,15 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
     size = parameters.get("binary_data_size")
     if size is not None:
         if type(size) is not int or size < 0:
-            raise _fail(at, f"binary_data_size must be a non-negative integer, got {size!r}")
+            raise _fail(at, f"binary_data_size must be a non-negative integer, got {_short(size)}")
         if "data" in item:
             raise _fail(at, "has both 'data' and binary_data_size; send one")
         if offset + size > len(binary_part):
             raise _fail(at, f"binary_data_size {size} runs past the end of the binary part "
                             f"({len(binary_part) - offset} bytes left)")
-        return InputTensor(name, datatype, shape, binary_part[offset:offset + size]), offset + size
+        raw = binary_part[offset:offset + size]
+        check_binary_input(at, datatype, shape, raw)
+        return InputTensor(name, datatype, shape, raw), offset + size
     if "data" not in item:
         raise _fail(at, "needs 'data' (or binary_data_size for data in the binary part)")
     return InputTensor(name, datatype, shape, raw_from_list(at, datatype, shape, item["data"])), offset
@@ -126,7 +193,7 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
 
 def _requested(where: str, item: Any, everything_binary: bool) -> RequestedOutput:
     if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
-        raise _fail(where, f"each of 'outputs' must be an object with a 'name', got {item!r:.60}")
+        raise _fail(where, f"each of 'outputs' must be an object with a 'name', got {_short(item)}")
     parameters = _parameters(f"{where}: output '{item['name']}'", item.get("parameters"), "output")
     binary = parameters.get("binary_data")
     return RequestedOutput(item["name"], bool(binary) if binary is not None else everything_binary)

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import Message
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.binary import check_binary_input, check_request_id, check_unique_names
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.service import OFF_LOOP_BYTES, GatewayError, Service
 from asyncinfer.gateway.tensors import (
@@ -32,6 +33,9 @@ from asyncinfer.gateway.tensors import (
     RequestedOutput,
     raw_from_list,
 )
+from asyncinfer.wire.datatypes import spec_for
+from asyncinfer.wire.envelope import printable
+from asyncinfer.wire.payloads import check_shape
 
 __all__ = ["start_grpc", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
 
@@ -97,11 +101,14 @@ def _contents_list(where: str, tensor: pb.ModelInferRequest.InferInputTensor) ->
 
 
 def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
-    """The request's inputs, their data in the v2 binary form.
+    """The request's inputs, their data in the v2 binary form, checked as the worker would check
+    them (so that a request that breaks a rule is never sent).
 
     Raises:
-        InvalidRequest: Raw contents for some inputs only, typed contents beside raw ones, shared
-            memory (not served here), or typed contents that do not fit the datatype and shape.
+        InvalidRequest: An input without a name, or two with the same name; an unknown datatype
+            or a bad shape; raw contents for some inputs only, typed contents beside raw ones,
+            shared memory (not served here); raw or typed contents that do not fit the datatype
+            and shape.
     """
     request_id = request.id or "(no id)"
     raw = request.raw_input_contents
@@ -110,23 +117,29 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
                              f"{len(request.inputs)} inputs (give one per input, or none)")
     tensors = []
     for i, tensor in enumerate(request.inputs):
-        where = f"request {request_id}: input '{tensor.name}'"
+        if not tensor.name:
+            raise InvalidRequest(f"request {request_id}: input #{i} needs a name")
+        where = f"request {request_id}: input '{printable(tensor.name, 100)}'"
         if "shared_memory_region" in tensor.parameters:
             raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
-        shape = list(tensor.shape)
+        spec_for(tensor.datatype, where)
+        shape = list(check_shape(where, list(tensor.shape)))
         if raw:
             if tensor.contents.ListFields():
                 raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
                                      f"(give one or the other)")
             data = raw[i]
+            check_binary_input(where, tensor.datatype, shape, data)
         else:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
         tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+    check_unique_names(f"request {request_id}", [t.name for t in tensors])
     return tensors
 
 
 def _call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
     """The :class:`InferCall` of a ModelInfer request; ``timeout_s``: the client's deadline."""
+    check_request_id(request.id)
     parameters = {k: v for k, p in request.parameters.items() if (v := _value(p)) is not None}
     outputs = None
     if request.outputs:
@@ -212,8 +225,9 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
     async def model_infer(request: pb.ModelInferRequest,
                           context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         timeout_s = context.time_remaining()
-        # Typed contents are converted element by element: off the loop when there are many.
-        if not request.raw_input_contents and request.ByteSize() > OFF_LOOP_BYTES:
+        # Typed contents are converted element by element, raw ones checked (BOOL bytes, BYTES
+        # length prefixes): off the loop when there is much of either.
+        if request.ByteSize() > OFF_LOOP_BYTES:
             call = await asyncio.get_running_loop().run_in_executor(None, _call, request, timeout_s)
         else:
             call = _call(request, timeout_s)

@@ -1,16 +1,21 @@
 """The v2 REST front (aiohttp): health, server and model metadata, model config, infer.
 
 Errors are ``{"error": "..."}`` with the status :class:`~asyncinfer.gateway.service.GatewayError`
-carries (429 adds ``Retry-After``). Request bodies compressed with gzip or deflate
-(``Content-Encoding``) are inflated by aiohttp's parser; a response is compressed when the client
-accepts it. A client that disconnects cancels its handler (``handler_cancellation``), and the
-service revokes its request.
+carries (429 adds ``Retry-After``); aiohttp's own refusals (no such route 404, method 405, body
+too large 413) are answered in the same form. Request bodies compressed with gzip or deflate
+(``Content-Encoding``) are inflated here, not by aiohttp's parser (``auto_decompress=False``): at
+most ``max_body_bytes`` come out, so a small body that inflates past the limit (a "zip bomb")
+is refused with 413 after that much work, not inflated to its end on the event loop; a body that
+is not what its ``Content-Encoding`` says is a 400, an encoding other than gzip, deflate or
+identity a 415. A response is compressed when the client accepts it. A client that disconnects
+cancels its handler (``handler_cancellation``), and the service revokes its request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +27,10 @@ from asyncinfer.gateway.service import OFF_LOOP_BYTES, GatewayError, Service
 __all__ = ["make_app", "start_http"]
 
 _SERVICE: web.AppKey[Service] = web.AppKey("service", Service)
+_MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
+
+#: Content-Encoding → zlib ``wbits`` of the request bodies the infer route inflates.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -80,9 +89,21 @@ async def model_ready(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.StreamResponse:
     service = request.app[_SERVICE]
     model, version = _model(request)
-    body = await request.read()
+    limit = request.app[_MAX_BODY]
     header_length = request.headers.get(HEADER_LENGTH)
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
     try:
+        if encoding not in ("", "identity", *_ENCODINGS):
+            raise GatewayError(415, f"request body has Content-Encoding {encoding!r:.40}; "
+                                    f"accepted: gzip, deflate, identity")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise GatewayError(413, f"request body is larger than the gateway's limit of {limit} "
+                                    f"bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)") from None
+        if encoding in _ENCODINGS:
+            body = await asyncio.get_running_loop().run_in_executor(None, _inflate, encoding, body,
+                                                                    limit)
         call = await _off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
         result = await service.infer(call)
         out, json_length = await _off_loop_if_large(
@@ -102,6 +123,59 @@ async def infer(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def _inflate(encoding: str, body: bytes, limit: int) -> bytes:
+    """``body`` inflated as its ``Content-Encoding`` (gzip or deflate) says, at most ``limit``
+    bytes of it.
+
+    Raises:
+        GatewayError: 400 for data that is not of that encoding (or is cut short), 413 when it
+            inflates to more than ``limit`` bytes.
+    """
+    wbits = _ENCODINGS[encoding]
+    if encoding == "deflate" and body and body[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # raw deflate without the zlib header, as some clients send it
+    parts, size, rest = [], 0, body
+    try:
+        while rest:  # gzip allows members one after another
+            inflater = zlib.decompressobj(wbits)
+            part = inflater.decompress(rest, limit + 1 - size)
+            size += len(part)
+            if size > limit:
+                raise GatewayError(413, f"request body inflates to more than the gateway's limit "
+                                        f"of {limit} bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)")
+            parts.append(part)
+            if not inflater.eof:
+                raise GatewayError(400, f"request body is cut short: its {encoding} data ends "
+                                        f"before the end of the stream")
+            rest = inflater.unused_data if wbits == _ENCODINGS["gzip"] else b""
+    except zlib.error as exc:
+        raise GatewayError(400, f"request body is not valid {encoding} data "
+                                f"(Content-Encoding: {encoding}): {exc}") from None
+    return b"".join(parts)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (404 no route, 405 method, 413 body too large) as v2 JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            message = (f"method {exc.method} is not allowed on {request.path} (allowed: "
+                       f"{', '.join(sorted(exc.allowed_methods))})")
+        elif isinstance(exc, web.HTTPNotFound):
+            message = f"no such route: {request.method} {request.path}"
+        else:
+            message = exc.text or exc.reason
+        response = _json({"error": message}, exc.status)
+        for key, value in exc.headers.items():
+            if key.lower() not in ("content-type", "content-length"):
+                response.headers[key] = value
+        return response
+
+
 async def _off_loop_if_large(size: int, fn: Any, *args: Any) -> Any:
     """``fn(*args)``, in the executor when it handles more than ``OFF_LOOP_BYTES`` (large tensors
     are decoded and encoded off the event loop)."""
@@ -111,8 +185,11 @@ async def _off_loop_if_large(size: int, fn: Any, *args: Any) -> Any:
 
 
 def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes)
+    """The REST front's application; serve it with ``auto_decompress=False`` (as
+    :func:`start_http` does): its infer route inflates compressed bodies itself."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app[_SERVICE] = service
+    app[_MAX_BODY] = max_body_bytes
     app.add_routes([
         web.get("/v2/health/live", live),
         web.get("/v2/health/ready", ready),
@@ -132,9 +209,11 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
 async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int,
                      shutdown_timeout_s: float = 5.0) -> web.AppRunner:
     """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()`` (calls still
-    running get ``shutdown_timeout_s``, then are cut off)."""
+    running get ``shutdown_timeout_s``, then are cut off). Request bodies reach the handlers as
+    sent (``auto_decompress=False``): the infer route inflates them, bounded."""
     runner = web.AppRunner(make_app(service, max_body_bytes=max_body_bytes), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=shutdown_timeout_s)
+                           access_log=None, shutdown_timeout=shutdown_timeout_s,
+                           auto_decompress=False)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
