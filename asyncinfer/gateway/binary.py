@@ -149,7 +149,8 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
         raise InvalidRequest(f"{HEADER_LENGTH} must be a non-negative integer, got "
                              f"{_short(header_length)}")
     if len(text) > 18 or int(text) > len(body):
-        raise InvalidRequest(f"{HEADER_LENGTH} is {_short(text)} but the body has {len(body)} bytes")
+        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+        raise InvalidRequest(f"{HEADER_LENGTH} is {shown} but the body has {len(body)} bytes")
     n = int(text)
     return body[:n], body[n:]
 
