@@ -410,3 +410,22 @@ def test_grpc_cancel_revokes_the_request(gateway, grpc, client, redis_client) ->
     blocker.result(timeout=60)
     # Then it is revoked and never runs
     _never_ran(client, marks, request_id, 0.0456)
+
+
+def test_a_request_that_expires_in_the_queue_gets_504(gateway, client, redis_client) -> None:
+    marks, blocker = _sleep_model_busy(client, redis_client)
+    doc = {"parameters": {"timeout": 200_000},  # 0.2 s, behind a 1.5 s request
+           "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [0.0789]}]}
+    status, _, answer = _raw(gateway.http_url, "/v2/models/sleep/infer", json.dumps(doc).encode())
+    blocker.result(timeout=60)
+    assert status == 504, answer
+    assert "expired before a worker ran it" in json.loads(answer)["error"]
+    assert not any(0.0789 in batch for batch in marks.batches())
+
+
+def test_an_output_the_model_does_not_declare_is_refused_before_it_runs(gateway) -> None:
+    doc = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}],
+           "outputs": [{"name": "nosuchoutput"}]}
+    status, _, answer = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode())
+    assert status == 400
+    assert "has no output 'nosuchoutput' (outputs: 'output')" in json.loads(answer)["error"]

@@ -278,9 +278,10 @@ REST_CASES = [
     *[(f"priority {v!r}", _doc(parameters={"priority": v}, inputs=[_input()]), {}, 400,
        f"parameter 'priority' must be a non-negative integer, got {v!r}")
       for v in (-1, "3", 3.0, True)],
-    *[(f"timeout {v!r}", _doc(parameters={"timeout": v}, inputs=[_input()]), {}, 400,
-       f"parameter 'timeout' must be a positive number of microseconds, got {v!r}")
-      for v in (0, -5, "10", True)],
+    *[(f"timeout {v!r:.20}", _doc(parameters={"timeout": v}, inputs=[_input()]), {}, 400,
+       f"parameter 'timeout' must be a number of microseconds above 0 and at most "
+       f"2592000000000 (30 days), got {v!r:.40}")
+      for v in (0, -5, "10", True, float("inf"), 1e308, 10**400, 2**64 - 1)],
     # outputs
     ("outputs not a list", _doc(inputs=[_input()], outputs={"name": "x"}), {}, 400,
      "'outputs' must be a list"),
@@ -324,14 +325,14 @@ def test_a_bad_rest_request_gets_a_4xx_naming_the_rule_and_nothing_is_enqueued(
 @pytest.mark.parametrize(("path", "message"), [
     ("/v2/models/../infer", "model '..' is unknown"),
     ("/v2/models/%2e%2e/infer", "model '..' is unknown"),
-    ("/v2/models/%00/infer", "model '\x00' is unknown"),
+    ("/v2/models/%00/infer", "model '\\x00' is unknown"),  # control characters shown escaped
     ("/v2/models/infer.parked/infer", "model 'infer.parked' is unknown"),
     ("/v2/models/park%20ed/infer", "model 'park ed' is unknown"),
     ("/v2/models/parked%2Finfer/infer", "model 'parked/infer' is unknown"),
     ("/v2/models/" + "m" * 3000 + "/infer", "is unknown: no worker announced it"),
     ("/v2/models/parked/versions/2/infer", "model 'parked' has no version '2'"),
     ("/v2/models/parked/versions/../infer", "model 'parked' has no version '..'"),
-    ("/v2/models/parked/versions/%00/infer", "model 'parked' has no version '\x00'"),
+    ("/v2/models/parked/versions/%00/infer", "model 'parked' has no version '\\x00'"),
     ("/v2/models/parked/versions/-1/infer", "model 'parked' has no version '-1'"),
     ("/v2/models/parked/infer/more", "no such route: POST /v2/models/parked/infer/more"),
     ("/v2/nothing", "no such route: POST /v2/nothing"),
@@ -480,11 +481,17 @@ GRPC_CASES = [
     ("priority a bool", _request(parameters={"priority": _p(bool_param=True)}), INVALID,
      "parameter 'priority' must be a non-negative integer, got True"),
     ("timeout zero", _request(parameters={"timeout": _p(int64_param=0)}), INVALID,
-     "parameter 'timeout' must be a positive number of microseconds, got 0"),
+     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got 0"),
     ("timeout negative", _request(parameters={"timeout": _p(double_param=-1.5)}), INVALID,
-     "parameter 'timeout' must be a positive number of microseconds, got -1.5"),
+     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got -1.5"),
+    *[(f"timeout {v!r}", _request(parameters={"timeout": p}), INVALID,
+       f"parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 "
+       f"(30 days), got {v!r}")
+      for v, p in ((float("inf"), _p(double_param=float("inf"))),
+                   (float("nan"), _p(double_param=float("nan"))),
+                   (2**64 - 1, _p(uint64_param=2**64 - 1)))],
     ("timeout a string", _request(parameters={"timeout": _p(string_param="10")}), INVALID,
-     "parameter 'timeout' must be a positive number of microseconds, got '10'"),
+     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got '10'"),
     ("empty model name", _request(model=""), "NOT_FOUND", "model '' is unknown"),
     ("model infer.parked", _request(model="infer.parked"), "NOT_FOUND", "model 'infer.parked' is unknown"),
     ("model ..", _request(model=".."), "NOT_FOUND", "model '..' is unknown"),

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from celery.exceptions import TaskRevokedError
+
 from asyncinfer import errors
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
+from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES"]
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "asyncinfer"
 #: What ``GET /v2`` and ServerMetadata advertise.
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+#: The largest ``timeout`` parameter (µs) a call may give: 30 days.
+MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 #: Data above this size (bytes) is converted off the event loop.
 OFF_LOOP_BYTES = 256 * 1024
 
@@ -172,10 +177,10 @@ class Service:
             entry = self._catalogue.get(model)
         if entry is None:
             known = ", ".join(self._catalogue) or "none"
-            raise GatewayError(404, f"model '{model}' is unknown: no worker announced it "
-                                    f"(known: {known})")
+            raise GatewayError(404, f"model '{printable(model, 100)}' is unknown: no worker "
+                                    f"announced it (known: {known})")
         if version and version not in entry.versions:
-            raise GatewayError(404, f"model '{model}' has no version '{version}' "
+            raise GatewayError(404, f"model '{model}' has no version '{printable(version, 40)}' "
                                     f"(versions: {', '.join(entry.versions)})")
         return entry
 
@@ -241,6 +246,13 @@ class Service:
         if not inputs:
             raise GatewayError(400, f"request {call.id or '(no id)'}: a v2 request needs at least "
                                     f"one input")
+        declared = [str(t["name"]) for t in entry.metadata.get("outputs") or []]
+        if declared and call.outputs is not None:
+            missing = [o.name for o in call.outputs if o.name not in declared]
+            if missing:
+                raise GatewayError(400, f"request {call.id or '(no id)'}: model '{call.model}' has "
+                                        f"no output {', '.join(repr(m) for m in missing)} "
+                                        f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
         sent = await aio.publish(self.client, functools.partial(
             self.client.submit, call.model, inputs, request_id=call.id or None,
@@ -249,6 +261,11 @@ class Service:
         waiting = asyncio.wrap_future(sent)
         try:
             response = await asyncio.shield(waiting)
+        except TaskRevokedError as exc:  # the worker's answer for a revoked or expired request
+            if "expired" in str(exc):
+                raise GatewayError(504, f"request {sent.id}: expired before a worker ran it "
+                                        f"(parameter 'timeout' or the deadline)") from None
+            raise GatewayError(499, f"request {sent.id}: revoked ({exc})") from None
         except asyncio.CancelledError:
             # the caller went away: revoke it (a broadcast through the broker, off the loop);
             # a gateway that stops leaves its requests to run (a caller may ask again by ID)
@@ -295,9 +312,10 @@ def _expires_s(call: InferCall) -> float | None:
     limits = [] if call.timeout_s is None else [call.timeout_s]
     value = call.parameters.get("timeout")
     if value is not None:
-        if type(value) not in (int, float) or value <= 0:
+        if type(value) not in (int, float) or not 0 < value <= MAX_TIMEOUT_US:
             raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'timeout' must be "
-                                    f"a positive number of microseconds, got {value!r}")
+                                    f"a number of microseconds above 0 and at most "
+                                    f"{MAX_TIMEOUT_US} (30 days), got {value!r:.40}")
         limits.append(float(value) / 1e6)
     return min(limits) if limits else None
 

@@ -199,7 +199,7 @@ def _kind_error(where: str, spec: DatatypeSpec, flat: list[Any], bad: set[type])
 
 def _range_error(where: str, spec: DatatypeSpec, flat: list[Any], lo: int, hi: int) -> InvalidRequest:
     i, x = next(((i, x) for i, x in enumerate(flat) if not lo <= x <= hi), (None, None))
-    what = "a value" if i is None else f"data element {i} = {x}"
+    what = "a value" if i is None else f"data element {i} = {x!r:.40}"
     return _fail(where, f"{what} is out of range for {spec.name} [{lo}, {hi}]")
 
 
