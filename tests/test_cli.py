@@ -101,3 +101,11 @@ def test_worker_flags_pick_device_and_models(redis_url, client, tmp_path) -> Non
         assert response["y"].tolist() == [[1.0, 1.0, 1.0]]
     finally:
         proc.stop()
+
+
+def test_a_worker_ignores_sigpipe_so_a_dead_redis_peer_cannot_kill_it(worker) -> None:
+    # A write to a socket whose peer died (a Redis master killed during a failover) must raise
+    # in the worker, not end it; only the printing commands restore the default (`| head`).
+    status = open(f"/proc/{worker.pid}/status").read()
+    ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & (1 << (13 - 1)), "SIGPIPE (13) is not ignored by the worker"

@@ -347,6 +347,10 @@ def test_odd_model_names_and_versions_get_404_and_nothing_is_enqueued(fleet: Fle
     assert fleet.queued().get("infer.parked", 0) == queued
 
 
+#: How a bad ``timeout`` parameter is refused (then the value given).
+TIMEOUT_RULE = ("parameter 'timeout' must be a number of microseconds above 0 and at most "
+                "2592000000000 (30 days), got ")
+
 ROUTES = {"/v2/health/live": "GET, HEAD", "/v2/health/ready": "GET, HEAD", "/v2": "GET, HEAD",
           "/v2/models/identity": "GET, HEAD", "/v2/models/identity/ready": "GET, HEAD",
           "/v2/models/identity/config": "GET, HEAD", "/v2/models/identity/versions/1": "GET, HEAD",
@@ -481,9 +485,9 @@ GRPC_CASES = [
     ("priority a bool", _request(parameters={"priority": _p(bool_param=True)}), INVALID,
      "parameter 'priority' must be a non-negative integer, got True"),
     ("timeout zero", _request(parameters={"timeout": _p(int64_param=0)}), INVALID,
-     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got 0"),
+     TIMEOUT_RULE + "0"),
     ("timeout negative", _request(parameters={"timeout": _p(double_param=-1.5)}), INVALID,
-     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got -1.5"),
+     TIMEOUT_RULE + "-1.5"),
     *[(f"timeout {v!r}", _request(parameters={"timeout": p}), INVALID,
        f"parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 "
        f"(30 days), got {v!r}")
@@ -491,7 +495,7 @@ GRPC_CASES = [
                    (float("nan"), _p(double_param=float("nan"))),
                    (2**64 - 1, _p(uint64_param=2**64 - 1)))],
     ("timeout a string", _request(parameters={"timeout": _p(string_param="10")}), INVALID,
-     "parameter 'timeout' must be a number of microseconds above 0 and at most 2592000000000 (30 days), got '10'"),
+     TIMEOUT_RULE + "'10'"),
     ("empty model name", _request(model=""), "NOT_FOUND", "model '' is unknown"),
     ("model infer.parked", _request(model="infer.parked"), "NOT_FOUND", "model 'infer.parked' is unknown"),
     ("model ..", _request(model=".."), "NOT_FOUND", "model '..' is unknown"),

@@ -427,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that serve until stopped.
+_SERVERS = ("worker", "up", "gateway")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncinfer`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -443,7 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if args.command not in _SERVERS:
+        # `asyncinfer infer ... | head` ends quietly; a server keeps Python's SIG_IGN, so a write
+        # to a socket whose peer died (a Redis that failed over, say) raises instead of killing it
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     from asyncinfer.errors import AsyncInferError
 
     try:
