@@ -11,7 +11,7 @@ from asyncinfer.config.settings import Settings, setting_sources
 from asyncinfer.engine.device import DeviceSpec
 from asyncinfer.errors import BrokerUnavailable, InvalidRequest
 from asyncinfer.models.registry import Registry
-from asyncinfer.ops.cli import _with_datatype_hint
+from asyncinfer.ops.cli_io import with_datatype_hint as _with_datatype_hint
 from asyncinfer.worker.launch import WorkerCannotStart, check_device, check_models
 
 pytestmark = pytest.mark.unit

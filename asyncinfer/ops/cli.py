@@ -11,83 +11,29 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from asyncinfer.ops.cli_io import (
+    declared_inputs,
+    print_response,
+    read_inputs,
+    with_datatype_hint,
+)
+
 __all__ = ["main"]
-
-#: A model's refusal of a datatype (models/base.py), which ``--datatype`` answers for list inputs.
-_DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+)")
-
 
 def _models(value: str) -> list[str]:
     return [m.strip() for m in value.split(",") if m.strip()]
-
-
-def _read_inputs(path: str, datatype: str | None,
-                 declared: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Inputs and parameters from a JSON file or stdin.
-
-    Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
-    name → (nested) list, or a bare (nested) list: the model's one declared input, else ``input``.
-    ``declared`` (input name → datatype, from the model catalogue) gives list inputs their
-    datatype when ``--datatype`` does not.
-    """
-    from asyncinfer.wire.payloads import to_input_payload
-
-    declared = declared or {}
-    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-    doc = json.loads(text)
-    if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
-        return doc["inputs"], dict(doc.get("parameters") or {})
-    if not isinstance(doc, dict):
-        doc = {next(iter(declared)) if len(declared) == 1 else "input": doc}
-    return [to_input_payload(str(k), v, datatype=datatype or declared.get(str(k)))
-            for k, v in doc.items()], {}
-
-
-def _declared_inputs(client: Any, model: str) -> dict[str, str]:
-    """Input name → datatype of ``model`` as its workers announced it (empty when unknown)."""
-    from asyncinfer.errors import BrokerUnavailable
-
-    try:
-        entry = client.models().get(model)
-    except BrokerUnavailable:
-        return {}  # the submit says so in its own words
-    if entry is None:
-        return {}
-    return {str(t["name"]): str(t["datatype"]) for t in entry.metadata.get("inputs") or []}
 
 
 def _client(args: argparse.Namespace) -> Any:
     from asyncinfer.client import Client
 
     return Client(broker_url=args.broker_url, serializer=getattr(args, "serializer", None))
-
-
-def _print_response(response: Any, args: argparse.Namespace) -> None:
-    """The response as one JSON line (``--pretty``: indented), or ``--output npy``: its outputs as
-    an ``.npz`` archive of numpy arrays on stdout (``np.load`` reads it)."""
-    if getattr(args, "output", "json") == "npy":
-        import numpy as np
-
-        np.savez(sys.stdout.buffer, **{name: response[name] for name in response.outputs})
-        sys.stdout.buffer.flush()
-        return
-    if getattr(args, "pretty", False):
-        print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
-    else:
-        print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
-
-
-def _bytes_as_list(value: Any) -> Any:
-    if isinstance(value, (bytes, bytearray)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -141,30 +87,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
     from asyncinfer.errors import InvalidRequest
 
     with _client(args) as client:
-        inputs, parameters = _read_inputs(args.input, args.datatype,
-                                          _declared_inputs(client, args.model))
+        inputs, parameters = read_inputs(args.input, args.datatype,
+                                          declared_inputs(client, args.model))
         try:
             response = client.infer(args.model, inputs, parameters=parameters,
                                     timeout_s=args.timeout_s)
         except InvalidRequest as exc:
-            raise _with_datatype_hint(exc, args.datatype) from None
-        _print_response(response, args)
+            raise with_datatype_hint(exc, args.datatype) from None
+        print_response(response, args)
     return 0
-
-
-def _with_datatype_hint(exc: Exception, given: str | None) -> Exception:
-    """``exc``, plus ``--datatype X`` when the model refused the datatype inferred from a list."""
-    refused = _DATATYPE_REFUSED.search(str(exc))
-    if given or refused is None:
-        return exc
-    return type(exc)(f"{exc}; the list was sent as {refused.group(1)}: pass "
-                     f"--datatype {refused.group(2)}")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        inputs, parameters = _read_inputs(args.input, args.datatype,
-                                          _declared_inputs(client, args.model))
+        inputs, parameters = read_inputs(args.input, args.datatype,
+                                          declared_inputs(client, args.model))
         future = client.submit(args.model, inputs, parameters=parameters,
                                request_id=args.request_id)
         print(future.id)
@@ -173,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_result(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        _print_response(client.result(args.request_id, timeout_s=args.timeout_s), args)
+        print_response(client.result(args.request_id, timeout_s=args.timeout_s), args)
     return 0
 
 

@@ -1,0 +1,81 @@
+"""What the ``asyncinfer`` command reads and prints for a request: its inputs (a file or stdin,
+with the datatypes the model catalogue declares), its response (JSON or ``.npz``), and the hint a
+refused datatype gets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+__all__ = ["read_inputs", "declared_inputs", "print_response", "with_datatype_hint"]
+
+#: A model's refusal of a datatype (models/base.py), which ``--datatype`` answers for list inputs.
+_DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+)")
+
+
+def read_inputs(path: str, datatype: str | None,
+                declared: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Inputs and parameters from a JSON file or stdin.
+
+    Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
+    name → (nested) list, or a bare (nested) list: the model's one declared input, else ``input``.
+    ``declared`` (input name → datatype, from the model catalogue) gives list inputs their
+    datatype when ``--datatype`` does not.
+    """
+    from asyncinfer.wire.payloads import to_input_payload
+
+    declared = declared or {}
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    doc = json.loads(text)
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
+        return doc["inputs"], dict(doc.get("parameters") or {})
+    if not isinstance(doc, dict):
+        doc = {next(iter(declared)) if len(declared) == 1 else "input": doc}
+    return [to_input_payload(str(k), v, datatype=datatype or declared.get(str(k)))
+            for k, v in doc.items()], {}
+
+
+def declared_inputs(client: Any, model: str) -> dict[str, str]:
+    """Input name → datatype of ``model`` as its workers announced it (empty when unknown)."""
+    from asyncinfer.errors import BrokerUnavailable
+
+    try:
+        entry = client.models().get(model)
+    except BrokerUnavailable:
+        return {}  # the submit says so in its own words
+    if entry is None:
+        return {}
+    return {str(t["name"]): str(t["datatype"]) for t in entry.metadata.get("inputs") or []}
+
+
+def print_response(response: Any, args: argparse.Namespace) -> None:
+    """The response as one JSON line (``--pretty``: indented), or ``--output npy``: its outputs as
+    an ``.npz`` archive of numpy arrays on stdout (``np.load`` reads it)."""
+    if getattr(args, "output", "json") == "npy":
+        import numpy as np
+
+        np.savez(sys.stdout.buffer, **{name: response[name] for name in response.outputs})
+        sys.stdout.buffer.flush()
+        return
+    if getattr(args, "pretty", False):
+        print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
+    else:
+        print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
+
+
+def _bytes_as_list(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def with_datatype_hint(exc: Exception, given: str | None) -> Exception:
+    """``exc``, plus ``--datatype X`` when the model refused the datatype inferred from a list."""
+    refused = _DATATYPE_REFUSED.search(str(exc))
+    if given or refused is None:
+        return exc
+    return type(exc)(f"{exc}; the list was sent as {refused.group(1)}: pass "
+                     f"--datatype {refused.group(2)}")
