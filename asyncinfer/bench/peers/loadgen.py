@@ -35,22 +35,29 @@ _WARM_UP = 20
 TARGETS = ("triton", "ray", "gateway", "gateway-http")
 
 
-async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
+async def _grpc(port: int, workload: str, *, rows_as_columns: bool,
+                batch_size: Callable[[Any], int]) -> tuple[Call, Callable[[], Awaitable[None]]]:
+    """Calls through ``tritonclient.grpc.aio`` (Triton, and the gateway's gRPC front)."""
     import tritonclient.grpc.aio as grpcclient
 
     model = WORKLOADS[workload].model
     name, datatype, rows = request_rows(workload, 64)
-    shaped = [r.reshape(1, 1) if datatype == "BYTES" else r for r in rows]
+    if rows_as_columns:  # PyTriton's BYTES input is [n, 1]
+        rows = [r.reshape(1, 1) if datatype == "BYTES" else r for r in rows]
     client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
 
     async def call(i: int) -> int:
-        row = shaped[i % len(shaped)]
+        row = rows[i % len(rows)]
         tensor = grpcclient.InferInput(name, list(row.shape), datatype)
         tensor.set_data_from_numpy(row)
-        result = await client.infer(model, [tensor])
-        return int(result.as_numpy("batch_size").reshape(-1)[0])
+        return batch_size(await client.infer(model, [tensor]))
 
     return call, client.close
+
+
+async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
+    return await _grpc(port, workload, rows_as_columns=True,
+                       batch_size=lambda r: int(r.as_numpy("batch_size").reshape(-1)[0]))
 
 
 def _grpc_parameter(parameter: Any) -> Any:
@@ -60,20 +67,9 @@ def _grpc_parameter(parameter: Any) -> Any:
 
 
 async def _gateway(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
-    import tritonclient.grpc.aio as grpcclient
-
-    model = WORKLOADS[workload].model
-    name, datatype, rows = request_rows(workload, 64)  # as the Python Client sends them
-    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
-
-    async def call(i: int) -> int:
-        row = rows[i % len(rows)]
-        tensor = grpcclient.InferInput(name, list(row.shape), datatype)
-        tensor.set_data_from_numpy(row)
-        result = await client.infer(model, [tensor])
-        return int(_grpc_parameter(result.get_response().parameters["batch_size"]))
-
-    return call, client.close
+    # the rows as the Python Client sends them; the batch size is a response parameter
+    return await _grpc(port, workload, rows_as_columns=False, batch_size=lambda r: int(
+        _grpc_parameter(r.get_response().parameters["batch_size"])))
 
 
 async def _gateway_http(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
