@@ -429,3 +429,15 @@ def test_an_output_the_model_does_not_declare_is_refused_before_it_runs(gateway)
     status, _, answer = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode())
     assert status == 400
     assert "has no output 'nosuchoutput' (outputs: 'output')" in json.loads(answer)["error"]
+
+
+def test_bf16_and_fp16_travel_as_json_too(gateway) -> None:
+    # tritonclient sends BF16 only as binary; a plain JSON client may send it as numbers
+    doc = {"inputs": [{"name": "b", "datatype": "BF16", "shape": [1, 3], "data": [-2.5, 0.0, 3.0e38]},
+                      {"name": "h", "datatype": "FP16", "shape": [1, 2], "data": [0.5, -65504.0]}]}
+    status, _, answer = _raw(gateway.http_url, "/v2/models/identity/infer", json.dumps(doc).encode())
+    assert status == 200, answer
+    outputs = {o["name"]: o for o in json.loads(answer)["outputs"]}
+    assert outputs["b"]["datatype"] == "BF16" and outputs["b"]["shape"] == [1, 3]
+    assert outputs["b"]["data"][:2] == [-2.5, 0.0] and abs(outputs["b"]["data"][2] / 3.0e38 - 1) < 0.01
+    assert outputs["h"]["data"] == [0.5, -65504.0]
