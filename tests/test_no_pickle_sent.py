@@ -33,3 +33,13 @@ def test_a_task_message_is_sent_as_json_or_msgpack_only(asked: str | None, sent:
     app.amqp.send_task_message(producer, "cb.task", message, serializer=asked, declare=[],
                                routing_key="cb", exchange="", retry=False)
     assert [p["serializer"] for p in producer.published] == [sent]
+
+
+def test_the_benchs_plain_celery_app_never_sends_pickle_either() -> None:
+    from asyncinfer.bench.baseline import app
+
+    message = app.amqp.create_task_message("r1", "cb.task", (1,), {})
+    producer = _Producer()
+    app.amqp.send_task_message(producer, "cb.task", message, serializer="pickle", declare=[],
+                               routing_key="cb", exchange="", retry=False)
+    assert [p["serializer"] for p in producer.published] == ["json"]

@@ -25,7 +25,8 @@ TASK = "bench.plain_infer"
 QUEUE_PREFIX = "plain."
 
 _settings = Settings.from_env()
-app = Celery("plain", set_as_current=False)
+# Plain Celery, but it never publishes pickle either (a result's link asking for it is sent as json).
+app = Celery("plain", set_as_current=False, amqp="asyncinfer.celery_amqp:AMQP")
 app.config_from_object(celery_config(_settings))
 app.conf.worker_consumer = "celery.worker.consumer:Consumer"
 app.conf.worker_send_task_events = False  # plain Celery's default (asyncinfer's workers send them)
