@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 from celery import Celery
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
+from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.publisher import Publisher
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
@@ -37,7 +36,7 @@ from asyncinfer.constants import (
     model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout, UnknownModel
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
 from asyncinfer.wire.payloads import to_input_payload
@@ -75,8 +74,7 @@ class Client:
                                      replicas_timeout_s=self.settings.submit_replicas_timeout_s)
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
-        #: The no-retry clients of :meth:`ping`, by URL.
-        self._pingers: dict[str, redis.Redis] = {}
+        self._pinger = Pinger(self.settings)
         self._bounds: dict[str, int] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
         self._broker_guessed = self.settings.broker_url_origin() == "default"
@@ -84,53 +82,34 @@ class Client:
         self._catalogue = (Catalogue(self.app.backend.client, ttl_s=self.settings.catalogue_ttl_s,
                                      retention_s=self.settings.model_retention_s)
                            if is_redis_url(backend_url) else None)
-        #: (read at, models known then) of the catalogue, re-read at most every KNOWN_FOR_S.
-        self._known: tuple[float, frozenset[str]] = (-1e9, frozenset())
+        self._known = (KnownModels(self._catalogue, self.settings.model_retention_s)
+                       if self._catalogue is not None else None)
 
     @property
     def broker(self) -> redis.Redis | None:
         """The Redis client of the broker (None on another broker)."""
         return self._broker
 
-    #: How long a read of the known models serves the unknown-model check (a model not among them
-    #: is looked up again at once, so a newly announced model is never refused).
-    KNOWN_FOR_S = 2.0
-
     def models(self) -> dict[str, CatalogueEntry]:
         """The model catalogue: every model the fleet announced within ``model_retention_s``,
         with its metadata and the live workers hosting it (``entry.ready``: at least one)."""
-        return self._read_catalogue("models")
-
-    def _read_catalogue(self, what: str) -> dict[str, CatalogueEntry]:
         if self._catalogue is None:
             return {}
         try:
             return self._catalogue.read()
         except redis.RedisError as exc:
-            raise self._broker_error(broker_error(what, exc)) from exc
+            raise self._broker_error(broker_error("models", exc)) from exc
 
     def check_model(self, model: str, request_id: str = "") -> None:
         """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
         not ``model``, within ``model_retention_s`` (0: never). A known model with no live worker
         passes: its requests wait in its queue for one."""
-        if self._catalogue is None or not self.settings.model_retention_s:
-            return
-        read_at, known = self._known
-        if model in known and time.monotonic() - read_at < self.KNOWN_FOR_S:
+        if self._known is None:
             return
         try:
-            known = frozenset(self._catalogue.read())
-        except (redis.ConnectionError, redis.TimeoutError) as exc:  # the submit would fail too
+            self._known.check(model, request_id)
+        except redis.RedisError as exc:
             raise self._broker_error(broker_error(request_id or "models", exc)) from exc
-        except redis.RedisError:  # a user not allowed the catalogue's keys: nothing to judge by
-            return
-        self._known = (time.monotonic(), known)
-        if known and model not in known:
-            who = f"request {request_id}: " if request_id else ""
-            raise UnknownModel(
-                f"{who}model '{model}' is unknown: no worker announced it in the last "
-                f"{_duration(self.settings.model_retention_s)} (known: {', '.join(sorted(known))}); "
-                f"start a worker that hosts it (asyncinfer worker --models {model})")
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -294,21 +273,10 @@ class Client:
         elif not self._results_shared:
             urls.append(str(self.app.conf.broker_url))
         for url in urls:
-            # one client per URL, kept: a ping on its open connection is one round trip
-            client = self._pingers.get(url)
-            if client is None:
-                client = self._pingers[url] = redis_client(
-                    url, self.settings, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                    retry=Retry(NoBackoff(), 0))
             try:
-                client.ping()
-            except redis.TimeoutError as exc:
-                raise self._broker_error(BrokerUnavailable(
-                    f"broker did not answer within {timeout_s:g} s ({exc})")) from exc
-            except redis.RedisError as exc:
-                error = broker_error("ping", exc)  # the wording of a submit's, without a request
-                raise self._broker_error(
-                    type(error)(str(error).removeprefix("request ping: "))) from exc
+                self._pinger.ping(url)
+            except AsyncInferError as exc:
+                raise self._broker_error(exc) from exc.__cause__
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
@@ -409,9 +377,7 @@ class Client:
             self._watcher = None
         if self._broker is not None:
             self._broker.close()
-        for client in self._pingers.values():
-            client.close()
-        self._pingers.clear()
+        self._pinger.close()
         self.app.close()
 
     def __enter__(self) -> Client:
@@ -419,11 +385,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _duration(seconds: float) -> str:
-    """``86400`` → ``24 h``, ``90`` → ``90 s``."""
-    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

@@ -1,0 +1,61 @@
+"""A client's unknown-model check: a model the fleet never announced is refused at submit.
+
+It reads the model catalogue (catalogue.py) at most every ``KNOWN_FOR_S`` while the models asked
+for are among those known; a model not among them is looked up again at once, so a model
+announced a moment ago is never refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from asyncinfer.catalogue import Catalogue
+from asyncinfer.errors import UnknownModel
+
+__all__ = ["KnownModels"]
+
+
+class KnownModels:
+    """Refuses what ``catalogue`` does not know within ``retention_s`` (0: nothing is refused).
+
+    While the fleet has announced nothing at all, nothing is refused either.
+    """
+
+    #: How long one read of the catalogue serves the check.
+    KNOWN_FOR_S = 2.0
+
+    def __init__(self, catalogue: Catalogue, retention_s: float) -> None:
+        self.catalogue = catalogue
+        self.retention_s = retention_s
+        #: (read at, models known then).
+        self._known: tuple[float, frozenset[str]] = (-1e9, frozenset())
+
+    def check(self, model: str, request_id: str = "") -> None:
+        """Raise UnknownModel for a model not known. A Redis that cannot be reached raises its
+        own error (the submit would fail too); one that refuses the catalogue's keys to this user
+        (an ACL) leaves nothing to judge by, and the model passes."""
+        if not self.retention_s:
+            return
+        read_at, known = self._known
+        if model in known and time.monotonic() - read_at < self.KNOWN_FOR_S:
+            return
+        try:
+            known = frozenset(self.catalogue.read())
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except redis.RedisError:
+            return
+        self._known = (time.monotonic(), known)
+        if known and model not in known:
+            who = f"request {request_id}: " if request_id else ""
+            raise UnknownModel(
+                f"{who}model '{model}' is unknown: no worker announced it in the last "
+                f"{_duration(self.retention_s)} (known: {', '.join(sorted(known))}); "
+                f"start a worker that hosts it (asyncinfer worker --models {model})")
+
+
+def _duration(seconds: float) -> str:
+    """``86400`` → ``24 h``, ``90`` → ``90 s``."""
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
