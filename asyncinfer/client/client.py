@@ -38,7 +38,7 @@ from asyncinfer.constants import (
 )
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, task_message, valid_request_id
+from asyncinfer.wire.envelope import check_request_id, printable, task_message
 from asyncinfer.wire.payloads import to_input_payload
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -205,9 +205,7 @@ class Client:
         if priority is not None and (type(priority) is not int or not 0 <= priority <= 9):
             raise InvalidRequest(f"request {printable(request_id)}: priority must be an integer "
                                  f"0 to 9, got {priority!r}")
-        if not valid_request_id(request_id):
-            raise InvalidRequest(f"request {printable(request_id)}: a request ID must be 1 to "
-                                 f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")
+        check_request_id(request_id)
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
         try:

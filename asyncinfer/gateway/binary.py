@@ -33,7 +33,8 @@ from asyncinfer.gateway.tensors import (
     raw_from_list,
 )
 from asyncinfer.wire.datatypes import spec_for
-from asyncinfer.wire.envelope import MAX_REQUEST_ID_CHARS, printable, valid_request_id
+from asyncinfer.wire.envelope import check_request_id as check_valid_id
+from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
 
 __all__ = ["parse_infer_body", "render_infer_result", "check_binary_input", "check_request_id",
@@ -55,10 +56,10 @@ def _fail(request: str, rule: str) -> InvalidRequest:
 
 
 def check_request_id(request_id: str) -> None:
-    """Raise InvalidRequest unless ``request_id`` is empty (none given) or a valid request ID."""
-    if request_id and not valid_request_id(request_id):
-        raise InvalidRequest(f"request {printable(request_id, 60)}: a request ID must be 1 to "
-                             f"{MAX_REQUEST_ID_CHARS} printable characters without whitespace")
+    """Raise InvalidRequest unless ``request_id`` is empty (none given) or a valid request ID (the
+    client's rule: :func:`~asyncinfer.wire.envelope.check_request_id`)."""
+    if request_id:
+        check_valid_id(request_id, 60)
 
 
 def check_unique_names(where: str, names: list[str]) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "request_id_in",
     "tag_in",
     "valid_request_id",
+    "check_request_id",
     "printable",
     "MAX_REQUEST_ID_CHARS",
     "retry_message",
@@ -134,6 +135,13 @@ def valid_request_id(request_id: str) -> bool:
     """Whether ``request_id`` is 1 to 200 printable characters without whitespace or controls."""
     return (0 < len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()
             and " " not in request_id)
+
+
+def check_request_id(request_id: str, shown_chars: int = 200) -> None:
+    """Raise InvalidRequest, showing at most ``shown_chars`` of it, unless ``request_id`` is valid."""
+    if not valid_request_id(request_id):
+        raise InvalidRequest(f"request {printable(request_id, shown_chars)}: a request ID must be 1 "
+                             f"to {MAX_REQUEST_ID_CHARS} printable characters without whitespace")
 
 
 def printable(text: object, limit: int = 200) -> str:
