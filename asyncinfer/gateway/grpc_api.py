@@ -14,7 +14,6 @@ A client's deadline also becomes the request's expiry.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
@@ -25,7 +24,7 @@ from google.protobuf.message import Message
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import check_binary_input, check_request_id, check_unique_names
 from asyncinfer.gateway.proto import inference_pb2 as pb
-from asyncinfer.gateway.service import OFF_LOOP_BYTES, GatewayError, Service
+from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 from asyncinfer.gateway.tensors import (
     InferCall,
     InferResult,
@@ -227,10 +226,7 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         timeout_s = context.time_remaining()
         # Typed contents are converted element by element, raw ones checked (BOOL bytes, BYTES
         # length prefixes): off the loop when there is much of either.
-        if request.ByteSize() > OFF_LOOP_BYTES:
-            call = await asyncio.get_running_loop().run_in_executor(None, _call, request, timeout_s)
-        else:
-            call = _call(request, timeout_s)
+        call = await off_loop_if_large(request.ByteSize(), _call, request, timeout_s)
         return _infer_response(await service.infer(call))
 
     return {

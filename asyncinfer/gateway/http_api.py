@@ -22,7 +22,7 @@ from aiohttp import web
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
-from asyncinfer.gateway.service import OFF_LOOP_BYTES, GatewayError, Service
+from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 
 __all__ = ["make_app", "start_http"]
 
@@ -104,9 +104,9 @@ async def infer(request: web.Request) -> web.StreamResponse:
         if encoding in _ENCODINGS:
             body = await asyncio.get_running_loop().run_in_executor(None, _inflate, encoding, body,
                                                                     limit)
-        call = await _off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
+        call = await off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
         result = await service.infer(call)
-        out, json_length = await _off_loop_if_large(
+        out, json_length = await off_loop_if_large(
             sum(len(o.raw) for o in result.outputs), render_infer_result, call, result)
     except InvalidRequest as exc:
         return _error(GatewayError(400, str(exc)))
@@ -117,8 +117,8 @@ async def infer(request: web.Request) -> web.StreamResponse:
     else:
         response = web.Response(body=out, content_type="application/octet-stream",
                                 headers={HEADER_LENGTH: str(json_length)})
-    if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get(
-            "Accept-Encoding", ""):
+    accepted = request.headers.get("Accept-Encoding", "")
+    if "gzip" in accepted or "deflate" in accepted:
         response.enable_compression()
     return response
 
@@ -174,14 +174,6 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
             if key.lower() not in ("content-type", "content-length"):
                 response.headers[key] = value
         return response
-
-
-async def _off_loop_if_large(size: int, fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, in the executor when it handles more than ``OFF_LOOP_BYTES`` (large tensors
-    are decoded and encoded off the event loop)."""
-    if size <= OFF_LOOP_BYTES:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def make_app(service: Service, *, max_body_bytes: int) -> web.Application:

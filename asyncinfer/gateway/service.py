@@ -26,7 +26,7 @@ from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
-__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES"]
+__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,14 @@ _OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "
                    "headers", "sequence_id", "sequence_start", "sequence_end"}
 
 T = TypeVar("T")
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in the loop's executor when it handles more than ``OFF_LOOP_BYTES`` (large
+    tensors are decoded and encoded off the event loop)."""
+    if size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 class GatewayError(Exception):
