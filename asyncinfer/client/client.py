@@ -104,12 +104,8 @@ class Client:
         """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
         not ``model``, within ``model_retention_s`` (0: never). A known model with no live worker
         passes: its requests wait in its queue for one."""
-        if self._known is None:
-            return
-        try:
+        if self._known is not None:
             self._known.check(model, request_id)
-        except redis.RedisError as exc:
-            raise self._broker_error(broker_error(request_id or "models", exc)) from exc
 
     @property
     def watcher(self) -> ResultWatcher:

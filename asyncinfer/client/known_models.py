@@ -31,21 +31,24 @@ class KnownModels:
         self.retention_s = retention_s
         #: (read at, models known then).
         self._known: tuple[float, frozenset[str]] = (-1e9, frozenset())
+        #: Until when (monotonic) a catalogue that could not be read is not tried again.
+        self._unreadable_until = -1e9
 
     def check(self, model: str, request_id: str = "") -> None:
-        """Raise UnknownModel for a model not known. A Redis that cannot be reached raises its
-        own error (the submit would fail too); one that refuses the catalogue's keys to this user
-        (an ACL) leaves nothing to judge by, and the model passes."""
+        """Raise UnknownModel for a model not known. A catalogue that cannot be read now (a
+        failover under way, a Redis that is down, an ACL that refuses its keys) leaves nothing
+        to judge by: the model passes, the submit itself says whether the broker answers, and
+        the catalogue is not tried again for ``KNOWN_FOR_S``."""
         if not self.retention_s:
             return
+        now = time.monotonic()
         read_at, known = self._known
-        if model in known and time.monotonic() - read_at < self.KNOWN_FOR_S:
+        if now < self._unreadable_until or (model in known and now - read_at < self.KNOWN_FOR_S):
             return
         try:
             known = frozenset(self.catalogue.read())
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
         except redis.RedisError:
+            self._unreadable_until = now + self.KNOWN_FOR_S
             return
         self._known = (time.monotonic(), known)
         if known and model not in known:
