@@ -25,7 +25,7 @@ from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker, gated_executions
-from tests.support.processes import ROOT, start_worker
+from tests.support.processes import ROOT, launch_worker, start_worker
 from tests.support.waiting import wait_for
 
 
@@ -99,21 +99,23 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
             futures.append(client.submit("gated", _index(i)))
         done_sending.set()
 
-    def start(n: int):  # noqa: ANN202
-        return start_worker(url, Path(log_dir) / f"w{n}.log", "--device", "cpu", "--models",
-                            "gated", "--hostname", f"paced{n}@%h", "--concurrency", "8", **env)
+    def launch(n: int):  # noqa: ANN202
+        return launch_worker(url, Path(log_dir) / f"w{n}.log", "--device", "cpu", "--models",
+                             "gated", "--hostname", f"paced{n}@%h", "--concurrency", "8", **env)
 
     kills = 0
     try:
-        workers += [start(0), start(1)]
+        workers += [launch(0).wait_ready(), launch(1).wait_ready()]
         sender = threading.Thread(target=stream)
         sender.start()
+        # The replacement starts in the background (a worker takes seconds to start on a loaded
+        # machine), so the kills keep their pace; a victim is always one that serves
         while not done_sending.wait(kill_every_s):
-            victim = workers.pop(0)
+            victim = workers.pop(0).wait_ready()
             victim.process.kill()
             victim.process.wait()
             kills += 1
-            workers.append(start(len(workers) + kills))
+            workers.append(launch(len(workers) + kills))
         sender.join()
         deadline = time.monotonic() + 60
         for f in futures:

@@ -73,10 +73,15 @@ class WorkerProcess:
         self._log.close()
 
 
+def launch_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:
+    """Start ``asyncinfer worker`` with ``args``; return at once (``wait_ready`` waits)."""
+    argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
+    return WorkerProcess(argv, worker_env(redis_url, **env), log_path)
+
+
 def start_worker(redis_url: str, log_path: Path, *args: str, **env: str) -> WorkerProcess:
     """Start ``asyncinfer worker`` with ``args`` and wait until it consumes."""
-    argv = [sys.executable, "-m", "asyncinfer", "worker", *args]
-    return WorkerProcess(argv, worker_env(redis_url, **env), log_path).wait_ready()
+    return launch_worker(redis_url, log_path, *args, **env).wait_ready()
 
 
 class GatewayProcess(WorkerProcess):
