@@ -126,7 +126,7 @@ def test_registry_creates_minilm() -> None:
     model = registry.create("minilm")
     assert isinstance(model, MiniLM) and model.name == "minilm"
     assert model.encoder is None  # weights load in load(), not on creation
-    assert model.options == ModelOptions(max_batch_size=32, max_delay_ms=5.0)
+    assert model.options == ModelOptions(max_batch_size=32, max_delay_ms=5.0, instances=2)
 
 
 def test_registry_and_module_import_neither_transformers_nor_the_weights() -> None:

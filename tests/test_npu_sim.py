@@ -141,11 +141,12 @@ def test_copies_are_pinned_non_blocking_and_completion_waits_on_the_event(
     assert batch_h2d and all(e["pinned"] and e["non_blocking"] for e in batch_h2d)
     batch_d2h = [e for e in _of(log, "d2h") if e["thread"] in DEVICE_THREADS]
     assert batch_d2h and all(e["non_blocking"] and e["stream"] is not None for e in batch_d2h)
-    # One event per batch, each waited on by blocking (never polled), in a bound thread
+    # One event per batch, each waited on by blocking (never polled), in a bound thread (the
+    # warm-up at load records and waits on its own, in the loading thread)
     records = _of(log, "event_record")
     waits = _of(log, "event_sync")
     assert len(records) == len(waits) > 0
-    assert sum(e["writes"] for e in records) == len(batch_d2h)
+    assert sum(e["writes"] for e in records if e["thread"] in DEVICE_THREADS) == len(batch_d2h)
     assert _of(log, "event_query") == [] and _of(log, "stream_sync") == []
     assert all(e["bound"] == 0 for e in waits)
     assert _of(log, "device_error") == []
@@ -195,3 +196,17 @@ def test_the_simulation_has_two_devices_and_completes_late(tmp_path: Path) -> No
     assert seen["before_wait"] == {"query": False, "all_nan": True}
     assert seen["after_wait"] == {"query": True, "correct": True}
     assert seen["physical"] == [0, 1]
+
+
+def test_before_serving_mlp_was_warmed_up_on_the_device_at_each_batch_size(
+        served: dict[str, Any]) -> None:
+    # The loading thread copied mlp's weights, then one batch of each size up to max_batch_size
+    # 8 of its declared input shape, before any device thread launched anything
+    log = served["log"]
+    loading = [e for e in _of(log, "h2d") if e["thread"] not in DEVICE_THREADS]
+    warm = loading[-4:]
+    assert [e["shape"] for e in warm] == [[n, MLP.in_features] for n in (1, 2, 4, 8)]
+    assert len(loading) > 4  # the weights came first
+    first_batch = next(i for i, e in enumerate(log) if e["thread"] in DEVICE_THREADS
+                       and e["what"] == "h2d")
+    assert all(log.index(e) < first_batch for e in warm)

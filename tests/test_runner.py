@@ -29,7 +29,9 @@ WAIT_S = 10.0
 
 def runner_for(model: Model, *, max_batch_size: int = 8, max_delay_ms: float = 5,
                is_revoked: Callable[[str], bool] | None = None, pipelined: bool = True) -> ModelRunner:
-    options = ModelOptions(max_batch_size=max_batch_size, max_delay_ms=max_delay_ms, pipelined=pipelined)
+    # No warm-up: these models count their calls (engine/warmup.py has tests of its own)
+    options = ModelOptions(max_batch_size=max_batch_size, max_delay_ms=max_delay_ms, pipelined=pipelined,
+                           warmup=False)
     return ModelRunner(model, Device(DeviceSpec("cpu")), options, is_revoked=is_revoked)
 
 
@@ -110,7 +112,8 @@ def identity_request(i: int) -> Request:
 
 @pytest.mark.parametrize(("pipelined", "instances"), [(True, 1), (True, 2), (False, 1), (False, 2)])
 def test_concurrent_requests_get_exactly_their_rows(pipelined: bool, instances: int) -> None:
-    options = ModelOptions(max_batch_size=8, max_delay_ms=5, pipelined=pipelined, instances=instances)
+    options = ModelOptions(max_batch_size=8, max_delay_ms=5, pipelined=pipelined, instances=instances,
+                           warmup=False)
     runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")), options)
     start = threading.Barrier(8)
 
@@ -358,7 +361,7 @@ class Staged(Model):
 def test_stages_run_in_order_and_overlap_when_pipelined(pipelined: bool) -> None:
     # Given a model whose three stages each take 50 ms, and one request per batch
     model = Staged()
-    options = ModelOptions(max_batch_size=1, max_delay_ms=0, pipelined=pipelined)
+    options = ModelOptions(max_batch_size=1, max_delay_ms=0, pipelined=pipelined, warmup=False)
     runner = ModelRunner(model, Device(DeviceSpec("cpu")), options)
     with started(runner):
         futures = [runner.submit(scalar_request(f"s{i}", float(i), model="staged")) for i in range(6)]

@@ -139,30 +139,74 @@ def open_loop(run: Run, submit: Submit, rate_rps: float, duration_s: float) -> R
     return run
 
 
-def _batch_of(model: Model, payload: dict[str, Any], rows: int) -> dict[str, Any]:
-    request = decode_request("limit", {"model": model.name, "inputs": payload["inputs"]})
-    values = {t.name: [t.value] * rows for t in request.inputs}
+def _batch_of(model: Model, payloads: list[dict[str, Any]], rows: int, first: int) -> dict[str, Any]:
+    """A batch of ``rows`` requests, ``payloads[first]`` onwards (cycling), as a worker forms it."""
+    requests = [decode_request("limit", {"model": model.name,
+                                         "inputs": payloads[i % len(payloads)]["inputs"]})
+                for i in range(first, first + rows)]
+    names = [t.name for t in requests[0].inputs]
+    values = {name: [next(t.value for t in r.inputs if t.name == name) for r in requests]
+              for name in names}
     return {name: model.collate(name, vals) for name, vals in values.items()}
 
 
-def model_limit(model: Model, payload: dict[str, Any], batch_sizes: tuple[int, ...],
-                duration_s: float) -> dict[int, float]:
+def _rate(model: Model, batches: list[dict[str, Any]], rows: int, callers: int,
+          duration_s: float) -> float:
+    """Rows/s of ``callers`` threads each calling the three stages on ``batches`` in turn."""
+    counts = [0] * callers
+    stop = threading.Event()
+
+    def call(k: int) -> None:
+        with torch.inference_mode():
+            while not stop.is_set():
+                batch = batches[counts[k] % len(batches)]
+                model.postprocess(model.forward(model.preprocess(batch)))
+                counts[k] += 1
+
+    threads = [threading.Thread(target=call, args=(k,), daemon=True) for k in range(callers)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    stop.wait(duration_s)
+    stop.set()
+    for t in threads:
+        t.join()
+    return sum(counts) * rows / (time.perf_counter() - began)
+
+
+def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
+                batch_sizes: tuple[int, ...], duration_s: float) -> dict[int, float]:
     """Rows/s of the model called in-process (preprocess, forward, postprocess) per batch size,
     for the sizes the model's ``max_batch_size`` allows (and that size itself): a worker never
-    runs a larger batch, so a larger one is no limit of it."""
+    runs a larger batch, so a larger one is no limit of it.
+
+    Batches are made of ``payloads`` in turn, as the load sends them. Each size is the better of
+    two arrangements: one caller with torch's threads, and (for a model of several
+    ``instances``) that many callers at once with the worker's share of threads each
+    (:mod:`asyncinfer.engine.threads`), so the limit is never below what the worker's own
+    arrangement could do in-process.
+    """
+    from asyncinfer.engine.threads import cpu_cores, intra_op_threads
+
+    payloads = payloads if isinstance(payloads, list) else [payloads]
     model.load(torch.device("cpu"))
     largest = model.options.max_batch_size if model.batchable else 1
     sizes = sorted({s for s in batch_sizes if s <= largest} | {largest})
+    instances = model.options.instances
+    shared = intra_op_threads(0, instances, on_cpu=True, cores=cpu_cores(), omp_num_threads=None)
+    default_threads = torch.get_num_threads()
     rates = {}
-    with torch.inference_mode():
-        for size in sizes:
-            batch = _batch_of(model, payload, size)
-            model.postprocess(model.forward(model.preprocess(batch)))  # warm up
-            began, calls = time.perf_counter(), 0
-            while time.perf_counter() - began < duration_s:
-                model.postprocess(model.forward(model.preprocess(batch)))
-                calls += 1
-            rates[size] = calls * size / (time.perf_counter() - began)
+    for size in sizes:
+        batches = [_batch_of(model, payloads, size, k * size) for k in range(8)]
+        with torch.inference_mode():
+            model.postprocess(model.forward(model.preprocess(batches[0])))  # warm up
+        rates[size] = _rate(model, batches, size, 1, duration_s)
+        if instances > 1:
+            torch.set_num_threads(shared or default_threads)
+            try:
+                rates[size] = max(rates[size], _rate(model, batches, size, instances, duration_s))
+            finally:
+                torch.set_num_threads(default_threads)
     return rates
 
 
@@ -173,7 +217,7 @@ def direct_call_ms(model: Model, payload: dict[str, Any], calls: int = 200) -> f
     with torch.inference_mode():
         for _ in range(calls):
             began = time.perf_counter()
-            batch = _batch_of(model, payload, 1)
+            batch = _batch_of(model, [payload], 1, 0)
             model.postprocess(model.forward(model.preprocess(batch)))
             times.append((time.perf_counter() - began) * 1000.0)
     return percentile(times, 50)

@@ -84,9 +84,8 @@ def _available(workload: Workload) -> bool:
 def _limit(workload: Workload, duration_s: float) -> tuple[dict[int, float], float]:
     registry = Registry.from_config([workload.factories] if workload.factories else [])
     model = registry.create(workload.model)
-    payload = workload.payload(0)
-    rates = model_limit(model, payload, (1, 8, 32, 64), duration_s)
-    return rates, direct_call_ms(model, payload)
+    rates = model_limit(model, [workload.payload(i) for i in range(64)], (1, 8, 32, 64), duration_s)
+    return rates, direct_call_ms(model, workload.payload(0))
 
 
 class _CpuMeter:

@@ -7,7 +7,9 @@
 ``instances`` (its ``instance_group.count``), ``max_queue_size`` (its queue policy's bound,
 checked when a client submits); ``pipelined`` runs preprocess, device and postprocess
 of successive batches in parallel (False: one after another in one thread).
-``dead_letter`` keeps each request of the model that fails for good in ``asyncinfer:dead:<model>``
+``warmup`` (default true) runs a batch of each size before the worker serves (Triton's
+``model_warmup``). ``dead_letter`` keeps each request of the model that fails for good in
+``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
 """
 
@@ -40,6 +42,8 @@ class ModelOptions:
     dead_letter_max_entries: int = 10000
     #: The list expires this long after its newest entry (7 days); 0: never.
     dead_letter_ttl_s: float = 7 * 24 * 3600.0
+    #: Run one batch of each size before serving (Triton's ``model_warmup``; engine/warmup.py).
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -49,8 +53,9 @@ class ModelOptions:
             raise ValueError(f"max_delay_ms must be a finite number >= 0, got {self.max_delay_ms!r}")
         if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
-        if not isinstance(self.dead_letter, bool):
-            raise ValueError(f"dead_letter must be true or false, got {self.dead_letter!r}")
+        for flag in ("dead_letter", "warmup", "pipelined"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         max_entries, ttl_s = self.dead_letter_max_entries, self.dead_letter_ttl_s
         if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
             raise ValueError(f"dead_letter_max_entries must be an integer >= 1, got {max_entries!r}")

@@ -139,6 +139,11 @@ class Settings:
     concurrency: int = _setting(
         64, "ASYNCINFER_CONCURRENCY",
         "Requests in flight per worker (task threads on Celery's path): at least `max_batch_size`.")
+    intra_op_threads: int = _setting(
+        0, "ASYNCINFER_INTRA_OP_THREADS",
+        "Threads of torch's intra-op pool (`torch.set_num_threads`) in a worker. 0: on a CPU device, "
+        "cores // the most instances any hosted model runs (unless `OMP_NUM_THREADS` is set); on an "
+        "accelerator, torch's own choice.")
     prefetch_multiplier: int = _setting(
         2, "ASYNCINFER_PREFETCH_MULTIPLIER",
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
@@ -153,8 +158,9 @@ class Settings:
         "`max_batch_size`, `max_delay_ms`, `preferred_batch_sizes`, `instances`, `pipelined`, "
         "`max_queue_size` (requests waiting in the model's queue at most, checked at submit; 0: no "
         "bound), `dead_letter` (keep requests that fail for good in `asyncinfer:dead:<model>`), "
-        "`dead_letter_max_entries` (10000), `dead_letter_ttl_s` (7 days; 0: never expire); "
-        "key `\"*\"` applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
+        "`dead_letter_max_entries` (10000), `dead_letter_ttl_s` (7 days; 0: never expire), "
+        "`warmup` (run one batch of each size before serving; default true); key `\"*\"` "
+        "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(
         "", "ASYNCINFER_STATE_DIR",

@@ -30,6 +30,7 @@ from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.timer import Timer
 from asyncinfer.engine.vital import vital_thread
+from asyncinfer.engine.warmup import warm_up
 from asyncinfer.errors import (
     HardTimeLimit,
     InvalidRequest,
@@ -118,6 +119,7 @@ class ModelRunner:
         """Load the model onto the device and start its threads."""
         self.device.bind_thread()
         self.model.load(self.device.torch_device)
+        warm_up(self.model, self.device, self.options)
         for t in self._threads:
             t.start()
         return self
@@ -373,7 +375,6 @@ class ModelRunner:
             return {t.name: t.value for t in first}
         return {t.name: self.model.collate(t.name, [item.request.inputs[i].value for item in items])
                 for i, t in enumerate(first)}
-
 
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
         deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)

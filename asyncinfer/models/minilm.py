@@ -69,7 +69,8 @@ class MiniLM(Model):
     #: token types, INT64 [n, length]; narrowed at load to the tokenizer's own input names.
     forward_inputs = {name: InputSpec(("INT64",), (-1,))
                       for name in ("input_ids", "attention_mask", "token_type_ids")}
-    options = ModelOptions(max_batch_size=32, max_delay_ms=5.0)
+    #: Two instances: one batch's Python runs while the other's kernels do (engine/threads.py).
+    options = ModelOptions(max_batch_size=32, max_delay_ms=5.0, instances=2)
     embedding_dim = 384
 
     def __init__(self, path: str | Path | None = None) -> None:

@@ -18,6 +18,7 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.delivery import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
 from asyncinfer.engine.runner import ModelRunner
+from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
@@ -62,9 +63,16 @@ class WorkerRuntime:
         self.on_wedged: Callable[[WorkItem, BaseException], None] = _exit_wedged
 
     def load(self, models: Iterable[str]) -> None:
-        """Load ``models`` now (a worker does this at start)."""
-        for name in models:
-            self.runner(name)
+        """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
+        the most instances any of them runs at once (:mod:`asyncinfer.engine.threads`)."""
+        with self._lock:
+            built = {name: self._build(name) for name in dict.fromkeys(models)
+                     if name not in self._runners}
+            instances = max((r.options.instances for r in built.values()), default=1)
+            apply_intra_op_threads(self.settings.intra_op_threads, instances,
+                                   on_cpu=not self.device.is_accelerator)
+            for name, runner in built.items():
+                self._start(name, runner)
 
     def runner(self, model: str, request_id: str | None = None) -> ModelRunner:
         """The runner of ``model``, loading it on first use; UnknownModel if not registered."""
@@ -79,15 +87,20 @@ class WorkerRuntime:
         with self._lock:
             runner = self._runners.get(model)
             if runner is None:
-                instance = self.registry.create(model, request_id)
-                options = self.settings.options_for(model, instance.options)
-                runner = ModelRunner(instance, self.device, options, is_revoked=is_revoked,
-                                     timer=self.timer,
-                                     on_wedged=lambda item, exc: self.on_wedged(item, exc),
-                                     is_transient=is_transient,
-                                     on_batch=metrics.record_batch).start()
-                log.info("model %s loaded on %s", model, self.device.label)
-                self._runners[model] = runner
+                runner = self._start(model, self._build(model, request_id))
+        return runner
+
+    def _build(self, model: str, request_id: str | None = None) -> ModelRunner:
+        instance = self.registry.create(model, request_id)
+        options = self.settings.options_for(model, instance.options)
+        return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
+                           on_wedged=lambda item, exc: self.on_wedged(item, exc),
+                           is_transient=is_transient, on_batch=metrics.record_batch)
+
+    def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
+        runner.start()
+        log.info("model %s loaded on %s", model, self.device.label)
+        self._runners[model] = runner
         return runner
 
     def runners(self) -> list[ModelRunner]:

@@ -8,6 +8,7 @@ import time
 import redis
 import torch
 
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.models.base import Batch, InputSpec, Model
 from tests.support.marks import mark_forward, marks_client
 
@@ -19,6 +20,8 @@ class Sleep(Model):
     """
 
     name = "sleep"
+    #: Its forward has side effects the tests count: no warm-up batches.
+    options = ModelOptions(warmup=False)
     inputs = {"input": InputSpec(("FP32",), (1,))}
     marks: redis.Redis | None = None
 
@@ -39,6 +42,8 @@ class Poison(Model):
     """
 
     name = "poison"
+    #: Its forward has side effects the tests count: no warm-up batches.
+    options = ModelOptions(warmup=False)
     inputs = {"input": InputSpec(("FP32",), (1,))}
     marks: redis.Redis | None = None
 
@@ -101,6 +106,8 @@ class Gated(Model):
     """
 
     name = "gated"
+    #: Its forward has side effects the tests count: no warm-up batches.
+    options = ModelOptions(warmup=False)
     inputs = {"index": InputSpec(("FP64",), (1,))}
 
     def __init__(self) -> None:
@@ -131,6 +138,8 @@ class Flaky(Model):
     """
 
     name = "flaky"
+    #: Its forward has side effects the tests count: no warm-up batches.
+    options = ModelOptions(warmup=False)
     batchable = False
     inputs = {"input": InputSpec(("FP64",), (2,))}
 

@@ -1,9 +1,10 @@
 """Ray Serve serving a bench workload: ``python -m asyncinfer.bench.peers.ray_server --workload
 minilm --http-port P`` (in the peers venv).
 
-One replica; ``@serve.batch`` gets the model's own max batch and delay (32 rows, 5 ms for minilm
-and the sim models); ``max_ongoing_requests`` is raised above the bench's in-flight levels, so
-that Ray Serve's default (5) does not cap the batches. ``POST /`` with ``{"row": ...}`` (one row:
+One replica per model instance (the model's ``instances``); ``@serve.batch`` gets the model's
+own max batch and delay (32 rows, 5 ms for minilm and the sim models); ``max_ongoing_requests``
+is raised above the bench's in-flight levels, so that Ray Serve's default (5) does not cap the
+batches. ``POST /`` with ``{"row": ...}`` (one row:
 a string, or a list of numbers) answers ``{"output": [...], "batch_size": n}``. Prints ``READY``
 once it serves; stops on SIGTERM.
 
@@ -32,7 +33,7 @@ def build_app(workload: str) -> Any:
 
     options = model_options(workload)  # read without loading: the replica loads the model
 
-    @serve.deployment(num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    @serve.deployment(num_replicas=options.instances, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                       ray_actor_options={"num_cpus": 0})
     class Peer:
         def __init__(self, workload_name: str) -> None:

@@ -1,7 +1,8 @@
 """The bench's model as a peer serves it: built from the project's registry, one batch per call.
 
 Imported in the peers venv (torch, numpy and the project on ``PYTHONPATH``): the peers run the
-same preprocess → forward → postprocess as asyncinfer's worker, on the same batch sizes.
+same preprocess → forward → postprocess as asyncinfer's worker, on the same batch sizes, with the
+same number of model instances and threads per instance.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from asyncinfer.bench.workloads import WORKLOADS, Workload
 from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
 from asyncinfer.wire.protocol import decode_request
@@ -59,6 +61,10 @@ class ServedModel:
     def __init__(self, workload_name: str) -> None:
         workload = _workload(workload_name)
         self.model: Model = _create(workload)
+        #: Model instances, as asyncinfer's worker runs them (Triton's instance count, Ray's
+        #: replicas), each with the same share of torch's threads as the worker gives one.
+        self.instances = self.model.options.instances
+        apply_intra_op_threads(0, self.instances, on_cpu=True)
         self.model.load(torch.device("cpu"))
         self.name = workload.model
         self.max_batch_size = self.model.options.max_batch_size

@@ -2,8 +2,9 @@
 --workload minilm --grpc-port P --http-port Q --metrics-port R`` (in the peers venv).
 
 Triton's dynamic batcher gets the model's own max batch and delay (32 rows, 5 ms for minilm and the
-sim models). The model's rows come back with an INT32 ``batch_size`` output: the rows of the batch
-each request ran in, as asyncinfer reports it. Prints ``READY`` once it serves; stops on SIGTERM.
+sim models), and its instance group the model's ``instances`` (KIND_CPU). The model's rows come
+back with an INT32 ``batch_size`` output: the rows of the batch each request ran in, as asyncinfer
+reports it. Prints ``READY`` once it serves; stops on SIGTERM.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with Triton(config=config) as triton:
         triton.bind(
-            model_name=served.name, infer_func=infer,
+            model_name=served.name, infer_func=[infer] * served.instances,
             inputs=[Tensor(name=served.input_name, dtype=in_dtype, shape=in_shape)],
             outputs=[Tensor(name=served.output_name, dtype=np.float32, shape=served.output_row_shape),
                      Tensor(name="batch_size", dtype=np.int32, shape=(1,))],
