@@ -271,8 +271,11 @@ def test_metrics_count_calls_and_show_queue_gauges(gateway, http) -> None:
 
 
 def test_a_full_queue_gives_429_with_retry_after(redis_db, tmp_path) -> None:
-    # Given a model the fleet knows, with a queue bound of 2 and no live worker
-    Catalogue(redis_db.client, ttl_s=0.5).announce("gone@host", [{"name": "parked"}])
+    # Given a model the fleet knows, with a queue bound of 2 and no live worker (its worker's
+    # announcement has expired before the gateway first reads the catalogue)
+    catalogue = Catalogue(redis_db.client, ttl_s=0.5)
+    catalogue.announce("gone@host", [{"name": "parked"}])
+    wait_for(lambda: not catalogue.read()["parked"].ready, 5, "the announcement expiring")
     proc = start_gateway(redis_db.url, tmp_path / "gateway.log",
                          ASYNCINFER_MODEL_OPTIONS='{"parked": {"max_queue_size": 2}}')
     try:

@@ -20,6 +20,7 @@ from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
 from asyncinfer.errors import RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX, UNACKED_KEY
 from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
+from asyncinfer.wire.result_json import decode_result
 
 if TYPE_CHECKING:
     from asyncinfer.client.client import Client
@@ -127,7 +128,7 @@ def whereabouts(request_id: str, results: Any, backend: Any, broker: Any | None)
     """
     payload = results.get(backend.get_key_for_task(request_id))
     if payload is not None:
-        meta = backend.decode_result(payload)
+        meta = decode_result(backend, payload)
         status = meta.get("status")
         info = meta.get("result") if isinstance(meta.get("result"), dict) else {}
         if status == states.STARTED:

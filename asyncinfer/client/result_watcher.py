@@ -20,6 +20,7 @@ import redis
 from celery import states
 
 from asyncinfer.keys import WATCHER_CHANNEL
+from asyncinfer.wire.result_json import decode_result
 
 __all__ = ["ResultWatcher"]
 
@@ -155,7 +156,7 @@ class ResultWatcher:
         """Hand a stored result to its callback; True when the request is finished."""
         if isinstance(payload, bytes) and _STARTED in payload[:32]:
             return False  # the STARTED state (task_track_started): not worth decoding
-        meta = self.backend.decode_result(payload)
+        meta = decode_result(self.backend, payload)
         if meta.get("status") not in states.READY_STATES:
             return False
         request_id = meta.get("task_id")

@@ -50,6 +50,7 @@ from asyncinfer.wire.envelope import (
     tag_in,
 )
 from asyncinfer.wire.protocol import request_kwargs
+from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker import inspection
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
@@ -318,7 +319,7 @@ class FastConsumer:
             if raw is None:
                 continue
             try:
-                status = backend.decode(raw).get("status")
+                status = decode_meta(backend, raw).get("status")
             except Exception:  # noqa: BLE001 - unreadable: run it again
                 continue
             if already_answered(status):

@@ -33,6 +33,7 @@ from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import Delivery, result_meta
+from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
 
 __all__ = ["Outcome", "ResultWriter"]
@@ -111,7 +112,7 @@ class ResultWriter:
 
     def _store(self, pipe: Any, request_id: str, meta: dict[str, Any]) -> None:
         key = self.backend.get_key_for_task(request_id)
-        value = self.backend.encode(meta)
+        value = encode_meta(self.backend, meta)
         if self.expires_s:
             pipe.setex(key, self.expires_s, value)
         else:
