@@ -14,6 +14,7 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.constants import priority_list
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import InvalidRequest, QueueFull, TransientError, TransientModelError
 from asyncinfer.keys import CLAIM_PREFIX
@@ -88,6 +89,22 @@ def test_publisher_refuses_past_the_bound_and_names_the_request(scratch: redis.R
         publisher.publish("infer.q", "r3", "m3", claim=False, max_queue_size=3)
     assert scratch.llen("infer.q") == 3
     assert not scratch.exists(CLAIM_PREFIX + "r3")
+
+
+def test_with_no_claim_and_no_bound_a_publish_is_one_push_onto_its_priority_list(
+        scratch: redis.Redis) -> None:
+    scripts: list[str] = []
+    publisher = Publisher(scratch, claim_ttl_s=60)
+    publisher._publish = lambda **kw: scripts.append(kw) or [PUBLISHED]  # type: ignore[assignment]
+    assert publisher.publish("infer.q", "r1", "m1", claim=False) == PUBLISHED
+    assert publisher.publish("infer.q", "r2", "m2", claim=False, priority=9) == PUBLISHED
+    assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
+    assert scratch.lrange(priority_list("infer.q", 9), 0, -1) == [b"m2"]
+    assert scripts == [] and not scratch.exists(CLAIM_PREFIX + "r1")
+    # a claim or a bound still goes through the script
+    publisher.publish("infer.q", "r3", "m3", claim=True)
+    publisher.publish("infer.q", "r4", "m4", claim=False, max_queue_size=10)
+    assert len(scripts) == 2
 
 
 class _RefusalsSeen:

@@ -12,7 +12,8 @@ One Lua script per request, run by Redis atomically:
   more; :meth:`Publisher.publish` waits up to ``timeout_s`` for room, then raises QueueFull.
   Nothing is dropped: a request is either on the queue or refused at submit.
 
-Idle workers wake without popping (workers/wake.py), so the push is all a producer does.
+Idle workers wake without popping (workers/wake.py), so the push is all a producer does. With
+neither a claim nor a bound to check (a generated ID, no ``max_queue_size``), it is a plain LPUSH.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ class Publisher:
         deadline = time.monotonic() + max(0.0, timeout_s)
         pause_s = self.poll_s[0]
         while True:
-            reply = self._publish(keys=keys, args=args)
+            if claim or max_queue_size > 0:
+                reply = self._publish(keys=keys, args=args)
+            else:  # nothing to check: the script would only push
+                self.client.lpush(keys[0], message)
+                reply = [PUBLISHED]
             status = int(reply[0])
             if status >= 0:
                 if self.replicas:  # also for DUPLICATE: the first send may not be replicated yet

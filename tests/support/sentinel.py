@@ -76,7 +76,7 @@ class SentinelGroup:
 
     # -- life cycle ----------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 15.0) -> SentinelGroup:
+    def start(self, timeout_s: float = 30.0) -> SentinelGroup:
         try:
             self.data[self.master_port] = self._data_node("master", self.master_port, [])
             self._wait_ping(self.master_port, self.password, timeout_s)
