@@ -289,9 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", help="log level (default ASYNCINFER_LOG_LEVEL or info)")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port (default ASYNCINFER_METRICS_PORT; 0: off)")
-    p.add_argument("--intra-op-threads", type=int,
-                   help="torch.set_num_threads (default ASYNCINFER_INTRA_OP_THREADS; 0: on CPU, "
-                        "cores // instances)")
+    p.add_argument("--intra-op-threads", type=int, help="torch.set_num_threads (default "
+                   "ASYNCINFER_INTRA_OP_THREADS; 0: on CPU, cores // instances)")
     p.set_defaults(func=cmd_worker)
 
     for name, func, text in (("infer", cmd_infer, "send one request and print the response"),
