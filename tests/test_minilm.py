@@ -155,3 +155,22 @@ def test_bad_requests_are_refused(runner: ModelRunner, inputs: list[dict[str, An
     with pytest.raises(InvalidRequest, match="^request req-bad: ") as info:
         runner.submit(request)
     assert says in str(info.value)
+
+
+def test_the_torchscript_forward_matches_sentence_transformers(reference: Any) -> None:
+    # Given minilm with compile "torchscript": traced at load, checked against eager
+    model = MiniLM()
+    options = ModelOptions(max_batch_size=32, max_delay_ms=50.0, compile="torchscript")
+    runner = ModelRunner(model, Device(DeviceSpec("cpu")), options).start()
+    try:
+        assert model.traced is not None  # the traced encoder is the one in use
+        # When the texts go through it in batches of several sizes and lengths
+        futures = [runner.submit(text_request(f"jit-{i}", [TEXTS[j] for j in group]))
+                   for i, group in enumerate(GROUPS)]
+        results = [f.result(WAIT_S) for f in futures]
+    finally:
+        runner.close()
+    # Then every embedding is sentence-transformers' own
+    expected = reference.encode([as_str(t) for t in TEXTS], convert_to_numpy=True)
+    for group, done in zip(GROUPS, results, strict=True):
+        assert np.abs(embedding_of(done) - expected[group]).max() <= TOL, group

@@ -8,7 +8,8 @@
 checked when a client submits); ``pipelined`` runs preprocess, device and postprocess
 of successive batches in parallel (False: one after another in one thread).
 ``warmup`` (default true) runs a batch of each size before the worker serves (Triton's
-``model_warmup``). ``dead_letter`` keeps each request of the model that fails for good in
+``model_warmup``); ``compile`` ``"torchscript"`` traces the forward at load (engine/compile.py).
+``dead_letter`` keeps each request of the model that fails for good in
 ``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
 """
@@ -21,7 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelOptions", "parse_model_options"]
+__all__ = ["ModelOptions", "parse_model_options", "COMPILE_MODES"]
+
+#: What the ``compile`` option takes ("": eager).
+COMPILE_MODES = ("", "torchscript")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class ModelOptions:
     dead_letter_ttl_s: float = 7 * 24 * 3600.0
     #: Run one batch of each size before serving (Triton's ``model_warmup``; engine/warmup.py).
     warmup: bool = True
+    #: Compile the forward at load: "" (eager) or "torchscript" (traced, frozen, checked against
+    #: eager; engine/compile.py). A model that cannot runs eager, and the worker says so.
+    compile: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -62,6 +69,8 @@ class ModelOptions:
         if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
                 and math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"instances must be an integer >= 1, got {self.instances!r}")
         for size in self.preferred_batch_sizes:

@@ -159,7 +159,8 @@ class Settings:
         "`max_queue_size` (requests waiting in the model's queue at most, checked at submit; 0: no "
         "bound), `dead_letter` (keep requests that fail for good in `asyncinfer:dead:<model>`), "
         "`dead_letter_max_entries` (10000), `dead_letter_ttl_s` (7 days; 0: never expire), "
-        "`warmup` (run one batch of each size before serving; default true); key `\"*\"` "
+        "`warmup` (run one batch of each size before serving; default true), `compile` "
+        "(`\"torchscript\"`: trace the forward at load, checked against eager); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

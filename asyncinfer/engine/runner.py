@@ -25,6 +25,7 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.batcher import Batcher, WorkItem
+from asyncinfer.engine.compile import compile_model
 from asyncinfer.engine.delivery import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
@@ -119,6 +120,7 @@ class ModelRunner:
         """Load the model onto the device and start its threads."""
         self.device.bind_thread()
         self.model.load(self.device.torch_device)
+        compile_model(self.model, self.device.torch_device, self.options)
         warm_up(self.model, self.device, self.options)
         for t in self._threads:
             t.start()

@@ -145,6 +145,12 @@ class Model:
             return np.concatenate(values)
         return torch.cat(values)
 
+    def compile(self, mode: str, device: torch.device) -> bool:
+        """Compile :meth:`forward` as ``mode`` asks (``"torchscript"``), after :meth:`load`, and
+        check it against eager; True when the compiled forward is now used. Default: False
+        (runs eager). See engine/compile.py."""
+        return False
+
     def preprocess(self, batch: Batch) -> Batch:
         """CPU work on a whole batch before the device (tokenization, say). Default: none."""
         return batch

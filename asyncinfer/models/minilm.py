@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,18 @@ __all__ = ["MiniLM", "bundled_model_path"]
 
 #: sentence-transformers' own limit for this model when its folder does not say.
 _DEFAULT_MAX_SEQ_LENGTH = 256
+
+
+#: What the encoder is traced on (two lengths: the mask is used) and checked on (other sizes).
+_TRACE_TEXTS = ["warm up", "a longer sentence that the shorter one is padded to"]
+_CHECK_TEXTS = [["one sentence alone"],
+                ["a", "three texts of", "quite different lengths, one of them much longer than the rest"],
+                [f"sentence {i} " + "with more words " * (i % 4) for i in range(8)]]
+
+
+def _hidden(out: Any) -> Any:
+    """``last_hidden_state`` of a traced encoder's output (a dict, or a tuple whose first it is)."""
+    return out["last_hidden_state"] if isinstance(out, dict) else out[0]
 
 
 def bundled_model_path() -> Path:
@@ -81,6 +94,8 @@ class MiniLM(Model):
         self.input_names: tuple[str, ...] = ("input_ids", "attention_mask")
         # A fast tokenizer sets its padding/truncation state on every call: one call at a time.
         self._tokenize_lock = threading.Lock()
+        #: The traced encoder (compile="torchscript"), else None: eager.
+        self.traced: Any = None
 
     def load(self, device: torch.device) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: everything is in the folder
@@ -153,9 +168,38 @@ class MiniLM(Model):
         mask = batch["attention_mask"]
         if mask.shape[0] == 0:
             hidden = torch.zeros((0, 0, self.embedding_dim), device=mask.device)
+        elif self.traced is not None:
+            hidden = _hidden(self.traced(*(batch[name] for name in self.input_names)))
         else:
             hidden = self.encoder(**{name: batch[name] for name in self.input_names}).last_hidden_state
         return {"last_hidden_state": hidden, "attention_mask": mask}
+
+    def compile(self, mode: str, device: torch.device) -> bool:
+        """``"torchscript"``: trace the encoder on a padded batch (transformers' mask branches are
+        data-dependent: a batch without padding would trace them away), freeze it, and use it only
+        if it matches eager on the real tokens of batches of other sizes and lengths."""
+        if mode != "torchscript":
+            return False
+        if self.encoder is None:
+            raise RuntimeError("model 'minilm' is not loaded")
+
+        def prepared(texts: list[str]) -> tuple[Any, ...]:
+            batch = self.preprocess({"text": np.array(texts, dtype=object)})
+            return tuple(batch[name].to(device) for name in self.input_names)
+
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            traced = torch.jit.freeze(torch.jit.trace(
+                self.encoder, prepared(_TRACE_TEXTS), strict=False).eval())
+            for texts in _CHECK_TEXTS:
+                inputs = prepared(texts)
+                want = self.encoder(*inputs).last_hidden_state
+                got = _hidden(traced(*inputs))
+                real = inputs[self.input_names.index("attention_mask")].bool()
+                if got.shape != want.shape or not torch.allclose(got[real], want[real], atol=1e-4):
+                    raise ValueError(f"the traced encoder differs from eager on {len(texts)} texts")
+        self.traced = traced
+        return True
 
     def postprocess(self, outputs: Batch) -> Batch:
         hidden = outputs["last_hidden_state"].float()
