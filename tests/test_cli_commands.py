@@ -45,6 +45,28 @@ def test_infer_prints_one_line_pretty_on_request_and_npy_archives(worker, redis_
     assert arrays["x"].dtype == np.float32 and arrays["x"].tolist() == X
 
 
+def test_npy_output_of_text_is_read_without_pickle_and_a_lossy_one_is_refused(worker,
+                                                                              redis_url) -> None:
+    # BYTES outputs are object arrays, which np.savez would pickle: they are written as numpy
+    # bytes, which np.load reads with its default allow_pickle=False
+    env = worker_env(redis_url)
+    npy = subprocess.run([sys.executable, "-m", "asyncinfer", "infer", "identity", "--input", "-",
+                          "--datatype", "BYTES", "--output", "npy"],
+                         input=json.dumps({"t": ["héllo", "a b"]}).encode(), capture_output=True,
+                         timeout=90, cwd=ROOT, env=env)
+    assert npy.returncode == 0, npy.stderr[-2000:]
+    arrays = np.load(io.BytesIO(npy.stdout), allow_pickle=False)
+    assert arrays["t"].tolist() == ["héllo".encode(), b"a b"]
+    # An element numpy's bytes would change (a trailing NUL) is refused, nothing written
+    lossy = subprocess.run([sys.executable, "-m", "asyncinfer", "infer", "identity", "--input", "-",
+                            "--datatype", "BYTES", "--output", "npy"],
+                           input=json.dumps({"t": ["ends in nul\u0000"]}).encode(),
+                           capture_output=True, timeout=90, cwd=ROOT, env=env)
+    assert lossy.returncode == 1 and lossy.stdout == b""
+    assert b"output 't': an element that is not text, or ends in a NUL byte, has no .npy form " \
+           b"without pickle" in lossy.stderr
+
+
 def test_status_json_names_the_worker_and_the_queues(worker, redis_url) -> None:
     out = run(worker_env(redis_url), "status", "--json", "--timeout-s", "2")
     assert out.returncode == 0, out.stderr[-2000:]

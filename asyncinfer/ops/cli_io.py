@@ -57,13 +57,30 @@ def print_response(response: Any, args: argparse.Namespace) -> None:
     if getattr(args, "output", "json") == "npy":
         import numpy as np
 
-        np.savez(sys.stdout.buffer, **{name: response[name] for name in response.outputs})
+        np.savez(sys.stdout.buffer, **{name: _without_pickle(name, response[name])
+                                       for name in response.outputs})
         sys.stdout.buffer.flush()
         return
     if getattr(args, "pretty", False):
         print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
     else:
         print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
+
+
+def _without_pickle(name: str, value: Any) -> Any:
+    """``value`` as an array ``np.load`` reads without pickle: a BYTES output (an object array,
+    which ``np.savez`` would pickle) becomes fixed-width bytes (``S``). ValueError when that would
+    change an element: numpy's ``S`` drops trailing NUL bytes."""
+    import numpy as np
+
+    array = np.asarray(value)
+    if array.dtype != object:
+        return array
+    items = [x.encode() if isinstance(x, str) else x for x in array.reshape(-1).tolist()]
+    if not all(isinstance(x, (bytes, bytearray)) and not x.endswith(b"\0") for x in items):
+        raise ValueError(f"output '{name}': an element that is not text, or ends in a NUL byte, has "
+                         f"no .npy form without pickle (never written); use --output json")
+    return np.array(items, dtype=bytes).reshape(array.shape)
 
 
 def _bytes_as_list(value: Any) -> Any:
