@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from asyncinfer.bench.loadgen import percentile
+from asyncinfer.engine.threads import cpu_cores, intra_op_threads
 from asyncinfer.models.base import Model
 from asyncinfer.wire.protocol import decode_request
 
@@ -186,8 +187,6 @@ def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
     (:mod:`asyncinfer.engine.threads`), so the limit is never below what the worker's own
     arrangement could do in-process.
     """
-    from asyncinfer.engine.threads import cpu_cores, intra_op_threads
-
     payloads = payloads if isinstance(payloads, list) else [payloads]
     model.load(torch.device("cpu"))
     largest = model.options.max_batch_size if model.batchable else 1

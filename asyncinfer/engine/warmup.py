@@ -39,8 +39,8 @@ def warmup_sizes(options: ModelOptions, batchable: bool = True) -> list[int]:
 
 
 def example_batch(model: Model, rows: int) -> Batch | None:
-    """A batch of ``rows`` rows of the model's declared inputs (None: it declares none, or a row
-    shape no example can fill)."""
+    """A batch of ``rows`` rows of the model's declared inputs, each -1 of a row shape as 1 (None:
+    it declares none)."""
     if not model.inputs:
         return None
     inputs: list[dict[str, Any]] = []
@@ -48,9 +48,8 @@ def example_batch(model: Model, rows: int) -> Batch | None:
         shape = [rows, *(1 if d == -1 else d for d in spec.row_shape)]
         count = math.prod(shape)
         datatype = spec.datatypes[0]
-        data: list[Any] = ["warm up"] * count if datatype == "BYTES" else [0] * count
-        if datatype == "BOOL":
-            data = [False] * count
+        element: Any = {"BYTES": "warm up", "BOOL": False}.get(datatype, 0)
+        data = [element] * count
         inputs.append({"name": name, "datatype": datatype, "shape": shape, "data": data})
     request = decode_request("warm-up", {"model": model.name, "inputs": inputs})
     return {t.name: t.value for t in request.inputs}
@@ -60,14 +59,13 @@ def warm_up(model: Model, device: Device, options: ModelOptions) -> dict[int, fl
     """Run one batch of each of :func:`warmup_sizes` through the three stages on ``device``;
     return milliseconds per size (empty when the model cannot be warmed up or it raised)."""
     times: dict[int, float] = {}
-    if not options.warmup or model.inputs is None:
+    if not options.warmup or not model.inputs:
         return times
     stream = device.new_stream()
     try:
         for rows in warmup_sizes(options, model.batchable):
             batch = example_batch(model, rows)
-            if batch is None:
-                return times
+            assert batch is not None  # the model declares inputs
             began = time.perf_counter()
             with torch.inference_mode():
                 data = model.preprocess(batch)
