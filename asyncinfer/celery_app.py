@@ -27,13 +27,20 @@ INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.work
 
 class _App(Celery):  # type: ignore[misc]
     """Celery, with a worker whose banner tells a device worker's truth, publishing json or
-    msgpack only (:mod:`asyncinfer.celery_amqp`)."""
+    msgpack only (:mod:`asyncinfer.celery_amqp`), and a result backend that announces a request's
+    final state on its reply channel (:mod:`asyncinfer.replies`)."""
 
     amqp_cls = "asyncinfer.celery_amqp:AMQP"
 
     @cached_property
     def Worker(self) -> Any:  # noqa: N802 - Celery's name
         return self.subclass_with_self("asyncinfer.worker.banner:Worker")
+
+    def _get_backend(self) -> Any:
+        """Celery's result backend, announcing final states on reply channels (replies.py)."""
+        from asyncinfer.replies import announcing
+
+        return announcing(super()._get_backend())
 
 
 class _FromSettings(Mapping[str, Any]):

@@ -16,7 +16,7 @@ __all__ = [
     "DEAD_LETTER_PREFIX",
     "RETRY_BUDGET_PREFIX",
     "REPLICATION_MARK_CHANNEL",
-    "WATCHER_CHANNEL",
+    "REPLY_CHANNEL_PREFIX",
     "dead_letter_key",
     "CATALOGUE_LIVE_KEY",
     "CATALOGUE_HOSTS_KEY",
@@ -48,8 +48,10 @@ RETRY_BUDGET_PREFIX = KEY_PREFIX + "retry-budget"
 #: Published (and replicated) before ``WAIT``, so the wait covers writes of every connection.
 REPLICATION_MARK_CHANNEL = KEY_PREFIX + "replicated"
 
-#: The result watcher's first subscription (it opens the pub/sub connection; nothing is sent).
-WATCHER_CHANNEL = KEY_PREFIX + "watcher"
+#: A client's reply channel: ``asyncinfer:reply:<client>``. A request whose ``asyncinfer_reply_to``
+#: header names one has its final result published there as well as on its result key's channel,
+#: so a client subscribes once, not once per request (wire/reply.py).
+REPLY_CHANNEL_PREFIX = KEY_PREFIX + "reply:"
 
 
 def dead_letter_key(model: str) -> str:

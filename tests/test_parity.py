@@ -24,6 +24,7 @@ from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
 from asyncinfer.models.builtin import MLP
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.reply import REPLY_TO
 from tests.support.databases import RedisDatabases
 from tests.support.metrics import scrape, value
 from tests.support.processes import WorkerProcess, start_worker
@@ -278,3 +279,35 @@ def test_a_callback_asking_for_pickle_is_sent_as_json(target: Target) -> None:
     sent = _callbacks(target.redis, 2)
     assert sorted(m["headers"]["task"] for m in sent) == ["parity.on_failure", "parity.on_success"]
     assert [m["content-type"] for m in sent] == ["application/json", "application/json"]
+
+
+def test_final_states_reach_the_sender_through_its_reply_channel_alone(target: Target) -> None:
+    # Given a client whose watcher never looks a request up: announcements on its reply channel
+    # are all it can hear (wire/reply.py)
+    client = Client(broker_url=str(target.client.app.conf.broker_url))
+    client.watcher.sweep_first_s = 3600.0
+    try:
+        # When it sends a good request, a bad one, and (through Celery's send_task, naming its
+        # reply channel in a header) one that expired before it could run
+        x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+        good = client.submit("mlp", x)
+        bad = client.submit("mlp", np.zeros((1, 3), np.float32))
+        expired_id, heard = str(uuid.uuid4()), []
+        client.watcher.watch(expired_id, heard.append, announced=True)
+        target.client.app.send_task(
+            TASK_NAME, kwargs={"model": "flaky", "inputs": [
+                {"name": "input", "datatype": "FP64", "shape": [1, 2], "data": [_index(), 0]}]},
+            queue="infer.flaky", task_id=expired_id, headers={REPLY_TO: client.watcher.channel},
+            expires=datetime.now(timezone.utc) - timedelta(seconds=5))
+        # Then each ends as it should, heard on the reply channel alone
+        with torch.no_grad():
+            expected = MLP().net(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(good.result(timeout=30)["output"], expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InvalidRequest, match=bad.id):
+            bad.result(timeout=30)
+        wait_for(lambda: bool(heard), 30, "the expired request's REVOKED")
+        assert heard[0]["status"] == "REVOKED" and heard[0]["task_id"] == expired_id
+        # and it subscribed to no request's own channel, and never fell back to doing so
+        assert not client.watcher._keyed and client.watcher._fallback_until == 0.0
+    finally:
+        client.close()

@@ -22,7 +22,7 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.pinger import Pinger
-from asyncinfer.client.publisher import Publisher
+from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
@@ -40,6 +40,7 @@ from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.envelope import check_request_id, printable, task_message
 from asyncinfer.wire.payloads import to_input_payload
+from asyncinfer.wire.reply import REPLY_TO
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 
@@ -203,7 +204,7 @@ class Client:
                                  f"0 to 9, got {priority!r}")
         check_request_id(request_id)
         future = InferFuture(request_id, self)
-        self.watcher.watch(request_id, future._settle)
+        self.watcher.watch(request_id, future._settle, announced=True)
         try:
             self._send(future, task, queue, kwargs, claim=claim, serializer=serializer, link=link,
                        link_error=link_error, expires=expires, timeout_s=timeout_s,
@@ -219,13 +220,17 @@ class Client:
               timeout_s: float | None, soft_time_limit_s: float | None,
               time_limit_s: float | None, priority: int) -> None:
         request_id = future.id
+        reply_to = self.watcher.channel
         if self._broker is None:
             if claim and not self._claim(request_id):
-                return  # already sent: this future waits for that request
+                # already sent, perhaps by another producer: wait on its own channel
+                self.watcher.watch_own_channel(request_id)
+                return
             self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
                                serializer=serializer, link=link, link_error=link_error,
                                expires=expires, time_limit=time_limit_s,
-                               soft_time_limit=soft_time_limit_s, priority=priority)
+                               soft_time_limit=soft_time_limit_s, priority=priority,
+                               headers={REPLY_TO: reply_to})
             return
         embed = {"callbacks": [dict(link)] if link is not None else None,
                  "errbacks": [dict(link_error)] if link_error is not None else None}
@@ -234,16 +239,18 @@ class Client:
                                kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
                                max_body_bytes=self.settings.max_payload_bytes,
                                time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s,
-                               priority=priority)
+                               priority=priority, reply_to=reply_to)
         assert self._publisher is not None
         try:
-            self._publisher.publish(
+            status = self._publisher.publish(
                 queue, request_id, message, claim=claim, priority=priority,
                 result_key=self.watcher.key(request_id) if self._results_shared else None,
                 max_queue_size=self._queue_bound(queue),
                 timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
         except redis.RedisError as exc:
             raise self._broker_error(broker_error(request_id, exc)) from exc
+        if status == DUPLICATE:  # sent before, perhaps by another producer: its own channel
+            self.watcher.watch_own_channel(request_id)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""

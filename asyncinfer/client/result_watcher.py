@@ -1,25 +1,42 @@
 """One thread per client that learns of finished requests through Redis pub/sub.
 
 Celery's Redis backend stores a result with SET and publishes the same payload on a channel named
-after the key. The watcher subscribes to the channel of every request a client waits on, then
-reads the key once (a result stored before the subscription is not missed), and wakes when either
-arrives. It blocks in ``select`` on the pub/sub socket and a wake-up pipe: no polling loop.
+after the key. A request this client sent names the client's own reply channel as well
+(wire/reply.py), and workers publish its final result there too: the watcher subscribes to that one
+channel when it connects, so a request it sent costs no subscription and no look-up at all. A
+request it did not send (``Client.future(id)``, a duplicate of another producer's request) is
+watched on its own channel: subscribe, then read the key once (a result stored before the
+subscription is not missed), and wake when either arrives.
+
+Nothing is missed across a lost connection: after each (re)connect the watcher subscribes, waits
+for Redis to confirm, and only then reads every watched key. A request watched after that read
+is covered by the live subscription.
+
+The backstop, for a result stored by something that does not announce it (a worker of an older
+release during a rolling upgrade, a tool writing results itself): a request watched through the
+reply channel is also looked up ``sweep_first_s`` after it was watched, then at doubling intervals
+up to ``sweep_max_s``. When a look-up finds a result that its announcement should have brought
+(stored more than ``late_s`` earlier), the watcher logs it and watches new requests on their own
+channels for ``fallback_for_s``. It blocks in ``select`` on the pub/sub socket and a wake-up pipe.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import select
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
 from celery import states
 
-from asyncinfer.keys import WATCHER_CHANNEL
+from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
 
 __all__ = ["ResultWatcher"]
@@ -38,12 +55,30 @@ class ResultWatcher:
 
     #: How long the rest of a message that has begun to arrive may take (seconds).
     read_timeout_s = 30.0
+    #: A request announced on the reply channel is looked up this long after it was watched …
+    sweep_first_s = 2.0
+    #: … then at doubling intervals up to this (seconds).
+    sweep_max_s = 30.0
+    #: Keys read in one look-up at most.
+    sweep_chunk = 500
+    #: A looked-up result stored this long ago (seconds) should have been announced …
+    late_s = 1.0
+    #: … and when one was not, new requests are watched on their own channels this long (seconds).
+    fallback_for_s = 60.0
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self._client: redis.Redis = backend.client
+        #: This client's reply channel: requests it sends name it (wire/reply.py).
+        self.channel = REPLY_CHANNEL_PREFIX + uuid.uuid4().hex
         self._callbacks: dict[str, list[Callback]] = {}
+        #: Requests watched on their own channel (subscribed, or in ``_new`` to subscribe).
+        self._keyed: set[str] = set()
         self._new: list[str] = []
+        #: Look-ups of requests watched through the reply channel: (due, interval, request ID).
+        self._sweeps: list[tuple[float, float, str]] = []
+        self._fallback_until = 0.0
+        self._pubsub: Any = None
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -56,13 +91,32 @@ class ResultWatcher:
         key = self.backend.get_key_for_task(request_id)
         return key.decode() if isinstance(key, bytes) else str(key)
 
-    def watch(self, request_id: str, callback: Callback) -> None:
+    def watch(self, request_id: str, callback: Callback, *, announced: bool = False) -> None:
         """Call ``callback(meta)`` once ``request_id`` is ready (at once if it already is).
+
+        ``announced``: the request names this watcher's :attr:`channel` as its reply channel (it
+        is about to be sent, or was sent, by this client), so no subscription of its own is needed.
         Several callbacks may wait on one request (the same ID submitted twice, say)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("result watcher is closed")
             self._callbacks.setdefault(request_id, []).append(callback)
+            now = time.monotonic()
+            if announced and now >= self._fallback_until:
+                heapq.heappush(self._sweeps, (now + self.sweep_first_s, self.sweep_first_s,
+                                              request_id))
+                return  # the reply channel's subscription covers it: nothing to wake for
+            self._keyed.add(request_id)
+            self._new.append(request_id)
+        os.write(self._wake_w, b"x")
+
+    def watch_own_channel(self, request_id: str) -> None:
+        """Watch ``request_id`` on its own channel too (it was sent by another producer, whose
+        reply channel is not this one: a duplicate of an ID already sent)."""
+        with self._lock:
+            if request_id not in self._callbacks or request_id in self._keyed:
+                return
+            self._keyed.add(request_id)
             self._new.append(request_id)
         os.write(self._wake_w, b"x")
 
@@ -70,6 +124,7 @@ class ResultWatcher:
         """Stop watching ``request_id`` (its callbacks will not be called)."""
         with self._lock:
             self._callbacks.pop(request_id, None)
+            self._keyed.discard(request_id)
 
     def close(self) -> None:
         """Stop the thread and close the pub/sub connection."""
@@ -102,8 +157,6 @@ class ResultWatcher:
                                 backoff_s)
                     time.sleep(backoff_s)
                     backoff_s = min(backoff_s * 2, 5.0)
-                with self._lock:  # resubscribe everything still waited on
-                    self._new = list(self._callbacks)
             finally:
                 try:
                     pubsub.close()
@@ -118,7 +171,8 @@ class ResultWatcher:
             return False
 
     def _serve(self, pubsub: Any) -> None:
-        pubsub.subscribe(WATCHER_CHANNEL)  # opens the connection
+        self._pubsub = pubsub  # the connection now in use (tests cut it)
+        self._connect(pubsub)
         while not self._closed:
             finished = self._subscribe_new(pubsub)
             # Read while anything is buffered or readable (subscribe replies are messages too),
@@ -130,19 +184,39 @@ class ResultWatcher:
                 if message is None:
                     break
                 if message.get("type") == "message" and self._deliver_payload(message["data"]):
-                    finished.append(message["channel"])
+                    if _text(message["channel"]) != self.channel:
+                        finished.append(message["channel"])
             if finished:
                 pubsub.unsubscribe(*finished)
+            wait_s = self._sweep()
             sock = pubsub.connection._sock
-            readable, _, _ = select.select([sock, self._wake_r], [], [], 1.0)
+            readable, _, _ = select.select([sock, self._wake_r], [], [], wait_s)
             if self._wake_r in readable:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
 
+    def _connect(self, pubsub: Any) -> None:
+        """Subscribe to the reply channel and wait for Redis to confirm; then every watched
+        request is read again (and those watched on their own channels resubscribed), so nothing
+        finished while the watcher was not subscribed is missed."""
+        pubsub.subscribe(self.channel)
+        deadline = time.monotonic() + self.read_timeout_s
+        while True:
+            message = pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
+            if message is not None and message.get("type") == "subscribe":
+                break
+            if message is None and time.monotonic() >= deadline:
+                raise redis.TimeoutError("no confirmation of the reply channel's subscription")
+        with self._lock:
+            watched = list(self._callbacks)
+            self._new = [i for i in watched if i in self._keyed]
+        self._look_up(watched)
+
     def _subscribe_new(self, pubsub: Any) -> list[Any]:
-        """Subscribe to the new requests' channels; return the keys already finished."""
+        """Subscribe to the channels of requests newly watched on their own; return the keys
+        already finished."""
         with self._lock:
             ids, self._new = self._new, []
         if not ids:
@@ -152,19 +226,80 @@ class ResultWatcher:
         return [key for key, payload in zip(keys, self._client.mget(keys), strict=True)
                 if payload is not None and self._deliver_payload(payload)]
 
-    def _deliver_payload(self, payload: Any) -> bool:
-        """Hand a stored result to its callback; True when the request is finished."""
+    def _look_up(self, request_ids: list[str], *, late_after_s: float | None = None) -> list[str]:
+        """Read the keys of ``request_ids`` and deliver the finished; return those not finished.
+        With ``late_after_s``, a finished one stored longer ago than that was not announced."""
+        pending = []
+        for start in range(0, len(request_ids), self.sweep_chunk):
+            ids = request_ids[start:start + self.sweep_chunk]
+            payloads = self._client.mget([self.key(i) for i in ids])
+            for request_id, payload in zip(ids, payloads, strict=True):
+                meta = self._deliver_payload(payload) if payload is not None else None
+                if meta is None:
+                    pending.append(request_id)
+                elif late_after_s is not None and _age_s(meta) > late_after_s:
+                    self._fall_back(request_id)
+        return pending
+
+    def _sweep(self) -> float:
+        """Look up the requests whose look-up is due; seconds until the next one is (at most 1)."""
+        now = time.monotonic()
+        due: dict[str, float] = {}
+        with self._lock:
+            while self._sweeps and self._sweeps[0][0] <= now:
+                _, interval_s, request_id = heapq.heappop(self._sweeps)
+                if request_id in self._callbacks:
+                    due[request_id] = interval_s
+        if due:
+            pending = self._look_up(list(due), late_after_s=self.late_s)
+            with self._lock:
+                for request_id in pending:
+                    if request_id in self._callbacks:
+                        interval_s = min(due[request_id] * 2, self.sweep_max_s)
+                        heapq.heappush(self._sweeps, (now + interval_s, interval_s, request_id))
+        with self._lock:
+            next_s = self._sweeps[0][0] - time.monotonic() if self._sweeps else 1.0
+        return min(1.0, max(0.0, next_s))
+
+    def _fall_back(self, request_id: str) -> None:
+        if time.monotonic() >= self._fallback_until:
+            log.warning("request %s: its result was stored but not announced on this client's "
+                        "reply channel (a worker of an older release?); watching new requests on "
+                        "their own channels for %.0f s", request_id, self.fallback_for_s)
+        self._fallback_until = time.monotonic() + self.fallback_for_s
+
+    def _deliver_payload(self, payload: Any) -> dict[str, Any] | None:
+        """Hand a stored result to its callbacks; its meta when the request is finished."""
         if isinstance(payload, bytes) and _STARTED in payload[:32]:
-            return False  # the STARTED state (task_track_started): not worth decoding
+            return None  # the STARTED state (task_track_started): not worth decoding
         meta = decode_result(self.backend, payload)
         if meta.get("status") not in states.READY_STATES:
-            return False
+            return None
         request_id = meta.get("task_id")
         with self._lock:
             callbacks = self._callbacks.pop(request_id, None) or []
+            self._keyed.discard(request_id)
         for callback in callbacks:
             try:
                 callback(meta)
             except Exception:  # noqa: BLE001 - a callback's error must not stop the watcher
                 log.exception("callback for request %s raised", request_id)
-        return True
+        return meta
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _age_s(meta: dict[str, Any]) -> float:
+    """Seconds since a result meta's ``date_done`` (0 when it has none)."""
+    done = meta.get("date_done")
+    if not isinstance(done, str):
+        return 0.0
+    try:
+        at = datetime.fromisoformat(done)
+    except ValueError:
+        return 0.0
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - at).total_seconds()

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from celery.app.task import Context
+
 from asyncinfer.constants import priority_lists, queue_for
 from asyncinfer.wire.envelope import request_id_in
+from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 
 __all__ = ["waiting", "purge_queue"]
 
@@ -37,19 +40,23 @@ def purge_queue(broker: Any, backend: Any, model: str) -> int:
     replies = pipe.execute()
     raws = [raw for reply in replies[:len(_lists(model))] for raw in reply]
     for raw in raws:
-        request_id = _request_id(raw)
-        if request_id:
-            backend.mark_as_revoked(request_id, reason="purged")
+        request_id, reply_to = _request_of(raw)
+        if request_id:  # its reply channel, if it names one, hears of it too (replies.py)
+            backend.mark_as_revoked(request_id, reason="purged",
+                                    request=Context({REPLY_TO: reply_to}) if reply_to else None)
     return len(raws)
 
 
-def _request_id(raw: bytes) -> str:
+def _request_of(raw: bytes) -> tuple[str, str | None]:
+    """The request ID and reply channel a removed message names ("" and None when it does not)."""
     try:
         headers = json.loads(raw).get("headers") or {}
         request_id = headers.get("id")
-        return request_id if isinstance(request_id, str) else request_id_in(raw)
+        if isinstance(request_id, str):
+            return request_id, reply_channel_of(headers)
+        return request_id_in(raw), None
     except Exception:  # noqa: BLE001 - a malformed message: search its text
         try:
-            return request_id_in(raw)
+            return request_id_in(raw), None
         except Exception:  # noqa: BLE001
-            return ""
+            return "", None

@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.reply import REPLY_TO, reply_rule_broken
 
 __all__ = [
     "Delivery",
@@ -126,6 +127,9 @@ def _check_headers(headers: dict[str, Any]) -> None:
             and all(v is None or (type(v) in (int, float) and v >= 0) for v in limits)):
         raise ValueError(f"header 'timelimit' must be [hard seconds or null, soft seconds or null], "
                          f"not {printable(limits)}")
+    broken = reply_rule_broken(headers.get(REPLY_TO))
+    if broken:
+        raise ValueError(broken)
 
 
 #: Longest request ID accepted (a UUID has 36 characters).
@@ -275,12 +279,13 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
                  expires_s: float | None = None, kwargsrepr: str = "",
                  max_body_bytes: int | None = None,
                  time_limit_s: float | None = None, soft_time_limit_s: float | None = None,
-                 priority: int = 0) -> str:
+                 priority: int = 0, reply_to: str | None = None) -> str:
     """The kombu envelope of a Celery protocol-2 task message, ready to LPUSH on ``queue``.
 
     The same message ``app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue)``
     would publish, built without Celery's per-send machinery (``time_limit_s`` and
-    ``soft_time_limit_s`` are ``apply_async``'s ``time_limit`` and ``soft_time_limit``).
+    ``soft_time_limit_s`` are ``apply_async``'s ``time_limit`` and ``soft_time_limit``;
+    ``reply_to`` is the request's reply channel, wire/reply.py).
     InvalidRequest when its body (as it lies in the envelope) is longer than ``max_body_bytes``.
     """
     body_parts = [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None,
@@ -309,6 +314,7 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
             "timelimit": [time_limit_s, soft_time_limit_s], "root_id": request_id, "parent_id": None,
             "argsrepr": "()", "kwargsrepr": kwargsrepr, "origin": _ORIGIN, "ignore_result": False,
             "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
+            **({REPLY_TO: reply_to} if reply_to else {}),
         },
         "properties": {
             "correlation_id": request_id, "reply_to": "", "delivery_mode": 2,

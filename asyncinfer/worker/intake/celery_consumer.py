@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import states
+from celery.app.task import Context
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed
 
@@ -26,6 +27,7 @@ from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME, model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.task_policy import TaskPolicy
 from asyncinfer.wire.envelope import payload_too_large, refused_content
+from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
 from asyncinfer.worker.lifecycle import FAILED_FORMAT, already_answered
 
@@ -53,7 +55,9 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             error = InvalidRequest(f"request {request_id}: the message breaks the task protocol "
                                    f"({type(exc).__name__}: {exc})")
         try:
-            self.app.backend.store_result(request_id, error, states.FAILURE)
+            reply_to = reply_channel_of(headers)
+            self.app.backend.store_result(request_id, error, states.FAILURE,
+                                          request=Context({REPLY_TO: reply_to}) if reply_to else None)
         except Exception:  # noqa: BLE001 - the message is dropped either way; say so
             log.exception("request %s: could not store the refusal", request_id)
 

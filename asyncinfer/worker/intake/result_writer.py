@@ -1,7 +1,8 @@
 """Writes finished requests back: results, acknowledgements and callbacks, one round trip per batch.
 
 Everything finished since the last write goes out in one Redis transaction (MULTI/EXEC): per
-request the result (SETEX + PUBLISH, Celery's format) and the acknowledgement (kombu's unacked
+request the result (SETEX + PUBLISH, Celery's format; a second PUBLISH on the request's reply
+channel when it names one, wire/reply.py) and the acknowledgement (kombu's unacked
 bookkeeping removed); two transactions, results first, when the result backend is another Redis
 than the broker. A request is acknowledged only in the transaction that stores its result, so a
 worker that dies earlier leaves it unacknowledged, and kombu redelivers it after the visibility
@@ -33,6 +34,7 @@ from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import Delivery, result_meta
+from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
 
@@ -110,7 +112,8 @@ class ResultWriter:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def _store(self, pipe: Any, request_id: str, meta: dict[str, Any]) -> None:
+    def _store(self, pipe: Any, request_id: str, meta: dict[str, Any],
+               reply_to: str | None = None) -> None:
         key = self.backend.get_key_for_task(request_id)
         value = encode_meta(self.backend, meta)
         if self.expires_s:
@@ -118,6 +121,8 @@ class ResultWriter:
         else:
             pipe.set(key, value)
         pipe.publish(key, value)
+        if reply_to is not None and meta["status"] in states.READY_STATES:
+            pipe.publish(reply_to, value)  # the producer's reply channel (wire/reply.py)
 
     def _run(self) -> None:
         stopping = False
@@ -215,7 +220,7 @@ class ResultWriter:
                 result = self.backend.prepare_exception(result)
             meta = result_meta(d.request_id, outcome.state, result,
                                parent_id=d.headers.get("parent_id"))
-            self._store(results, d.request_id, meta)
+            self._store(results, d.request_id, meta, reply_channel_of(d.headers))
         dead_letters.add_to(acks, self.app, outcome)  # a final FAILURE of a model that opted in
         if d.tag:  # a malformed message was never recorded as unacknowledged
             acks.zrem(UNACKED_INDEX_KEY, d.tag)

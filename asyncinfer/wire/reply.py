@@ -1,0 +1,53 @@
+"""A request's reply channel: where its final result is announced besides its own result channel.
+
+Celery's Redis backend publishes a result on a channel named after its key, so a waiter must
+SUBSCRIBE and UNSUBSCRIBE once per request: three pub/sub replies parsed per request. A producer
+that waits on many requests (the Python client, the gateway) names one channel of its own in each
+request's ``asyncinfer_reply_to`` header instead, subscribes to it once, and every worker that
+stores the request's final state (SUCCESS, FAILURE, REVOKED) publishes the same stored payload
+there too. The result key and its channel are written as before, so ``AsyncResult(id).get()`` and
+any other waiter work unchanged.
+
+The header is optional. When present it must be a string naming a channel under
+``asyncinfer:reply:`` (keys.REPLY_CHANNEL_PREFIX) of at most ``MAX_REPLY_CHANNEL_CHARS`` printable
+characters; anything else is refused with the request, so a request cannot make a worker publish
+on another channel (a result channel, a Celery event channel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncinfer.keys import REPLY_CHANNEL_PREFIX
+
+__all__ = ["REPLY_TO", "MAX_REPLY_CHANNEL_CHARS", "reply_rule_broken", "reply_channel_of"]
+
+#: The message header naming the request's reply channel.
+REPLY_TO = "asyncinfer_reply_to"
+#: Longest reply channel name accepted.
+MAX_REPLY_CHANNEL_CHARS = 200
+
+
+def reply_rule_broken(value: Any) -> str | None:
+    """Why ``value`` (the header's value; None when absent) is not a reply channel; None if it
+    is one or the header is absent."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return f"header {REPLY_TO!r} must be a string, not {type(value).__name__}"
+    if (not value.startswith(REPLY_CHANNEL_PREFIX) or len(value) > MAX_REPLY_CHANNEL_CHARS
+            or len(value) == len(REPLY_CHANNEL_PREFIX)
+            or not all(c.isprintable() and not c.isspace() for c in value)):
+        return (f"header {REPLY_TO!r} must name a channel '{REPLY_CHANNEL_PREFIX}<name>' of at most "
+                f"{MAX_REPLY_CHANNEL_CHARS} printable characters without whitespace, not "
+                f"{value[:80]!r}")
+    return None
+
+
+def reply_channel_of(headers: Any) -> str | None:
+    """The valid reply channel named by a message's ``headers`` (a dict, or Celery's request
+    context), or None."""
+    value = headers.get(REPLY_TO) if isinstance(headers, dict) else getattr(headers, REPLY_TO, None)
+    if value is None or reply_rule_broken(value) is not None:
+        return None
+    return str(value)
