@@ -174,3 +174,69 @@ def test_readme_asyncio_example_runs(worker, redis_url) -> None:
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["(1, 4) [[[0]], [[1]], [[2]]]"] + ["(1, 4)"] * 3
+
+
+def test_a_small_request_is_published_by_the_loop_itself_and_a_large_one_off_it(client) -> None:
+    # Given a client whose unknown-model check already knows identity (one request sent before)
+    client.infer("identity", np.zeros((1, 1), np.float32), timeout_s=60)
+    small = np.arange(8, dtype=np.float32).reshape(1, 8)
+    large = np.ones((1, 100_000), np.float32)  # 400 kB: encoded off the loop
+
+    async def main() -> tuple[object, bool, object, bool]:
+        loop = asyncio.get_running_loop()
+        big = await client.ainfer("identity", large, timeout_s=60)
+        after_large = loop in client.loop_publishers._by_loop
+        one = await client.ainfer("identity", small, timeout_s=60)
+        after_small = loop in client.loop_publishers._by_loop
+        await client.loop_publishers.aclose()
+        return big, after_large, one, after_small
+
+    big, after_large, one, after_small = asyncio.run(main())
+    # Then the large one went through the executor, the small one through the loop's own
+    # connection, and both came back whole
+    assert not after_large and after_small
+    assert big["input"].tobytes() == large.tobytes() and one["input"].tolist() == small.tolist()
+
+
+def test_a_coroutine_waiting_for_room_in_a_full_queue_does_not_block_the_loop(redis_db) -> None:
+    from asyncinfer.client import Client
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.errors import QueueFull
+
+    # Given a bounded queue (mlp: max_queue_size 1) that nobody consumes, already full
+    settings = Settings(broker_url=redis_db.url, model_retention_s=0,
+                        model_options='{"mlp": {"max_queue_size": 1}}')
+    c = Client(settings=settings)
+    x = np.zeros((1, 16), np.float32)
+    try:
+        c.submit("mlp", x)
+
+        async def main() -> tuple[float, int, BaseException | None, bool]:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.02)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            started, error = time.monotonic(), None
+            try:
+                await c.asubmit("mlp", x, timeout_s=0.6)
+            except QueueFull as exc:
+                error = exc
+            waited_s = time.monotonic() - started
+            ticker.cancel()
+            on_loop = asyncio.get_running_loop() in c.loop_publishers._by_loop
+            await c.loop_publishers.aclose()
+            return waited_s, ticks, error, on_loop
+
+        waited_s, ticks, error, on_loop = asyncio.run(main())
+        # Then it waited its 0.6 s for room on the loop's own connection, the loop ran on
+        # meanwhile, and it was refused with QueueFull naming the queue and its bound
+        assert isinstance(error, QueueFull) and "infer.mlp" in str(error) and "max_queue_size 1" in str(error)
+        assert on_loop and waited_s >= 0.55 and ticks >= 10, (on_loop, waited_s, ticks)
+        assert int(c.broker.llen("infer.mlp")) == 1
+    finally:
+        c.close()

@@ -2,23 +2,35 @@
 
 Nothing here polls. A request's :class:`~asyncinfer.client.client.InferFuture` is settled by the client's
 result watcher thread; ``asyncio.wrap_future`` hands that to the event loop through
-``call_soon_threadsafe``. Publishing runs in the loop's default executor, so a broker that is slow
-to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``) never blocks the loop.
+``call_soon_threadsafe``. Nothing blocks the loop: a small request on a plain Redis broker is
+published by the loop itself, on a ``redis.asyncio`` connection of its own (:func:`send_on_loop`:
+no thread hop); everything else (a large tensor to encode, a Sentinel broker, replica waits,
+another broker, an unknown-model check that must read the catalogue) runs in the loop's default
+executor, so a broker that is slow to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``)
+never blocks the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator, Callable, Iterable
+import functools
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
+import redis
+import redis.asyncio
+
+from asyncinfer.client.outgoing import Outgoing
+from asyncinfer.client.publisher import AsyncPublisher
+from asyncinfer.connections import broker_error, is_sentinel_url
 from asyncinfer.errors import RequestTimeout
 
 if TYPE_CHECKING:
     from asyncinfer.client.client import Client, InferFuture, InferResponse
 
-__all__ = ["publish", "wait_response", "amap", "as_completed"]
+__all__ = ["publish", "submit", "send_on_loop", "LoopPublishers", "wait_response", "amap", "as_completed"]
 
 T = TypeVar("T")
 #: What :func:`as_completed` accepts: the futures of ``submit`` or of ``asubmit``.
@@ -39,6 +51,92 @@ async def publish(client: Client, send: Callable[[], T]) -> T:
     except asyncio.CancelledError:
         sending.add_done_callback(_cancel_sent)
         raise
+
+
+class LoopPublishers:
+    """A client's publishers for event loops: one ``redis.asyncio`` connection pool per loop
+    (their connections belong to the loop that made them). None where the loop cannot publish
+    itself: a broker other than plain Redis, a Sentinel group, or replica waits."""
+
+    def __init__(self, broker_url: str, *, claim_ttl_s: float, replicas: int,
+                 connect_timeout_s: float) -> None:
+        self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
+                       and not is_sentinel_url(broker_url) and not replicas)
+        self.broker_url = broker_url
+        self.claim_ttl_s = claim_ttl_s
+        self.connect_timeout_s = connect_timeout_s
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPublisher] = (
+            weakref.WeakKeyDictionary())
+
+    def for_running_loop(self) -> AsyncPublisher | None:
+        if not self.usable:
+            return None
+        loop = asyncio.get_running_loop()
+        publisher = self._by_loop.get(loop)
+        if publisher is None:
+            client = redis.asyncio.Redis.from_url(
+                self.broker_url, socket_connect_timeout=self.connect_timeout_s)
+            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s)
+        return publisher
+
+    async def aclose(self) -> None:
+        """Close the running loop's connections."""
+        publisher = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if publisher is not None:
+            await publisher.client.aclose()
+
+
+#: A request whose tensors hold more than this (bytes) is encoded in the executor, not on the loop.
+ON_LOOP_BYTES = 256 * 1024
+
+
+async def submit(client: Client, model: str, inputs: Any, options: dict[str, Any]) -> InferFuture:
+    """``client.submit(model, inputs, **options)`` from the running loop, without blocking it:
+    on the loop itself (:func:`send_on_loop`) when the inputs are small and the unknown-model
+    check needs no catalogue read, else in the executor."""
+    if nbytes(inputs) > ON_LOOP_BYTES or not client.knows_now(model):
+        return await publish(client, functools.partial(client.submit, model, inputs, **options))
+    return await send_on_loop(client, client.submission(model, inputs, **options))
+
+
+def nbytes(inputs: Any) -> int:
+    """How many bytes ``inputs`` (as :meth:`Client.submit` takes them) hold; a large number when
+    that is not known without walking them (nested lists)."""
+    if isinstance(inputs, (bytes, bytearray, memoryview, str)):
+        return len(inputs)
+    if hasattr(inputs, "nbytes"):
+        return int(inputs.nbytes)
+    if isinstance(inputs, Mapping):
+        return sum(nbytes(v) for v in inputs.values())
+    if isinstance(inputs, list) and all(isinstance(i, Mapping) and "data" in i for i in inputs):
+        return sum(nbytes(i["data"]) for i in inputs)  # v2 input payloads
+    return ON_LOOP_BYTES + 1
+
+
+async def send_on_loop(client: Client, outgoing: Outgoing) -> InferFuture:
+    """Send ``outgoing`` from the running loop and return its future: published by the loop
+    itself where it can (:class:`LoopPublishers`), else by :meth:`Client.send`'s path in the
+    executor. The request is watched before it is published. If the awaiting task is cancelled
+    while the push is under way (it may have reached Redis), the request is revoked."""
+    publisher = client.loop_publishers.for_running_loop()
+    if publisher is None:
+        return await publish(client, lambda: client._send_watched(outgoing))
+    message = outgoing.message(client.watcher.channel, client.settings.max_payload_bytes)
+    future = client.watched(outgoing)
+    try:
+        status = await publisher.publish(message=message, **client.publish_options(outgoing))
+    except asyncio.CancelledError:
+        client.watcher.unwatch(outgoing.request_id)
+        asyncio.get_running_loop().run_in_executor(None, future.cancel)  # a revoke: a broadcast
+        raise
+    except redis.RedisError as exc:
+        client.watcher.unwatch(outgoing.request_id)
+        raise client._broker_error(broker_error(outgoing.request_id, exc)) from exc
+    except BaseException:
+        client.watcher.unwatch(outgoing.request_id)
+        raise
+    client.sent(outgoing, status)
+    return future
 
 
 def _cancel_sent(sending: asyncio.Future[Any]) -> None:

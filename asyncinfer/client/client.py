@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.outgoing import Outgoing
 from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
@@ -36,11 +36,9 @@ from asyncinfer.constants import (
     model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestTimeout
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.wire.envelope import check_request_id, printable, task_message
 from asyncinfer.wire.payloads import to_input_payload
-from asyncinfer.wire.reply import REPLY_TO
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 
@@ -85,6 +83,10 @@ class Client:
                            if is_redis_url(backend_url) else None)
         self._known = (KnownModels(self._catalogue, self.settings.model_retention_s)
                        if self._catalogue is not None else None)
+        #: Where coroutines publish small requests themselves (aio.send_on_loop).
+        self.loop_publishers = aio.LoopPublishers(
+            broker_url if self._broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
+            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s)
 
     @property
     def broker(self) -> redis.Redis | None:
@@ -100,6 +102,10 @@ class Client:
             return self._catalogue.read()
         except redis.RedisError as exc:
             raise self._broker_error(broker_error("models", exc)) from exc
+
+    def knows_now(self, model: str) -> bool:
+        """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
+        return self._known is None or self._known.fresh(model)
 
     def check_model(self, model: str, request_id: str = "") -> None:
         """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
@@ -145,6 +151,16 @@ class Client:
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
         (see :meth:`check_model`).
         """
+        return self._send_watched(self.submission(
+            model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
+            binary=binary, link=link, link_error=link_error, expires=expires, timeout_s=timeout_s,
+            soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s, priority=priority))
+
+    def submission(self, model: str, inputs: Any, *, request_id: str | None = None,
+                   parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
+                   binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
+        """The request :meth:`submit` would send, checked and not yet sent (``check``: the
+        unknown-model check too)."""
         serializer = serializer or self.settings.task_serializer
         if serializer not in ("json", "msgpack"):
             raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
@@ -152,13 +168,13 @@ class Client:
             binary = serializer == "msgpack"
         claim = request_id is not None  # generated IDs cannot collide
         request_id = str(uuid.uuid4()) if request_id is None else request_id
-        self.check_model(model, request_id)
+        if check:
+            self.check_model(model, request_id)
         payload = {"model": model, "inputs": _payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
-        return self.send(TASK_NAME, queue_for(model), payload, request_id=request_id, claim=claim,
-                         serializer=serializer, link=link, link_error=link_error, expires=expires,
-                         timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
-                         time_limit_s=time_limit_s, priority=priority)
+        options["priority"] = options.get("priority") or 0
+        return Outgoing(TASK_NAME, queue_for(model), payload, request_id, claim, serializer,
+                        **options)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -195,62 +211,64 @@ class Client:
         on other brokers it is ``send_task`` (the queue bound is then the broker's own, e.g.
         RabbitMQ's ``x-max-length``).
         """
-        serializer = serializer or self.settings.task_serializer
         if claim is None:
             claim = request_id is not None  # generated IDs cannot collide
-        request_id = str(uuid.uuid4()) if request_id is None else request_id
-        if priority is not None and (type(priority) is not int or not 0 <= priority <= 9):
-            raise InvalidRequest(f"request {printable(request_id)}: priority must be an integer "
-                                 f"0 to 9, got {priority!r}")
-        check_request_id(request_id)
-        future = InferFuture(request_id, self)
-        self.watcher.watch(request_id, future._settle, announced=True)
+        return self._send_watched(Outgoing(
+            task, queue, kwargs, str(uuid.uuid4()) if request_id is None else request_id, claim,
+            serializer or self.settings.task_serializer, link=link, link_error=link_error,
+            expires=expires, timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
+            time_limit_s=time_limit_s, priority=priority or 0))
+
+    def _send_watched(self, outgoing: Outgoing) -> InferFuture:
+        """Watch ``outgoing``'s request, then send it; its future."""
+        future = self.watched(outgoing)
         try:
-            self._send(future, task, queue, kwargs, claim=claim, serializer=serializer, link=link,
-                       link_error=link_error, expires=expires, timeout_s=timeout_s,
-                       soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s,
-                       priority=priority or 0)
+            self._send(outgoing)
         except BaseException:
-            self.watcher.unwatch(request_id)  # nothing is left waiting for a request not sent
+            self.watcher.unwatch(outgoing.request_id)  # nothing is left waiting for a request not sent
             raise
         return future
 
-    def _send(self, future: InferFuture, task: str, queue: str, kwargs: dict[str, Any], *,
-              claim: bool, serializer: str, link: Any, link_error: Any, expires: float | None,
-              timeout_s: float | None, soft_time_limit_s: float | None,
-              time_limit_s: float | None, priority: int) -> None:
-        request_id = future.id
+    def watched(self, outgoing: Outgoing) -> InferFuture:
+        """The future of ``outgoing``'s request, watched on this client's reply channel (before
+        it is sent, so its answer cannot come first)."""
+        future = InferFuture(outgoing.request_id, self)
+        self.watcher.watch(outgoing.request_id, future._settle, announced=True)
+        return future
+
+    def _send(self, outgoing: Outgoing) -> None:
+        request_id = outgoing.request_id
         reply_to = self.watcher.channel
         if self._broker is None:
-            if claim and not self._claim(request_id):
+            if outgoing.claim and not self._claim(request_id):
                 # already sent, perhaps by another producer: wait on its own channel
                 self.watcher.watch_own_channel(request_id)
                 return
-            self.app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue,
-                               serializer=serializer, link=link, link_error=link_error,
-                               expires=expires, time_limit=time_limit_s,
-                               soft_time_limit=soft_time_limit_s, priority=priority,
-                               headers={REPLY_TO: reply_to})
+            self.app.send_task(outgoing.task, **outgoing.send_task_options(reply_to))
             return
-        embed = {"callbacks": [dict(link)] if link is not None else None,
-                 "errbacks": [dict(link_error)] if link_error is not None else None}
-        message = task_message(task, request_id, kwargs, queue, serializer=serializer,
-                               embed=embed, expires_s=expires,
-                               kwargsrepr=f"{{'model': {kwargs.get('model')!r}, ...}}",
-                               max_body_bytes=self.settings.max_payload_bytes,
-                               time_limit_s=time_limit_s, soft_time_limit_s=soft_time_limit_s,
-                               priority=priority, reply_to=reply_to)
+        message = outgoing.message(reply_to, self.settings.max_payload_bytes)
         assert self._publisher is not None
         try:
-            status = self._publisher.publish(
-                queue, request_id, message, claim=claim, priority=priority,
-                result_key=self.watcher.key(request_id) if self._results_shared else None,
-                max_queue_size=self._queue_bound(queue),
-                timeout_s=self.settings.submit_timeout_s if timeout_s is None else timeout_s)
+            status = self._publisher.publish(message=message, **self.publish_options(outgoing))
         except redis.RedisError as exc:
             raise self._broker_error(broker_error(request_id, exc)) from exc
-        if status == DUPLICATE:  # sent before, perhaps by another producer: its own channel
-            self.watcher.watch_own_channel(request_id)
+        self.sent(outgoing, status)
+
+    def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
+        """The publisher's arguments for ``outgoing`` (all but its message)."""
+        return {"queue": outgoing.queue, "request_id": outgoing.request_id,
+                "claim": outgoing.claim, "priority": outgoing.priority,
+                "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
+                               else None),
+                "max_queue_size": self._queue_bound(outgoing.queue),
+                "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
+                              else outgoing.timeout_s)}
+
+    def sent(self, outgoing: Outgoing, status: int) -> None:
+        """After the publish: a request ID sent before (perhaps by another producer, whose reply
+        channel is not this one) is watched on its own channel."""
+        if status == DUPLICATE:
+            self.watcher.watch_own_channel(outgoing.request_id)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""
@@ -344,18 +362,19 @@ class Client:
     async def asubmit(self, model: str, inputs: Any, **options: Any) -> asyncio.Future[InferResponse]:
         """Send one request from a coroutine; return an asyncio future of its response.
 
-        Takes :meth:`submit`'s options. Publishing runs in the loop's default executor; the result
+        Takes :meth:`submit`'s options. A small request is published by the loop itself, others
+        in the loop's default executor (:func:`asyncinfer.client.aio.submit`); the result
         watcher thread settles the future through ``call_soon_threadsafe``. Cancelling the future
         (or a task awaiting it) revokes the request, as ``InferFuture.cancel()`` does.
         """
-        future = await aio.publish(self, functools.partial(self.submit, model, inputs, **options))
+        future = await aio.submit(self, model, inputs, options)
         return asyncio.wrap_future(future, loop=asyncio.get_running_loop())
 
     async def ainfer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
                      **options: Any) -> InferResponse:
         """Send one request and await its response (``TimeoutError`` after ``timeout_s``; the
         request keeps running). Cancelling the awaiting task revokes the request."""
-        future = await aio.publish(self, functools.partial(self.submit, model, inputs, **options))
+        future = await aio.submit(self, model, inputs, options)
         return await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
 
     def amap(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
@@ -370,6 +389,11 @@ class Client:
         :meth:`submit` or :meth:`asubmit` in completion order. A failed request raises its
         exception from the loop; ``timeout_s`` bounds the whole iteration."""
         return aio.as_completed(futures, timeout_s)
+
+    async def aclose(self) -> None:
+        """:meth:`close` from a coroutine (also closes the running loop's own connections)."""
+        await self.loop_publishers.aclose()
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
         """Stop the result watcher and release connections."""

@@ -34,6 +34,13 @@ class KnownModels:
         #: Until when (monotonic) a catalogue that could not be read is not tried again.
         self._unreadable_until = -1e9
 
+    def fresh(self, model: str) -> bool:
+        """Whether :meth:`check` can judge ``model`` now without reading the catalogue."""
+        read_at, known = self._known
+        now = time.monotonic()
+        return (not self.retention_s or now < self._unreadable_until
+                or (model in known and now - read_at < self.KNOWN_FOR_S))
+
     def check(self, model: str, request_id: str = "") -> None:
         """Raise UnknownModel for a model not known. A catalogue that cannot be read now (a
         failover under way, a Redis that is down, an ACL that refuses its keys) leaves nothing
@@ -41,10 +48,9 @@ class KnownModels:
         the catalogue is not tried again for ``KNOWN_FOR_S``."""
         if not self.retention_s:
             return
-        now = time.monotonic()
-        read_at, known = self._known
-        if now < self._unreadable_until or (model in known and now - read_at < self.KNOWN_FOR_S):
+        if self.fresh(model):
             return
+        now = time.monotonic()
         try:
             known = frozenset(self.catalogue.read())
         except redis.RedisError:

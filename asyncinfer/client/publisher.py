@@ -18,6 +18,7 @@ neither a claim nor a bound to check (a generated ID, no ``max_queue_size``), it
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from asyncinfer.constants import priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
 
-__all__ = ["Publisher", "PUBLISHED", "DUPLICATE"]
+__all__ = ["Publisher", "AsyncPublisher", "PUBLISHED", "DUPLICATE"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
@@ -78,33 +79,91 @@ class Publisher:
         and the request ID was already sent (or its result is stored under ``result_key``).
         Raises QueueFull when the queue (all its priority lists) stays at ``max_queue_size`` for
         ``timeout_s``. ``priority`` (0-9) picks the list as kombu's Redis transport does."""
-        claim_key = CLAIM_PREFIX + request_id
-        keys = [priority_list(queue, priority), claim_key, result_key or claim_key,
-                *priority_lists([queue])]
-        args = [message, max(0, int(max_queue_size)), self.claim_ttl_s if claim else 0, queue]
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        pause_s = self.poll_s[0]
+        push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
+                     timeout_s, priority)
         while True:
-            if claim or max_queue_size > 0:
-                reply = self._publish(keys=keys, args=args)
+            if push.scripted:
+                reply = self._publish(keys=push.keys, args=push.args)
             else:  # nothing to check: the script would only push
-                self.client.lpush(keys[0], message)
+                self.client.lpush(push.keys[0], message)
                 reply = [PUBLISHED]
-            status = int(reply[0])
-            if status >= 0:
+            status = push.status(reply)
+            if status is not None:
                 if self.replicas:  # also for DUPLICATE: the first send may not be replicated yet
                     require_replicas(self.client, self.replicas, self.replicas_timeout_ms,
                                      f"request {request_id}")
                 return status
-            if status == CONFLICT:
-                other = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-                raise InvalidRequest(f"request {request_id}: this request ID was already sent to "
-                                     f"queue {other}; an ID names one request (for one model), so "
-                                     f"it cannot be sent to {queue}")
-            if time.monotonic() >= deadline:
-                depth = int(reply[1])
-                raise QueueFull(f"request {request_id}: queue {queue} holds {depth} requests, at its "
-                                f"bound (max_queue_size {max_queue_size}); not accepted"
-                                + (f" after waiting {timeout_s:g} s" if timeout_s > 0 else ""))
-            time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
-            pause_s = min(pause_s * 2, self.poll_s[1])
+            time.sleep(push.pause_s())
+
+
+class AsyncPublisher:
+    """:class:`Publisher` for an event loop: the same script and rules, on a ``redis.asyncio``
+    client, so a coroutine publishes without a thread hop. Waits for replicas are not done here
+    (a client that needs them publishes through :class:`Publisher`)."""
+
+    def __init__(self, client: Any, *, claim_ttl_s: float) -> None:
+        self.client = client
+        self.replicas = 0
+        self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
+        self._publish = client.register_script(_PUBLISH)
+
+    async def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
+                      result_key: str | None = None, max_queue_size: int = 0,
+                      timeout_s: float = 0.0, priority: int = 0) -> int:
+        """:meth:`Publisher.publish`, awaited."""
+        push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
+                     timeout_s, priority)
+        while True:
+            if push.scripted:
+                reply = await self._publish(keys=push.keys, args=push.args)
+            else:
+                await self.client.lpush(push.keys[0], message)
+                reply = [PUBLISHED]
+            status = push.status(reply)
+            if status is not None:
+                return status
+            await asyncio.sleep(push.pause_s())
+
+
+class _Push:
+    """One publish's keys, arguments and the reading of the script's reply, shared by both
+    publishers."""
+
+    def __init__(self, publisher: Publisher | AsyncPublisher, queue: str, request_id: str,
+                 message: str, claim: bool, result_key: str | None, max_queue_size: int,
+                 timeout_s: float, priority: int) -> None:
+        self.queue, self.request_id, self.max_queue_size = queue, request_id, max_queue_size
+        self.timeout_s = timeout_s
+        claim_key = CLAIM_PREFIX + request_id
+        self.keys = [priority_list(queue, priority), claim_key, result_key or claim_key,
+                     *priority_lists([queue])]
+        self.args = [message, max(0, int(max_queue_size)),
+                     publisher.claim_ttl_s if claim else 0, queue]
+        self.scripted = claim or max_queue_size > 0
+        self.deadline = time.monotonic() + max(0.0, timeout_s)
+        self._pause_s = Publisher.poll_s[0]
+
+    def status(self, reply: Any) -> int | None:
+        """PUBLISHED or DUPLICATE; None to look again after :meth:`pause_s` (the queue is full
+        and the deadline not reached). Raises InvalidRequest for an ID sent to another queue,
+        QueueFull past the deadline."""
+        status = int(reply[0])
+        if status >= 0:
+            return status
+        if status == CONFLICT:
+            other = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            raise InvalidRequest(f"request {self.request_id}: this request ID was already sent to "
+                                 f"queue {other}; an ID names one request (for one model), so "
+                                 f"it cannot be sent to {self.queue}")
+        if time.monotonic() >= self.deadline:
+            depth = int(reply[1])
+            raise QueueFull(f"request {self.request_id}: queue {self.queue} holds {depth} requests, "
+                            f"at its bound (max_queue_size {self.max_queue_size}); not accepted"
+                            + (f" after waiting {self.timeout_s:g} s" if self.timeout_s > 0 else ""))
+        return None
+
+    def pause_s(self) -> float:
+        """How long to wait before looking again (doubling, never past the deadline)."""
+        pause_s = min(self._pause_s, max(0.0, self.deadline - time.monotonic()))
+        self._pause_s = min(self._pause_s * 2, Publisher.poll_s[1])
+        return pause_s

@@ -2,15 +2,16 @@
 
 An infer call becomes one ``asyncinfer.infer`` request on ``infer.<model>``, sent by the project's
 own :class:`~asyncinfer.client.Client` (same ID rules, validation, queue bound and errors), and
-its result is awaited without polling (the client's result watcher). Publishing runs in the
-loop's executor, so the event loop never waits on Redis. Model metadata and readiness come from the
-model catalogue (catalogue.py), read at most every ``CATALOGUE_FOR_S`` in the background.
+its result is awaited without polling (the client's result watcher, which hears it on the
+client's reply channel). A call is published by the event loop itself on its own Redis connection
+(client/aio.py), a large one in the loop's executor, so the event loop never waits on Redis.
+Model metadata and readiness come from the model catalogue (catalogue.py), read at most every
+``CATALOGUE_FOR_S`` in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -126,7 +127,7 @@ class Service:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._off_loop(self.client.close)
+        await self.client.aclose()
 
     async def _every(self, period_s: float, step: Callable[[], Any]) -> None:
         while True:
@@ -262,10 +263,9 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await aio.publish(self.client, functools.partial(
-            self.client.submit, call.model, inputs, request_id=call.id or None,
-            parameters=parameters, serializer="msgpack", binary=True, expires=expires_s,
-            timeout_s=0.0, priority=priority))
+        sent = await aio.submit(self.client, call.model, inputs, {
+            "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
+            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
         waiting = asyncio.wrap_future(sent)
         try:
             response = await asyncio.shield(waiting)

@@ -1,0 +1,64 @@
+"""One request on its way out: what the caller asked for, checked, before it is published.
+
+Built once by the client (:meth:`~asyncinfer.client.client.Client.send`), then published by the
+blocking path (a thread: ``Client._send``) or by the event loop's own (``aio.send_on_loop``), so
+both send exactly the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.envelope import check_request_id, printable, task_message
+from asyncinfer.wire.reply import REPLY_TO
+
+__all__ = ["Outgoing"]
+
+
+@dataclass
+class Outgoing:
+    """A task message to send: its task, queue, keyword arguments and Celery options."""
+
+    task: str
+    queue: str
+    kwargs: dict[str, Any]
+    request_id: str
+    #: Claim the request ID (a caller-chosen one): a second send of it publishes nothing.
+    claim: bool
+    serializer: str
+    link: Any = None
+    link_error: Any = None
+    expires: float | None = None
+    #: How long to wait for room in a bounded queue (None: the client's setting).
+    timeout_s: float | None = None
+    soft_time_limit_s: float | None = None
+    time_limit_s: float | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.priority) is not int or not 0 <= self.priority <= 9:
+            raise InvalidRequest(f"request {printable(self.request_id)}: priority must be an "
+                                 f"integer 0 to 9, got {self.priority!r}")
+        check_request_id(self.request_id)
+
+    def message(self, reply_to: str, max_body_bytes: int | None) -> str:
+        """The kombu envelope to LPUSH on a Redis broker, naming ``reply_to`` as its reply
+        channel (InvalidRequest when its body is over ``max_body_bytes``)."""
+        embed = {"callbacks": [dict(self.link)] if self.link is not None else None,
+                 "errbacks": [dict(self.link_error)] if self.link_error is not None else None}
+        return task_message(self.task, self.request_id, self.kwargs, self.queue,
+                            serializer=self.serializer, embed=embed, expires_s=self.expires,
+                            kwargsrepr=f"{{'model': {self.kwargs.get('model')!r}, ...}}",
+                            max_body_bytes=max_body_bytes, time_limit_s=self.time_limit_s,
+                            soft_time_limit_s=self.soft_time_limit_s, priority=self.priority,
+                            reply_to=reply_to)
+
+    def send_task_options(self, reply_to: str) -> dict[str, Any]:
+        """Celery's ``send_task`` arguments for the same request (brokers other than Redis)."""
+        return {"kwargs": self.kwargs, "task_id": self.request_id, "queue": self.queue,
+                "serializer": self.serializer, "link": self.link, "link_error": self.link_error,
+                "expires": self.expires, "time_limit": self.time_limit_s,
+                "soft_time_limit": self.soft_time_limit_s, "priority": self.priority,
+                "headers": {REPLY_TO: reply_to}}
