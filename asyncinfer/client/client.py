@@ -20,7 +20,7 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
-from asyncinfer.client.outgoing import Outgoing
+from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
@@ -38,7 +38,6 @@ from asyncinfer.constants import (
 )
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.wire.payloads import to_input_payload
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 
@@ -170,11 +169,8 @@ class Client:
         request_id = str(uuid.uuid4()) if request_id is None else request_id
         if check:
             self.check_model(model, request_id)
-        payload = {"model": model, "inputs": _payloads(inputs, binary),
-                   "parameters": dict(parameters or {})}
-        options["priority"] = options.get("priority") or 0
-        return Outgoing(TASK_NAME, queue_for(model), payload, request_id, claim, serializer,
-                        **options)
+        return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
+                              parameters=parameters, **options)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -188,7 +184,7 @@ class Client:
         binary = serializer == "msgpack"
         request_id = request_id or str(uuid.uuid4())
         self.check_model(model, request_id)
-        payload = {"model": model, "inputs": _payloads(inputs, binary),
+        payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
         options = {"serializer": serializer}
         flow = (self.app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
@@ -281,21 +277,10 @@ class Client:
     def ping(self) -> None:
         """Raise :class:`~asyncinfer.errors.BrokerUnavailable` (one line, within about
         ``connect_timeout_s``) unless the broker and the result backend answer."""
-        timeout_s = self.settings.connect_timeout_s
-        urls = [str(self.app.conf.result_backend)]
-        if self._broker is None:  # another broker: one connection attempt, no retry loop
-            try:
-                with self.app.connection_for_read() as conn:
-                    conn.ensure_connection(max_retries=1, timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 - kombu raises each transport's own errors
-                raise BrokerUnavailable(f"broker unreachable: {exc}") from exc
-        elif not self._results_shared:
-            urls.append(str(self.app.conf.broker_url))
-        for url in urls:
-            try:
-                self._pinger.ping(url)
-            except AsyncInferError as exc:
-                raise self._broker_error(exc) from exc.__cause__
+        try:
+            self._pinger.ping_app(self.app, redis_broker=self._broker is not None)
+        except AsyncInferError as exc:
+            raise self._broker_error(exc) from exc.__cause__
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
@@ -414,13 +399,3 @@ class Client:
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:
     return None
-
-
-def _payloads(inputs: Any, binary: bool) -> list[dict[str, Any]]:
-    if isinstance(inputs, Mapping):
-        return [to_input_payload(str(name), value, binary=binary) for name, value in inputs.items()]
-    if isinstance(inputs, list) and inputs and all(
-            isinstance(i, Mapping) and {"name", "datatype", "shape", "data"} <= i.keys()
-            for i in inputs):
-        return [dict(i) for i in inputs]  # already v2 input dicts
-    return [to_input_payload("input", inputs, binary=binary)]

@@ -7,14 +7,29 @@ both send exactly the same message.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import check_request_id, printable, task_message
+from asyncinfer.wire.payloads import to_input_payload
 from asyncinfer.wire.reply import REPLY_TO
 
-__all__ = ["Outgoing"]
+__all__ = ["Outgoing", "input_payloads"]
+
+
+def input_payloads(inputs: Any, binary: bool) -> list[dict[str, Any]]:
+    """The v2 inputs of what :meth:`Client.submit` takes: a mapping name → value, v2 input dicts
+    as they are, or one value (named ``input``)."""
+    if isinstance(inputs, Mapping):
+        return [to_input_payload(str(name), value, binary=binary) for name, value in inputs.items()]
+    if isinstance(inputs, list) and inputs and all(
+            isinstance(i, Mapping) and {"name", "datatype", "shape", "data"} <= i.keys()
+            for i in inputs):
+        return [dict(i) for i in inputs]  # already v2 input dicts
+    return [to_input_payload("input", inputs, binary=binary)]
 
 
 @dataclass
@@ -36,6 +51,16 @@ class Outgoing:
     soft_time_limit_s: float | None = None
     time_limit_s: float | None = None
     priority: int = 0
+
+    @classmethod
+    def infer(cls, model: str, inputs: Any, request_id: str, claim: bool, serializer: str, *,
+              binary: bool, parameters: Mapping[str, Any] | None = None,
+              **options: Any) -> Outgoing:
+        """An ``asyncinfer.infer`` request for ``model`` on its queue ``infer.<model>``."""
+        payload = {"model": model, "inputs": input_payloads(inputs, binary),
+                   "parameters": dict(parameters or {})}
+        options["priority"] = options.get("priority") or 0
+        return cls(TASK_NAME, queue_for(model), payload, request_id, claim, serializer, **options)
 
     def __post_init__(self) -> None:
         if type(self.priority) is not int or not 0 <= self.priority <= 9:

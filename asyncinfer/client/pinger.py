@@ -5,6 +5,8 @@ One no-retry connection per URL is kept, so a check on an open connection is one
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -39,6 +41,21 @@ class Pinger:
         except redis.RedisError as exc:
             error = broker_error("ping", exc)  # the wording of a submit's, without a request
             raise type(error)(str(error).removeprefix("request ping: ")) from exc
+
+    def ping_app(self, app: Any, *, redis_broker: bool) -> None:
+        """PING the result backend of Celery ``app`` and its broker: a Redis broker (when
+        ``redis_broker``) by PING, any other by one kombu connection attempt."""
+        urls = [str(app.conf.result_backend)]
+        if not redis_broker:  # another broker: one connection attempt, no retry loop
+            try:
+                with app.connection_for_read() as conn:
+                    conn.ensure_connection(max_retries=1, timeout=self.settings.connect_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - kombu raises each transport's own errors
+                raise BrokerUnavailable(f"broker unreachable: {exc}") from exc
+        elif str(app.conf.broker_url) not in urls:
+            urls.append(str(app.conf.broker_url))
+        for url in urls:
+            self.ping(url)
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -198,6 +198,10 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
     return app
 
 
+#: An idle keep-alive connection is closed after this long (aiohttp's own default is an hour).
+KEEPALIVE_S = 75.0
+
+
 async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int,
                      shutdown_timeout_s: float = 5.0) -> web.AppRunner:
     """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()`` (calls still
@@ -205,7 +209,7 @@ async def start_http(service: Service, host: str, port: int, *, max_body_bytes: 
     sent (``auto_decompress=False``): the infer route inflates them, bounded."""
     runner = web.AppRunner(make_app(service, max_body_bytes=max_body_bytes), handler_cancellation=True,
                            access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           auto_decompress=False)
+                           auto_decompress=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

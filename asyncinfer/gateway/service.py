@@ -101,12 +101,18 @@ class Service:
     CATALOGUE_FOR_S = 1.0
     #: Seconds between two broker health checks.
     HEALTH_EVERY_S = 1.0
+    #: A call for a model not in the catalogue reads it again, at least this long (seconds)
+    #: after the last read, and calls that miss meanwhile share that one read: a flood of unknown
+    #: names reads the catalogue at most 1 / MISS_REREAD_S times a second, not once per call.
+    MISS_REREAD_S = 0.05
 
     def __init__(self, client: Client, *, version: str = "") -> None:
         self.client = client
         self.version = version
         self._catalogue: dict[str, CatalogueEntry] = {}
         self._catalogue_at = -1e9
+        self._refreshing: asyncio.Future[None] | None = None
+        self._miss_read_at = -1e9
         self._broker_ok = False
         self._tasks: list[asyncio.Task[None]] = []
         #: Called with (call, HTTP status, seconds) after every infer call (the metrics).
@@ -151,6 +157,17 @@ class Service:
                 log.warning("gateway: %s", exc)
             self._broker_ok = False
 
+    async def _refresh_once(self) -> None:
+        """:meth:`_refresh`, shared by every call that asks while one is under way."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh_spaced())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh_spaced(self) -> None:
+        await asyncio.sleep(max(0.0, self._miss_read_at + self.MISS_REREAD_S - time.monotonic()))
+        self._miss_read_at = time.monotonic()
+        await self._refresh()
+
     async def _refresh(self) -> None:
         try:
             self._catalogue = await self._off_loop(self.client.models)
@@ -175,14 +192,15 @@ class Service:
         return {"name": SERVER_NAME, "version": self.version, "extensions": list(EXTENSIONS)}
 
     async def entry(self, model: str, version: str = "") -> CatalogueEntry:
-        """The catalogue entry of ``model`` (re-read once when it is not among the known ones).
+        """The catalogue entry of ``model`` (read again when it is not among the known ones:
+        ``MISS_REREAD_S``).
 
         Raises:
             GatewayError: 404 when the fleet does not know it, or not that version.
         """
         entry = self._catalogue.get(model)
         if entry is None:
-            await self._refresh()
+            await self._refresh_once()
             entry = self._catalogue.get(model)
         if entry is None:
             known = ", ".join(self._catalogue) or "none"
