@@ -31,9 +31,22 @@ class _Refusing(fakeredis.FakeRedis):
     """fakeredis whose next ``refusals`` transactions Redis refuses (out of memory)."""
 
     refusals = 0
+    #: A transaction of more commands than this is refused as Redis does when its queued
+    #: commands take it over maxmemory (0: no such limit).
+    max_commands = 0
 
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
         pipe = super().pipeline(transaction, shard_hint)
+        if transaction and self.max_commands:
+            execute, limit = pipe.execute, self.max_commands
+
+            def execute_if_it_fits(*args: Any, **kwargs: Any) -> Any:
+                if len(pipe.command_stack) > limit:
+                    pipe.reset()
+                    raise redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+                return execute(*args, **kwargs)
+
+            pipe.execute = execute_if_it_fits  # type: ignore[method-assign]
         if transaction and self.refusals > 0:
             type(self).refusals -= 1
 
@@ -47,6 +60,7 @@ class _Refusing(fakeredis.FakeRedis):
 @pytest.fixture()
 def broker() -> Iterator[_Refusing]:
     _Refusing.refusals = 0
+    _Refusing.max_commands = 0
     r = _Refusing()
     yield r
     r.flushall()
@@ -133,6 +147,34 @@ def test_a_refused_transaction_is_tried_again_whole_and_the_budget_asked_once(
     assert _meta(broker, "patient")["status"] == states.SUCCESS
     assert broker.hlen(UNACKED_KEY) == 0 and _Refusing.refusals == 0
     assert [[o.delivery.request_id for o in batch] for batch in written] == [["patient"]]
+
+
+def test_a_batch_too_large_for_redis_memory_is_stored_in_parts(writer: Any, broker: _Refusing) -> None:
+    # Given a Redis that refuses any transaction of more than two requests (4 commands each):
+    # queued commands count towards maxmemory, so a large batch can be refused where parts fit
+    w, written = writer
+    asked: list[int] = []
+    all_queued = threading.Event()
+
+    def before_write(batch: list[Outcome]) -> None:
+        all_queued.wait(10)  # the first batch waits until every outcome is queued
+        asked.append(len(batch))
+
+    w.before_write = before_write
+    _Refusing.max_commands = 8
+    deliveries = [_taken(broker, f"part-{i}") for i in range(8)]
+    # When eight results are written, seven of them as one batch
+    for d in deliveries:
+        w.put(Outcome(d, states.SUCCESS, {"id": d.request_id}))
+    all_queued.set()
+    done, cond = w.written  # type: ignore[attr-defined]
+    with cond:
+        assert cond.wait_for(lambda: sum(len(b) for b in done) == 8, 10), "written"
+    # Then every one is stored and acknowledged, the budget asked once per batch, each batch
+    # reported once, whole
+    assert all(_meta(broker, d.request_id)["result"] == {"id": d.request_id} for d in deliveries)
+    assert broker.hlen(UNACKED_KEY) == 0 and broker.zcard(UNACKED_INDEX_KEY) == 0
+    assert asked == [len(b) for b in written] and max(asked) >= 7, asked
 
 
 def test_an_unencodable_result_fails_alone(writer: Any, broker: _Refusing) -> None:

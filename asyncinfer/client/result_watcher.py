@@ -60,7 +60,7 @@ class ResultWatcher:
     #: … then at doubling intervals up to this (seconds).
     sweep_max_s = 30.0
     #: Keys read in one look-up at most.
-    sweep_chunk = 500
+    sweep_chunk = 100
     #: A looked-up result stored this long ago (seconds) should have been announced …
     late_s = 1.0
     #: … and when one was not, new requests are watched on their own channels this long (seconds).

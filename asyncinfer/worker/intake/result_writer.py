@@ -143,32 +143,55 @@ class ResultWriter:
                 self._write(batch)
 
     def _write(self, batch: list[Outcome]) -> None:
-        backoff_s = 0.1
-        budgeted = False
-        while True:
-            try:
-                if not budgeted:  # the retry budget is asked once per batch, however many tries
-                    self.before_write(batch)
-                    budgeted = True
-                acks = self.broker.pipeline(transaction=True)
-                results = acks if self.shared else self.results.pipeline(transaction=True)
-                for outcome in batch:
-                    self._add_safely(results, acks, outcome)
-                if not self.shared:
-                    self._execute(results)  # results first: an ack never precedes its result
-                self._execute(acks)
-                break
-            except redis.RedisError as exc:
-                # The requests stay unacknowledged until this succeeds: nothing is lost.
-                log.warning("storing %d results failed (%s: %s); retrying in %.1f s", len(batch),
-                            type(exc).__name__, exc, backoff_s)
-                time.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+        self._store_all(batch)
         self._wait_replicas(batch)
         self.on_written(batch)
         for outcome in batch:
             if outcome.embed:
                 self._call_links(outcome)
+
+    def _store_all(self, batch: list[Outcome]) -> None:
+        """Store ``batch``, trying again until Redis takes it. A transaction Redis refuses for
+        memory is split in halves, down to one request each: queued commands count towards
+        ``maxmemory`` until EXEC, so a large batch can be refused where its parts fit."""
+        backoff_s = 0.1
+        budgeted = False
+        parts = [batch]
+        while parts:
+            part = parts[0]
+            try:
+                if not budgeted:  # the retry budget is asked once per batch, however many tries
+                    self.before_write(batch)
+                    budgeted = True
+                self._store_part(part)
+                parts.pop(0)
+                backoff_s = 0.1
+                continue
+            except redis.OutOfMemoryError as exc:
+                if len(part) > 1:
+                    half = len(part) // 2
+                    parts[0:1] = [part[:half], part[half:]]
+                    log.debug("storing %d results: out of memory, in halves (%s)", len(part), exc)
+                    continue
+                error: redis.RedisError = exc
+            except redis.RedisError as exc:
+                error = exc
+            # The requests stay unacknowledged until this succeeds: nothing is lost.
+            log.warning("storing %d results failed (%s: %s); retrying in %.1f s", len(part),
+                        type(error).__name__, error, backoff_s)
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)
+
+    def _store_part(self, part: list[Outcome]) -> None:
+        """One transaction: the results of ``part`` and their acknowledgements (two, results
+        first, when the result backend is another Redis than the broker)."""
+        acks = self.broker.pipeline(transaction=True)
+        results = acks if self.shared else self.results.pipeline(transaction=True)
+        for outcome in part:
+            self._add_safely(results, acks, outcome)
+        if not self.shared:
+            self._execute(results)  # results first: an ack never precedes its result
+        self._execute(acks)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
         """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is
