@@ -56,6 +56,18 @@ client.close()
 '''
 
 
+def _wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
+    """Return once the model catalogue shows ``model`` hosted by a live worker."""
+    from asyncinfer.client import Client
+
+    with Client(broker_url=url) as client:
+        deadline = time.monotonic() + 120
+        while not ((entry := client.models().get(model)) is not None and entry.ready):
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise SystemExit("client_ab: the worker did not start")
+            time.sleep(0.2)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, type=Path)
@@ -77,11 +89,7 @@ def main() -> int:
                                        "--models", args.model, "--hostname", "client-ab@%h"],
                                       env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120
-            while b"ready." not in (Path(tmp) / "worker.log").read_bytes():
-                if time.monotonic() > deadline or worker.poll() is not None:
-                    raise SystemExit("client_ab: the worker did not start")
-                time.sleep(0.2)
+            _wait_hosted(server.url, args.model, worker)
             assert server.process is not None
             for _ in range(args.pairs):
                 for tag, tree in (("old", args.old), ("new", args.new)):
