@@ -155,10 +155,7 @@ def group(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def _settings(url: str, **extra: object) -> Settings:
-    # connect_timeout_s also bounds each question to a Sentinel: on a loaded host (the suite runs
-    # beside five Redis processes) 2 s was too short, and a slow answer was counted as a refusal
-    extra.setdefault("connect_timeout_s", 5.0)
-    return Settings(broker_url=url, visibility_timeout_s=5.0, **extra)  # type: ignore[arg-type]
+    return Settings(broker_url=url, visibility_timeout_s=5.0, connect_timeout_s=2.0, **extra)
 
 
 #: Seconds each batch of the failover stream sleeps on the device ("sleep" model).
