@@ -141,7 +141,8 @@ class SentinelGroup:
 
     def promoted_or_none(self, old_port: int, min_replicas: int = 0) -> int | None:
         """The port of the new master once every live Sentinel names one other than ``old_port``
-        and it answers as a master with ``min_replicas`` replicas online; else None."""
+        and it answers as a master with ``min_replicas`` replicas online and acknowledging writes
+        (``WAIT``); else None."""
         ports = set()
         for port, node in zip(self.sentinel_ports, self.sentinels, strict=True):
             if node.alive():
@@ -158,7 +159,19 @@ class SentinelGroup:
             return None
         online = sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
                      and v.get("state") == "online")
-        return new if online >= min_replicas else None
+        if online < min_replicas:
+            return None
+        # "online" is not yet acknowledging: on a loaded host a replica may take seconds more
+        # before WAIT counts it, so ask WAIT itself (after a write, on the same connection)
+        if min_replicas:
+            try:
+                with self._client(new, self.password) as c:
+                    c.publish("sentinel-group-probe", b"")
+                    if int(c.execute_command("WAIT", min_replicas, 200)) < min_replicas:
+                        return None
+            except redis.RedisError:
+                return None
+        return new
 
     def wait_promoted(self, old_port: int, timeout_s: float = 20.0) -> int:
         """Wait for :meth:`promoted_or_none`; return the new master's port."""
