@@ -36,8 +36,9 @@ SERVER_NAME = "asyncinfer"
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
-#: Data above this size (bytes) is converted off the event loop.
-OFF_LOOP_BYTES = 256 * 1024
+#: Data above this size (bytes) is converted off the event loop: the client's own bound for
+#: encoding a request on the loop, so one size decides both.
+OFF_LOOP_BYTES = aio.ON_LOOP_BYTES
 
 #: HTTP status → gRPC status code name.
 GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
