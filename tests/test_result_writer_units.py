@@ -1,10 +1,12 @@
-"""The result writer on fakeredis: each batch's results and acknowledgements in one transaction,
-retried whole when Redis refuses it, the retry budget asked once per batch, one unencodable
+"""The result writer on fakeredis (with its Lua): each batch's results and acknowledgements in one
+script call (a transaction with it when the batch pushes retries), retried whole when Redis
+refuses it, the retry budget asked once per batch, one unencodable
 result failing alone."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -28,12 +30,25 @@ URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakered
 
 
 class _Refusing(fakeredis.FakeRedis):
-    """fakeredis whose next ``refusals`` transactions Redis refuses (out of memory)."""
+    """fakeredis whose next ``refusals`` writes (transactions or store scripts) Redis refuses
+    (out of memory)."""
 
     refusals = 0
-    #: A transaction of more commands than this is refused as Redis does when its queued
-    #: commands take it over maxmemory (0: no such limit).
+    #: A write of more commands than this (four per request in a store script) is refused as
+    #: Redis does when its queued commands or arguments take it over maxmemory (0: no limit).
     max_commands = 0
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        if self.refusals > 0:
+            type(self).refusals -= 1
+            # as Redis 6 reports a script's refused write
+            raise redis.ResponseError("Error running script (call to f_0): @user_script:9: "
+                                      "@user_script: 9: -OOM command not allowed when used memory "
+                                      "> 'maxmemory'.")
+        requests = (len(keys_and_args) - numkeys - 1) // 4
+        if self.max_commands and requests * 4 > self.max_commands:
+            raise redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+        return super().evalsha(sha, numkeys, *keys_and_args)
 
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
         pipe = super().pipeline(transaction, shard_hint)
@@ -47,13 +62,17 @@ class _Refusing(fakeredis.FakeRedis):
                 return execute(*args, **kwargs)
 
             pipe.execute = execute_if_it_fits  # type: ignore[method-assign]
-        if transaction and self.refusals > 0:
-            type(self).refusals -= 1
+        if transaction:
+            execute_now = pipe.execute
 
-            def refuse(*_: Any, **__: Any) -> Any:
-                raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+            def refuse_or_execute(*args: Any, **kwargs: Any) -> Any:
+                if type(self).refusals > 0:
+                    type(self).refusals -= 1
+                    pipe.reset()
+                    raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+                return execute_now(*args, **kwargs)
 
-            pipe.execute = refuse  # type: ignore[method-assign]
+            pipe.execute = refuse_or_execute  # type: ignore[method-assign]
         return pipe
 
 
@@ -135,6 +154,21 @@ def test_a_retry_goes_back_on_its_list_and_is_acknowledged(writer: Any, broker: 
     assert _meta(broker, "again")["status"] == states.RETRY
 
 
+def test_a_retry_refused_for_memory_is_pushed_once_when_tried_again(
+        writer: Any, broker: _Refusing) -> None:
+    # Given a batch with a retry (a transaction: MULTI, LPUSH, the store script, EXEC) that Redis
+    # refuses once
+    w, _ = writer
+    d, ok = _taken(broker, "again"), _taken(broker, "fine")
+    _Refusing.refusals = 1
+    _write(w, [Outcome(d, states.RETRY, ModelError("transient"), retry='{"retry": 1}'),
+               Outcome(ok, states.SUCCESS, {"id": "fine"})])
+    # Then the retry message is on its list once, and both are stored and acknowledged
+    assert broker.lrange("infer.m", 0, -1) == [b'{"retry": 1}']
+    assert _meta(broker, "fine")["status"] == states.SUCCESS
+    assert broker.hlen(UNACKED_KEY) == 0 and broker.zcard(UNACKED_INDEX_KEY) == 0
+
+
 def test_a_refused_transaction_is_tried_again_whole_and_the_budget_asked_once(
         writer: Any, broker: _Refusing) -> None:
     w, written = writer
@@ -196,3 +230,42 @@ def test_acknowledge_only_stores_nothing(writer: Any, broker: _Refusing) -> None
     _write(w, [Outcome(d, states.SUCCESS, None, store=False)])
     assert _meta(broker, "seen") == {"status": "SUCCESS", "result": 1}
     assert broker.hlen(UNACKED_KEY) == 0
+
+
+def test_an_odd_unacked_key_is_reported_and_every_result_still_stored(
+        writer: Any, broker: _Refusing, caplog: pytest.LogCaptureFixture) -> None:
+    # Given kombu's unacked hash replaced by a value of another type (as EXEC reports one failed
+    # command and runs the others, the store script reports it and does the rest)
+    w, _ = writer
+    one, two = _taken(broker, "one"), _taken(broker, "two")
+    broker.delete(UNACKED_KEY)
+    broker.set(UNACKED_KEY, "not a hash")
+    _write(w, [Outcome(one, states.SUCCESS, {"id": "one"}), Outcome(two, states.SUCCESS, {"id": "two"})])
+    assert _meta(broker, "one")["result"] == {"id": "one"}
+    assert _meta(broker, "two")["result"] == {"id": "two"}
+    assert broker.zcard(UNACKED_INDEX_KEY) == 0
+    refused = [r.getMessage() for r in caplog.records if "refused by Redis" in r.getMessage()]
+    assert len(refused) == 2 and all("WRONGTYPE" in m for m in refused), refused
+
+
+def test_started_states_are_one_script_call_and_survive_a_flushed_script_cache(
+        writer: Any, broker: _Refusing) -> None:
+    w, _ = writer
+    ids = ["s-1", 's"2\\']  # a quote and a backslash: the ID is JSON-escaped in the template
+    deliveries = [_taken(broker, i) for i in ids]
+    broker.script_flush()
+    pipe = broker.pipeline(transaction=False)
+    w.started(pipe, deliveries, "cpu@host")
+    replies = pipe.execute(raise_on_error=False)
+    assert isinstance(replies[0], redis.exceptions.NoScriptError)  # the caller loads it then
+    w.store.load(broker)
+    pipe = broker.pipeline(transaction=False)
+    w.started(pipe, deliveries, "cpu@host")
+    assert pipe.execute() == [[]]
+    for request_id in ids:
+        meta = _meta(broker, request_id)
+        assert meta["status"] == states.STARTED and meta["task_id"] == request_id
+        assert meta["result"] == {"pid": os.getpid(), "hostname": "cpu@host"}
+        assert meta["date_done"] is None
+        assert 0 < broker.ttl(f"celery-task-meta-{request_id}") <= Settings().result_expires_s
+    assert broker.hlen(UNACKED_KEY) == 2  # STARTED acknowledges nothing

@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire import json_text
 from asyncinfer.wire.reply import REPLY_TO, reply_rule_broken
 
 __all__ = [
@@ -94,7 +95,7 @@ def parse_envelope(delivery: Delivery) -> None:
     Any other exception (RecursionError of a deeply nested text, MemoryError, ...) may escape
     too: the caller treats every exception as "malformed".
     """
-    envelope = json.loads(delivery.raw)
+    envelope = json_text.loads(delivery.raw)
     if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict):
         raise ValueError("not a kombu message envelope (an object with properties)")
     headers = envelope.get("headers")
@@ -179,7 +180,7 @@ def decode_body(delivery: Delivery, max_body_bytes: int | None = None
                 raise InvalidRequest(f"request {rid}: the message body is not valid base64 (its "
                                      f"body_encoding): {exc}") from None
         if content_type == _JSON:
-            decoded = json.loads(body)
+            decoded = json_text.loads(body)
         elif content_type in _MSGPACK:
             decoded = msgpack.unpackb(body if isinstance(body, bytes) else str(body).encode(),
                                       raw=False)

@@ -77,5 +77,8 @@ def tensor_from_array(datatype: str, arr: npt.NDArray[Any]) -> torch.Tensor:
 def array_from_tensor(datatype: str, value: torch.Tensor) -> npt.NDArray[Any]:
     """A tensor cast to a numeric datatype and moved to the CPU, as the numpy array that
     :func:`~asyncinfer.wire.datatypes.encode_data` takes (BF16: float32 values, exactly)."""
-    t = value.detach().to("cpu", TORCH_DTYPES[datatype])
+    t = value.detach()
+    dtype = TORCH_DTYPES[datatype]
+    if t.dtype != dtype or t.device.type != "cpu":  # .to() itself costs µs even when a no-op
+        t = t.to("cpu", dtype)
     return (t.float() if datatype == "BF16" else t).numpy()

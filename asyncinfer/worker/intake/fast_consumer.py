@@ -221,13 +221,21 @@ class FastConsumer:
         deliveries = self._skip_answered(deliveries)
         pipe = self.client.pipeline(transaction=False)
         results = self._record(pipe, deliveries)
-        try:
-            pipe.execute()
-            if results is not None:
-                results.execute()
-        except redis.RedisError as exc:  # STARTED is a courtesy; the requests are safely recorded
+        try:  # STARTED is a courtesy; the requests are safely recorded
+            for done, client in ((pipe, self.client), (results, self.writer.results)):
+                if done is not None:
+                    self._started_written(client, done.execute(raise_on_error=False),
+                                          len(deliveries))
+        except redis.RedisError as exc:
             log.warning("could not store STARTED for %d requests (%s)", len(deliveries), exc)
         self._start_all(deliveries)
+
+    def _started_written(self, client: redis.Redis, replies: list[Any], count: int) -> None:
+        for reply in replies:
+            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted or new master
+                self.writer.store.load(client)
+            elif isinstance(reply, Exception):
+                log.warning("could not store STARTED for %d requests (%s)", count, reply)
 
     def _start_all(self, deliveries: list[Delivery]) -> None:
         runners = [r.batcher for r in self.runtime.runners()]
@@ -294,8 +302,8 @@ class FastConsumer:
         if not starting and not first:
             return None
         results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
-        for d in starting:
-            self.writer.started(results, d, self.hostname)
+        if starting:
+            self.writer.started(results, starting, self.hostname)
         self.policy.budget.count_requests(first, results)
         return None if self.writer.shared else results
 

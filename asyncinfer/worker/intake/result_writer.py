@@ -1,13 +1,14 @@
 """Writes finished requests back: results, acknowledgements and callbacks, one round trip per batch.
 
-Everything finished since the last write goes out in one Redis transaction (MULTI/EXEC): per
-request the result (SETEX + PUBLISH, Celery's format; a second PUBLISH on the request's reply
-channel when it names one, wire/reply.py) and the acknowledgement (kombu's unacked
-bookkeeping removed); two transactions, results first, when the result backend is another Redis
-than the broker. A request is acknowledged only in the transaction that stores its result, so a
-worker that dies earlier leaves it unacknowledged, and kombu redelivers it after the visibility
-timeout. A transaction, not a plain pipeline: Redis out of memory refuses the SETEX but would take
-the acknowledgement (a delete) — inside MULTI it refuses the whole write, and nothing is acked.
+Everything finished since the last write goes out in one script call (store.py): per request
+the result (SETEX + PUBLISH, Celery's format; a second PUBLISH on the request's reply channel when
+it names one, wire/reply.py) and the acknowledgement (kombu's unacked bookkeeping removed); two
+calls, results first, when the result backend is another Redis than the broker; a transaction
+(MULTI, the script, EXEC) when the batch also pushes retries or dead letters. A request is
+acknowledged only in the call that stores its result, so a worker that dies earlier leaves it
+unacknowledged, and kombu redelivers it after the visibility timeout. All or nothing: Redis out of
+memory refuses the script at its first write, before any acknowledgement (a delete it would
+otherwise take), so nothing is acked that is not stored.
 
 Whatever Redis says (out of memory, read-only, a lost connection, a timeout), the writer keeps the
 batch and tries again with backoff, so the worker recovers by itself once Redis takes writes again;
@@ -16,6 +17,7 @@ a result that cannot be encoded becomes that request's FAILURE instead of blocki
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -32,15 +34,18 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import Delivery, result_meta
 from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
+from asyncinfer.worker.intake.store import Entry, StoreScript, as_out_of_memory, error_texts
 
 __all__ = ["Outcome", "ResultWriter"]
 
 log = logging.getLogger(__name__)
+
+#: Where the request ID goes in the STARTED meta's text.
+_MARK = "@request-id@"
 
 
 @dataclass
@@ -88,6 +93,8 @@ class ResultWriter:
         self.expires_s = int(app.conf.result_expires.total_seconds()
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
+        self.store = StoreScript(broker, self.expires_s)
+        self._started: tuple[str, str, str] | None = None
         #: Called with each batch before its first write (may change outcomes: the retry budget),
         #: and after it is written.
         self.before_write: Callable[[list[Outcome]], None] = _nothing
@@ -100,29 +107,30 @@ class ResultWriter:
         """Queue one outcome for the next write."""
         self._queue.put(outcome)
 
-    def started(self, pipe: Any, delivery: Delivery, hostname: str) -> None:
-        """Add the STARTED state of ``delivery`` to ``pipe`` (Celery's ``task_track_started``);
-        ``pipe`` is a pipeline of :attr:`results`."""
-        meta = result_meta(delivery.request_id, states.STARTED,
-                           {"pid": os.getpid(), "hostname": hostname})
-        self._store(pipe, delivery.request_id, meta)
+    def started(self, pipe: Any, deliveries: list[Delivery], hostname: str) -> None:
+        """Add the STARTED states of ``deliveries`` to ``pipe`` (Celery's
+        ``task_track_started``), a plain pipeline of :attr:`results`, as one store call."""
+        prefix, suffix = self._started_text(hostname)
+        self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
+                                 prefix + json.dumps(d.request_id) + suffix, "", "")
+                                for d in deliveries])
+
+    def _started_text(self, hostname: str) -> tuple[str, str]:
+        """The stored STARTED meta around its request ID (the same for every request of this
+        worker: the meta has no date)."""
+        if self._started is None or self._started[0] != hostname:
+            text = encode_meta(self.backend, result_meta(_MARK, states.STARTED, {
+                "pid": os.getpid(), "hostname": hostname}))
+            if isinstance(text, bytes):
+                text = text.decode()
+            prefix, _, suffix = text.partition(json.dumps(_MARK))
+            self._started = (hostname, prefix, suffix)
+        return self._started[1], self._started[2]
 
     def close(self) -> None:
         """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout=30)
-
-    def _store(self, pipe: Any, request_id: str, meta: dict[str, Any],
-               reply_to: str | None = None) -> None:
-        key = self.backend.get_key_for_task(request_id)
-        value = encode_meta(self.backend, meta)
-        if self.expires_s:
-            pipe.setex(key, self.expires_s, value)
-        else:
-            pipe.set(key, value)
-        pipe.publish(key, value)
-        if reply_to is not None and meta["status"] in states.READY_STATES:
-            pipe.publish(reply_to, value)  # the producer's reply channel (wire/reply.py)
 
     def _run(self) -> None:
         stopping = False
@@ -183,15 +191,20 @@ class ResultWriter:
             backoff_s = min(backoff_s * 2, 5.0)
 
     def _store_part(self, part: list[Outcome]) -> None:
-        """One transaction: the results of ``part`` and their acknowledgements (two, results
-        first, when the result backend is another Redis than the broker)."""
-        acks = self.broker.pipeline(transaction=True)
-        results = acks if self.shared else self.results.pipeline(transaction=True)
-        for outcome in part:
-            self._add_safely(results, acks, outcome)
+        """One script call: the results of ``part`` and their acknowledgements (two, results
+        first, when the result backend is another Redis than the broker; inside a transaction
+        with the retries and dead letters the part pushes, when it pushes any)."""
+        pushes = self.broker.pipeline(transaction=True)
+        entries = [self._add_safely(pushes, outcome) for outcome in part]
+        acks = entries
         if not self.shared:
-            self._execute(results)  # results first: an ack never precedes its result
-        self._execute(acks)
+            self._log_refusals(self.store([(k, v, r, "") for k, v, r, _ in entries], self.results))
+            acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
+        if not pushes.command_stack:
+            self._log_refusals(self.store(acks, self.broker))
+            return
+        self.store(acks, pushes)
+        self._execute(pushes)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
         """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is
@@ -216,13 +229,21 @@ class ResultWriter:
         written) raises, to be tried again; an error reply of one command inside it (all others
         done) is logged, as trying again would repeat the others."""
         for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, Exception):
+            if isinstance(reply, redis.ResponseError):
+                if isinstance(as_out_of_memory(reply), redis.OutOfMemoryError):
+                    raise as_out_of_memory(reply)  # the script refused at its first write
                 log.error("a result write was refused by Redis: %s", reply)
+            ResultWriter._log_refusals(error_texts(reply))
 
-    def _add_safely(self, results: Any, acks: Any, outcome: Outcome) -> None:
+    @staticmethod
+    def _log_refusals(errors: list[str]) -> None:
+        for error in errors:
+            log.error("a result write was refused by Redis: %s", error)
+
+    def _add_safely(self, pushes: Any, outcome: Outcome) -> Entry:
         """:meth:`_add`, or — when the result cannot be encoded — that request's FAILURE."""
         try:
-            self._add(results, acks, outcome)
+            return self._add(pushes, outcome)
         except redis.RedisError:
             raise
         except Exception as exc:  # noqa: BLE001 - one request's result, not the whole batch
@@ -231,23 +252,27 @@ class ResultWriter:
             outcome.state, outcome.result, outcome.retry, outcome.embed = (
                 states.FAILURE, ModelError(f"request {d.request_id}: its result could not be "
                                            f"stored ({type(exc).__name__}: {exc})"), None, None)
-            self._add(results, acks, outcome)
+            return self._add(pushes, outcome)
 
-    def _add(self, results: Any, acks: Any, outcome: Outcome) -> None:
+    def _add(self, pushes: Any, outcome: Outcome) -> Entry:
+        """``outcome``'s entry for the store script; its retry message and dead letter, if any,
+        on ``pushes`` (a broker transaction)."""
         d = outcome.delivery
         if outcome.retry is not None:
-            acks.lpush(d.list_key, outcome.retry)
+            pushes.lpush(d.list_key, outcome.retry)
+        key, value, reply_to = "", "", ""
         if d.request_id and outcome.store:
             result = outcome.result
             if isinstance(result, BaseException):
                 result = self.backend.prepare_exception(result)
             meta = result_meta(d.request_id, outcome.state, result,
                                parent_id=d.headers.get("parent_id"))
-            self._store(results, d.request_id, meta, reply_channel_of(d.headers))
-        dead_letters.add_to(acks, self.app, outcome)  # a final FAILURE of a model that opted in
-        if d.tag:  # a malformed message was never recorded as unacknowledged
-            acks.zrem(UNACKED_INDEX_KEY, d.tag)
-            acks.hdel(UNACKED_KEY, d.tag)
+            key = self.backend.get_key_for_task(d.request_id)
+            value = encode_meta(self.backend, meta)
+            if meta["status"] in states.READY_STATES:
+                reply_to = reply_channel_of(d.headers) or ""
+        dead_letters.add_to(pushes, self.app, outcome)  # a final FAILURE of a model that opted in
+        return key, value, reply_to, d.tag or ""  # no tag: a malformed message never recorded
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""
