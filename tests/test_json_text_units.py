@@ -43,3 +43,4 @@ def _outcome(parse: Any, text: Any) -> Any:
 def test_loads_answers_as_the_standard_library_does(text: Any) -> None:
     ours, theirs = _outcome(json_text.loads, text), _outcome(json.loads, text)
     assert ascii(ours) == ascii(theirs)  # an integer read as a float would show: 1.2e+29
+

@@ -35,7 +35,7 @@ class InputSpec:
                 f"request {request_id}: input '{name}': datatype {datatype} is not accepted "
                 f"(accepted: {', '.join(self.datatypes)})")
         row = shape[1:]
-        fits = len(row) == len(self.row_shape) and all(
+        fits = row == self.row_shape or len(row) == len(self.row_shape) and all(
             want in (-1, got) for want, got in zip(self.row_shape, row, strict=True))
         if not fits:
             wanted = ["n", *("any" if d == -1 else str(d) for d in self.row_shape)]
