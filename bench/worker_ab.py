@@ -1,0 +1,160 @@
+"""Two worker versions under the same load, alternated: where a worker-side change moves the work.
+
+    .venv/bin/python bench/worker_ab.py --old /path/to/old/tree --new /path/to/new/tree \\
+        [--pairs 3] [--model sim-fast] [--in-flight 256] [--requests 20000]
+
+``--old`` and ``--new`` are source trees of asyncinfer (``git worktree add /tmp/old REV``); each
+run starts a fresh worker from one of them (first on its ``PYTHONPATH``) against one embedded
+Redis, and drives it with the same client (this tree's) in a process of its own. Each run prints
+one JSON line: throughput, p50/p99, mean device batch, CPU ms per request of the worker, the
+client and Redis, and the worker's threads' CPU ms per request, largest first (named when py-spy
+is installed). A script, not a test: this machine is too noisy for timed assertions, so compare
+only runs of the same sitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_LOAD = r'''
+import json, sys, time
+import numpy as np
+from asyncinfer import Client
+from asyncinfer.bench.loadgen import percentile, run_closed_loop
+from asyncinfer.bench.systems import process_cpu_s
+
+url, worker_pid, redis_pid, model, level, total = sys.argv[1:7]
+worker_pid, redis_pid, level, total = int(worker_pid), int(redis_pid), int(level), int(total)
+client = Client(broker_url=url)
+x = np.ones((1, 16), np.float32) if model == "mlp" else np.ones((1, 4), np.float32)
+for f in [client.submit(model, x) for _ in range(300)]:
+    f.result(timeout=60)
+print("ready", flush=True)
+sys.stdin.readline()  # the thread counts are read now
+c0, w0, r0 = time.process_time(), process_cpu_s(worker_pid), process_cpu_s(redis_pid)
+res = run_closed_loop("ab", lambda i: client.submit(model, x), total, level)
+n = max(1, len(res.latencies_ms))
+sizes = res.batch_sizes
+print(json.dumps({
+    "req_per_s": round(res.throughput, 1), "p50_ms": round(percentile(res.latencies_ms, 50), 2),
+    "p99_ms": round(percentile(res.latencies_ms, 99), 2),
+    "mean_batch": round(sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values())), 1),
+    "cpu_ms_per_request": {"worker": round((process_cpu_s(worker_pid) - w0) * 1e3 / n, 3),
+                           "client": round((time.process_time() - c0) * 1e3 / n, 3),
+                           "redis": round((process_cpu_s(redis_pid) - r0) * 1e3 / n, 3)},
+    "requests": n, "failures": res.failures}), flush=True)
+client.close()
+'''
+
+_FACTORIES = {name: f"{name}=asyncinfer.bench.synthetic:{name.replace('-', '_')}"
+              for name in ("sim-slow", "sim-fast", "sim-prep")}
+
+
+def _thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by native thread ID, from ``py-spy dump`` when it is installed."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return {}
+    dump = subprocess.run([spy, "dump", "--nonblocking", "-p", str(pid)], capture_output=True,
+                          text=True, check=False).stdout
+    return {int(m.group(1)): m.group(2)
+            for m in re.finditer(r'Thread (\d+) \(\w[\w+]*\): "([^"]+)"', dump)}
+
+
+def _wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
+    from asyncinfer.client import Client
+
+    with Client(broker_url=url) as client:
+        deadline = time.monotonic() + 120
+        while not ((entry := client.models().get(model)) is not None and entry.ready):
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise SystemExit("worker_ab: the worker did not start")
+            time.sleep(0.2)
+
+
+def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespace,
+         env: dict[str, str], log_dir: Path) -> None:
+    worker_env = {**env, "PYTHONPATH": str(tree)}
+    if args.model in _FACTORIES:
+        worker_env["ASYNCINFER_MODEL_FACTORIES"] = _FACTORIES[args.model]
+    with open(log_dir / f"worker-{tag}.log", "ab") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",
+                                   "--models", args.model, "--hostname", f"ab-{tag}@%h"],
+                                  env=worker_env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
+    try:
+        _wait_hosted(url, args.model, worker)
+        load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
+                                 args.model, str(args.in_flight), str(args.requests)],
+                                env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert load.stdin is not None and load.stdout is not None
+        load.stdout.readline()  # ready
+        before = _thread_cpu_s(worker.pid)
+        load.stdin.write("go\n")
+        load.stdin.flush()
+        time.sleep(2)
+        names = _thread_names(worker.pid)
+        line = load.stdout.readline()
+        after = _thread_cpu_s(worker.pid)
+        load.wait(60)
+        result = json.loads(line)
+        n = result["requests"]
+        threads = sorted(((after[t] - before.get(t, 0.0)) * 1e3 / n, names.get(t, str(t)))
+                         for t in after)
+        result["worker_threads_cpu_ms_per_request"] = {name: round(ms, 3)
+                                                        for ms, name in reversed(threads) if ms >= 0.005}
+        print(json.dumps({"worker": tag, **result}), flush=True)
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old", required=True, type=Path)
+    p.add_argument("--new", required=True, type=Path)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--model", default="sim-fast")
+    p.add_argument("--in-flight", type=int, default=256)
+    p.add_argument("--requests", type=int, default=20000)
+    args = p.parse_args()
+    from asyncinfer.ops.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp) / "redis", appendonly=False).start()
+        assert server.process is not None
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")},
+               "ASYNCINFER_BROKER_URL": server.url, "ASYNCINFER_LOG_LEVEL": "warning"}
+        try:
+            for _ in range(args.pairs):
+                for tag, tree in (("old", args.old), ("new", args.new)):
+                    _run(tag, tree.resolve(), server.url, server.process.pid, args, env, Path(tmp))
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
