@@ -71,6 +71,8 @@ class Delivery:
     request_id: str = ""
     #: The Redis list it came from: the queue's, or one of its priority lists.
     key: str = ""
+    #: Whether its STARTED state is stored already (by the take).
+    started: bool = False
 
     @property
     def list_key(self) -> str:

@@ -57,7 +57,7 @@ from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import Holdings
 from asyncinfer.worker.intake.outcomes import Outcomes
 from asyncinfer.worker.intake.result_writer import ResultWriter
-from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taker
+from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, StartedText, Taker
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.lifecycle import (
     DELAY,
@@ -73,6 +73,9 @@ from asyncinfer.worker.runtime import WorkerRuntime
 __all__ = ["FastConsumer"]
 
 log = logging.getLogger(__name__)
+
+#: While requests keep coming, their count towards the retry budget is sent at most this often.
+BUDGET_COUNT_INTERVAL_S = 0.1
 
 
 class FastConsumer:
@@ -114,6 +117,10 @@ class FastConsumer:
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()
+        self._started: StartedText | None = None
+        #: First attempts taken and not yet counted towards the retry budget.
+        self._uncounted = 0
+        self._counted_at = 0.0
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
     @property
@@ -138,6 +145,7 @@ class FastConsumer:
         self._stopping.set()
         self.waker.close()
         self._thread.join(timeout=5)
+        self._send_count(due_only=False)
         left = self.holdings.drain(grace_s)
         self.writer.close()
         self.events.close()
@@ -196,11 +204,12 @@ class FastConsumer:
                 # Take atomically with the bookkeeping; once a take leaves the queues empty, wait
                 # for the watchers (which never pop) and take again.
                 self.waker.clear()
-                taken = self.taker.take(self._lists, room)
+                taken = self.taker.take(self._lists, room, self._started_text())
                 if taken:
                     self._took(taken)
                 backoff_s = 0.1
                 if len(taken) < room:
+                    self._send_count(due_only=True)  # an idle consumer wakes at least every 1 s
                     self.waker.arm()
                     self.waker.wait(1.0)
             except redis.RedisError as exc:
@@ -215,25 +224,67 @@ class FastConsumer:
                 self._stopping.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
 
-    def _took(self, taken: list[tuple[str, bytes, bool]]) -> None:
-        """Start messages the take script popped and recorded; write their STARTED states."""
+    def _started_text(self) -> StartedText | None:
+        """What the take stores as STARTED, when it can (the result backend is the broker)."""
+        if not (self.policy.track_started and self.writer.shared):
+            return None
+        if self._started is None:
+            head, tail = self.writer.started_text(self.hostname)
+            key = self.app.backend.get_key_for_task("@")  # Celery refuses an empty ID
+            self._started = StartedText(key[:-1], head, tail, self.writer.expires_s, TASK_NAME)
+        return self._started
+
+    def _took(self, taken: list[tuple[str, bytes, bool, bool]]) -> None:
+        """Start messages the take script popped and recorded; write the STARTED states it did
+        not."""
         received_at = time.perf_counter()
         deliveries: list[Delivery] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
-            deliveries += self._parse(queue_of_list(key), key, [(raw, rec) for _, raw, rec in group],
+            deliveries += self._parse(queue_of_list(key), key,
+                                      [(raw, rec, started) for _, raw, rec, started in group],
                                       received_at)
         # before STARTED is stored over the answer a redelivered request may already have
         deliveries = self._skip_answered(deliveries)
-        pipe = self.client.pipeline(transaction=False)
-        results = self._record(pipe, deliveries)
-        try:  # STARTED is a courtesy; the requests are safely recorded
-            for done, client in ((pipe, self.client), (results, self.writer.results)):
-                if done is not None:
-                    self._started_written(client, done.execute(raise_on_error=False),
-                                          len(deliveries))
-        except redis.RedisError as exc:
-            log.warning("could not store STARTED for %d requests (%s)", len(deliveries), exc)
+        self._write_started(deliveries)
         self._start_all(deliveries)
+        self._count_first_attempts(deliveries)  # after: the budget's count is not on their path
+
+    def _write_started(self, deliveries: list[Delivery]) -> None:
+        """Store the STARTED states the take did not (a redelivered request not answered yet, a
+        result backend other than the broker), before the requests run. A courtesy: the requests
+        are safely recorded whatever Redis says."""
+        if not self.policy.track_started:
+            return
+        starting = [d for d in deliveries if not d.started and self._should_start(d)]
+        if not starting:
+            return
+        pipe = self.writer.results.pipeline(transaction=False)
+        self.writer.started(pipe, starting, self.hostname)
+        try:
+            self._started_written(self.writer.results, pipe.execute(raise_on_error=False),
+                                  len(starting))
+        except redis.RedisError as exc:
+            log.warning("could not store STARTED for %d requests (%s)", len(starting), exc)
+
+    def _count_first_attempts(self, deliveries: list[Delivery]) -> None:
+        """First attempts count towards the fleet's retry budget: counted here, sent to Redis at
+        most every ``BUDGET_COUNT_INTERVAL_S``, not once per take (an idle consumer sends what is
+        left within a second; the budget's windows are 10 s)."""
+        self._uncounted += sum(1 for d in deliveries
+                               if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
+        self._send_count(due_only=True)
+
+    def _send_count(self, due_only: bool) -> None:
+        now = time.monotonic()
+        if not self._uncounted or (due_only and now - self._counted_at < BUDGET_COUNT_INTERVAL_S):
+            return
+        self._counted_at = now
+        try:
+            self.policy.budget.count_requests(self._uncounted)
+            self._uncounted = 0
+        except redis.RedisError as exc:  # counted with the next ones
+            log.warning("could not count %d requests towards the retry budget (%s)",
+                        self._uncounted, exc)
 
     def _started_written(self, client: redis.Redis, replies: list[Any], count: int) -> None:
         for reply in replies:
@@ -254,11 +305,11 @@ class FastConsumer:
                 batcher.release()
         self.events.flush()
 
-    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool]],
+    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool]],
                received_at: float) -> list[Delivery]:
         deliveries = []
-        for raw, recorded in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key)
+        for raw, recorded, started in raws:
+            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started)
             try:
                 parse_envelope(d)
                 if not recorded:
@@ -294,23 +345,6 @@ class FastConsumer:
         self.outcomes.fail(d, InvalidRequest(f"request {request_id}: the message on {d.queue} is "
                                              f"malformed and was dropped ({type(exc).__name__}: "
                                              f"{printable(exc)})"), retry=False)
-
-    def _record(self, pipe: Any, deliveries: list[Delivery]) -> Any:
-        """Add STARTED of ``deliveries`` (and their count towards the retry budget) to ``pipe``;
-        return a separate results pipeline to execute after it when the result backend is
-        elsewhere."""
-        starting = ([d for d in deliveries if self._should_start(d)] if self.policy.track_started
-                    else [])
-        # First attempts count towards the fleet's retry budget.
-        first = sum(1 for d in deliveries
-                    if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
-        if not starting and not first:
-            return None
-        results = pipe if self.writer.shared else self.writer.results.pipeline(transaction=False)
-        if starting:
-            self.writer.started(results, starting, self.hostname)
-        self.policy.budget.count_requests(first, results)
-        return None if self.writer.shared else results
 
     def _should_start(self, d: Delivery) -> bool:
         return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")

@@ -13,24 +13,32 @@ object, if present), and no deeper nesting than :data:`MAX_ENVELOPE_DEPTH`. Anyt
 popped but not recorded — the consumer answers it as malformed — so kombu's restore sweep (which
 every worker runs over ``unacked``) never meets a message it cannot load. The ``unacked`` entry is
 kombu's ``[envelope, exchange, routing_key]``, the envelope kept byte for byte.
+
+When the result backend is the broker, the same step stores each request's STARTED state
+(Celery's ``task_track_started``), text the worker gives it, so that no second round trip follows
+each take; a redelivered request is left to the consumer, which first looks for its stored answer.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 
-__all__ = ["Taker", "MAX_ENVELOPE_DEPTH"]
+__all__ = ["MAX_ENVELOPE_DEPTH", "StartedText", "Taker"]
 
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
 
 # KEYS: unacked_index, unacked, then the lists to take from, in order.
-# ARGV: most messages to take, now (seconds), deepest nesting allowed.
-# Returns a flat list: list name, message, 1 if recorded (else 0), list name, message, ...
+# ARGV: most messages to take, now (seconds), deepest nesting allowed; then the STARTED states to
+# store ('' for none: result key prefix, the stored text before and after the JSON of the request
+# ID, seconds it lives or 0, the task whose requests start).
+# Returns a flat list: list name, message, 1 if recorded (else 0), 1 if its STARTED was stored
+# (else 0), list name, message, ...
 _TAKE = r"""
 local max_depth = tonumber(ARGV[3])
 
@@ -67,6 +75,26 @@ local function envelope_of(msg)
 end
 
 local room = tonumber(ARGV[1])
+local started_prefix, text_head, text_tail = ARGV[4], ARGV[5], ARGV[6]
+local started_ttl, task_name = tonumber(ARGV[7]), ARGV[8]
+
+-- Store the STARTED state of a task of ours that is neither delayed (eta) nor redelivered (its
+-- answer may be stored already: the consumer looks first); 1 if stored.
+local function start(env)
+  if started_prefix == '' then return 0 end
+  local h = env['headers']
+  if type(h) ~= 'table' or h['task'] ~= task_name or type(h['id']) ~= 'string' or h['id'] == ''
+     or (h['eta'] ~= nil and h['eta'] ~= cjson.null and h['eta'] ~= '')
+     or (h['redelivered'] ~= nil and h['redelivered'] ~= cjson.null and h['redelivered'] ~= false)
+  then return 0 end
+  local key = started_prefix .. h['id']
+  local value = text_head .. cjson.encode(h['id']) .. text_tail
+  if started_ttl > 0 then redis.call('SETEX', key, started_ttl, value)
+  else redis.call('SET', key, value) end
+  redis.call('PUBLISH', key, value)
+  return 1
+end
+
 local out = {}
 local taken = 0
 for i = 3, #KEYS do
@@ -77,7 +105,7 @@ for i = 3, #KEYS do
     local msg = redis.call('RPOP', KEYS[i])
     if not msg then break end
     local env = envelope_of(msg)
-    local recorded = 0
+    local recorded, started = 0, 0
     if env then
       local props = env['properties']
       local info = props['delivery_info']
@@ -91,16 +119,31 @@ for i = 3, #KEYS do
       redis.call('HSET', KEYS[2], tag,
                  '[' .. msg .. ', ' .. cjson.encode(exchange) .. ', ' .. cjson.encode(routing_key) .. ']')
       recorded = 1
+      started = start(env)
     end
     taken = taken + 1
     out[#out + 1] = KEYS[i]
     out[#out + 1] = msg
     out[#out + 1] = recorded
+    out[#out + 1] = started
   end
   if taken >= room then break end
 end
 return out
 """
+
+
+@dataclass(frozen=True)
+class StartedText:
+    """What the take stores as the STARTED state of each request it starts: under ``key_prefix``
+    + its ID, ``head`` + the ID as JSON + ``tail``, for ``expires_s`` seconds (0: for ever), for
+    messages of ``task``."""
+
+    key_prefix: bytes
+    head: str
+    tail: str
+    expires_s: int
+    task: str
 
 
 class Taker:
@@ -109,17 +152,21 @@ class Taker:
     def __init__(self, client: Any) -> None:
         self._take = client.register_script(_TAKE)
 
-    def take(self, lists: Sequence[str], room: int) -> list[tuple[str, bytes, bool]]:
-        """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded)``,
-        oldest first per list; ``recorded`` is False for a malformed message (popped, not recorded
-        as unacknowledged)."""
+    def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
+             ) -> list[tuple[str, bytes, bool, bool]]:
+        """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
+        started)``, oldest first per list; ``recorded`` is False for a malformed message (popped,
+        not recorded as unacknowledged); ``started`` is True when the take stored its STARTED
+        state (``started`` given, a request of its task, no eta, not redelivered)."""
         if room <= 0:
             return []
+        extra: list[Any] = ["", "", "", 0, ""] if started is None else [
+            started.key_prefix, started.head, started.tail, started.expires_s, started.task]
         flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, *lists],
-                          args=[room, time.time(), MAX_ENVELOPE_DEPTH])
+                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra])
         taken = []
-        for i in range(0, len(flat), 3):
+        for i in range(0, len(flat), 4):
             key = flat[i]
             taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
-                          bool(flat[i + 2])))
+                          bool(flat[i + 2]), bool(flat[i + 3])))
         return taken
