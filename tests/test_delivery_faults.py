@@ -21,6 +21,7 @@ import redis
 from celery import Celery
 
 from asyncinfer.client import Client
+from asyncinfer.constants import priority_lists
 from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused
 from asyncinfer.ops.redis_server import RedisServer
@@ -46,6 +47,11 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
     celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
     try:
         assert client.infer("gated", _index(100), timeout_s=30)["output"].tolist() == [[100.0]]
+        # idle: blocked in Redis waiting for work on each of its lists (not between a result and
+        # its next, empty take, whose script Redis could run after the first request below came)
+        lists = len(priority_lists(["infer.gated"]))
+        wait_for(lambda: _blocked_waiting(r) >= lists, 10, "the worker to wait on each list",
+                 poll_s=0.02)
         os.kill(first.pid, signal.SIGSTOP)
         # When requests arrive from our client and from Celery's send_task (which rings nothing)
         futures = [client.submit("gated", _index(i)) for i in range(4)]
@@ -78,6 +84,14 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
         if second is not None:
             second.stop()
         r.close()
+
+
+def _blocked_waiting(r: redis.Redis) -> int:
+    """How many clients of ``r``'s database are blocked in an idle consumer's wait (BLMOVE, or
+    BRPOPLPUSH before Redis 6.2)."""
+    db = str(r.connection_pool.connection_kwargs.get("db", 0))
+    return sum(1 for c in r.client_list() if "b" in c.get("flags", "")
+               and c.get("cmd") in ("blmove", "brpoplpush") and c.get("db") == db)
 
 
 def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[str, str],
