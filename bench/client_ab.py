@@ -56,7 +56,7 @@ client.close()
 '''
 
 
-def _wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
+def wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
     """Return once the model catalogue shows ``model`` hosted by a live worker."""
     from asyncinfer.client import Client
 
@@ -64,7 +64,7 @@ def _wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + 120
         while not ((entry := client.models().get(model)) is not None and entry.ready):
             if time.monotonic() > deadline or worker.poll() is not None:
-                raise SystemExit("client_ab: the worker did not start")
+                raise SystemExit("the worker did not start")
             time.sleep(0.2)
 
 
@@ -89,7 +89,7 @@ def main() -> int:
                                        "--models", args.model, "--hostname", "client-ab@%h"],
                                       env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_hosted(server.url, args.model, worker)
+            wait_hosted(server.url, args.model, worker)
             assert server.process is not None
             for _ in range(args.pairs):
                 for tag, tree in (("old", args.old), ("new", args.new)):

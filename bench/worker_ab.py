@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
+
 _LOAD = r'''
 import json, sys, time
 import numpy as np
@@ -83,17 +85,6 @@ def _thread_names(pid: int) -> dict[int, str]:
             for m in re.finditer(r'Thread (\d+) \(\w[\w+]*\): "([^"]+)"', dump)}
 
 
-def _wait_hosted(url: str, model: str, worker: subprocess.Popen[bytes]) -> None:
-    from asyncinfer.client import Client
-
-    with Client(broker_url=url) as client:
-        deadline = time.monotonic() + 120
-        while not ((entry := client.models().get(model)) is not None and entry.ready):
-            if time.monotonic() > deadline or worker.poll() is not None:
-                raise SystemExit("worker_ab: the worker did not start")
-            time.sleep(0.2)
-
-
 def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespace,
          env: dict[str, str], log_dir: Path) -> None:
     worker_env = {**env, "PYTHONPATH": str(tree)}
@@ -104,7 +95,7 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
                                    "--models", args.model, "--hostname", f"ab-{tag}@%h"],
                                   env=worker_env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     try:
-        _wait_hosted(url, args.model, worker)
+        wait_hosted(url, args.model, worker)
         load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
                                  args.model, str(args.in_flight), str(args.requests)],
                                 env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
