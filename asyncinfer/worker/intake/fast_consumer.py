@@ -54,10 +54,11 @@ from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker import inspection
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
+from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings
 from asyncinfer.worker.intake.outcomes import Outcomes
 from asyncinfer.worker.intake.result_writer import ResultWriter
-from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, StartedText, Taker
+from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taker
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.lifecycle import (
     DELAY,
@@ -73,9 +74,6 @@ from asyncinfer.worker.runtime import WorkerRuntime
 __all__ = ["FastConsumer"]
 
 log = logging.getLogger(__name__)
-
-#: While requests keep coming, their count towards the retry budget is sent at most this often.
-BUDGET_COUNT_INTERVAL_S = 0.1
 
 
 class FastConsumer:
@@ -117,10 +115,7 @@ class FastConsumer:
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()
-        self._started: StartedText | None = None
-        #: First attempts taken and not yet counted towards the retry budget.
-        self._uncounted = 0
-        self._counted_at = 0.0
+        self.first_attempts = FirstAttempts(policy.budget)
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
     @property
@@ -145,7 +140,7 @@ class FastConsumer:
         self._stopping.set()
         self.waker.close()
         self._thread.join(timeout=5)
-        self._send_count(due_only=False)
+        self.first_attempts.send(due_only=False)
         left = self.holdings.drain(grace_s)
         self.writer.close()
         self.events.close()
@@ -204,12 +199,14 @@ class FastConsumer:
                 # Take atomically with the bookkeeping; once a take leaves the queues empty, wait
                 # for the watchers (which never pop) and take again.
                 self.waker.clear()
-                taken = self.taker.take(self._lists, room, self._started_text())
+                started = (self.writer.started_for_take(self.hostname) if self.policy.track_started
+                           else None)
+                taken = self.taker.take(self._lists, room, started)
                 if taken:
                     self._took(taken)
                 backoff_s = 0.1
                 if len(taken) < room:
-                    self._send_count(due_only=True)  # an idle consumer wakes at least every 1 s
+                    self.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
                     self.waker.arm()
                     self.waker.wait(1.0)
             except redis.RedisError as exc:
@@ -224,16 +221,6 @@ class FastConsumer:
                 self._stopping.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
 
-    def _started_text(self) -> StartedText | None:
-        """What the take stores as STARTED, when it can (the result backend is the broker)."""
-        if not (self.policy.track_started and self.writer.shared):
-            return None
-        if self._started is None:
-            head, tail = self.writer.started_text(self.hostname)
-            key = self.app.backend.get_key_for_task("@")  # Celery refuses an empty ID
-            self._started = StartedText(key[:-1], head, tail, self.writer.expires_s, TASK_NAME)
-        return self._started
-
     def _took(self, taken: list[tuple[str, bytes, bool, bool]]) -> None:
         """Start messages the take script popped and recorded; write the STARTED states it did
         not."""
@@ -245,53 +232,11 @@ class FastConsumer:
                                       received_at)
         # before STARTED is stored over the answer a redelivered request may already have
         deliveries = self._skip_answered(deliveries)
-        self._write_started(deliveries)
+        if self.policy.track_started:  # those the take did not store: before they run
+            self.writer.store_started([d for d in deliveries
+                                       if not d.started and self._should_start(d)], self.hostname)
         self._start_all(deliveries)
-        self._count_first_attempts(deliveries)  # after: the budget's count is not on their path
-
-    def _write_started(self, deliveries: list[Delivery]) -> None:
-        """Store the STARTED states the take did not (a redelivered request not answered yet, a
-        result backend other than the broker), before the requests run. A courtesy: the requests
-        are safely recorded whatever Redis says."""
-        if not self.policy.track_started:
-            return
-        starting = [d for d in deliveries if not d.started and self._should_start(d)]
-        if not starting:
-            return
-        pipe = self.writer.results.pipeline(transaction=False)
-        self.writer.started(pipe, starting, self.hostname)
-        try:
-            self._started_written(self.writer.results, pipe.execute(raise_on_error=False),
-                                  len(starting))
-        except redis.RedisError as exc:
-            log.warning("could not store STARTED for %d requests (%s)", len(starting), exc)
-
-    def _count_first_attempts(self, deliveries: list[Delivery]) -> None:
-        """First attempts count towards the fleet's retry budget: counted here, sent to Redis at
-        most every ``BUDGET_COUNT_INTERVAL_S``, not once per take (an idle consumer sends what is
-        left within a second; the budget's windows are 10 s)."""
-        self._uncounted += sum(1 for d in deliveries
-                               if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
-        self._send_count(due_only=True)
-
-    def _send_count(self, due_only: bool) -> None:
-        now = time.monotonic()
-        if not self._uncounted or (due_only and now - self._counted_at < BUDGET_COUNT_INTERVAL_S):
-            return
-        self._counted_at = now
-        try:
-            self.policy.budget.count_requests(self._uncounted)
-            self._uncounted = 0
-        except redis.RedisError as exc:  # counted with the next ones
-            log.warning("could not count %d requests towards the retry budget (%s)",
-                        self._uncounted, exc)
-
-    def _started_written(self, client: redis.Redis, replies: list[Any], count: int) -> None:
-        for reply in replies:
-            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted or new master
-                self.writer.store.load(client)
-            elif isinstance(reply, Exception):
-                log.warning("could not store STARTED for %d requests (%s)", count, reply)
+        self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
 
     def _start_all(self, deliveries: list[Delivery]) -> None:
         runners = [r.batcher for r in self.runtime.runners()]

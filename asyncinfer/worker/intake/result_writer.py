@@ -32,6 +32,7 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
+from asyncinfer.constants import TASK_NAME
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import Delivery, result_meta
@@ -39,6 +40,7 @@ from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.store import Entry, StoreScript, as_out_of_memory, error_texts
+from asyncinfer.worker.intake.take import StartedText
 
 __all__ = ["Outcome", "ResultWriter"]
 
@@ -95,6 +97,7 @@ class ResultWriter:
                              else app.conf.result_expires or 0)
         self.store = StoreScript(broker, self.expires_s)
         self._started: tuple[str, str, str] | None = None
+        self._for_take: StartedText | None = None
         #: Called with each batch before its first write (may change outcomes: the retry budget),
         #: and after it is written.
         self.before_write: Callable[[list[Outcome]], None] = _nothing
@@ -114,6 +117,35 @@ class ResultWriter:
         self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
                                  prefix + json.dumps(d.request_id) + suffix, "", "")
                                 for d in deliveries])
+
+    def store_started(self, deliveries: list[Delivery], hostname: str) -> None:
+        """Store the STARTED states of ``deliveries`` now (those the take did not: a redelivered
+        request not answered yet, a result backend other than the broker). A courtesy: the
+        requests are safely recorded whatever Redis says."""
+        if not deliveries:
+            return
+        pipe = self.results.pipeline(transaction=False)
+        self.started(pipe, deliveries, hostname)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except redis.RedisError as exc:
+            replies = [exc]
+        for reply in replies:
+            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted or new master
+                self.store.load(self.results)
+            elif isinstance(reply, Exception):
+                log.warning("could not store STARTED for %d requests (%s)", len(deliveries), reply)
+
+    def started_for_take(self, hostname: str) -> StartedText | None:
+        """What the take stores as STARTED (take.py), when it can: the results live on the
+        broker."""
+        if not self.shared:
+            return None
+        if self._for_take is None:
+            head, tail = self.started_text(hostname)
+            key = self.backend.get_key_for_task("@")  # Celery refuses an empty ID
+            self._for_take = StartedText(key[:-1], head, tail, self.expires_s, TASK_NAME)
+        return self._for_take
 
     def started_text(self, hostname: str) -> tuple[str, str]:
         """The stored STARTED meta around its request ID (the same for every request of this

@@ -65,11 +65,9 @@ class StoreScript:
     def __call__(self, entries: Sequence[Entry], client: Any = None) -> list[str]:
         """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the list
         of errors). The error replies (as text) of the announcements and acknowledgements."""
-        args: list[Any] = [self.expires_s]
-        for entry in entries:
-            args += entry
         try:
-            errors = self._script(keys=[UNACKED_INDEX_KEY, UNACKED_KEY], args=args, client=client)
+            errors = self._script(keys=[UNACKED_INDEX_KEY, UNACKED_KEY], args=self._args(entries),
+                                  client=client)
         except redis.ResponseError as exc:
             raise as_out_of_memory(exc) from None
         return error_texts(errors)
@@ -78,10 +76,13 @@ class StoreScript:
         """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
         check redis-py's pipelines make per execute: its reply is a ``NoScriptError`` when Redis
         has not loaded the script (a restarted or new master); :meth:`load` it then."""
+        pipe.evalsha(self._script.sha, 2, UNACKED_INDEX_KEY, UNACKED_KEY, *self._args(entries))
+
+    def _args(self, entries: Sequence[Entry]) -> list[Any]:
         args: list[Any] = [self.expires_s]
         for entry in entries:
             args += entry
-        pipe.evalsha(self._script.sha, 2, UNACKED_INDEX_KEY, UNACKED_KEY, *args)
+        return args
 
     def load(self, client: redis.Redis) -> None:
         """Load the script into ``client``'s Redis."""

@@ -1,0 +1,54 @@
+"""Counting first attempts towards the fleet's retry budget, off the requests' path.
+
+The budget (policy/retry_budget.py) allows retries as a fraction of the requests of its last
+windows (10 s each). The consumer adds each take's first attempts here, after those requests have
+gone to their models; the count goes to Redis at most every ``COUNT_INTERVAL_S`` (an idle consumer
+sends what is left within a second), not once per take.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from asyncinfer.constants import TASK_NAME
+from asyncinfer.wire.envelope import Delivery
+
+__all__ = ["FirstAttempts", "COUNT_INTERVAL_S"]
+
+log = logging.getLogger(__name__)
+
+#: While requests keep coming, their count is sent at most this often (seconds).
+COUNT_INTERVAL_S = 0.1
+
+
+class FirstAttempts:
+    """First attempts taken and not yet counted in ``budget`` (used by one thread)."""
+
+    def __init__(self, budget: Any) -> None:
+        self.budget = budget
+        self._uncounted = 0
+        self._sent_at = 0.0
+
+    def add(self, deliveries: Iterable[Delivery]) -> None:
+        """Count the first attempts of asyncinfer.infer among ``deliveries``; send if due."""
+        self._uncounted += sum(1 for d in deliveries
+                               if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
+        self.send(due_only=True)
+
+    def send(self, due_only: bool) -> None:
+        """Send what is counted (``due_only``: only if ``COUNT_INTERVAL_S`` has passed)."""
+        now = time.monotonic()
+        if not self._uncounted or (due_only and now - self._sent_at < COUNT_INTERVAL_S):
+            return
+        self._sent_at = now
+        try:
+            self.budget.count_requests(self._uncounted)
+            self._uncounted = 0
+        except redis.RedisError as exc:  # sent with the next ones
+            log.warning("could not count %d requests towards the retry budget (%s)",
+                        self._uncounted, exc)
