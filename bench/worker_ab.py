@@ -1,7 +1,7 @@
 """Two worker versions under the same load, alternated: where a worker-side change moves the work.
 
     .venv/bin/python bench/worker_ab.py --old /path/to/old/tree --new /path/to/new/tree \\
-        [--pairs 3] [--model sim-fast] [--in-flight 256] [--requests 20000]
+        [--pairs 3] [--model sim-fast] (any bench workload) [--in-flight 256] [--requests 20000]
 
 ``--old`` and ``--new`` are source trees of asyncinfer (``git worktree add /tmp/old REV``); each
 run starts a fresh worker from one of them (first on its ``PYTHONPATH``) against one embedded
@@ -27,23 +27,27 @@ from pathlib import Path
 
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
+from asyncinfer.bench.workloads import WORKLOADS
+
 _LOAD = r'''
 import json, sys, time
-import numpy as np
 from asyncinfer import Client
 from asyncinfer.bench.loadgen import percentile, run_closed_loop
 from asyncinfer.bench.systems import process_cpu_s
+from asyncinfer.bench.workloads import WORKLOADS
+from asyncinfer.constants import TASK_NAME, queue_for
 
 url, worker_pid, redis_pid, model, level, total = sys.argv[1:7]
 worker_pid, redis_pid, level, total = int(worker_pid), int(redis_pid), int(level), int(total)
 client = Client(broker_url=url)
-x = np.ones((1, 16), np.float32) if model == "mlp" else np.ones((1, 4), np.float32)
-for f in [client.submit(model, x) for _ in range(300)]:
+payloads = [{"model": model, **WORKLOADS[model].payload(i)} for i in range(64)]
+submit = lambda i: client.send(TASK_NAME, queue_for(model), payloads[i % len(payloads)])
+for f in [submit(i) for i in range(300)]:
     f.result(timeout=60)
 print("ready", flush=True)
 sys.stdin.readline()  # the thread counts are read now
 c0, w0, r0 = time.process_time(), process_cpu_s(worker_pid), process_cpu_s(redis_pid)
-res = run_closed_loop("ab", lambda i: client.submit(model, x), total, level)
+res = run_closed_loop("ab", submit, total, level)
 n = max(1, len(res.latencies_ms))
 sizes = res.batch_sizes
 print(json.dumps({
@@ -56,10 +60,6 @@ print(json.dumps({
     "requests": n, "failures": res.failures}), flush=True)
 client.close()
 '''
-
-_FACTORIES = {name: f"{name}=asyncinfer.bench.synthetic:{name.replace('-', '_')}"
-              for name in ("sim-slow", "sim-fast", "sim-prep")}
-
 
 def _thread_cpu_s(pid: int) -> dict[int, float]:
     """CPU seconds of each thread of ``pid``."""
@@ -88,8 +88,9 @@ def _thread_names(pid: int) -> dict[int, str]:
 def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespace,
          env: dict[str, str], log_dir: Path) -> None:
     worker_env = {**env, "PYTHONPATH": str(tree)}
-    if args.model in _FACTORIES:
-        worker_env["ASYNCINFER_MODEL_FACTORIES"] = _FACTORIES[args.model]
+    factories = WORKLOADS[args.model].factories
+    if factories:
+        worker_env["ASYNCINFER_MODEL_FACTORIES"] = factories
     with open(log_dir / f"worker-{tag}.log", "ab") as log:
         worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",
                                    "--models", args.model, "--hostname", f"ab-{tag}@%h"],
@@ -127,7 +128,7 @@ def main() -> int:
     p.add_argument("--old", required=True, type=Path)
     p.add_argument("--new", required=True, type=Path)
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--model", default="sim-fast")
+    p.add_argument("--model", default="sim-fast", choices=sorted(WORKLOADS))
     p.add_argument("--in-flight", type=int, default=256)
     p.add_argument("--requests", type=int, default=20000)
     args = p.parse_args()

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -38,6 +37,7 @@ from asyncinfer.constants import (
 )
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.envelope import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 
@@ -166,7 +166,7 @@ class Client:
         if binary is None:
             binary = serializer == "msgpack"
         claim = request_id is not None  # generated IDs cannot collide
-        request_id = str(uuid.uuid4()) if request_id is None else request_id
+        request_id = uuid4_text() if request_id is None else request_id
         if check:
             self.check_model(model, request_id)
         return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
@@ -182,7 +182,7 @@ class Client:
         """
         serializer = serializer or self.settings.task_serializer
         binary = serializer == "msgpack"
-        request_id = request_id or str(uuid.uuid4())
+        request_id = request_id or uuid4_text()
         self.check_model(model, request_id)
         payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
@@ -210,7 +210,7 @@ class Client:
         if claim is None:
             claim = request_id is not None  # generated IDs cannot collide
         return self._send_watched(Outgoing(
-            task, queue, kwargs, str(uuid.uuid4()) if request_id is None else request_id, claim,
+            task, queue, kwargs, uuid4_text() if request_id is None else request_id, claim,
             serializer or self.settings.task_serializer, link=link, link_error=link_error,
             expires=expires, timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
             time_limit_s=time_limit_s, priority=priority or 0))
@@ -385,6 +385,8 @@ class Client:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        if self._publisher is not None:
+            self._publisher.close()
         if self._broker is not None:
             self._broker.close()
         self._pinger.close()

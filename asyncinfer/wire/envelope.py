@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import msgpack
+import orjson
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire import json_text
@@ -52,11 +53,14 @@ __all__ = [
     "retry_message",
     "restored_message",
     "SENT_AT",
+    "uuid4_text",
 ]
 
 
 _JSON = "application/json"
 _MSGPACK = ("application/x-msgpack", "application/msgpack")
+#: A task body's embed with no callbacks, errbacks, chain or chord, as JSON text.
+_NO_EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 
 
 @dataclass
@@ -291,13 +295,15 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
     ``reply_to`` is the request's reply channel, wire/reply.py).
     InvalidRequest when its body (as it lies in the envelope) is longer than ``max_body_bytes``.
     """
-    body_parts = [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None,
-                               **(embed or {})}]
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None, **(embed or {})}
     if serializer == "json":
-        body = json.dumps(body_parts).encode()
+        # [args, kwargs, embed], the parts written apart: an embed of nothing but nulls is
+        # always the same text, and kwargs (the tensors) rarely hold a null
+        body = b"[[]," + json_text.dumps(kwargs) + b"," + (
+            _NO_EMBED if not any(embed.values()) else json.dumps(embed).encode()) + b"]"
         content_type = _JSON
     elif serializer == "msgpack":
-        body = msgpack.packb(body_parts, use_bin_type=True)
+        body = msgpack.packb([[], kwargs, embed], use_bin_type=True)
         content_type = _MSGPACK[0]
     else:
         raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
@@ -322,12 +328,28 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
         "properties": {
             "correlation_id": request_id, "reply_to": "", "delivery_mode": 2,
             "delivery_info": {"exchange": "", "routing_key": queue}, "priority": priority,
-            "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
+            "body_encoding": "base64", "delivery_tag": uuid4_text(),
             # when it was sent (epoch seconds): the gateway's oldest-request-age gauge reads it
             SENT_AT: round(time.time(), 3),
         },
     }
+    if all(v is None or (type(v) in (int, float) and math.isfinite(v))
+           for v in (time_limit_s, soft_time_limit_s)):
+        try:  # its only numbers are finite: orjson's text means what the stdlib's would
+            return orjson.dumps(envelope).decode()
+        except TypeError:
+            pass
     return json.dumps(envelope)
+
+
+def uuid4_text() -> str:
+    """``str(uuid.uuid4())`` in half its time: 16 bytes of ``os.urandom``, the version and
+    variant bits set as RFC 4122 says."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None = None) -> str:
@@ -339,7 +361,7 @@ def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None =
     headers["eta"] = ((now or datetime.now(timezone.utc)) + timedelta(seconds=countdown_s)).isoformat()
     headers.pop("redelivered", None)
     properties = envelope["properties"]
-    properties["delivery_tag"] = str(uuid.uuid4())
+    properties["delivery_tag"] = uuid4_text()
     (properties.get("delivery_info") or {}).pop("redelivered", None)
     return json.dumps(envelope)
 

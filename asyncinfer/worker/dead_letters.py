@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import socket
-import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -43,6 +42,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
+from asyncinfer.wire.envelope import uuid4_text
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
@@ -227,7 +227,7 @@ def _stock_envelope(request: Any) -> str:
     properties.update(body_encoding="base64",
                       delivery_info={"exchange": info.get("exchange") or "",
                                      "routing_key": info.get("routing_key") or ""})
-    properties.setdefault("delivery_tag", str(uuid.uuid4()))
+    properties.setdefault("delivery_tag", uuid4_text())
     return json.dumps({"body": base64.b64encode(body).decode(), "content-encoding": encoding,
                        "content-type": content_type, "headers": headers, "properties": properties})
 
@@ -284,7 +284,7 @@ def requeue_message(entry: DeadLetter) -> str:
     headers["eta"] = None
     headers.pop("redelivered", None)
     properties = envelope["properties"]
-    properties["delivery_tag"] = str(uuid.uuid4())
+    properties["delivery_tag"] = uuid4_text()
     (properties.get("delivery_info") or {}).pop("redelivered", None)
     return json.dumps(envelope)
 
