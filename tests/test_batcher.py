@@ -254,3 +254,61 @@ def test_a_batch_stops_waiting_at_the_largest_preferred_size() -> None:
     finally:
         batcher.release()
     assert len(batch) == 8 and waited_s < 1.0
+
+
+class _WakesCounted(threading.Condition):
+    """A condition that counts the waits that ended, and sets ``waiting`` at each that began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+        self.wakes = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.wakes += 1
+
+
+def test_requests_still_arriving_wake_a_forming_batch_only_once_they_can_fill_it() -> None:
+    # Given: requests being decoded, and a batch of one waiting for more (max 4, 5 s delay)
+    batcher = Batcher(max_batch_size=4, max_delay_ms=5000)
+    condition = _WakesCounted()
+    batcher._cond = condition
+    batcher.hold()
+    batcher.put(item("r0"))
+    got: list[list[WorkItem] | None] = []
+    former = threading.Thread(target=lambda: got.append(batcher.next_batch()))
+    former.start()
+    assert condition.waiting.wait(5)
+    # When: two arrive, then the third that fills it, the decoding still going on
+    batcher.put(item("r1"))
+    batcher.put(item("r2"))
+    time.sleep(0.05)
+    woken_early = condition.wakes
+    started = time.perf_counter()
+    batcher.put(item("r3"))
+    former.join(5)
+    # Then: not woken for a batch it could not fill; woken, full, at the fourth, not at its deadline
+    assert woken_early == 0
+    assert not former.is_alive() and tags(got[0]) == ["r0", "r1", "r2", "r3"]
+    assert time.perf_counter() - started < 2.0
+    batcher.release()
+
+
+def test_an_idle_former_takes_the_first_request_while_others_still_arrive() -> None:
+    batcher = Batcher(max_batch_size=4, max_delay_ms=200)
+    condition = _WakesCounted()
+    batcher._cond = condition
+    batcher.hold()
+    got: list[list[WorkItem] | None] = []
+    former = threading.Thread(target=lambda: got.append(batcher.next_batch()))
+    former.start()
+    assert condition.waiting.wait(5)
+    batcher.put(item("r0"))  # woken by the first: it then waits up to 200 ms for the others
+    former.join(5)
+    batcher.release()
+    assert not former.is_alive() and tags(got[0]) == ["r0"]
+    assert condition.wakes >= 1

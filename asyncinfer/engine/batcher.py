@@ -63,6 +63,9 @@ class Batcher:
         self._enough = self.preferred[-1] if self.preferred else max_batch_size
         self._pending: deque[WorkItem] = deque()
         self._arriving = 0
+        #: For each batch former waiting: how many more items would end its wait (each item is at
+        #: least one row), so that a put wakes them only when one can use what came.
+        self._wants: list[int] = []
         self._closed = False
         self._cond = threading.Condition()
 
@@ -75,7 +78,8 @@ class Batcher:
         """End one :meth:`hold`."""
         with self._cond:
             self._arriving -= 1
-            self._cond.notify_all()
+            if self._arriving == 0:  # a batch that waited for arrivals can go now
+                self._cond.notify_all()
 
     @contextmanager
     def arriving(self) -> Iterator[None]:
@@ -92,7 +96,9 @@ class Batcher:
             if self._closed:
                 raise RuntimeError("batcher is closed")
             self._pending.append(item)
-            if self._arriving == 0:  # otherwise release() wakes the batch former, once
+            # While more are arriving, the batch former wakes once they are enough to end its
+            # wait, or when the last has arrived (release()); not once per request.
+            if self._wants and (self._arriving == 0 or len(self._pending) >= min(self._wants)):
                 self._cond.notify_all()
 
     def close(self) -> list[WorkItem]:
@@ -118,7 +124,7 @@ class Batcher:
             while not self._pending:
                 if self._closed:
                     return None
-                self._cond.wait()
+                self._wait(1, None)
             first = self._pending.popleft()
             batch, rows = [first], first.rows
             deadline = first.enqueued_at + self.max_delay_s
@@ -129,10 +135,19 @@ class Batcher:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
-                self._cond.wait(remaining)
+                self._wait(self._enough - rows, remaining)
             if self.preferred and rows not in self.preferred:
                 self._trim_to_preferred(batch, rows)
             return batch
+
+    def _wait(self, wanted: int, timeout_s: float | None) -> None:
+        """Wait (holding ``_cond``) until ``wanted`` more items may be pending, the last arrival
+        is in, or ``timeout_s`` passes."""
+        self._wants.append(wanted)
+        try:
+            self._cond.wait(timeout_s)
+        finally:
+            self._wants.remove(wanted)
 
     def _trim_to_preferred(self, batch: list[WorkItem], rows: int) -> None:
         fitting = [p for p in self.preferred if p <= rows]

@@ -37,7 +37,8 @@ def reply_rule_broken(value: Any) -> str | None:
         return f"header {REPLY_TO!r} must be a string, not {type(value).__name__}"
     if (not value.startswith(REPLY_CHANNEL_PREFIX) or len(value) > MAX_REPLY_CHANNEL_CHARS
             or len(value) == len(REPLY_CHANNEL_PREFIX)
-            or not all(c.isprintable() and not c.isspace() for c in value)):
+            # every whitespace character but the space is unprintable (checked for all of Unicode)
+            or not value.isprintable() or " " in value):
         return (f"header {REPLY_TO!r} must name a channel '{REPLY_CHANNEL_PREFIX}<name>' of at most "
                 f"{MAX_REPLY_CHANNEL_CHARS} printable characters without whitespace, not "
                 f"{value[:80]!r}")
