@@ -373,9 +373,34 @@ def test_stages_run_in_order_and_overlap_when_pipelined(pipelined: bool) -> None
     assert len(used) == (3 if pipelined else 1)
 
 
-def test_a_model_without_pre_or_postprocess_runs_in_the_device_thread_alone() -> None:
+def test_a_model_without_pre_or_postprocess_has_no_prep_thread() -> None:
     runner = runner_for(Identity(), pipelined=True)
-    assert [t.name for t in runner._threads] == ["device-identity-0"]
+    assert [t.name for t in runner._threads] == ["device-identity-0", "post-identity"]
+
+
+def _finished_in(future: Future[Completed]) -> list[str]:
+    """The name of the thread that settles ``future`` (filled when it does)."""
+    seen: list[str] = []
+    future.add_done_callback(lambda _: seen.append(threading.current_thread().name))
+    return seen
+
+
+def test_a_batch_is_finished_on_the_device_thread_unless_another_waits_for_the_device() -> None:
+    model = Gate()
+    with started(runner_for(model, max_batch_size=1)) as runner:
+        # Given: one request on the device, another waiting for it
+        first = runner.submit(scalar_request("first", 1.0, model="gate"))
+        first_by = _finished_in(first)
+        assert model.entered.wait(WAIT_S)
+        second = runner.submit(scalar_request("second", 2.0, model="gate"))
+        second_by = _finished_in(second)
+        # When: the device finishes both
+        model.release.set()
+        assert only_output(first.result(WAIT_S)).tolist() == [[2.0]]
+        assert only_output(second.result(WAIT_S)).tolist() == [[4.0]]
+    # Then: the first, with a batch waiting, was handed to the post thread; the second, with
+    # nothing waiting, was finished where it ran
+    assert first_by == ["post-gate"] and second_by == ["device-gate-0"]
 
 
 def test_a_request_past_its_deadline_never_reaches_the_device() -> None:
