@@ -12,6 +12,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,7 +31,16 @@ DEEP = 100_000
 def _valid(rid: str) -> str:
     kwargs = {"model": "identity", "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
                                                "data": [float(len(rid)), 2.0]}], "parameters": {}}
-    return task_message(TASK_NAME, rid, kwargs, QUEUE)
+    # written as the standard library writes it (as a Python producer would): the edits below
+    # find their places by its spacing
+    return json.dumps(json.loads(task_message(TASK_NAME, rid, kwargs, QUEUE)))
+
+
+def _replaced(text: Any, old: Any, new: Any) -> Any:
+    """``text`` with its first ``old`` replaced (which must be there: an edit that finds nothing
+    would send a valid request)."""
+    assert old in text
+    return text.replace(old, new, 1)
 
 
 def _edited(edit: Callable[[dict], None]) -> Callable[[str], str]:
@@ -52,8 +62,7 @@ def _set(path: str, value: object) -> Callable[[dict], None]:
 
 
 def _deep_headers(rid: str) -> str:
-    text = _valid(rid)
-    return text.replace('"headers": {', '"headers": {"deep": ' + "[" * DEEP + "]" * DEEP + ", ", 1)
+    return _replaced(_valid(rid), '"headers": {', '"headers": {"deep": ' + "[" * DEEP + "]" * DEEP + ", ")
 
 
 def _body(raw: bytes) -> Callable[[dict], None]:
@@ -82,7 +91,7 @@ HOSTILE: dict[str, tuple[Callable[[str], str | bytes], str | None]] = {
     "negative shape": (_edited(_kwargs_body({"model": "identity", "inputs": [
         {"name": "x", "shape": [-3, 2], "datatype": "FP32", "data": [1.0]}]})), r"input 'x'"),
     "50 MB body": (_edited(_set("body", "A" * (50 * 1024 * 1024))), r"over the limit"),
-    "invalid UTF-8": (lambda rid: _valid(rid).encode().replace(b'"lang": "py"', b'"lang": "p\xff"'),
+    "invalid UTF-8": (lambda rid: _replaced(_valid(rid).encode(), b'"lang": "py"', b'"lang": "p\xff"'),
                       r"malformed.*(UnicodeDecodeError|utf-8)"),
     "retries a string": (_edited(_set("headers.retries", "many")), r"header 'retries'"),
     "timelimit junk": (_edited(_set("headers.timelimit", {"hard": 1})), r"header 'timelimit'"),

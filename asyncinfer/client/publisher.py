@@ -19,10 +19,13 @@ neither a claim nor a bound to check (a generated ID, no ``max_queue_size``), it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
 from typing import Any
+
+import redis
 
 from asyncinfer.connections import require_replicas
 from asyncinfer.constants import priority_list, priority_lists
@@ -73,7 +76,7 @@ class Publisher:
         self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
-        # This process's own connection for publishing: a pool check-out per command (a poll()
+        # This process's own connection for plain pushes: a pool check-out per command (a poll()
         # and redis-py's argument checks) was ~20 % of a send's CPU. Threads take turns on it
         # (one command each); a forked child opens its own.
         self._own: Any = None
@@ -81,7 +84,11 @@ class Publisher:
         self._own_lock = threading.Lock()
 
     def _connection(self) -> Any:
-        """A client on this process's own connection from ``client``'s pool."""
+        """A client on this process's own connection from ``client``'s pool, checked as the
+        pool checks a connection it hands out: one with something to read (the server closed it,
+        say on a restart) is opened again before the push, not found dead after it (~2 µs)."""
+        if not isinstance(self.client, redis.Redis):  # a stand-in: it decides its connections
+            return self.client
         own = self._own
         if own is None or self._own_pid != os.getpid():
             with self._own_lock:
@@ -90,6 +97,16 @@ class Publisher:
                                                   single_connection_client=True)
                     self._own_pid = os.getpid()
                 own = self._own
+        connection = own.connection
+        if connection is not None and getattr(connection, "_sock", None) is not None:
+            # not while another thread waits for a reply (redis-py 5.0 has no such lock)
+            with getattr(own, "single_connection_lock", None) or contextlib.nullcontext():
+                try:
+                    stale = connection.can_read()
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    stale = True
+                if stale:
+                    connection.disconnect()
         return own
 
     def close(self) -> None:
@@ -109,11 +126,10 @@ class Publisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         while True:
-            own = self._connection()
             if push.scripted:
-                reply = self._publish(keys=push.keys, args=push.args, client=own)
+                reply = self._publish(keys=push.keys, args=push.args)
             else:  # nothing to check: the script would only push
-                own.lpush(push.keys[0], message)
+                self._connection().lpush(push.keys[0], message)
                 reply = [PUBLISHED]
             status = push.status(reply)
             if status is not None:
