@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -174,3 +176,26 @@ def test_the_torchscript_forward_matches_sentence_transformers(reference: Any) -
     expected = reference.encode([as_str(t) for t in TEXTS], convert_to_numpy=True)
     for group, done in zip(GROUPS, results, strict=True):
         assert np.abs(embedding_of(done) - expected[group]).max() <= TOL, group
+
+
+def test_weights_stored_as_pickle_are_never_loaded(tmp_path: Path) -> None:
+    # Given a model folder whose weights are a pickle (pytorch_model.bin), not safetensors
+    folder = tmp_path / "minilm"
+    shutil.copytree(bundled_model_path(), folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "unpickled"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(str(marker))))
+    # When the worker loads it, then it refuses, naming the rule, and nothing was unpickled
+    with pytest.raises(ValueError, match=r"no model.safetensors; weights stored as pickle"):
+        MiniLM(folder).load(torch.device("cpu"))
+    assert not marker.exists()
+
+
+class _Tripwire:
+    """Unpickling this creates ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))

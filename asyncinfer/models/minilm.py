@@ -102,8 +102,12 @@ class MiniLM(Model):
         from transformers import AutoModel, AutoTokenizer
 
         path = self.path or bundled_model_path()
+        if not (path / "model.safetensors").is_file():
+            raise ValueError(f"model 'minilm' at {path}: no model.safetensors; weights stored as "
+                             f"pickle (pytorch_model.bin) are never loaded")
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        encoder = AutoModel.from_pretrained(str(path))
+        # safetensors only: transformers would otherwise fall back to unpickling a .bin
+        encoder = AutoModel.from_pretrained(str(path), use_safetensors=True)
         encoder.eval()
         self.encoder = encoder.to(device)
         if self.encoder.config.hidden_size != self.embedding_dim:
