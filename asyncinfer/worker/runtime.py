@@ -129,13 +129,10 @@ class WorkerRuntime:
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
             raise AssertionError("unreachable")
         runner = self.runner(model, request_id)
-        runner.batcher.hold()  # a forming batch may wait for this request
-        try:
+        with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
             return request, runner.submit(request, received_at=received_at,
                                           expires_in_s=expires_in_s, time_limits=time_limits)
-        finally:
-            runner.batcher.release()
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,

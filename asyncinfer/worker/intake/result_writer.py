@@ -113,7 +113,7 @@ class ResultWriter:
     def started(self, pipe: Any, deliveries: list[Delivery], hostname: str) -> None:
         """Add the STARTED states of ``deliveries`` to ``pipe`` (Celery's
         ``task_track_started``), a plain pipeline of :attr:`results`, as one store call."""
-        prefix, suffix = self.started_text(hostname)
+        prefix, suffix = self._started_text(hostname)
         self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
                                  prefix + json.dumps(d.request_id) + suffix, "", "")
                                 for d in deliveries])
@@ -142,12 +142,12 @@ class ResultWriter:
         if not self.shared:
             return None
         if self._for_take is None:
-            head, tail = self.started_text(hostname)
+            head, tail = self._started_text(hostname)
             key = self.backend.get_key_for_task("@")  # Celery refuses an empty ID
             self._for_take = StartedText(key[:-1], head, tail, self.expires_s, TASK_NAME)
         return self._for_take
 
-    def started_text(self, hostname: str) -> tuple[str, str]:
+    def _started_text(self, hostname: str) -> tuple[str, str]:
         """The stored STARTED meta around its request ID (the same for every request of this
         worker: the meta has no date)."""
         if self._started is None or self._started[0] != hostname:
