@@ -77,7 +77,9 @@ def tensor_from_array(datatype: str, arr: npt.NDArray[Any]) -> torch.Tensor:
 def array_from_tensor(datatype: str, value: torch.Tensor) -> npt.NDArray[Any]:
     """A tensor cast to a numeric datatype and moved to the CPU, as the numpy array that
     :func:`~asyncinfer.wire.datatypes.encode_data` takes (BF16: float32 values, exactly)."""
-    t = value.detach()
+    # detach() only when needed: like most torch calls it lets go of the GIL, and a serving
+    # thread that lets go of it per request waits each time for another thread's turn
+    t = value.detach() if value.requires_grad else value
     dtype = TORCH_DTYPES[datatype]
     if t.dtype != dtype or t.device.type != "cpu":  # .to() itself costs µs even when a no-op
         t = t.to("cpu", dtype)
