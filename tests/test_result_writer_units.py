@@ -269,3 +269,44 @@ def test_started_states_are_one_script_call_and_survive_a_flushed_script_cache(
         assert meta["date_done"] is None
         assert 0 < broker.ttl(f"celery-task-meta-{request_id}") <= Settings().result_expires_s
     assert broker.hlen(UNACKED_KEY) == 2  # STARTED acknowledges nothing
+
+
+def test_outcomes_gathered_by_a_thread_are_one_write_handed_over_as_it_leaves(
+        writer: Any, broker: _Refusing) -> None:
+    w, written = writer
+    done, cond = w.written
+    taken = [_taken(broker, f"g{i}") for i in range(40)]
+    # Given a thread gathering a batch's outcomes (and a nested gathering inside it)
+    with w.gathering():
+        for d in taken[:20]:
+            w.put(Outcome(d, states.SUCCESS, {"id": d.request_id, "outputs": []}))
+        with w.gathering():
+            for d in taken[20:]:
+                w.put(Outcome(d, states.SUCCESS, {"id": d.request_id, "outputs": []}))
+        # When the writer has had time to write anything put so far, Then nothing went out yet
+        with cond:
+            assert not cond.wait_for(lambda: written, 0.3), "written while still gathering"
+        assert broker.hlen(UNACKED_KEY) == 40
+    # And when the gathering ends, all 40 go out in one write, stored and acknowledged
+    with cond:
+        assert cond.wait_for(lambda: written, 10), "written"
+    assert [len(b) for b in written] == [40]
+    assert all(_meta(broker, d.request_id)["status"] == states.SUCCESS for d in taken)
+    assert broker.hlen(UNACKED_KEY) == 0
+    # and after it, a put goes out by itself again
+    _write(w, [Outcome(_taken(broker, "alone"), states.SUCCESS, {"id": "alone", "outputs": []})])
+    assert [len(b) for b in written] == [40, 1]
+
+
+def test_outcomes_gathered_are_handed_over_even_when_the_gathering_raises(
+        writer: Any, broker: _Refusing) -> None:
+    w, written = writer
+    d = _taken(broker, "raised")
+    with pytest.raises(RuntimeError, match="a callback broke"):
+        with w.gathering():
+            w.put(Outcome(d, states.SUCCESS, {"id": "raised", "outputs": []}))
+            raise RuntimeError("a callback broke")
+    done, cond = w.written
+    with cond:
+        assert cond.wait_for(lambda: written, 10), "written"
+    assert _meta(broker, "raised")["status"] == states.SUCCESS

@@ -414,3 +414,39 @@ def test_a_request_past_its_deadline_never_reaches_the_device() -> None:
             stale.result(WAIT_S)
         assert only_output(fresh.result(WAIT_S)).tolist() == [[2.0]]
     assert model.calls == [[1.0]]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_batchs_requests_are_settled_inside_one_settling_scope(pipelined: bool) -> None:
+    # Given a runner whose batches are settled inside a scope that counts its entries
+    scopes: list[list[str]] = []
+    inside = threading.local()
+
+    @contextmanager
+    def settling() -> Iterator[None]:
+        inside.scope = []
+        try:
+            yield
+        finally:
+            scopes.append(inside.scope)
+            inside.scope = None
+
+    runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")),
+                         ModelOptions(max_batch_size=16, max_delay_ms=200, pipelined=pipelined,
+                                      warmup=False), settling=settling)
+    requests = [scalar_request(f"r{i}", float(i), model="identity") for i in range(8)]
+    seen: list[str] = []
+    with started(runner):
+        futures = []
+        with runner.batcher.arriving():  # one batch of the eight, formed once all are in
+            for request in requests:
+                futures.append(runner.submit(request))
+                futures[-1].add_done_callback(
+                    lambda f, rid=request.id: (seen.append(rid),
+                                               getattr(inside, "scope", None) is not None
+                                               and inside.scope.append(rid)))
+        for future in futures:
+            future.result(WAIT_S)
+    # Then the batch's eight requests were all settled inside one scope
+    assert sorted(seen) == sorted(r.id for r in requests)
+    assert [sorted(s) for s in scopes if s] == [sorted(r.id for r in requests)]

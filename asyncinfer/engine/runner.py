@@ -12,11 +12,13 @@ request does not fail the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +74,8 @@ class ModelRunner:
     def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
                  on_wedged: WedgedHandler | None = None, is_transient: Transient = is_transient,
-                 on_batch: BatchObserver | None = None) -> None:
+                 on_batch: BatchObserver | None = None,
+                 settling: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.model = model
         self.device = device
         opts = options or model.options
@@ -86,6 +89,9 @@ class ModelRunner:
         #: Which model exceptions are worth retrying; who hears of each finished batch.
         self.is_transient = is_transient
         self.on_batch: BatchObserver = on_batch or _ignore_batch
+        #: What a batch's requests are settled inside (the fast consumer's result writer gathers
+        #: their outcomes into one write).
+        self.settling = settling or contextlib.nullcontext
         #: Set once a batch overran its hard time limit on the device: the process is being
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
@@ -379,7 +385,8 @@ class ModelRunner:
                 for i, t in enumerate(first)}
 
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
-        deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
+        with self.settling():
+            deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 
 
 def _ignore_batch(model: str, device: str, rows: int, compute_s: float,

@@ -6,11 +6,13 @@ worker starts. Task threads reach it through :func:`get_runtime`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any
 
 from asyncinfer.config.settings import Settings
@@ -61,6 +63,9 @@ class WorkerRuntime:
         #: What happens when a request's hard time limit passes while its batch is on the device;
         #: the fast consumer installs its own (which also sends the held requests back).
         self.on_wedged: Callable[[WorkItem, BaseException], None] = _exit_wedged
+        #: What each batch's requests are settled inside (the fast consumer's result writer
+        #: gathers a batch's outcomes into one write).
+        self.settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     def load(self, models: Iterable[str]) -> None:
         """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
@@ -95,7 +100,8 @@ class WorkerRuntime:
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            on_wedged=lambda item, exc: self.on_wedged(item, exc),
-                           is_transient=is_transient, on_batch=metrics.record_batch)
+                           is_transient=is_transient, on_batch=metrics.record_batch,
+                           settling=lambda: self.settling())
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()

@@ -112,6 +112,7 @@ class FastConsumer:
                                                      single_connection_client=True))
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         runtime.on_wedged = self._wedged
+        runtime.settling = self.writer.gathering  # a batch's results: one write
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()
@@ -243,8 +244,9 @@ class FastConsumer:
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()
         try:
-            for d in deliveries:
-                self._start(d)
+            with self.writer.gathering():  # those answered at once (bad input, revoked): one write
+                for d in deliveries:
+                    self._start(d)
         finally:
             for batcher in runners:
                 batcher.release()

@@ -17,12 +17,14 @@ a result that cannot be encoded becomes that request's FAILURE instead of blocki
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +104,38 @@ class ResultWriter:
         #: and after it is written.
         self.before_write: Callable[[list[Outcome]], None] = _nothing
         self.on_written: Callable[[list[Outcome]], None] = on_written or _nothing
-        self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Outcome | list[Outcome] | None] = queue.SimpleQueue()
+        #: Outcomes a thread is gathering (:meth:`gathering`).
+        self._gathered = threading.local()
         self._thread = vital_thread(self._run, "asyncinfer-results")
         self._thread.start()
 
     def put(self, outcome: Outcome) -> None:
-        """Queue one outcome for the next write."""
-        self._queue.put(outcome)
+        """Queue one outcome for the next write (at the end of this thread's
+        :meth:`gathering`, when it gathers)."""
+        gathered = getattr(self._gathered, "outcomes", None)
+        if gathered is not None:
+            gathered.append(outcome)
+        else:
+            self._queue.put(outcome)
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[None]:
+        """Hand the outcomes this thread puts meanwhile to the writer at once, as it leaves (a
+        batch's results: one write for all of them, where the writer would wake at the first and
+        write them in two or three parts while the rest are still being made — sim-fast, 256 in
+        flight: ~1.7 writes per device batch). Nested, the outermost hands them over."""
+        if getattr(self._gathered, "outcomes", None) is not None:
+            yield
+            return
+        gathered: list[Outcome] = []
+        self._gathered.outcomes = gathered
+        try:
+            yield
+        finally:
+            self._gathered.outcomes = None
+            if gathered:
+                self._queue.put(gathered)
 
     def started(self, pipe: Any, deliveries: list[Delivery], hostname: str) -> None:
         """Add the STARTED states of ``deliveries`` to ``pipe`` (Celery's
@@ -167,18 +194,22 @@ class ResultWriter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            first = self._queue.get()
-            batch = [] if first is None else [first]
-            stopping = first is None
-            while len(batch) < self.max_batch:
+            item = self._queue.get()
+            batch: list[Outcome] = []
+            while True:
+                if item is None:
+                    stopping = True
+                    break
+                if isinstance(item, list):
+                    batch += item
+                else:
+                    batch.append(item)
+                if len(batch) >= self.max_batch:
+                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    stopping = True
-                    break
-                batch.append(item)
             if batch:
                 self._write(batch)
 
