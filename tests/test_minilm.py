@@ -27,6 +27,7 @@ from asyncinfer.errors import InvalidRequest  # noqa: E402
 from asyncinfer.models.minilm import MiniLM, bundled_model_path  # noqa: E402
 from asyncinfer.models.registry import Registry  # noqa: E402
 from asyncinfer.wire.protocol import Request, decode_request  # noqa: E402
+from tests.support.models import Tripwire  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,18 +185,8 @@ def test_weights_stored_as_pickle_are_never_loaded(tmp_path: Path) -> None:
     shutil.copytree(bundled_model_path(), folder)
     (folder / "model.safetensors").unlink()
     marker = tmp_path / "unpickled"
-    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(str(marker))))
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Tripwire(str(marker))))
     # When the worker loads it, then it refuses, naming the rule, and nothing was unpickled
     with pytest.raises(ValueError, match=r"no model.safetensors; weights stored as pickle"):
         MiniLM(folder).load(torch.device("cpu"))
     assert not marker.exists()
-
-
-class _Tripwire:
-    """Unpickling this creates ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (self.path, "w"))

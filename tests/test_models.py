@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import io
+import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,7 @@ from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.files import FileModel
 from asyncinfer.models.registry import Registry
 from asyncinfer.wire.protocol import Request, decode_request
-from tests.support.models import tiny_linear_module
+from tests.support.models import Tripwire, tiny_linear_module
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit,
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
@@ -145,6 +149,59 @@ def test_file_model_matches_the_module(model_dir: Path, name: str, rows: int) ->
     assert list(out) == ["output"]
     assert out["output"].shape == (rows, 2)
     torch.testing.assert_close(out["output"], expected)
+
+
+def _archive_with(source: Path, target: Path, replace: str, data: bytes, add: bool = False) -> None:
+    """A copy of the zip ``source`` whose entry ending in ``replace`` holds ``data`` (with
+    ``add``: a new entry of that name next to the model's other constants)."""
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as dst:
+        names = src.namelist()
+        for name in names:
+            dst.writestr(name, data if name.endswith(replace) and not add else src.read(name))
+        if add:
+            root = names[0].split("/", 1)[0]
+            dst.writestr(f"{root}/{replace}", data)
+
+
+def test_an_exported_program_with_a_pickle_in_it_is_refused_and_never_unpickled(
+        model_dir: Path, tmp_path: Path) -> None:
+    # Given .pt2 archives holding a pickle that would create a file when unpickled: as the
+    # program's example inputs (torch.export.load retries those with the full unpickler), and as
+    # a Python object constant
+    marker = tmp_path / "unpickled"
+    evil = io.BytesIO()
+    torch.save(Tripwire(str(marker)), evil)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    _archive_with(model_dir / "lin_export.pt2", folder / "inputs.pt2", "data/sample_inputs/model.pt",
+                  evil.getvalue())
+    _archive_with(model_dir / "lin_export.pt2", folder / "objects.pt2",
+                  "data/constants/opaque_obj_0", pickle.dumps(Tripwire(str(marker))), add=True)
+    registry = Registry.from_config(model_dir=str(folder))
+    # When the worker loads them, Then each is refused, naming the file and the rule
+    with pytest.raises(ValueError, match=r"inputs\.pt2: holds a pickle that is not tensors; model "
+                                         r"files are never unpickled beyond tensors"):
+        registry.create("inputs").load(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"objects\.pt2: holds pickled Python objects "
+                                         r"\(lin_export/data/constants/opaque_obj_0\)"):
+        registry.create("objects").load(torch.device("cpu"))
+    # and nothing was unpickled, and torch's own loading is as it was
+    assert not marker.exists()
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+def test_a_torchscript_file_with_a_pickle_in_it_is_refused_by_torch(model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    # Given a TorchScript archive whose data is a pickle that would create a file
+    marker = tmp_path / "unpickled"
+    folder = tmp_path / "models"
+    folder.mkdir()
+    _archive_with(model_dir / "lin_script.pt", folder / "evil.pt", "/data.pkl",
+                  pickle.dumps(Tripwire(str(marker)), protocol=2))
+    # When the worker loads it, Then TorchScript's reader refuses the unknown global
+    with pytest.raises(RuntimeError, match="Unknown type name"):
+        Registry.from_config(model_dir=str(folder)).create("evil").load(torch.device("cpu"))
+    assert not marker.exists()
 
 
 # -- validation --------------------------------------------------------------------------------

@@ -72,6 +72,16 @@ def make_affine() -> Model:
     return Affine()
 
 
+class Tripwire:
+    """Unpickling this creates the file ``path``: proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (open, (self.path, "w"))
+
+
 def tiny_linear_module() -> torch.nn.Module:
     """A fixed module the file-model tests save as TorchScript and torch.export programs."""
     torch.manual_seed(1)
