@@ -23,6 +23,7 @@ __all__ = [
     "NotReplicated",
     "SoftTimeLimit",
     "HardTimeLimit",
+    "WorkerLost",
 ]
 
 
@@ -110,3 +111,9 @@ class SoftTimeLimit(TransientError):
 class HardTimeLimit(AsyncInferError):
     """The engine's hard time limit passed. The worker reports it as Celery's
     ``TimeLimitExceeded``."""
+
+
+class WorkerLost(AsyncInferError):
+    """Workers died while this request was on their device, ``ASYNCINFER_MAX_WORKER_DEATHS``
+    times: it is not run again (it may be what kills them). Not retried; dead-lettered where the
+    model keeps dead letters."""

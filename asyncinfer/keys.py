@@ -22,6 +22,10 @@ __all__ = [
     "CATALOGUE_HOSTS_KEY",
     "CATALOGUE_KNOWN_KEY",
     "CATALOGUE_META_KEY",
+    "LEASES_KEY",
+    "LEASE_HOLDERS_KEY",
+    "LEASE_DEVICE_KEY",
+    "DEATHS_PREFIX",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -38,6 +42,17 @@ UNACKED_INDEX_KEY = "unacked_index"
 
 #: A caller-chosen request ID claimed at submit (idempotency); the value is the queue it went to.
 CLAIM_PREFIX = KEY_PREFIX + "request:"
+
+#: Leases of taken requests (worker/intake/leases.py): ``…:leases`` sorted set of delivery tag →
+#: the lease's expiry (Redis' clock, seconds); ``…:leases:holders`` hash of tag → the holding
+#: process and the list the message came from; ``…:leases:device`` hash of tag → request ID while
+#: the request's batch is on the device (a death then counts against it).
+LEASES_KEY = KEY_PREFIX + "leases"
+LEASE_HOLDERS_KEY = LEASES_KEY + ":holders"
+LEASE_DEVICE_KEY = LEASES_KEY + ":device"
+
+#: Worker deaths while a request was on the device: ``asyncinfer:deaths:<request id>`` (a count).
+DEATHS_PREFIX = KEY_PREFIX + "deaths:"
 
 #: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
 DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"

@@ -39,18 +39,18 @@ def test_take_pops_in_priority_order_and_records_each_message(broker) -> None:
     taken = Taker(r).take(lists, 3)
 
     # kombu serves the step-0 list first, oldest first; three at most
-    ids = [json.loads(raw)["headers"]["id"] for _, raw, _, _ in taken]
-    assert ids == ["base-0", "base-1", "base-2"] and {k for k, _, _, _ in taken} == {queue}
-    assert all(recorded for _, _, recorded, _ in taken)
-    for _, raw, _, _ in taken:
+    ids = [json.loads(raw)["headers"]["id"] for _, raw, _, _, _ in taken]
+    assert ids == ["base-0", "base-1", "base-2"] and {k for k, _, _, _, _ in taken} == {queue}
+    assert all(recorded for _, _, recorded, _, _ in taken)
+    for _, raw, _, _, _ in taken:
         tag = json.loads(raw)["properties"]["delivery_tag"]
         envelope, exchange, routing_key = json.loads(r.hget(UNACKED_KEY, tag))
         assert envelope == json.loads(raw) and (exchange, routing_key) == ("", queue)
         assert r.zscore(UNACKED_INDEX_KEY, tag) == pytest.approx(time.time(), abs=60)
     rest = Taker(r).take(lists, 10)
-    assert [k for k, _, _, _ in rest] == [queue, f"{queue}{PRIORITY_SEP}3"]
+    assert [k for k, _, _, _, _ in rest] == [queue, f"{queue}{PRIORITY_SEP}3"]
     # popped, answered by the consumer, not recorded
-    assert rest[0][1:] == (b"{not a kombu envelope", False, False) and rest[1][2] is True
+    assert rest[0][1:] == (b"{not a kombu envelope", False, False, 0) and rest[1][2] is True
     assert r.hlen(UNACKED_KEY) == 4 and not any(r.llen(k) for k in lists)
 
 
@@ -59,7 +59,7 @@ def test_kombu_restores_what_the_take_recorded(broker) -> None:
     queue = "infer.m"
     original = _message("restore-me", queue)
     r.lpush(queue, original)
-    [(_, raw, _, _)] = Taker(r).take(priority_lists([queue]), 5)
+    [(_, raw, _, _, _)] = Taker(r).take(priority_lists([queue]), 5)
     assert r.llen(queue) == 0
 
     # A worker died holding it: kombu's own sweep (visibility timeout 0) puts it back.
@@ -104,7 +104,7 @@ def test_take_records_no_malformed_envelope(broker, name, raw) -> None:
 
     taken = Taker(r).take(priority_lists([queue]), 5)
 
-    assert [recorded for _, _, recorded, _ in taken] == [False, True], name
+    assert [recorded for _, _, recorded, _, _ in taken] == [False, True], name
     assert r.hlen(UNACKED_KEY) == 1 and r.zcard(UNACKED_INDEX_KEY) == 1
     [entry] = r.hvals(UNACKED_KEY)
     assert json.loads(entry)[0]["headers"]["id"] == "good"
@@ -119,7 +119,7 @@ def test_take_keeps_a_body_that_is_not_base64(broker) -> None:
     envelope["properties"]["body_encoding"] = "utf-8"
     r.lpush(queue, json.dumps(envelope))
 
-    [(_, raw, recorded, _)] = Taker(r).take(priority_lists([queue]), 5)
+    [(_, raw, recorded, _, _)] = Taker(r).take(priority_lists([queue]), 5)
 
     assert recorded and json.loads(raw) == envelope
     stored, _, routing_key = json.loads(r.hget(UNACKED_KEY, envelope["properties"]["delivery_tag"]))
@@ -137,7 +137,7 @@ def test_kombu_sweep_survives_whatever_the_take_recorded(broker) -> None:
     r.lpush(queue, b'{"body": "e30=", "properties": {"delivery_tag": "t-\xff\xfe"}}')
     r.lpush(queue, _message("good", queue))
     taken = Taker(r).take(priority_lists([queue]), 50)
-    recorded = [raw for _, raw, rec, _ in taken if rec]
+    recorded = [raw for _, raw, rec, _, _ in taken if rec]
     assert len(taken) == len(HOSTILE) + 2 and len(recorded) == 2  # the UTF-8 one and the good one
 
     app = create_app(Settings(broker_url=url, visibility_timeout_s=0.0))
@@ -164,7 +164,7 @@ def test_take_stores_started_for_its_own_first_deliveries_only(broker) -> None:
     # When they are taken with STARTED to store
     taken = Taker(r).take(priority_lists([queue]), 10, started)
     # Then only the plain first deliveries of the task are started, in the same step
-    flags = {json.loads(raw)["headers"]["id"]: s for _, raw, _, s in taken}
+    flags = {json.loads(raw)["headers"]["id"]: s for _, raw, _, s, _ in taken}
     assert flags == {"plain": True, "delayed": False, "again": False, "other": False,
                      'odd"id\\': True}
     assert json.loads(r.get("celery-task-meta-plain")) == {"status": "STARTED", "task_id": "plain"}

@@ -70,6 +70,20 @@ class Settings:
     visibility_timeout_s: float = _setting(
         3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
         "Seconds before an unacknowledged request is redelivered to another worker (Redis broker).")
+    lease_s: float = _setting(
+        10.0, "ASYNCINFER_LEASE_S",
+        "Seconds a taken request is leased to its worker (Redis broker, `asyncinfer worker`'s "
+        "consumer). A live worker renews its leases every third of this, however long its kernels "
+        "run; the requests of a worker that stops renewing (killed, frozen, cut off from Redis) go "
+        "back to their queues for any other worker within this plus a sweep (about a second), and "
+        "a worker restarted on the same host takes its predecessor's back at once. The visibility "
+        "timeout stays as the backstop. 0: no leases (the visibility timeout alone).")
+    max_worker_deaths: int = _setting(
+        2, "ASYNCINFER_MAX_WORKER_DEATHS",
+        "Worker deaths a request may see while it is on the device (it may be what kills them): "
+        "after the first it runs in a device batch of its own, after this many it fails for good "
+        "with `WorkerLost` (dead-lettered where the model keeps dead letters). 0: deaths are not "
+        "counted.")
     connect_timeout_s: float = _setting(
         5.0, "ASYNCINFER_CONNECT_TIMEOUT_S",
         "Seconds a client or worker waits to connect to the broker before it says it is unreachable.")
@@ -227,7 +241,7 @@ class Settings:
         for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_retries", "retry_budget_min", "submit_replicas"):
+        for name in ("max_retries", "retry_budget_min", "submit_replicas", "max_worker_deaths"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.submit_replicas and not self.submit_replicas_timeout_s > 0:
@@ -239,7 +253,10 @@ class Settings:
             raise ValueError(
                 f"time_limit_s ({self.time_limit_s}) must be below visibility_timeout_s "
                 f"({self.visibility_timeout_s}): a request still running would be redelivered")
-        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s",
+        if 0 < self.lease_s < 1:
+            raise ValueError(f"lease_s must be 0 (no leases) or at least 1 second (it is renewed "
+                             f"every third of it), got {self.lease_s!r}")
+        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s", "lease_s",
                      "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
                      "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
                      "submit_replicas_timeout_s"):

@@ -36,6 +36,8 @@ class WorkItem:
     deadline: float | None = None
     #: Whether the request's batch is on the device (launched, not yet back).
     on_device: bool = False
+    #: Whether it runs in a device batch of its own (a worker died while it was on the device).
+    alone: bool = False
 
     def __post_init__(self) -> None:
         if self.received_at < 0:
@@ -46,7 +48,8 @@ class Batcher:
     """A queue of work items that hands out batches of compatible items.
 
     Items are compatible when their signatures are equal (same input names, datatypes and row
-    shapes); others wait, in order, for a later batch. With ``preferred_batch_sizes`` (Triton's
+    shapes); others wait, in order, for a later batch. An item marked ``alone`` forms a batch of
+    its own. With ``preferred_batch_sizes`` (Triton's
     knob) a batch stops waiting once it holds the largest preferred size, and a batch that holds
     no preferred size gives back whole requests down to the largest preferred size it can keep.
     """
@@ -127,6 +130,8 @@ class Batcher:
                 self._wait(1, None)
             first = self._pending.popleft()
             batch, rows = [first], first.rows
+            if first.alone:
+                return batch
             deadline = first.enqueued_at + self.max_delay_s
             while rows < self.max_batch_size:
                 rows = self._take_compatible(batch, rows)
@@ -164,7 +169,8 @@ class Batcher:
         kept: deque[WorkItem] = deque()
         while self._pending:
             item = self._pending.popleft()
-            if item.signature == signature and rows + item.rows <= self.max_batch_size:
+            if (item.signature == signature and rows + item.rows <= self.max_batch_size
+                    and not item.alone):
                 batch.append(item)
                 rows += item.rows
             else:

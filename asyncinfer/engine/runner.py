@@ -49,6 +49,8 @@ from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
+#: Called with a batch's items on the device thread just before the batch goes onto the device.
+LaunchObserver = Callable[[Sequence[WorkItem]], None]
 
 __all__ = ["Completed", "ModelRunner", "settle"]
 
@@ -75,7 +77,8 @@ class ModelRunner:
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
                  on_wedged: WedgedHandler | None = None, is_transient: Transient = is_transient,
                  on_batch: BatchObserver | None = None,
-                 settling: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+                 settling: Callable[[], AbstractContextManager[Any]] | None = None,
+                 on_launch: LaunchObserver | None = None) -> None:
         self.model = model
         self.device = device
         opts = options or model.options
@@ -92,6 +95,9 @@ class ModelRunner:
         #: What a batch's requests are settled inside (the fast consumer's result writer gathers
         #: their outcomes into one write).
         self.settling = settling or contextlib.nullcontext
+        #: Who hears of each batch just before it goes onto the device (the worker's leases mark
+        #: what a death there would count against).
+        self.on_launch: LaunchObserver = on_launch or _ignore_launch
         #: Set once a batch overran its hard time limit on the device: the process is being
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
@@ -135,14 +141,14 @@ class ModelRunner:
 
     def submit(self, request: Request, received_at: float | None = None,
                expires_in_s: float | None = None,
-               time_limits: TimeLimits | None = None) -> Future[Completed]:
+               time_limits: TimeLimits | None = None, alone: bool = False) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
         default now. A request still waiting ``expires_in_s`` after that never runs: its future
         raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
         fail with :class:`SoftTimeLimit` / :class:`HardTimeLimit` (see
-        :mod:`asyncinfer.policy.time_limits`).
+        :mod:`asyncinfer.policy.time_limits`). An ``alone`` request runs in a batch of its own.
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if forward_only:  # a prepared request carries the preprocess's tensors, checked as such
@@ -155,7 +161,7 @@ class ModelRunner:
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
                 f"of model '{self.model.name}'")
         item = WorkItem(request=request, rows=rows,
-                        signature=(forward_only, self.model.signature(request)))
+                        signature=(forward_only, self.model.signature(request)), alone=alone)
         if received_at is not None:
             item.received_at = received_at
         if expires_in_s is not None:
@@ -309,6 +315,7 @@ class ModelRunner:
         job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
     def _launch(self, job: _Job, stream: Any) -> None:
+        self.on_launch(job.items)
         for item in job.items:
             item.on_device = True
         with self.device.on_stream(stream), torch.inference_mode():
@@ -387,6 +394,10 @@ class ModelRunner:
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
         with self.settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
+
+
+def _ignore_launch(items: Sequence[WorkItem]) -> None:
+    pass
 
 
 def _ignore_batch(model: str, device: str, rows: int, compute_s: float,

@@ -77,6 +77,8 @@ class Delivery:
     key: str = ""
     #: Whether its STARTED state is stored already (by the take).
     started: bool = False
+    #: Worker deaths counted against its request while it was on a device (leases).
+    deaths: int = 0
 
     @property
     def list_key(self) -> str:

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
@@ -66,6 +66,9 @@ class WorkerRuntime:
         #: What each batch's requests are settled inside (the fast consumer's result writer
         #: gathers a batch's outcomes into one write).
         self.settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+        #: Who hears of each batch just before it goes onto the device (the fast consumer's
+        #: leases mark it, so that a death then counts against its requests).
+        self.on_launch: Callable[[Sequence[WorkItem]], None] = _ignore_launch
 
     def load(self, models: Iterable[str]) -> None:
         """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
@@ -101,7 +104,8 @@ class WorkerRuntime:
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            on_wedged=lambda item, exc: self.on_wedged(item, exc),
                            is_transient=is_transient, on_batch=metrics.record_batch,
-                           settling=lambda: self.settling())
+                           settling=lambda: self.settling(),
+                           on_launch=lambda items: self.on_launch(items))
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()
@@ -128,8 +132,10 @@ class WorkerRuntime:
 
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
-               time_limits: TimeLimits | None = None) -> tuple[Request, Future[Completed]]:
-        """Decode and validate one request and queue it for the device; InvalidRequest if bad."""
+               time_limits: TimeLimits | None = None,
+               alone: bool = False) -> tuple[Request, Future[Completed]]:
+        """Decode and validate one request and queue it for the device (``alone``: in a batch of
+        its own); InvalidRequest if bad."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
@@ -138,7 +144,8 @@ class WorkerRuntime:
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
             return request, runner.submit(request, received_at=received_at,
-                                          expires_in_s=expires_in_s, time_limits=time_limits)
+                                          expires_in_s=expires_in_s, time_limits=time_limits,
+                                          alone=alone)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,
@@ -173,6 +180,10 @@ class WorkerRuntime:
         for runner in runners:
             runner.close()
         self.timer.close()
+
+
+def _ignore_launch(items: Sequence[WorkItem]) -> None:
+    pass
 
 
 def _exit_wedged(item: WorkItem, exc: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -183,3 +184,39 @@ class Broken(Model):
 
     def forward(self, batch: Batch) -> Batch:
         return {"output": batch["input"]}
+
+
+class Crashy(Model):
+    """``index`` FP64 [n, 1] → ``output`` = index; counts each row's starts on the device.
+
+    With ``CRASHY_REDIS_URL`` set, each batch first adds 1 per row to the hash
+    ``<CRASHY_PREFIX>:starts`` and appends its rows to the list ``<prefix>:batches``; then a row of
+    -1 ends the process at once (``os._exit``: a segfault or a device abort, as far as the worker
+    can tell); else the batch sleeps ``CRASHY_SLEEP_S`` seconds (a slow kernel, GIL released), or
+    value − 1000 seconds for a row ≥ 1000.
+    """
+
+    name = "crashy"
+    #: Its forward has side effects the tests count: no warm-up batches.
+    options = ModelOptions(warmup=False, max_batch_size=8, max_delay_ms=50)
+    inputs = {"index": InputSpec(("FP64",), (1,))}
+
+    def __init__(self) -> None:
+        url = os.environ.get("CRASHY_REDIS_URL")
+        self.prefix = os.environ.get("CRASHY_PREFIX", "crashy")
+        self.sleep_s = float(os.environ.get("CRASHY_SLEEP_S", "0"))
+        self.redis = redis.Redis.from_url(url) if url else None
+
+    def forward(self, batch: Batch) -> Batch:
+        rows = [int(v) for v in batch["index"].reshape(-1).tolist()]
+        if self.redis is not None:
+            pipe = self.redis.pipeline(transaction=False)
+            for i in rows:
+                pipe.hincrby(f"{self.prefix}:starts", str(i), 1)
+            pipe.rpush(f"{self.prefix}:batches", json.dumps(rows))
+            pipe.execute()
+        if -1 in rows:
+            os._exit(86)
+        longest = max((i - 1000 for i in rows if i >= 1000), default=0)
+        time.sleep(max(self.sleep_s, float(longest)))
+        return {"output": batch["index"]}

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEST_FACTORIES = ("sleep=tests.support.models:Sleep,poison=tests.support.models:Poison,"
                   "affine=tests.support.models:make_affine,affine3=tests.support.models:Affine3,"
                   "gated=tests.support.models:Gated,flaky=tests.support.models:Flaky,"
-                  "broken=tests.support.models:Broken")
+                  "broken=tests.support.models:Broken,crashy=tests.support.models:Crashy")
 #: The models of the session worker (tests/conftest.py).
 WORKER_MODELS = "identity,mlp,sleep,poison,affine,affine3"
 #: ASYNCINFER_MAX_PAYLOAD_BYTES of the session worker: small, so tests can go over it cheaply.

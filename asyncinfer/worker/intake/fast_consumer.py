@@ -32,12 +32,19 @@ import redis
 from celery import Celery
 
 from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
 from asyncinfer.constants import TASK_NAME, priority_lists, queue_of_list
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.vital import vital_thread
-from asyncinfer.errors import AsyncInferError, InvalidRequest
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
+from asyncinfer.keys import (
+    LEASE_DEVICE_KEY,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+)
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import EXIT_WEDGED
 from asyncinfer.wire.envelope import (
@@ -56,9 +63,10 @@ from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.outcomes import Outcomes
 from asyncinfer.worker.intake.result_writer import ResultWriter
-from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taker
+from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken, Taker
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.lifecycle import (
     DELAY,
@@ -89,7 +97,7 @@ class FastConsumer:
         self.hostname = hostname
         #: Retries and budget, time limits, the in-flight bound, the payload limit.
         self.policy = policy
-        settings = settings_of(app)
+        settings = settings_of(app) or Settings.from_env()
         # The consumer thread's own connection, and the result writer's: a pool check-out per
         # command costs a poll() and redis-py's argument checks (~8 % of the worker's CPU).
         self.client = redis_client(app.conf.broker_url, settings, health_check_interval=30,
@@ -111,8 +119,19 @@ class FastConsumer:
                                                      health_check_interval=30,
                                                      single_connection_client=True))
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
+        #: Deaths on the device a request may see before it fails for good (0: not counted).
+        self.max_worker_deaths = settings.max_worker_deaths
+        #: What this worker takes is leased to it, renewed while it lives (None: no leases).
+        self.leases = None if not settings.lease_s else Leases(
+            redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                         single_connection_client=True),
+            redis_client(app.conf.broker_url, settings, health_check_interval=30),
+            node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
+            count_deaths=self.max_worker_deaths > 0, held=self.holdings.tags)
         runtime.on_wedged = self._wedged
         runtime.settling = self.writer.gathering  # a batch's results: one write
+        if self.leases is not None and self.leases.count_deaths:
+            runtime.on_launch = self._on_launch
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()
@@ -131,6 +150,8 @@ class FastConsumer:
         return self._stopping.is_set()
 
     def start(self) -> FastConsumer:
+        if self.leases is not None:  # what a dead predecessor on this host held comes back first
+            self.leases.start()
         self.waker.start()
         self._thread.start()
         log.info("fast consumer on %s", ", ".join(self.queues))
@@ -148,6 +169,8 @@ class FastConsumer:
         if left:
             log.warning("%d requests still in flight at shutdown go back to their queues", left)
             self._restore_held()
+        if self.leases is not None:
+            self.leases.stop()
 
     def _restore_held(self) -> None:
         """Put every message still held back on its queue at once, as kombu restores an
@@ -162,11 +185,19 @@ class FastConsumer:
                 pipe.lpush(d.list_key, restored_message(d))
                 pipe.zrem(UNACKED_INDEX_KEY, d.tag)
                 pipe.hdel(UNACKED_KEY, d.tag)
+                pipe.zrem(LEASES_KEY, d.tag)
+                pipe.hdel(LEASE_HOLDERS_KEY, d.tag)
+                pipe.hdel(LEASE_DEVICE_KEY, d.tag)
             pipe.execute()
             log.warning("sent %d held requests back to their queues", len(held))
         except Exception:  # noqa: BLE001 - they stay unacknowledged: redelivered after the timeout
             log.exception("could not send %d held requests back; they are redelivered after the "
                           "visibility timeout", len(held))
+
+    def _on_launch(self, items: Sequence[WorkItem]) -> None:
+        """A batch goes onto the device: a death from now on counts against its requests."""
+        assert self.leases is not None
+        self.leases.on_device(self.holdings.tags_of([item.request.id for item in items]))
 
     def _wedged(self, item: WorkItem, exc: BaseException) -> None:
         """A request's hard time limit passed while its batch was on the device: fail it, send
@@ -202,7 +233,8 @@ class FastConsumer:
                 self.waker.clear()
                 started = (self.writer.started_for_take(self.hostname) if self.policy.track_started
                            else None)
-                taken = self.taker.take(self._lists, room, started)
+                taken = self.taker.take(self._lists, room, started,
+                                        self.leases.terms if self.leases is not None else None)
                 if taken:
                     self._took(taken)
                 backoff_s = 0.1
@@ -222,15 +254,15 @@ class FastConsumer:
                 self._stopping.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
 
-    def _took(self, taken: list[tuple[str, bytes, bool, bool]]) -> None:
+    def _took(self, taken: list[Taken]) -> None:
         """Start messages the take script popped and recorded; write the STARTED states it did
         not."""
         received_at = time.perf_counter()
         deliveries: list[Delivery] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
             deliveries += self._parse(queue_of_list(key), key,
-                                      [(raw, rec, started) for _, raw, rec, started in group],
-                                      received_at)
+                                      [(raw, rec, started, died)
+                                       for _, raw, rec, started, died in group], received_at)
         # before STARTED is stored over the answer a redelivered request may already have
         deliveries = self._skip_answered(deliveries)
         if self.policy.track_started:  # those the take did not store: before they run
@@ -252,11 +284,12 @@ class FastConsumer:
                 batcher.release()
         self.events.flush()
 
-    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool]],
+    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool, int]],
                received_at: float) -> list[Delivery]:
         deliveries = []
-        for raw, recorded, started in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started)
+        for raw, recorded, started, died in raws:
+            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
+                         deaths=died)
             try:
                 parse_envelope(d)
                 if not recorded:
@@ -354,13 +387,20 @@ class FastConsumer:
         if admission.verdict == REFUSED:
             self.outcomes.fail(d, admission.error or InvalidRequest(d.request_id))
             return
+        if self.max_worker_deaths and d.deaths >= self.max_worker_deaths:
+            self.outcomes.fail(d, WorkerLost(
+                f"request {d.request_id}: worker processes died {d.deaths} times while this "
+                f"request was on their device (ASYNCINFER_MAX_WORKER_DEATHS={self.max_worker_deaths}"
+                f"); it may be what kills them, so it is not run again"), retry=False)
+            return
         embed: dict[str, Any] | None = None
         try:
             args, kwargs, embed = decode_body(d, self.policy.max_payload_bytes)
             request, future = self.runtime.submit(
                 d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
-                time_limits=self.policy.limits_for(headers.get("timelimit")))
+                time_limits=self.policy.limits_for(headers.get("timelimit")),
+                alone=d.deaths > 0)  # a worker died with it on the device: no bystanders now
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)
             return

@@ -42,6 +42,8 @@ class Holdings:
     def __init__(self, max_in_flight: int) -> None:
         self.max_in_flight = max_in_flight
         self._held: dict[int, Holding] = {}
+        #: Delivery tags by request ID, for what goes onto the device (the leases' marks).
+        self._tags: dict[str, str] = {}
         self._in_flight = 0
         self._cond = threading.Condition()
 
@@ -56,6 +58,8 @@ class Holdings:
                 if id(d) not in self._held:
                     self._held[id(d)] = Holding(d)
                     self._in_flight += 1
+                    if d.tag and d.request_id:
+                        self._tags[d.request_id] = d.tag
 
     def start(self, d: Delivery) -> None:
         """``d`` is handed to the device."""
@@ -88,6 +92,8 @@ class Holdings:
                 holding = self._held.pop(id(d), None)
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
+                if holding is not None and self._tags.get(d.request_id) == d.tag:
+                    del self._tags[d.request_id]
             self._cond.notify_all()
 
     def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
@@ -109,6 +115,16 @@ class Holdings:
         """A snapshot of what is held."""
         with self._cond:
             return list(self._held.values())
+
+    def tags(self) -> list[str]:
+        """The delivery tags of everything held (what the leases renew)."""
+        with self._cond:
+            return [h.delivery.tag for h in self._held.values() if h.delivery.tag]
+
+    def tags_of(self, request_ids: list[str]) -> list[tuple[str, str]]:
+        """(delivery tag, request ID) of each of ``request_ids`` held under a tag."""
+        tags = self._tags
+        return [(tags[r], r) for r in request_ids if r in tags]
 
     def find(self, request_id: str) -> Delivery | None:
         """The held message of ``request_id``, if any."""

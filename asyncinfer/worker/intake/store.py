@@ -2,9 +2,9 @@
 
 Per request the result writer stores the result (SETEX, Celery's layout), announces it (PUBLISH
 on the result key's channel, and on the request's reply channel when it names one), and
-acknowledges the message (kombu's ``unacked_index`` and ``unacked`` entries removed). As a
-MULTI/EXEC of five commands a request that is ~12 replies to parse and ~6 commands to pack in the
-worker's Python; as one script call per batch it is four arguments. Measured on sim-fast at 256 in
+acknowledges the message (kombu's ``unacked_index`` and ``unacked`` entries removed, and its
+lease). As a MULTI/EXEC of five commands a request that is ~12 replies to parse and ~6 commands to
+pack in the worker's Python; as one script call per batch it is four arguments. Measured on sim-fast at 256 in
 flight: see docs/benchmarks.md.
 
 All or nothing, as the transaction was: Redis checks memory (and a replica's read-only state) at a
@@ -22,7 +22,13 @@ from typing import Any
 
 import redis
 
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.keys import (
+    LEASE_DEVICE_KEY,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+)
 
 __all__ = ["Entry", "StoreScript", "as_out_of_memory", "error_texts"]
 
@@ -30,8 +36,9 @@ __all__ = ["Entry", "StoreScript", "as_out_of_memory", "error_texts"]
 #: none), delivery tag ('' when it was never recorded as unacknowledged).
 Entry = tuple[str, Any, str, str]
 
-# KEYS: unacked_index, unacked. ARGV: seconds a result lives (0: for ever), then four values per
-# request (see Entry). Returns the error replies of the announcements and acknowledgements.
+# KEYS: unacked_index, unacked, leases, lease holders, lease device marks. ARGV: seconds a result
+# lives (0: for ever), then four values per request (see Entry). Returns the error replies of the
+# announcements and acknowledgements.
 _STORE = r"""
 local ttl = tonumber(ARGV[1])
 local errors = {}
@@ -49,10 +56,17 @@ for i = 2, #ARGV, 4 do
   if tag ~= '' then
     try('ZREM', KEYS[1], tag)
     try('HDEL', KEYS[2], tag)
+    try('ZREM', KEYS[3], tag)
+    try('HDEL', KEYS[4], tag)
+    try('HDEL', KEYS[5], tag)
   end
 end
 return errors
 """
+
+
+#: The keys the store script writes: kombu's bookkeeping, then the leases' (leases.py).
+_KEYS = (UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY)
 
 
 class StoreScript:
@@ -66,7 +80,7 @@ class StoreScript:
         """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the list
         of errors). The error replies (as text) of the announcements and acknowledgements."""
         try:
-            errors = self._script(keys=[UNACKED_INDEX_KEY, UNACKED_KEY], args=self._args(entries),
+            errors = self._script(keys=list(_KEYS), args=self._args(entries),
                                   client=client)
         except redis.ResponseError as exc:
             raise as_out_of_memory(exc) from None
@@ -76,7 +90,7 @@ class StoreScript:
         """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
         check redis-py's pipelines make per execute: its reply is a ``NoScriptError`` when Redis
         has not loaded the script (a restarted or new master); :meth:`load` it then."""
-        pipe.evalsha(self._script.sha, 2, UNACKED_INDEX_KEY, UNACKED_KEY, *self._args(entries))
+        pipe.evalsha(self._script.sha, len(_KEYS), *_KEYS, *self._args(entries))
 
     def _args(self, entries: Sequence[Entry]) -> list[Any]:
         args: list[Any] = [self.expires_s]

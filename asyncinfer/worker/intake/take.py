@@ -26,19 +26,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.keys import LEASE_HOLDERS_KEY, LEASES_KEY, UNACKED_INDEX_KEY, UNACKED_KEY
 
-__all__ = ["MAX_ENVELOPE_DEPTH", "StartedText", "Taker"]
+__all__ = ["MAX_ENVELOPE_DEPTH", "LeaseTerms", "StartedText", "Taken", "Taker"]
 
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
 
-# KEYS: unacked_index, unacked, then the lists to take from, in order.
+# KEYS: unacked_index, unacked, leases, lease holders, then the lists to take from, in order.
 # ARGV: most messages to take, now (seconds), deepest nesting allowed; then the STARTED states to
 # store ('' for none: result key prefix, the stored text before and after the JSON of the request
-# ID, seconds it lives or 0, the task whose requests start).
+# ID, seconds it lives or 0, the task whose requests start); then the lease (seconds, 0 for none),
+# the holder, and the prefix of the death counts ('' to read none).
 # Returns a flat list: list name, message, 1 if recorded (else 0), 1 if its STARTED was stored
-# (else 0), list name, message, ...
+# (else 0), the worker deaths counted against its request, list name, message, ...
 _TAKE = r"""
 local max_depth = tonumber(ARGV[3])
 
@@ -77,6 +78,20 @@ end
 local room = tonumber(ARGV[1])
 local started_prefix, text_head, text_tail = ARGV[4], ARGV[5], ARGV[6]
 local started_ttl, task_name = tonumber(ARGV[7]), ARGV[8]
+local lease_s, holder, deaths_prefix = tonumber(ARGV[9]), ARGV[10], ARGV[11]
+local expiry = 0
+if lease_s > 0 then  -- Redis' clock, not the hosts'
+  local t = redis.call('TIME')
+  expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease_s
+end
+
+-- Worker deaths counted against the request of env while it was on a device (leases.py).
+local function deaths(env)
+  if deaths_prefix == '' then return 0 end
+  local h = env['headers']
+  if type(h) ~= 'table' or type(h['id']) ~= 'string' or h['id'] == '' then return 0 end
+  return tonumber(redis.call('GET', deaths_prefix .. h['id']) or '0') or 0
+end
 
 -- Store the STARTED state of a task of ours that is neither delayed (eta) nor redelivered (its
 -- answer may be stored already: the consumer looks first); 1 if stored.
@@ -97,7 +112,7 @@ end
 
 local out = {}
 local taken = 0
-for i = 3, #KEYS do
+for i = 5, #KEYS do
   local queue = KEYS[i]
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
@@ -105,7 +120,7 @@ for i = 3, #KEYS do
     local msg = redis.call('RPOP', KEYS[i])
     if not msg then break end
     local env = envelope_of(msg)
-    local recorded, started = 0, 0
+    local recorded, started, died = 0, 0, 0
     if env then
       local props = env['properties']
       local info = props['delivery_info']
@@ -118,14 +133,20 @@ for i = 3, #KEYS do
       redis.call('ZADD', KEYS[1], ARGV[2], tag)
       redis.call('HSET', KEYS[2], tag,
                  '[' .. msg .. ', ' .. cjson.encode(exchange) .. ', ' .. cjson.encode(routing_key) .. ']')
+      if lease_s > 0 then
+        redis.call('ZADD', KEYS[3], expiry, tag)
+        redis.call('HSET', KEYS[4], tag, holder .. '\t' .. KEYS[i])
+      end
       recorded = 1
       started = start(env)
+      died = deaths(env)
     end
     taken = taken + 1
     out[#out + 1] = KEYS[i]
     out[#out + 1] = msg
     out[#out + 1] = recorded
     out[#out + 1] = started
+    out[#out + 1] = died
   end
   if taken >= room then break end
 end
@@ -146,6 +167,20 @@ class StartedText:
     task: str
 
 
+@dataclass(frozen=True)
+class LeaseTerms:
+    """How the take leases what it records: for ``lease_s`` seconds (Redis' clock) to ``holder``
+    (leases.py), reading the deaths counted under ``deaths_prefix`` + request ID ('' reads none)."""
+
+    lease_s: float
+    holder: str
+    deaths_prefix: str = ""
+
+
+#: One taken message: list name, message, recorded, STARTED stored, deaths counted against it.
+Taken = tuple[str, bytes, bool, bool, int]
+
+
 class Taker:
     """Runs the take script on the broker ``client``."""
 
@@ -153,20 +188,25 @@ class Taker:
         self._take = client.register_script(_TAKE)
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
-             ) -> list[tuple[str, bytes, bool, bool]]:
+             lease: LeaseTerms | None = None) -> list[Taken]:
         """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
-        started)``, oldest first per list; ``recorded`` is False for a malformed message (popped,
-        not recorded as unacknowledged); ``started`` is True when the take stored its STARTED
-        state (``started`` given, a request of its task, no eta, not redelivered)."""
+        started, deaths)``, oldest first per list; ``recorded`` is False for a malformed message
+        (popped, not recorded as unacknowledged); ``started`` is True when the take stored its
+        STARTED state (``started`` given, a request of its task, no eta, not redelivered);
+        ``deaths`` the worker deaths counted against its request (``lease`` given). With
+        ``lease``, each recorded message is leased to its holder in the same step."""
         if room <= 0:
             return []
         extra: list[Any] = ["", "", "", 0, ""] if started is None else [
             started.key_prefix, started.head, started.tail, started.expires_s, started.task]
-        flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, *lists],
-                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra])
+        terms: list[Any] = [0, "", ""] if lease is None else [
+            lease.lease_s, lease.holder, lease.deaths_prefix]
+        flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY,
+                                *lists],
+                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms])
         taken = []
-        for i in range(0, len(flat), 4):
+        for i in range(0, len(flat), 5):
             key = flat[i]
             taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
-                          bool(flat[i + 2]), bool(flat[i + 3])))
+                          bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
         return taken

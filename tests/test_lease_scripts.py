@@ -1,0 +1,154 @@
+"""Leases on a real Redis, without a worker: the take leases what it records, the holder renews,
+the sweep puts back what expired (marked redelivered, at the front of its list), deaths count only
+for what was on the device, and what a dead process of this host held comes back at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from asyncinfer.constants import PRIORITY_SEP, priority_lists
+from asyncinfer.keys import (
+    DEATHS_PREFIX,
+    LEASE_DEVICE_KEY,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+)
+from asyncinfer.wire.envelope import task_message
+from asyncinfer.worker.intake.leases import Leases, holder_of, is_dead_here
+from asyncinfer.worker.intake.store import StoreScript
+from asyncinfer.worker.intake.take import Taker
+from tests.support.databases import RedisDatabase
+from tests.support.waiting import wait_for
+
+QUEUE = "infer.m"
+
+
+def _message(request_id: str) -> str:
+    return task_message("asyncinfer.infer", request_id, {"model": "m", "inputs": []}, QUEUE)
+
+
+def _leases(r: redis.Redis, held: list[str], lease_s: float = 1.0, node: str = "n@h") -> Leases:
+    return Leases(r, r, node=node, lease_s=lease_s, deaths_ttl_s=60, count_deaths=True,
+                  held=lambda: list(held))
+
+
+def _tag(raw: bytes) -> str:
+    return json.loads(raw)["properties"]["delivery_tag"]
+
+
+@pytest.fixture()
+def r(redis_db: RedisDatabase) -> redis.Redis:
+    return redis_db.client
+
+
+def test_the_take_leases_what_it_records_and_the_store_ends_the_lease(r) -> None:
+    # Given two requests, one on a priority list
+    r.lpush(QUEUE, _message("a"))
+    r.lpush(f"{QUEUE}{PRIORITY_SEP}3", _message("b"))
+    leases = _leases(r, [], lease_s=10)
+    now_s = float(r.time()[0])
+    # When a worker takes them with its lease terms
+    taken = Taker(r).take(priority_lists([QUEUE]), 5, lease=leases.terms)
+    # Then each is leased to it for about the lease, on Redis' clock, with the list it came from
+    assert len(taken) == 2 and all(t[2] for t in taken) and [t[4] for t in taken] == [0, 0]
+    for key, raw, *_ in taken:
+        tag = _tag(raw)
+        assert now_s + 9 <= float(r.zscore(LEASES_KEY, tag)) <= now_s + 12
+        assert r.hget(LEASE_HOLDERS_KEY, tag).decode() == f"{leases.holder}\t{key}"
+    # And storing a result ends the lease with the acknowledgement
+    StoreScript(r, 60)([("celery-task-meta-a", "{}", "", _tag(taken[0][1]))])
+    first = _tag(taken[0][1])
+    assert r.zscore(LEASES_KEY, first) is None and not r.hexists(LEASE_HOLDERS_KEY, first)
+    assert not r.hexists(UNACKED_KEY, first) and r.zcard(LEASES_KEY) == 1
+
+
+def test_an_expired_lease_goes_back_to_the_front_of_its_list_marked_redelivered(r) -> None:
+    # Given a request taken under a 1 s lease whose holder never renews, and one queued after it
+    r.lpush(f"{QUEUE}{PRIORITY_SEP}3", _message("held"))
+    [(key, raw, *_)] = Taker(r).take(priority_lists([QUEUE]), 1, lease=_leases(r, []).terms)
+    r.lpush(key, _message("later"))
+    sweeper = _leases(r, [], node="other@h")
+    assert sweeper.sweep() == 0  # not expired yet: nothing goes back
+    # When its lease expires and another worker sweeps
+    wait_for(lambda: sweeper.sweep() == 1, 10, "the expired lease swept", poll_s=0.1)
+    # Then it is back on the list it came from, next to be taken, marked as kombu marks it
+    back = json.loads(r.lindex(key, -1))
+    assert back["headers"]["id"] == "held" and back["headers"]["redelivered"] is True
+    assert back["properties"]["delivery_info"]["redelivered"] is True
+    assert json.loads(r.lindex(key, 0))["headers"]["id"] == "later"
+    # And nothing of it is left unacknowledged or leased; no death was counted (not on a device)
+    tag = _tag(raw)
+    assert not r.hexists(UNACKED_KEY, tag) and r.zscore(UNACKED_INDEX_KEY, tag) is None
+    assert r.zcard(LEASES_KEY) == 0 and r.hlen(LEASE_HOLDERS_KEY) == 0
+    assert r.get(DEATHS_PREFIX + "held") is None and sweeper.reclaimed == 1
+
+
+def test_a_renewing_holder_keeps_its_lease_and_learns_when_another_took_it(r) -> None:
+    r.lpush(QUEUE, _message("kept"))
+    held: list[str] = []
+    holder = _leases(r, held)
+    [(_, raw, *_)] = Taker(r).take([QUEUE], 1, lease=holder.terms)
+    held.append(_tag(raw))
+    sweeper = _leases(r, [], node="other@h")
+    # When the holder renews for three lease lengths while another sweeps
+    for _ in range(6):
+        assert holder.renew() == []
+        assert sweeper.sweep() == 0
+        time.sleep(0.5)
+    # Then it still holds it: nothing went back
+    assert r.llen(QUEUE) == 0 and r.hexists(UNACKED_KEY, held[0])
+    # When another worker's take holds the same tag (a lease it lost while frozen)
+    r.hset(LEASE_HOLDERS_KEY, held[0], f"{sweeper.holder}\t{QUEUE}")
+    # Then the renewal says so, and leaves the other's lease alone
+    assert holder.renew() == held and holder.lost == 1
+
+
+def test_a_death_counts_only_against_what_was_on_the_device_and_the_take_reads_it(r) -> None:
+    for rid in ("on-device", "waiting"):
+        r.lpush(QUEUE, _message(rid))
+    dead = _leases(r, [])
+    taken = Taker(r).take([QUEUE], 2, lease=dead.terms)
+    ids = {json.loads(raw)["headers"]["id"]: _tag(raw) for _, raw, *_ in taken}
+    dead.on_device([(ids["on-device"], "on-device")])
+    assert r.hget(LEASE_DEVICE_KEY, ids["on-device"]) == b"on-device"
+    sweeper = _leases(r, [], node="other@h")
+    wait_for(lambda: sweeper.sweep() == 2, 10, "both leases swept", poll_s=0.1)
+    assert sweeper.deaths_counted == 1 and r.get(DEATHS_PREFIX + "on-device") == b"1"
+    assert r.get(DEATHS_PREFIX + "waiting") is None and r.hlen(LEASE_DEVICE_KEY) == 0
+    # The next take reads the count of each request it takes
+    again = Taker(r).take([QUEUE], 2, lease=sweeper.terms)
+    deaths = {json.loads(raw)["headers"]["id"]: died for _, raw, _, _, died in again}
+    assert deaths == {"on-device": 1, "waiting": 0}
+
+
+def test_what_a_dead_process_of_this_host_held_comes_back_at_once_a_live_ones_does_not(r) -> None:
+    # Given a request leased (for a long time) to a process of this host that has exited, and one
+    # leased to a process that still runs
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_holder, live_holder = holder_of("w@h", gone.pid), holder_of("w@h", alive.pid)
+        for rid, holder in (("of-the-dead", dead_holder), ("of-the-living", live_holder)):
+            r.lpush(QUEUE, _message(rid))
+            taker = _leases(r, [], lease_s=600)
+            taker.holder = holder
+            Taker(r).take([QUEUE], 1, lease=taker.terms)
+        assert is_dead_here(dead_holder) and not is_dead_here(live_holder)
+        # When a worker starts on this host
+        restarted = _leases(r, [], lease_s=600, node="w@h")
+        # Then the dead one's request is back on its queue at once; the living one's is not
+        assert restarted.take_back_dead() == 1
+        assert [json.loads(m)["headers"]["id"] for m in r.lrange(QUEUE, 0, -1)] == ["of-the-dead"]
+        assert r.hlen(LEASE_HOLDERS_KEY) == 1 and r.hlen(UNACKED_KEY) == 1
+    finally:
+        alive.kill()
+        alive.wait()
