@@ -312,3 +312,19 @@ def test_an_idle_former_takes_the_first_request_while_others_still_arrive() -> N
     batcher.release()
     assert not former.is_alive() and tags(got[0]) == ["r0"]
     assert condition.wakes >= 1
+
+
+def test_an_item_marked_alone_forms_a_batch_of_its_own_and_is_never_taken_into_another() -> None:
+    # Given a suspect (a worker died with it on the device) among compatible items
+    batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    suspect = item("suspect")
+    suspect.alone = True
+    for i in (item("a"), suspect, item("b"), item("c")):
+        batcher.put(i)
+    # Then the first batch takes the others around it, and the suspect goes alone
+    assert tags(batcher.next_batch()) == ["a", "b", "c"]
+    assert tags(batcher.next_batch()) == ["suspect"]
+    # And a suspect first in line does not wait for company
+    batcher.put(suspect)
+    batcher.put(item("d"))
+    assert tags(batcher.next_batch()) == ["suspect"] and tags(batcher.next_batch()) == ["d"]

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
+from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.keys import (
     DEATHS_PREFIX,
     LEASE_DEVICE_KEY,
@@ -117,7 +118,8 @@ def test_a_death_counts_only_against_what_was_on_the_device_and_the_take_reads_i
     dead = _leases(r, [])
     taken = Taker(r).take([QUEUE], 2, lease=dead.terms)
     ids = {json.loads(raw)["headers"]["id"]: _tag(raw) for _, raw, *_ in taken}
-    dead.on_device([(ids["on-device"], "on-device")])
+    dead.on_device([(ids["on-device"], "on-device", WorkItem(request=None, rows=1, signature=(),
+                                                             on_device=True))])
     assert r.hget(LEASE_DEVICE_KEY, ids["on-device"]) == b"on-device"
     sweeper = _leases(r, [], node="other@h")
     wait_for(lambda: sweeper.sweep() == 2, 10, "both leases swept", poll_s=0.1)

@@ -31,6 +31,7 @@ from asyncinfer.engine.compile import compile_model
 from asyncinfer.engine.delivery import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
+from asyncinfer.engine.gate import DeviceGate
 from asyncinfer.engine.timer import Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
@@ -102,6 +103,8 @@ class ModelRunner:
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
+        #: A batch that must run alone has the device to itself (no other instance's batch).
+        self._gate = DeviceGate()
         # A batch holds a slot from the moment it is formed until its results are on the host
         # (postprocess runs after).
         # One slot per instance plus one lets the next batch be preprocessed while the device
@@ -315,14 +318,18 @@ class ModelRunner:
         job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
     def _launch(self, job: _Job, stream: Any) -> None:
-        self.on_launch(job.items)
-        for item in job.items:
-            item.on_device = True
-        with self.device.on_stream(stream), torch.inference_mode():
-            on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
-            outputs = self.model.forward(on_device)
-            job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
-            job.event = self.device.record_event(stream)
+        alone = any(item.alone for item in job.items)
+        with self._gate.enter(alone):
+            for item in job.items:
+                item.on_device = True
+            self.on_launch(job.items)
+            with self.device.on_stream(stream), torch.inference_mode():
+                on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
+                outputs = self.model.forward(on_device)
+                job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
+                job.event = self.device.record_event(stream)
+            if alone and job.event is not None:  # alone until the device is done with it
+                job.event.synchronize()
 
     def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:
         try:

@@ -197,7 +197,7 @@ class FastConsumer:
     def _on_launch(self, items: Sequence[WorkItem]) -> None:
         """A batch goes onto the device: a death from now on counts against its requests."""
         assert self.leases is not None
-        self.leases.on_device(self.holdings.tags_of([item.request.id for item in items]))
+        self.leases.on_device(self.holdings.tags_of(items))
 
     def _wedged(self, item: WorkItem, exc: BaseException) -> None:
         """A request's hard time limit passed while its batch was on the device: fail it, send

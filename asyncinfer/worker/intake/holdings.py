@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.wire.envelope import Delivery
 
 __all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
@@ -121,10 +122,10 @@ class Holdings:
         with self._cond:
             return [h.delivery.tag for h in self._held.values() if h.delivery.tag]
 
-    def tags_of(self, request_ids: list[str]) -> list[tuple[str, str]]:
-        """(delivery tag, request ID) of each of ``request_ids`` held under a tag."""
+    def tags_of(self, items: Sequence[WorkItem]) -> list[tuple[str, str, WorkItem]]:
+        """(delivery tag, request ID, item) of each of ``items`` whose request is held under a tag."""
         tags = self._tags
-        return [(tags[r], r) for r in request_ids if r in tags]
+        return [(tags[i.request.id], i.request.id, i) for i in items if i.request.id in tags]
 
     def find(self, request_id: str) -> Delivery | None:
         """The held message of ``request_id``, if any."""

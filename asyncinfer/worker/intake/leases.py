@@ -38,6 +38,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import (
     DEATHS_PREFIX,
@@ -208,6 +209,9 @@ class Leases:
         self._reclaim = client.register_script(_RECLAIM)
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-leases")
+        #: What is marked as on the device now, by tag (unmarked once it is off the device).
+        self._marked: dict[str, WorkItem] = {}
+        self._marks_lock = threading.Lock()
         #: Counts for the note and the tests: put back by this worker's sweeps, deaths counted,
         #: held requests found leased to another (this worker was too late renewing).
         self.reclaimed = 0
@@ -234,17 +238,29 @@ class Leases:
 
     # -- the device marks -----------------------------------------------------------------------
 
-    def on_device(self, marks: Sequence[tuple[str, str]]) -> None:
-        """``marks`` — (delivery tag, request ID) — are going onto the device: a death from now on
-        counts against them. On the device thread, before the batch starts; a failure is logged
-        (the batch runs all the same: a death would then count against nobody)."""
-        if not (self.count_deaths and marks):
+    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]]) -> None:
+        """``marks`` — (delivery tag, request ID, work item) — are going onto the device: a death
+        from now on counts against them. The marks of batches that came off the device since the
+        last call go in the same round trip. On the device thread, before the batch starts; a
+        failure is logged (the batch runs all the same: a death would then count against nobody).
+        """
+        if not self.count_deaths:
             return
-        flat: list[str] = []
-        for tag, request_id in marks:
-            flat += (tag, request_id)
+        with self._marks_lock:
+            off = [tag for tag, item in self._marked.items() if not item.on_device]
+            for tag in off:
+                del self._marked[tag]
+            for tag, _, item in marks:
+                self._marked[tag] = item
+        if not (marks or off):
+            return
         try:
-            self.marks.hset(LEASE_DEVICE_KEY, items=flat)
+            pipe = self.marks.pipeline(transaction=False)
+            if off:
+                pipe.hdel(LEASE_DEVICE_KEY, *off)
+            if marks:
+                pipe.hset(LEASE_DEVICE_KEY, items=[v for tag, rid, _ in marks for v in (tag, rid)])
+            pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not mark %d requests as on the device (%s)", len(marks), exc)
 

@@ -1,0 +1,177 @@
+"""A fleet's faults at the shipped defaults (no visibility timeout or lease set by the test): a
+worker killed or frozen while it holds requests on a slow kernel, a live worker on a kernel longer
+than its lease, and a request that kills every worker that runs it, under ``asyncinfer up``.
+
+Each counts sent / answered / lost / ran twice and the seconds to the last answer, and prints
+them (``pytest -s`` shows them); the bounds the futures wait are far below the visibility
+timeout's hour, so a request that came back only through it fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from asyncinfer.client import Client
+from asyncinfer.errors import WorkerLost
+from asyncinfer.keys import LEASES_KEY, UNACKED_KEY
+from asyncinfer.ops.status import cluster_status
+from tests.support.processes import launch_worker, start_up, stop_up, worker_env
+from tests.support.waiting import wait_for
+
+#: How long a future may wait here: the lease (10 s) plus a sweep plus the work, with room for a
+#: loaded host, and far below the visibility timeout (3,600 s) that stranded them before.
+ANSWER_WITHIN_S = 60
+
+
+def _index(i: int) -> dict[str, np.ndarray]:
+    return {"index": np.array([[float(i)]], np.float64)}
+
+
+def _crashy(url: str, tag: str, sleep_s: float) -> tuple[str, dict[str, str]]:
+    prefix = f"{tag}-{os.urandom(4).hex()}"
+    return prefix, {"CRASHY_REDIS_URL": url, "CRASHY_PREFIX": prefix, "CRASHY_SLEEP_S": str(sleep_s)}
+
+
+def _starts(r: redis.Redis, prefix: str) -> dict[int, int]:
+    return {int(k): int(v) for k, v in r.hgetall(f"{prefix}:starts").items()}
+
+
+def _batches(r: redis.Redis, prefix: str) -> list[list[int]]:
+    return [json.loads(b) for b in r.lrange(f"{prefix}:batches", 0, -1)]
+
+
+def _two_workers(url: str, tmp_path, first_env: dict[str, str], second_env: dict[str, str]):  # noqa: ANN202
+    args = ("--device", "cpu", "--models", "crashy")
+    first = launch_worker(url, tmp_path / "first.log", *args, "--hostname", "first@%h", **first_env)
+    second = launch_worker(url, tmp_path / "second.log", *args, "--hostname", "second@%h",
+                           **second_env)
+    return first.wait_ready(), second.wait_ready()
+
+
+def _report(fault: str, sent: int, answered: int, starts: dict[int, int], seconds: float) -> None:
+    twice = sum(1 for n in starts.values() if n == 2)
+    print(f"\n{fault}: sent {sent}, answered {answered}, lost {sent - answered}, ran twice "
+          f"{twice}, more than twice {sum(1 for n in starts.values() if n > 2)}, last answer "
+          f"{seconds:.1f} s after the fault")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
+def test_a_worker_killed_or_frozen_holding_requests_another_answers_them_within_the_lease(
+        redis_db, tmp_path, fault: str) -> None:
+    # Given two workers at the default settings, the first on a slow kernel (30 s a batch)
+    url, r = redis_db.url, redis_db.client
+    prefix, slow = _crashy(url, "held", 30)
+    first, second = _two_workers(url, tmp_path, slow, {**slow, "CRASHY_SLEEP_S": "0.2"})
+    client = Client(broker_url=url)
+    try:
+        # And 12 requests held by the first: 8 on its device (a batch), 4 waiting
+        os.kill(second.pid, signal.SIGSTOP)
+        futures = [client.submit("crashy", _index(i)) for i in range(12)]
+        wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
+                 "the first worker to hold all 12")
+        wait_for(lambda: _batches(r, prefix), 30, "a batch on the first worker's device")
+        os.kill(second.pid, signal.SIGCONT)
+        assert r.zcard(LEASES_KEY) == 12
+        # When the first is killed outright (or frozen)
+        struck = time.monotonic()
+        if fault == "kill -9":
+            first.process.kill()
+            first.process.wait()
+        else:
+            os.kill(first.pid, signal.SIGSTOP)
+        # Then the second answers every one, within the lease and a sweep, not the hour
+        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
+        last_s = time.monotonic() - struck
+        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
+        assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
+        # And those on the first's device ran once more each, alone; the others once
+        on_device = _batches(r, prefix)[0]
+        starts = _starts(r, prefix)
+        assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
+        assert sorted(b[0] for b in _batches(r, prefix)[1:] if len(b) == 1) == sorted(on_device)
+        _report(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
+        if fault == "SIGSTOP":
+            # When the frozen worker wakes, its answers (a second one each) keep a valid final
+            # state, and it learns that its leases went to another worker
+            os.kill(first.pid, signal.SIGCONT)
+            wait_for(lambda: "leased to another worker" in first.log(), 30, "the lost leases seen")
+            for i in range(12):
+                assert client.result(futures[i].id, timeout_s=30)["output"].tolist() == [
+                    [float(i)]]
+    finally:
+        client.close()
+        for w in (first, second):
+            if w.process.poll() is None:
+                os.kill(w.pid, signal.SIGCONT)
+            w.stop()
+
+
+@pytest.mark.timeout(150)
+def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis_db, tmp_path) -> None:
+    # Given two workers at the default settings (a 10 s lease)
+    url, r = redis_db.url, redis_db.client
+    prefix, env = _crashy(url, "long", 0)
+    first, second = _two_workers(url, tmp_path, env, env)
+    client = Client(broker_url=url)
+    try:
+        # When one runs a 25 s kernel while the other idles beside it
+        answer = client.infer("crashy", _index(1025), timeout_s=ANSWER_WITHIN_S)
+        # Then it ran exactly once: its renewed lease kept it from the idle one's sweep
+        assert answer["output"].tolist() == [[1025.0]] and _starts(r, prefix) == {1025: 1}
+        assert r.hlen(UNACKED_KEY) == 0 and r.zcard(LEASES_KEY) == 0
+    finally:
+        client.close()
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost(
+        redis_db, tmp_path) -> None:
+    # Given `asyncinfer up` with one worker and a model that keeps its dead letters
+    url, r = redis_db.url, redis_db.client
+    prefix, env = _crashy(url, "killer", 0.1)
+    options = json.dumps({"crashy": {"dead_letter": True}})
+    log = open(tmp_path / "up.log", "wb")
+    up = start_up({**worker_env(url), **env, "ASYNCINFER_MODEL_OPTIONS": options}, log,
+                  "--models", "crashy", "--no-gateway")
+    client = Client(broker_url=url)
+    seen: set[int] = set()
+    try:
+        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        seen.update(w.pid for w in first)
+        # When 40 good requests and one that kills its worker (-1) are sent in one burst
+        good = [client.submit("crashy", _index(i)) for i in range(20)]
+        killer = client.submit("crashy", _index(-1))
+        good += [client.submit("crashy", _index(i)) for i in range(20, 40)]
+        sent_at = time.monotonic()
+        # Then every good one is answered, none started more than twice
+        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
+        last_s = time.monotonic() - sent_at
+        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
+        # And the killer fails for good, naming the deaths, after at most N + 1 of them
+        with pytest.raises(WorkerLost, match="died 2 times"):
+            killer.result(timeout=ANSWER_WITHIN_S)
+        starts = _starts(r, prefix)
+        assert 2 <= starts[-1] <= 3 and all(starts[i] <= 2 for i in range(40))
+        # it ran alone after its first death, so no good request shared its second
+        assert [b for b in _batches(r, prefix) if -1 in b][1:] == [[-1]] * (starts[-1] - 1)
+        # And it is kept as a dead letter
+        dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
+        assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id,
+                                                                         "WorkerLost")]
+        _report("a request that kills its worker, among 40 (asyncinfer up)", 41,
+                len(answers) + 1, starts, last_s)
+        seen.update(w.pid for w in cluster_status(client.app, 0.5).workers)
+    finally:
+        client.close()
+        stop_up(up, sorted(seen))
+        log.close()
