@@ -69,7 +69,9 @@ class Settings:
         "How long one write waits for the replicas that the setting above asks for.")
     visibility_timeout_s: float = _setting(
         3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
-        "Seconds before an unacknowledged request is redelivered to another worker (Redis broker).")
+        "Seconds before an unacknowledged request is redelivered to another worker (Redis broker): "
+        "the backstop behind leases (the setting below), and the only rule for Celery's stock "
+        "consumer, which takes no leases.")
     lease_s: float = _setting(
         10.0, "ASYNCINFER_LEASE_S",
         "Seconds a taken request is leased to its worker (Redis broker, `asyncinfer worker`'s "
@@ -161,6 +163,11 @@ class Settings:
     prefetch_multiplier: int = _setting(
         2, "ASYNCINFER_PREFETCH_MULTIPLIER",
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
+    hold_batches: int = _setting(
+        2, "ASYNCINFER_HOLD_BATCHES",
+        "Device batches a device worker holds per model instance (taken from its queues and not "
+        "yet answered: on the device or waiting for it), within the bound above: a worker that "
+        "dies strands no more, and idle workers beside it get the rest. 0: the bound above alone.")
     consumer: str = _setting(
         "fast", "ASYNCINFER_CONSUMER",
         "How a device worker (`asyncinfer worker`, `celery -A asyncinfer worker -Q infer.M`) takes "
@@ -241,7 +248,8 @@ class Settings:
         for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_retries", "retry_budget_min", "submit_replicas", "max_worker_deaths"):
+        for name in ("max_retries", "retry_budget_min", "submit_replicas", "max_worker_deaths",
+                     "hold_batches"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.submit_replicas and not self.submit_replicas_timeout_s > 0:

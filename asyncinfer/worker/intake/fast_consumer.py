@@ -62,7 +62,7 @@ from asyncinfer.worker import inspection
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
-from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.holdings import Holdings, held_at_most
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.outcomes import Outcomes
 from asyncinfer.worker.intake.result_writer import ResultWriter
@@ -111,7 +111,8 @@ class FastConsumer:
                                         **blocking),
                            self._lists, stopping=self._stopping_now)
         #: Everything taken and not yet answered: the one in-flight account.
-        self.holdings = Holdings(policy.max_in_flight)
+        self.holdings = Holdings(held_at_most(policy.max_in_flight, settings.hold_batches,
+                                              runtime.runners()))
         #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events)

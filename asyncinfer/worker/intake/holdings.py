@@ -18,11 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.wire.envelope import Delivery
 
-__all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
+__all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED", "held_at_most"]
 
 RESERVED, ACTIVE, SCHEDULED = "reserved", "active", "scheduled"
 
@@ -130,3 +131,15 @@ class Holdings:
     def find(self, request_id: str) -> Delivery | None:
         """The held message of ``request_id``, if any."""
         return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)
+
+
+def held_at_most(max_in_flight: int, hold_batches: int, runners: Sequence[Any]) -> int:
+    """How many requests a consumer holds at most: ``hold_batches`` device batches per instance of
+    each of ``runners`` (loaded models), within ``max_in_flight``; ``max_in_flight`` alone when
+    ``hold_batches`` is 0 or no model is loaded yet.
+
+    A worker that took 128 requests while its device starts 32 at a time hoarded: idle workers
+    beside it had nothing, batches shrank, and its death stranded all 128.
+    """
+    wanted = sum(hold_batches * r.max_batch_size * r.options.instances for r in runners)
+    return max(1, min(max_in_flight, wanted)) if wanted else max_in_flight
