@@ -26,6 +26,8 @@ __all__ = [
     "LEASE_HOLDERS_KEY",
     "LEASE_DEVICE_KEY",
     "DEATHS_PREFIX",
+    "WATCH_PREFIX",
+    "BELL_PREFIX",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -53,6 +55,11 @@ LEASE_DEVICE_KEY = LEASES_KEY + ":device"
 
 #: Worker deaths while a request was on the device: ``asyncinfer:deaths:<request id>`` (a count).
 DEATHS_PREFIX = KEY_PREFIX + "deaths:"
+
+#: The one idle consumer watching a list (wake.py): ``asyncinfer:watch:<list>`` names it, with a
+#: short TTL; ``asyncinfer:bell:<list>`` (at most one element) wakes one of the other idle ones.
+WATCH_PREFIX = KEY_PREFIX + "watch:"
+BELL_PREFIX = KEY_PREFIX + "bell:"
 
 #: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
 DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"

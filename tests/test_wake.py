@@ -11,6 +11,9 @@ import pytest
 import redis
 
 from asyncinfer.constants import priority_lists
+from asyncinfer.keys import WATCH_PREFIX
+from asyncinfer.wire.envelope import task_message
+from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
 from tests.support.databases import RedisDatabase
 from tests.support.waiting import blocked_in_redis, wait_for
@@ -97,6 +100,9 @@ class _Flaky:
     def disconnect(self) -> None:
         pass
 
+    def register_script(self, _script: str) -> object:
+        return lambda **_: 1  # the watch is this consumer's
+
 
 @pytest.mark.unit
 def test_a_watcher_survives_a_failed_unblock() -> None:
@@ -112,3 +118,38 @@ def test_a_watcher_survives_a_failed_unblock() -> None:
         assert all(thread.is_alive() for thread in w._threads)
     finally:
         w.close()
+
+
+def test_a_push_wakes_one_idle_consumer_and_its_take_wakes_exactly_one_more(redis_db) -> None:
+    # Given three idle consumers of one queue
+    url, r = redis_db.url, redis_db.client
+    queue = ["infer.herd"]
+    wakers = [Waker(redis.Redis.from_url(url, socket_timeout=40),
+                    redis.Redis.from_url(url, socket_timeout=40, single_connection_client=True),
+                    queue, block_s=30).start() for _ in range(3)]
+    try:
+        ids = [int(w.own.client_id()) for w in wakers]
+        waits = [_wait_in_thread(w, 30) for w in wakers]
+        wait_for(lambda: all(blocked_in_redis(r, i) for i in ids), 10, "all three blocked")
+        # one watches the queue; the other two wait for its bell
+        watcher = next(i for i, w in enumerate(wakers) if r.get(WATCH_PREFIX + queue[0])
+                       == w.token.encode())
+        # When a producer pushes one request
+        r.lpush(queue[0], task_message("asyncinfer.infer", "one", {"model": "herd"}, queue[0]))
+        # Then the watcher wakes, and only it (the others stay blocked in Redis)
+        waits[watcher][0].join(10)
+        assert waits[watcher][1] == [True]
+        others = [i for i in range(3) if i != watcher]
+        assert all(blocked_in_redis(r, ids[i]) and waits[i][0].is_alive() for i in others)
+        # When the watcher takes it, it passes the watch on: exactly one other wakes
+        taken = Taker(r).take(queue, 8, watcher=wakers[watcher].token)
+        assert len(taken) == 1 and r.get(WATCH_PREFIX + queue[0]) is None
+        woke = wait_for(lambda: [i for i in others if not waits[i][0].is_alive()], 10,
+                        "one other consumer woken by the bell")
+        time.sleep(0.3)  # (the other would have woken by now too, if the bell rang for all)
+        assert len(woke) == 1 and len([i for i in others if not waits[i][0].is_alive()]) == 1
+    finally:
+        for w in wakers:
+            w.close()
+        for thread, _ in waits:
+            thread.join(10)

@@ -328,7 +328,9 @@ class ModelRunner:
                 outputs = self.model.forward(on_device)
                 job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
                 job.event = self.device.record_event(stream)
-            if alone and job.event is not None:  # alone until the device is done with it
+            if job.event is None:  # no event to wait on (CPU): the device is done with it
+                _off_device(job.items)
+            elif alone:  # alone until the device is done with it
                 job.event.synchronize()
 
     def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:

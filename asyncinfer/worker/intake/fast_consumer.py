@@ -235,7 +235,8 @@ class FastConsumer:
                 started = (self.writer.started_for_take(self.hostname) if self.policy.track_started
                            else None)
                 taken = self.taker.take(self._lists, room, started,
-                                        self.leases.terms if self.leases is not None else None)
+                                        self.leases.terms if self.leases is not None else None,
+                                        watcher=self.waker.token)
                 if taken:
                     self._took(taken)
                 backoff_s = 0.1

@@ -26,18 +26,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.keys import LEASE_HOLDERS_KEY, LEASES_KEY, UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.keys import (
+    BELL_PREFIX,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+    WATCH_PREFIX,
+)
 
 __all__ = ["MAX_ENVELOPE_DEPTH", "LeaseTerms", "StartedText", "Taken", "Taker"]
 
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
 
-# KEYS: unacked_index, unacked, leases, lease holders, then the lists to take from, in order.
+# KEYS: unacked_index, unacked, leases, lease holders, the first list's watch and bell (wake.py),
+# then the lists to take from, in order.
 # ARGV: most messages to take, now (seconds), deepest nesting allowed; then the STARTED states to
 # store ('' for none: result key prefix, the stored text before and after the JSON of the request
 # ID, seconds it lives or 0, the task whose requests start); then the lease (seconds, 0 for none),
-# the holder, and the prefix of the death counts ('' to read none).
+# the holder, and the prefix of the death counts ('' to read none); then the taker's watch token
+# ('' for none).
 # Returns a flat list: list name, message, 1 if recorded (else 0), 1 if its STARTED was stored
 # (else 0), the worker deaths counted against its request, list name, message, ...
 _TAKE = r"""
@@ -79,6 +88,7 @@ local room = tonumber(ARGV[1])
 local started_prefix, text_head, text_tail = ARGV[4], ARGV[5], ARGV[6]
 local started_ttl, task_name = tonumber(ARGV[7]), ARGV[8]
 local lease_s, holder, deaths_prefix = tonumber(ARGV[9]), ARGV[10], ARGV[11]
+local watcher = ARGV[12]
 local expiry = 0
 if lease_s > 0 then  -- Redis' clock, not the hosts'
   local t = redis.call('TIME')
@@ -112,7 +122,7 @@ end
 
 local out = {}
 local taken = 0
-for i = 5, #KEYS do
+for i = 7, #KEYS do
   local queue = KEYS[i]
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
@@ -149,6 +159,18 @@ for i = 5, #KEYS do
     out[#out + 1] = died
   end
   if taken >= room then break end
+end
+-- The watcher of the first list took what woke it: it gives the watch up and rings the bell, so
+-- that one other idle consumer watches next; a take that filled its room and left messages
+-- rings it too (one more consumer wakes to take them), never all of them.
+if watcher ~= '' and taken > 0 then
+  local mine = redis.call('GET', KEYS[5]) == watcher
+  if mine then redis.call('DEL', KEYS[5]) end
+  if mine or (taken >= room and redis.call('LLEN', KEYS[7]) > 0) then
+    redis.call('LPUSH', KEYS[6], '1')
+    redis.call('LTRIM', KEYS[6], 0, 0)
+    redis.call('PEXPIRE', KEYS[6], 60000)
+  end
 end
 return out
 """
@@ -188,22 +210,24 @@ class Taker:
         self._take = client.register_script(_TAKE)
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
-             lease: LeaseTerms | None = None) -> list[Taken]:
+             lease: LeaseTerms | None = None, watcher: str = "") -> list[Taken]:
         """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
         started, deaths)``, oldest first per list; ``recorded`` is False for a malformed message
         (popped, not recorded as unacknowledged); ``started`` is True when the take stored its
         STARTED state (``started`` given, a request of its task, no eta, not redelivered);
         ``deaths`` the worker deaths counted against its request (``lease`` given). With
-        ``lease``, each recorded message is leased to its holder in the same step."""
-        if room <= 0:
+        ``lease``, each recorded message is leased to its holder in the same step. With
+        ``watcher`` (the :class:`~asyncinfer.worker.intake.wake.Waker`'s token), a take that
+        took something passes the first list's watch on (wake.py)."""
+        if room <= 0 or not lists:
             return []
         extra: list[Any] = ["", "", "", 0, ""] if started is None else [
             started.key_prefix, started.head, started.tail, started.expires_s, started.task]
         terms: list[Any] = [0, "", ""] if lease is None else [
             lease.lease_s, lease.holder, lease.deaths_prefix]
         flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY,
-                                *lists],
-                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms])
+                                WATCH_PREFIX + lists[0], BELL_PREFIX + lists[0], *lists],
+                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher])
         taken = []
         for i in range(0, len(flat), 5):
             key = flat[i]

@@ -11,9 +11,17 @@ script, whoever the producer is (our client, Celery's ``send_task``, ``redis-cli
 language), so a request is at all times either on its queue or in kombu's unacknowledged
 bookkeeping.
 
-The caller itself blocks on the first list (its main queue, where nearly all requests arrive)
+The caller itself waits on the first list (its main queue, where nearly all requests arrive)
 on a connection of its own, so the common wake-up costs no thread hand-off (each hand-off waits
-for the GIL, which a busy device thread holds). Watcher threads cover the other lists (priority
+for the GIL, which a busy device thread holds). A push must not wake every idle worker of a fleet
+(BLMOVE of a list onto itself leaves it non-empty, so Redis serves every client blocked on it: N
+takes for one request, N − 1 of them empty). So one idle consumer per list *watches* it — it
+holds ``asyncinfer:watch:<list>`` (a token with a short TTL, renewed at each wait) and blocks with
+BLMOVE — and the others wait on ``asyncinfer:bell:<list>`` (BLPOP). The watcher's take passes the
+watch on: it gives the token up and rings the bell, waking exactly one other idle consumer, which
+takes what came meanwhile and watches next; a take that fills its room and leaves messages rings
+it too (take.py). A watcher that dies or freezes holds the token until its TTL passes; meanwhile
+the others still take at least once per wait (about a second). Watcher threads cover the other lists (priority
 lists, other queues); one that fires sets the wake-up flag and, if the caller is blocked in Redis,
 cuts that block short with ``CLIENT UNBLOCK``. A watcher that fired waits until the consumer is
 idle again (:meth:`Waker.arm`) before it blocks again; otherwise it would spin on a list that is
@@ -25,6 +33,7 @@ loses it).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,10 +42,22 @@ from typing import Any
 import redis
 
 from asyncinfer.engine.vital import vital_thread
+from asyncinfer.keys import BELL_PREFIX, WATCH_PREFIX
 
 __all__ = ["Waker"]
 
 log = logging.getLogger(__name__)
+
+# KEYS: a list's watch. ARGV: the consumer's token, the watch's lifetime (ms). 1 when this
+# consumer watches the list now (it took the watch, or renewed its own), else 0.
+_CLAIM = r"""
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
 
 
 class Waker:
@@ -51,6 +72,9 @@ class Waker:
     unblock_for_s = 0.2
     #: How long one blocking command of a watcher lasts (seconds): between two looks at stopping.
     block_s = 5
+
+    #: How long a watcher's token outlives its wait (seconds): a dead watcher's passes this late.
+    watch_margin_s = 2
 
     def __init__(self, client: redis.Redis, own: redis.Redis, lists: Sequence[str], *,
                  block_s: int | None = None, stopping: Callable[[], bool] | None = None) -> None:
@@ -69,6 +93,11 @@ class Waker:
         self._own_id: int | None = None
         self._threads = [vital_thread(self._watch, f"asyncinfer-wake-{i}", key)
                          for i, key in enumerate(self.lists[1:], start=1)]
+        #: This consumer's watch token (the take script passes the watch on with it).
+        self.token = os.urandom(8).hex()
+        self._claim = client.register_script(_CLAIM)
+        self._watch_key = WATCH_PREFIX + self.lists[0]
+        self._bell_key = BELL_PREFIX + self.lists[0]
 
     def start(self) -> Waker:
         connection = getattr(self.own, "connection", None)
@@ -100,7 +129,12 @@ class Waker:
             if self._wake.is_set() or self._done():
                 return True
             try:
-                found = self._block(self.own, self.lists[0], max(1, round(timeout_s)))
+                block_s = max(1, round(timeout_s))
+                if self._claim(keys=[self._watch_key], client=self.own,
+                               args=[self.token, (block_s + self.watch_margin_s) * 1000]):
+                    found = self._block(self.own, self.lists[0], block_s)
+                else:  # another idle consumer watches: wait for its bell
+                    found = self.own.blpop([self._bell_key], block_s)
             except Exception:
                 if self._done():
                     return True  # close() cut the connection
