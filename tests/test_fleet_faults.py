@@ -1,6 +1,7 @@
 """A fleet's faults at the shipped defaults (no visibility timeout or lease set by the test): a
-worker killed or frozen while it holds requests on a slow kernel, a live worker on a kernel longer
-than its lease, and a request that kills every worker that runs it, under ``asyncinfer up``.
+worker killed, frozen or cut off from Redis while it holds requests on a slow kernel, a live
+worker on a kernel longer than its lease, and a request that kills every worker that runs it,
+under ``asyncinfer up``.
 
 Each counts sent / answered / lost / ran twice and the seconds to the last answer, and prints
 them (``pytest -s`` shows them); the bounds the futures wait are far below the visibility
@@ -13,6 +14,7 @@ import json
 import os
 import signal
 import time
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from asyncinfer.errors import WorkerLost
 from asyncinfer.keys import LEASES_KEY, UNACKED_KEY
 from asyncinfer.ops.status import cluster_status
 from tests.support.processes import launch_worker, start_up, stop_up, worker_env
+from tests.support.proxy import Partition
 from tests.support.waiting import wait_for
 
 #: How long a future may wait here: the lease (10 s) plus a sweep plus the work, with room for a
@@ -47,9 +50,11 @@ def _batches(r: redis.Redis, prefix: str) -> list[list[int]]:
     return [json.loads(b) for b in r.lrange(f"{prefix}:batches", 0, -1)]
 
 
-def _two_workers(url: str, tmp_path, first_env: dict[str, str], second_env: dict[str, str]):  # noqa: ANN202
+def _two_workers(first_url: str, url: str, tmp_path, first_env: dict[str, str],  # noqa: ANN202
+                 second_env: dict[str, str]):
     args = ("--device", "cpu", "--models", "crashy")
-    first = launch_worker(url, tmp_path / "first.log", *args, "--hostname", "first@%h", **first_env)
+    first = launch_worker(first_url, tmp_path / "first.log", *args, "--hostname", "first@%h",
+                          **first_env)
     second = launch_worker(url, tmp_path / "second.log", *args, "--hostname", "second@%h",
                            **second_env)
     return first.wait_ready(), second.wait_ready()
@@ -63,16 +68,19 @@ def _report(fault: str, sent: int, answered: int, starts: dict[int, int], second
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
-def test_a_worker_killed_or_frozen_holding_requests_another_answers_them_within_the_lease(
+@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP", "partition"])
+def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them(
         redis_db, tmp_path, fault: str) -> None:
-    # Given two workers at the default settings, the first on a slow kernel (30 s a batch)
+    # Given two workers at the default settings, the first on a slow kernel (15 s a batch) and
+    # talking to Redis through a link that can be cut
     url, r = redis_db.url, redis_db.client
-    prefix, slow = _crashy(url, "held", 30)
-    first, second = _two_workers(url, tmp_path, slow, {**slow, "CRASHY_SLEEP_S": "0.2"})
+    link = Partition(urlsplit(url).port or 6379)
+    prefix, slow = _crashy(url, "held", 15)
+    first, second = _two_workers(link.url(redis_db.number), url, tmp_path, slow,
+                                 {**slow, "CRASHY_SLEEP_S": "0.2"})
     client = Client(broker_url=url)
     try:
-        # And 12 requests held by the first: 8 on its device (a batch), 4 waiting
+        # And 12 requests held by the first: a batch on its device, the others waiting
         os.kill(second.pid, signal.SIGSTOP)
         futures = [client.submit("crashy", _index(i)) for i in range(12)]
         wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
@@ -80,13 +88,15 @@ def test_a_worker_killed_or_frozen_holding_requests_another_answers_them_within_
         wait_for(lambda: _batches(r, prefix), 30, "a batch on the first worker's device")
         os.kill(second.pid, signal.SIGCONT)
         assert r.zcard(LEASES_KEY) == 12
-        # When the first is killed outright (or frozen)
+        # When the first is killed outright, frozen, or cut off from Redis
         struck = time.monotonic()
         if fault == "kill -9":
             first.process.kill()
             first.process.wait()
-        else:
+        elif fault == "SIGSTOP":
             os.kill(first.pid, signal.SIGSTOP)
+        else:
+            link.cut()
         # Then the second answers every one, within the lease and a sweep, not the hour
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
         last_s = time.monotonic() - struck
@@ -98,16 +108,17 @@ def test_a_worker_killed_or_frozen_holding_requests_another_answers_them_within_
         assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
         assert sorted(b[0] for b in _batches(r, prefix)[1:] if len(b) == 1) == sorted(on_device)
         _report(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
-        if fault == "SIGSTOP":
-            # When the frozen worker wakes, its answers (a second one each) keep a valid final
-            # state, and it learns that its leases went to another worker
+        if fault != "kill -9":
+            # When the worker wakes or the link heals, it learns that its leases went to another
+            # worker; what it answers again keeps a valid final state
             os.kill(first.pid, signal.SIGCONT)
+            link.heal()
             wait_for(lambda: "leased to another worker" in first.log(), 30, "the lost leases seen")
             for i in range(12):
-                assert client.result(futures[i].id, timeout_s=30)["output"].tolist() == [
-                    [float(i)]]
+                assert client.result(futures[i].id, timeout_s=30)["output"].tolist() == [[float(i)]]
     finally:
         client.close()
+        link.close()
         for w in (first, second):
             if w.process.poll() is None:
                 os.kill(w.pid, signal.SIGCONT)
@@ -119,7 +130,7 @@ def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis
     # Given two workers at the default settings (a 10 s lease)
     url, r = redis_db.url, redis_db.client
     prefix, env = _crashy(url, "long", 0)
-    first, second = _two_workers(url, tmp_path, env, env)
+    first, second = _two_workers(url, url, tmp_path, env, env)
     client = Client(broker_url=url)
     try:
         # When one runs a 25 s kernel while the other idles beside it
