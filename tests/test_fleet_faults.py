@@ -26,6 +26,7 @@ from asyncinfer.keys import LEASES_KEY, UNACKED_KEY
 from asyncinfer.ops.status import cluster_status
 from tests.support.processes import launch_worker, start_up, stop_up, worker_env
 from tests.support.proxy import Partition
+from tests.support.sentinel import SentinelGroup
 from tests.support.waiting import wait_for
 
 #: How long a future may wait here: the lease (10 s) plus a sweep plus the work, with room for a
@@ -186,3 +187,32 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
         client.close()
         stop_up(up, sorted(seen))
         log.close()
+
+
+@pytest.mark.timeout(150)
+def test_leases_are_renewed_across_a_sentinel_failover(tmp_path, redis_url) -> None:
+    # Given two workers on a Sentinel-managed Redis at the default settings, one running a 12 s
+    # kernel (its starts counted on another Redis, which the failover leaves alone)
+    group = SentinelGroup(tmp_path / "sentinel", replicas=1).start()
+    url = group.url(db=0)
+    prefix, env = _crashy(redis_url, "failover", 0)
+    counts = redis.Redis.from_url(redis_url)
+    first, second = _two_workers(url, url, tmp_path, env, env)
+    client = Client(broker_url=url)
+    try:
+        future = client.submit("crashy", _index(1012))
+        wait_for(lambda: _starts(counts, prefix), 30, "the request on a device")
+        # When the master dies mid-kernel and Sentinel promotes the replica
+        old = group.kill_master()
+        group.wait_promoted(old)
+        # Then the worker that runs it renews its lease on the new master: the idle one's sweep
+        # never takes it, and it runs exactly once
+        assert future.result(timeout=ANSWER_WITHIN_S)["output"].tolist() == [[1012.0]]
+        assert _starts(counts, prefix) == {1012: 1}
+        _report("a Sentinel failover under a 12 s kernel", 1, 1, _starts(counts, prefix), 0.0)
+    finally:
+        client.close()
+        first.stop()
+        second.stop()
+        group.stop()
+        counts.close()
