@@ -154,3 +154,16 @@ def test_what_a_dead_process_of_this_host_held_comes_back_at_once_a_live_ones_do
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_batch_off_the_device_is_unmarked_with_the_next_batchs_marks(r) -> None:
+    leases = _leases(r, [])
+    done = WorkItem(request=None, rows=1, signature=(), on_device=True)
+    leases.on_device([("t-done", "r-done", done)])
+    assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-done": b"r-done"}
+    # When its batch comes off the device and the next goes on
+    done.on_device = False
+    nxt = WorkItem(request=None, rows=1, signature=(), on_device=True)
+    leases.on_device([("t-next", "r-next", nxt)])
+    # Then a death from now on counts against the batch on the device only
+    assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-next": b"r-next"}
