@@ -145,6 +145,46 @@ def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis
         second.stop()
 
 
+@pytest.mark.timeout(180)
+def test_a_worker_killed_under_up_is_restarted_and_takes_back_what_it_held_at_once(
+        redis_db, tmp_path) -> None:
+    # Given `asyncinfer up` with one worker on a slow kernel (30 s a batch), holding 12 requests
+    url, r = redis_db.url, redis_db.client
+    prefix, env = _crashy(url, "restart", 30)
+    log = open(tmp_path / "up.log", "wb")
+    up = start_up({**worker_env(url), **env}, log, "--models", "crashy", "--no-gateway")
+    client = Client(broker_url=url)
+    seen: set[int] = set()
+    try:
+        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
+        seen.update(w.pid for w in first)
+        futures = [client.submit("crashy", _index(i)) for i in range(12)]
+        wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and _batches(r, prefix), 30,
+                 "12 held, a batch on the device")
+        # When it is killed outright (no other worker anywhere) and its device gets fast
+        r.set(f"{prefix}:fast", 1)
+        struck = time.monotonic()
+        os.kill(first[0].pid, signal.SIGKILL)
+        # Then the worker `up` starts in its place takes them back at once (not after the lease:
+        # the dead process was of this host) and answers every one
+        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
+        last_s = time.monotonic() - struck
+        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
+        restarted = {a.parameters["worker"] for a in answers}
+        assert len(restarted) == 1
+        starts = _starts(r, prefix)
+        on_device = _batches(r, prefix)[0]
+        assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
+        seen.update(w.pid for w in cluster_status(client.app, 0.5).workers)
+        _report("kill -9 of the one worker under up, restarted", 12, len(answers), starts, last_s)
+        up_log = (tmp_path / "up.log").read_text(errors="replace")
+        assert "took back 12 requests that a dead worker of this host held" in up_log, up_log[-3000:]
+    finally:
+        client.close()
+        stop_up(up, sorted(seen))
+        log.close()
+
+
 @pytest.mark.timeout(240)
 def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost(
         redis_db, tmp_path) -> None:

@@ -192,8 +192,8 @@ class Crashy(Model):
     With ``CRASHY_REDIS_URL`` set, each batch first adds 1 per row to the hash
     ``<CRASHY_PREFIX>:starts`` and appends its rows to the list ``<prefix>:batches``; then a row of
     -1 ends the process at once (``os._exit``: a segfault or a device abort, as far as the worker
-    can tell); else the batch sleeps ``CRASHY_SLEEP_S`` seconds (a slow kernel, GIL released), or
-    value − 1000 seconds for a row ≥ 1000.
+    can tell); else the batch sleeps ``CRASHY_SLEEP_S`` seconds (a slow kernel, GIL released;
+    none once the key ``<prefix>:fast`` exists), or value − 1000 seconds for a row ≥ 1000.
     """
 
     name = "crashy"
@@ -218,5 +218,6 @@ class Crashy(Model):
         if -1 in rows:
             os._exit(86)
         longest = max((i - 1000 for i in rows if i >= 1000), default=0)
-        time.sleep(max(self.sleep_s, float(longest)))
+        fast = self.redis is not None and self.redis.exists(f"{self.prefix}:fast")
+        time.sleep(max(0.0 if fast else self.sleep_s, float(longest)))
         return {"output": batch["index"]}
