@@ -19,6 +19,7 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.publisher import DUPLICATE, Publisher
@@ -69,7 +70,8 @@ class Client:
             if is_redis_url(broker_url) else None)
         self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s,
                                      replicas=self.settings.submit_replicas,
-                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s)
+                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s,
+                                     mark_ttl_s=self._trace_ttl_s())
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._pinger = Pinger(self.settings)
@@ -85,7 +87,8 @@ class Client:
         #: Where coroutines publish small requests themselves (aio.send_on_loop).
         self.loop_publishers = aio.LoopPublishers(
             broker_url if self._broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
-            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s)
+            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
+            mark_ttl_s=self._trace_ttl_s() if self._broker is not None else 0.0)
 
     @property
     def broker(self) -> redis.Redis | None:
@@ -113,11 +116,21 @@ class Client:
         if self._known is not None:
             self._known.check(model, request_id)
 
+    def _trace_ttl_s(self) -> float:
+        return trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
+
     @property
     def watcher(self) -> ResultWatcher:
         """The result watcher (started on first use)."""
         if self._watcher is None:
-            self._watcher = ResultWatcher(self.app.backend)
+            lost_check = None
+            if self._broker is not None and self.settings.lost_after_s > 0:
+                backend = self.app.backend
+                lost_check = LostCheck(
+                    self._broker, backend.client,
+                    lambda request_id: _text(backend.get_key_for_task(request_id)),
+                    lost_after_s=self.settings.lost_after_s, trace_ttl_s=self._trace_ttl_s())
+            self._watcher = ResultWatcher(self.app.backend, lost_check)
         return self._watcher
 
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
@@ -262,9 +275,11 @@ class Client:
 
     def sent(self, outgoing: Outgoing, status: int) -> None:
         """After the publish: a request ID sent before (perhaps by another producer, whose reply
-        channel is not this one) is watched on its own channel."""
+        channel is not this one) is watched on its own channel. The request is judged by the
+        lost check from now on (its trace was written by this publish, or by the first's)."""
         if status == DUPLICATE:
             self.watcher.watch_own_channel(outgoing.request_id)
+        self.watcher.trace(outgoing.request_id, seen=status != DUPLICATE)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""
@@ -320,6 +335,8 @@ class Client:
         """The future of a request sent by anyone, looked up by its ID."""
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
+        if self._broker is not None:  # judged only if a look finds its trace
+            self.watcher.trace(request_id, seen=False)
         return future
 
     def result(self, request_id: str, timeout_s: float | None = None) -> InferResponse:
@@ -401,3 +418,7 @@ class Client:
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:
     return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
