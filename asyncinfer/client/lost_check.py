@@ -108,9 +108,11 @@ class LostCheck:
         self._traces: dict[str, _Trace] = {}
         self._lock = threading.Lock()
         self._next_s = clock() + self.period_s
-        #: Counts for whoever measures the check's cost: looks made, trace keys read.
+        #: Counts for whoever measures the check's cost: looks made, trace keys read, and the
+        #: thread CPU seconds the looks took in this process.
         self.looks = 0
         self.keys_read = 0
+        self.cpu_s = 0.0
 
     def trace(self, request_id: str, *, seen: bool = True) -> None:
         """Judge ``request_id`` from now on; ``seen``: its trace is known to exist (this client's
@@ -138,6 +140,13 @@ class LostCheck:
         if now < self._next_s:
             return []
         self._next_s = now + self.period_s
+        started_s = time.thread_time()
+        try:
+            return self._look(now)
+        finally:
+            self.cpu_s += time.thread_time() - started_s
+
+    def _look(self, now: float) -> list[str]:
         with self._lock:
             ids = list(self._traces)
         self.looks += 1
