@@ -3,8 +3,9 @@
 ``up --detach`` starts ``asyncinfer up`` (the same arguments) in a session of its own, its output
 going to ``<state dir>/up.log``, and returns once every worker it supervises answers ``status``
 and every model each of them hosts is in the model catalogue under that worker (so a client or
-the gateway that starts right after finds every model it serves), saying how to stop it. The running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600);
-``asyncinfer down`` sends it SIGTERM and waits until it has stopped its workers and its Redis.
+the gateway that starts right after finds every model it serves), saying how to stop it. The
+running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600); ``asyncinfer down`` sends it SIGTERM
+and waits until it has stopped its workers and its Redis.
 """
 
 from __future__ import annotations
