@@ -171,3 +171,11 @@ def test_without_the_check_a_generated_id_is_a_plain_push(r: redis.Redis) -> Non
     publisher = Publisher(r, claim_ttl_s=3600)
     assert publisher.publish("infer.m", "gen-1", "msg", claim=False) == PUBLISHED
     assert r.get(CLAIM_PREFIX + "gen-1") is None and r.llen("infer.m") == 1
+
+
+def test_the_gateway_answers_a_lost_request_with_503_unavailable() -> None:
+    from asyncinfer.gateway.service import error_for
+
+    answer = error_for(lost_error("req-1"))
+    assert answer.status == 503 and answer.grpc_code == "UNAVAILABLE"
+    assert "req-1" in answer.message

@@ -10,8 +10,10 @@ hanging.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -75,21 +77,54 @@ def fragile_redis(tmp_path: Path) -> Iterator[list[RedisServer]]:
             server.stop()
 
 
+def in_thread(target: Callable[[], object], out: dict[str, object], name: str) -> threading.Thread:
+    """Run ``target`` in a thread; ``out[name]`` gets what it raised (or returned) and when."""
+
+    def run() -> None:
+        try:
+            out[name] = target()
+        except Exception as exc:  # noqa: BLE001 - what the test looks at
+            out[name] = exc
+        out[name + "_at"] = time.monotonic()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_futures_of_requests_the_broker_lost_end_with_request_lost(
         fragile_redis: list[RedisServer], tmp_path: Path) -> None:
     server = fragile_redis[0]
-    client = Client(settings=Settings.from_env(broker_url=server.url, lost_after_s=LOST_AFTER_S))
+    settings = Settings.from_env(broker_url=server.url, lost_after_s=LOST_AFTER_S)
+    client, other = Client(settings=settings), Client(settings=settings)
+    r = redis.Redis.from_url(server.url)
     worker: WorkerProcess | None = None
+    out: dict[str, object] = {}
     try:
-        # Given 5 requests the broker keeps, then 40 that only its last writes hold
-        # (Redis may answer before it writes its file — it postpones a write while an fsync
-        # runs — so the test waits for the file itself)
+        # Given 5 requests the broker keeps, then 40 that only its last writes hold: 30 futures,
+        # 5 awaited on an event loop, 5 in a map() (Redis may answer before it writes its file —
+        # it postpones a write while an fsync runs — so the test waits for the file itself)
         kept = [client.submit("identity", ROW) for _ in range(5)]
         aof = aof_file(server.data_dir)
         wait_for(lambda: in_file(aof, kept), 30, "the kept requests in the append-only file")
         size_before = aof.stat().st_size
-        lost = [client.submit("identity", ROW) for _ in range(40)]
-        wait_for(lambda: in_file(aof, lost), 30, "the 40 in the append-only file")
+        lost = [client.submit("identity", ROW) for _ in range(30)]
+        on_loop = threading.Event()
+
+        async def awaited() -> list[BaseException | object]:
+            futures = [await client.asubmit("identity", ROW) for _ in range(5)]
+            on_loop.set()
+            return await asyncio.gather(*futures, return_exceptions=True)
+
+        threads = [in_thread(lambda: asyncio.run(awaited()), out, "asyncio"),
+                   in_thread(lambda: list(client.map("identity", [ROW] * 5)), out, "map")]
+        wait_for(on_loop.is_set, 30, "the requests of the event loop sent")
+        wait_for(lambda: r.llen("infer.identity") == 45, 30, "all 45 requests queued")
+        # and one looked up by ID from another client (`asyncinfer result ID`), seen with its trace
+        threads.append(in_thread(lambda: other.result(lost[0].id, timeout_s=300), out, "result"))
+        looked = lost_check_of(other)
+        wait_for(lambda: looked.looks >= 1 and len(looked) == 1, 30, "the look-up's trace seen")
+        wait_for(lambda: in_file(aof, lost), 30, "the lost requests in the append-only file")
         ends: dict[str, float] = {}
         ended_at(kept + lost, ends)
 
@@ -103,9 +138,7 @@ def test_futures_of_requests_the_broker_lost_end_with_request_lost(
         restarted = RedisServer(server.data_dir, port=server.port, appendonly=True).start()
         fragile_redis.append(restarted)
         restarted_at = time.monotonic()
-        r = redis.Redis.from_url(restarted.url)
         assert r.llen("infer.identity") == 5  # … and only the 5 survived: the loss is real
-        r.close()
         worker = start_worker(restarted.url, tmp_path / "worker.log", "--device", "cpu",
                               "--models", "identity")
 
@@ -114,14 +147,24 @@ def test_futures_of_requests_the_broker_lost_end_with_request_lost(
         assert all(isinstance(e, RequestLost) for e in errors), errors
         assert all(f.id in str(e) and "same request_id" in str(e)
                    for f, e in zip(lost, errors, strict=True))
+        for thread in threads:
+            thread.join(timeout=LOST_AFTER_S * 3 + 60)
+        awaited_errors = out["asyncio"]
+        assert isinstance(awaited_errors, list) and len(awaited_errors) == 5
+        assert all(isinstance(e, RequestLost) for e in awaited_errors), awaited_errors
+        assert isinstance(out["map"], RequestLost), out["map"]
+        assert isinstance(out["result"], RequestLost) and lost[0].id in str(out["result"])
         answers = [f.result(timeout=60) for f in kept]
         assert [a.id for a in answers] == [f.id for f in kept]
-        last_s = max(ends[f.id] for f in lost) - restarted_at
-        print(f"\nlost: sent {len(kept) + len(lost)}, kept and answered {len(answers)}, lost "
-              f"{len(lost)}, RequestLost {len(errors)}; last RequestLost {last_s:.1f} s after "
-              f"the restart (bound {LOST_AFTER_S:g} s)")
+        last_s = max([ends[f.id] for f in lost]
+                     + [float(out[k + "_at"]) for k in ("asyncio", "map", "result")]) - restarted_at
+        print(f"\nlost: sent 45 (30 futures, 5 asyncio, 5 map; 1 looked up by ID), kept and "
+              f"answered {len(answers)}, lost 40, RequestLost: 30 futures + 5 asyncio + map + "
+              f"look-up; last {last_s:.1f} s after the restart (bound {LOST_AFTER_S:g} s)")
     finally:
         client.close()
+        other.close()
+        r.close()
         if worker is not None:
             worker.stop()
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -62,6 +63,9 @@ class Client:
         # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
         self.app.backend.on_task_call = _skip_on_task_call
         self._watcher: ResultWatcher | None = None
+        # Two threads' first requests must not start two watchers (one would own the futures,
+        # the other the lost check's traces).
+        self._watcher_lock = threading.Lock()
         # On a Redis broker a request is one LPUSH of Celery's message (what send_task would
         # publish), without Celery's per-send machinery; other brokers use send_task.
         broker_url = str(self.app.conf.broker_url)
@@ -122,16 +126,24 @@ class Client:
     @property
     def watcher(self) -> ResultWatcher:
         """The result watcher (started on first use)."""
-        if self._watcher is None:
-            lost_check = None
-            if self._broker is not None and self.settings.lost_after_s > 0:
-                backend = self.app.backend
-                lost_check = LostCheck(
-                    self._broker, backend.client,
-                    lambda request_id: _text(backend.get_key_for_task(request_id)),
-                    lost_after_s=self.settings.lost_after_s, trace_ttl_s=self._trace_ttl_s())
-            self._watcher = ResultWatcher(self.app.backend, lost_check)
-        return self._watcher
+        watcher = self._watcher
+        if watcher is not None:
+            return watcher
+        with self._watcher_lock:
+            if self._watcher is None:
+                self._watcher = self._new_watcher()
+            return self._watcher
+
+    def _new_watcher(self) -> ResultWatcher:
+        """A result watcher, with the lost check when it is on (lost_check.py)."""
+        lost_check = None
+        if self._broker is not None and self.settings.lost_after_s > 0:
+            backend = self.app.backend
+            lost_check = LostCheck(
+                self._broker, backend.client,
+                lambda request_id: _text(backend.get_key_for_task(request_id)),
+                lost_after_s=self.settings.lost_after_s, trace_ttl_s=self._trace_ttl_s())
+        return ResultWatcher(self.app.backend, lost_check)
 
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
                parameters: Mapping[str, Any] | None = None, serializer: str | None = None,

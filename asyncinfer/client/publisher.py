@@ -73,6 +73,15 @@ return {1}
 """
 
 
+# The trace alone (a generated ID, no bound): KEYS: the list, the claim key. ARGV: message, queue
+# name, trace TTL. A third of the arguments of the script above, for the common case.
+_TRACE = """
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return {1}
+"""
+
+
 class Publisher:
     """Publishes task messages on the Redis broker ``client``."""
 
@@ -89,6 +98,7 @@ class Publisher:
         self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
+        self._trace = client.register_script(_TRACE)
         # This process's own connection for plain pushes: a pool check-out per command (a poll()
         # and redis-py's argument checks) was ~20 % of a send's CPU. Threads take turns on it
         # (one command each); a forked child opens its own.
@@ -139,7 +149,10 @@ class Publisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         while True:
-            if push.scripted:  # on the own connection too: no pool check-out per request
+            if push.trace_only:  # on the own connection: no pool check-out per request
+                reply = self._trace(keys=push.keys[:2], args=push.trace_args,
+                                    client=self._connection())
+            elif push.scripted:
                 reply = self._publish(keys=push.keys, args=push.args, client=self._connection())
             else:  # nothing to check: the script would only push
                 self._connection().lpush(push.keys[0], message)
@@ -164,6 +177,7 @@ class AsyncPublisher:
         self.replicas = 0
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
+        self._trace = client.register_script(_TRACE)
 
     async def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
                       result_key: str | None = None, max_queue_size: int = 0,
@@ -172,7 +186,9 @@ class AsyncPublisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         while True:
-            if push.scripted:
+            if push.trace_only:
+                reply = await self._trace(keys=push.keys[:2], args=push.trace_args)
+            elif push.scripted:
                 reply = await self._publish(keys=push.keys, args=push.args)
             else:
                 await self.client.lpush(push.keys[0], message)
@@ -203,6 +219,9 @@ class _Push:
         self.args = [message, max(0, int(max_queue_size)),
                      publisher.claim_ttl_s if claim else 0, queue, publisher.mark_ttl_s]
         self.scripted = claim or max_queue_size > 0 or publisher.mark_ttl_s > 0
+        #: Nothing to check, only the trace to write with the push.
+        self.trace_only = not claim and max_queue_size <= 0 and publisher.mark_ttl_s > 0
+        self.trace_args = [message, queue, publisher.mark_ttl_s]
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
 
