@@ -96,8 +96,10 @@ def test_a_request_never_seen_with_a_trace_is_not_judged(r: redis.Redis) -> None
     check.trace("other", seen=False)
     r.set(CLAIM_PREFIX + "ours", "infer.m")
     check.trace("ours", seen=False)
+    assert not check.judges("ours") and not check.judges("other")
     assert look_every_period(check, clock, 1) == []
     assert len(check) == 1  # "other" is left alone; "ours" was seen and is judged from now on
+    assert check.judges("ours") and not check.judges("other")
     r.delete(CLAIM_PREFIX + "ours")
     assert look_every_period(check, clock, 2) == ["ours"]
 

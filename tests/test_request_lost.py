@@ -123,7 +123,7 @@ def test_futures_of_requests_the_broker_lost_end_with_request_lost(
         # and one looked up by ID from another client (`asyncinfer result ID`), seen with its trace
         threads.append(in_thread(lambda: other.result(lost[0].id, timeout_s=300), out, "result"))
         looked = lost_check_of(other)
-        wait_for(lambda: looked.looks >= 1 and len(looked) == 1, 30, "the look-up's trace seen")
+        wait_for(lambda: looked.judges(lost[0].id), 30, "the look-up's trace seen")
         wait_for(lambda: in_file(aof, lost), 30, "the lost requests in the append-only file")
         ends: dict[str, float] = {}
         ended_at(kept + lost, ends)

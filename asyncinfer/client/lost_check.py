@@ -129,6 +129,12 @@ class LostCheck:
     def __len__(self) -> int:
         return len(self._traces)
 
+    def judges(self, request_id: str) -> bool:
+        """Whether ``request_id`` is judged: traced, and its trace known to exist."""
+        with self._lock:
+            state = self._traces.get(request_id)
+            return state is not None and state.seen
+
     def due_in_s(self) -> float:
         """Seconds until the next look is due."""
         return max(0.0, self._next_s - self.clock())
