@@ -72,10 +72,11 @@ class Client:
         self._broker: redis.Redis | None = (
             redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
             if is_redis_url(broker_url) else None)
+        trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
         self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s,
                                      replicas=self.settings.submit_replicas,
                                      replicas_timeout_s=self.settings.submit_replicas_timeout_s,
-                                     mark_ttl_s=self._trace_ttl_s())
+                                     mark_ttl_s=trace_s)
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._pinger = Pinger(self.settings)
@@ -92,7 +93,7 @@ class Client:
         self.loop_publishers = aio.LoopPublishers(
             broker_url if self._broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
             replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
-            mark_ttl_s=self._trace_ttl_s() if self._broker is not None else 0.0)
+            mark_ttl_s=trace_s if self._broker is not None else 0.0)
 
     @property
     def broker(self) -> redis.Redis | None:
@@ -120,9 +121,6 @@ class Client:
         if self._known is not None:
             self._known.check(model, request_id)
 
-    def _trace_ttl_s(self) -> float:
-        return trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
-
     @property
     def watcher(self) -> ResultWatcher:
         """The result watcher (started on first use)."""
@@ -131,19 +129,10 @@ class Client:
             return watcher
         with self._watcher_lock:
             if self._watcher is None:
-                self._watcher = self._new_watcher()
+                self._watcher = ResultWatcher(self.app.backend, LostCheck.of(
+                    self._broker, self.app.backend, lost_after_s=self.settings.lost_after_s,
+                    result_expires_s=self.settings.result_expires_s))
             return self._watcher
-
-    def _new_watcher(self) -> ResultWatcher:
-        """A result watcher, with the lost check when it is on (lost_check.py)."""
-        lost_check = None
-        if self._broker is not None and self.settings.lost_after_s > 0:
-            backend = self.app.backend
-            lost_check = LostCheck(
-                self._broker, backend.client,
-                lambda request_id: _text(backend.get_key_for_task(request_id)),
-                lost_after_s=self.settings.lost_after_s, trace_ttl_s=self._trace_ttl_s())
-        return ResultWatcher(self.app.backend, lost_check)
 
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
                parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -431,6 +420,3 @@ class Client:
 def _skip_on_task_call(producer: Any, task_id: str) -> None:
     return None
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -114,6 +114,18 @@ class LostCheck:
         self.keys_read = 0
         self.cpu_s = 0.0
 
+    @classmethod
+    def of(cls, broker: Any, backend: Any, *, lost_after_s: float,
+           result_expires_s: float) -> LostCheck | None:
+        """The check of a client whose Redis ``broker`` (None: not Redis) holds the traces and
+        whose Celery result ``backend`` (Redis) the results; None when the check is off."""
+        if broker is None or not lost_after_s > 0:
+            return None
+        return cls(broker, backend.client,
+                   lambda request_id: _text(backend.get_key_for_task(request_id)),
+                   lost_after_s=lost_after_s,
+                   trace_ttl_s=trace_ttl_s(lost_after_s, result_expires_s))
+
     def trace(self, request_id: str, *, seen: bool = True) -> None:
         """Judge ``request_id`` from now on; ``seen``: its trace is known to exist (this client's
         publish wrote it). Tracing a request again changes nothing."""
@@ -200,3 +212,7 @@ class LostCheck:
                         del self._traces[request_id]
                         lost.append(request_id)
         return lost
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
