@@ -17,6 +17,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerRefused",
     "RequestTimeout",
+    "RequestLost",
     "TransientError",
     "TransientModelError",
     "RetryBudgetExhausted",
@@ -93,6 +94,14 @@ class BrokerRefused(AsyncInferError):
 
 class RequestTimeout(AsyncInferError, TimeoutError):
     """No result within the time a caller waited; the request itself may still finish."""
+
+
+class RequestLost(AsyncInferError):
+    """The broker no longer has a request it accepted: no result is stored, and the trace the
+    client wrote in the same step as the push is gone with the message (Redis restarted without
+    its last writes, or a failover lost them). It will never be answered; send it again with the
+    same ``request_id`` (if a result was stored meanwhile, that send returns it, not a second run).
+    """
 
 
 class RequestRevoked(AsyncInferError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +31,10 @@ def test_up_detach_then_down(tmp_path: Path) -> None:
         assert "running in the background" in up.stdout and "asyncinfer down" in up.stdout
         pid = int(pid_file.read_text())
         assert pid_alive(pid) and oct(pid_file.stat().st_mode & 0o777) == "0o600"
+        # once it has returned, every model it serves is in the catalogue
+        models = run(env, "models", "--json")
+        assert models.returncode == 0, models.stderr[-2000:]
+        assert json.loads(models.stdout)["identity"]["ready"] is True
         again = run(env, "up", "--detach", "--devices", "cpu")
         assert again.returncode == 1 and f"already running (pid {pid})" in again.stderr
         out = run(env, "infer", "identity", "--input", "-", "--datatype", "FP32",

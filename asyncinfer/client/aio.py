@@ -59,11 +59,12 @@ class LoopPublishers:
     itself: a broker other than plain Redis, a Sentinel group, or replica waits."""
 
     def __init__(self, broker_url: str, *, claim_ttl_s: float, replicas: int,
-                 connect_timeout_s: float) -> None:
+                 connect_timeout_s: float, mark_ttl_s: float = 0.0) -> None:
         self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
                        and not is_sentinel_url(broker_url) and not replicas)
         self.broker_url = broker_url
         self.claim_ttl_s = claim_ttl_s
+        self.mark_ttl_s = mark_ttl_s
         self.connect_timeout_s = connect_timeout_s
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPublisher] = (
             weakref.WeakKeyDictionary())
@@ -76,7 +77,8 @@ class LoopPublishers:
         if publisher is None:
             client = redis.asyncio.Redis.from_url(
                 self.broker_url, socket_connect_timeout=self.connect_timeout_s)
-            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s)
+            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s,
+                                                            mark_ttl_s=self.mark_ttl_s)
         return publisher
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.publisher import DUPLICATE, Publisher
@@ -61,15 +63,20 @@ class Client:
         # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
         self.app.backend.on_task_call = _skip_on_task_call
         self._watcher: ResultWatcher | None = None
+        # Two threads' first requests must not start two watchers (one would own the futures,
+        # the other the lost check's traces).
+        self._watcher_lock = threading.Lock()
         # On a Redis broker a request is one LPUSH of Celery's message (what send_task would
         # publish), without Celery's per-send machinery; other brokers use send_task.
         broker_url = str(self.app.conf.broker_url)
         self._broker: redis.Redis | None = (
             redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
             if is_redis_url(broker_url) else None)
+        trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
         self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s,
                                      replicas=self.settings.submit_replicas,
-                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s)
+                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s,
+                                     mark_ttl_s=trace_s)
                            if self._broker is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._pinger = Pinger(self.settings)
@@ -85,7 +92,8 @@ class Client:
         #: Where coroutines publish small requests themselves (aio.send_on_loop).
         self.loop_publishers = aio.LoopPublishers(
             broker_url if self._broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
-            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s)
+            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
+            mark_ttl_s=trace_s if self._broker is not None else 0.0)
 
     @property
     def broker(self) -> redis.Redis | None:
@@ -116,9 +124,15 @@ class Client:
     @property
     def watcher(self) -> ResultWatcher:
         """The result watcher (started on first use)."""
-        if self._watcher is None:
-            self._watcher = ResultWatcher(self.app.backend)
-        return self._watcher
+        watcher = self._watcher
+        if watcher is not None:
+            return watcher
+        with self._watcher_lock:
+            if self._watcher is None:
+                self._watcher = ResultWatcher(self.app.backend, LostCheck.of(
+                    self._broker, self.app.backend, lost_after_s=self.settings.lost_after_s,
+                    result_expires_s=self.settings.result_expires_s))
+            return self._watcher
 
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
                parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -262,9 +276,11 @@ class Client:
 
     def sent(self, outgoing: Outgoing, status: int) -> None:
         """After the publish: a request ID sent before (perhaps by another producer, whose reply
-        channel is not this one) is watched on its own channel."""
+        channel is not this one) is watched on its own channel. The request is judged by the
+        lost check from now on (its trace was written by this publish, or by the first's)."""
         if status == DUPLICATE:
             self.watcher.watch_own_channel(outgoing.request_id)
+        self.watcher.trace(outgoing.request_id, seen=status != DUPLICATE)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""
@@ -320,6 +336,8 @@ class Client:
         """The future of a request sent by anyone, looked up by its ID."""
         future = InferFuture(request_id, self)
         self.watcher.watch(request_id, future._settle)
+        if self._broker is not None:  # judged only if a look finds its trace
+            self.watcher.trace(request_id, seen=False)
         return future
 
     def result(self, request_id: str, timeout_s: float | None = None) -> InferResponse:
@@ -401,3 +419,4 @@ class Client:
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:
     return None
+

@@ -10,10 +10,16 @@ One Lua script per request, run by Redis atomically:
   claim nothing;
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
   more; :meth:`Publisher.publish` waits up to ``timeout_s`` for room, then raises QueueFull.
-  Nothing is dropped: a request is either on the queue or refused at submit.
+  Nothing is dropped: a request is either on the queue or refused at submit;
+- the trace: with ``mark_ttl_s`` (``ASYNCINFER_LOST_AFTER_S`` > 0), a generated ID also gets the
+  claim key, written in the same script as the push. Redis keeps a script's writes together (its
+  append-only file and its replicas get them as one MULTI), so after a crash or a failover the key
+  is there exactly when the message was kept: the client's lost check (lost_check.py) reads "no
+  key and no result" as "the broker lost this request".
 
 Idle workers wake without popping (workers/wake.py), so the push is all a producer does. With
-neither a claim nor a bound to check (a generated ID, no ``max_queue_size``), it is a plain LPUSH.
+nothing to check or mark (a generated ID, no ``max_queue_size``, the lost check off), it is a
+plain LPUSH.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ __all__ = ["Publisher", "AsyncPublisher", "PUBLISHED", "DUPLICATE"]
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
 # KEYS: the list to push on, claim key, result key, then every list of the queue (its priority lists).
-# ARGV: message, max queue size (0: none), claim TTL (0: none), queue name.
+# ARGV: message, max queue size (0: none), claim TTL (0: none), queue name, trace TTL (0: none; the
+# claim key written without the duplicate check, for a generated ID).
 # Returns {1} published, {0} already sent to this queue, {-1, queue length} when the queue is full,
 # {-2, other queue} when the ID was sent to another queue.
 _PUBLISH = """
@@ -56,7 +63,20 @@ if bound > 0 then
   for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
   if depth >= bound then return {-1, depth} end
 end
-if claim_ttl > 0 then redis.call('SET', KEYS[2], ARGV[4], 'EX', claim_ttl) end
+if claim_ttl > 0 then
+  redis.call('SET', KEYS[2], ARGV[4], 'EX', claim_ttl)
+elseif tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
+end
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return {1}
+"""
+
+
+# The trace alone (a generated ID, no bound): KEYS: the list, the claim key. ARGV: message, queue
+# name, trace TTL. A third of the arguments of the script above, for the common case.
+_TRACE = """
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 redis.call('LPUSH', KEYS[1], ARGV[1])
 return {1}
 """
@@ -69,13 +89,16 @@ class Publisher:
     poll_s = (0.002, 0.05)
 
     def __init__(self, client: Any, *, claim_ttl_s: float, replicas: int = 0,
-                 replicas_timeout_s: float = 1.0) -> None:
+                 replicas_timeout_s: float = 1.0, mark_ttl_s: float = 0.0) -> None:
         self.client = client
+        #: TTL of the trace a generated ID gets (0: none; see the module documentation).
+        self.mark_ttl_s = _ttl_s(mark_ttl_s)
         #: ASYNCINFER_SUBMIT_REPLICAS: a publish returns once this many replicas hold it.
         self.replicas = replicas
         self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
+        self._trace = client.register_script(_TRACE)
         # This process's own connection for plain pushes: a pool check-out per command (a poll()
         # and redis-py's argument checks) was ~20 % of a send's CPU. Threads take turns on it
         # (one command each); a forked child opens its own.
@@ -126,8 +149,11 @@ class Publisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         while True:
-            if push.scripted:
-                reply = self._publish(keys=push.keys, args=push.args)
+            if push.trace_only:  # on the own connection: no pool check-out per request
+                reply = self._trace(keys=push.keys[:2], args=push.trace_args,
+                                    client=self._connection())
+            elif push.scripted:
+                reply = self._publish(keys=push.keys, args=push.args, client=self._connection())
             else:  # nothing to check: the script would only push
                 self._connection().lpush(push.keys[0], message)
                 reply = [PUBLISHED]
@@ -145,11 +171,13 @@ class AsyncPublisher:
     client, so a coroutine publishes without a thread hop. Waits for replicas are not done here
     (a client that needs them publishes through :class:`Publisher`)."""
 
-    def __init__(self, client: Any, *, claim_ttl_s: float) -> None:
+    def __init__(self, client: Any, *, claim_ttl_s: float, mark_ttl_s: float = 0.0) -> None:
         self.client = client
+        self.mark_ttl_s = _ttl_s(mark_ttl_s)
         self.replicas = 0
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
+        self._trace = client.register_script(_TRACE)
 
     async def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
                       result_key: str | None = None, max_queue_size: int = 0,
@@ -158,7 +186,9 @@ class AsyncPublisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         while True:
-            if push.scripted:
+            if push.trace_only:
+                reply = await self._trace(keys=push.keys[:2], args=push.trace_args)
+            elif push.scripted:
                 reply = await self._publish(keys=push.keys, args=push.args)
             else:
                 await self.client.lpush(push.keys[0], message)
@@ -167,6 +197,11 @@ class AsyncPublisher:
             if status is not None:
                 return status
             await asyncio.sleep(push.pause_s())
+
+
+def _ttl_s(seconds: float) -> int:
+    """A key's TTL in whole seconds (EX takes integers); 0 stays 0 (none)."""
+    return max(1, int(seconds)) if seconds else 0
 
 
 class _Push:
@@ -182,8 +217,11 @@ class _Push:
         self.keys = [priority_list(queue, priority), claim_key, result_key or claim_key,
                      *priority_lists([queue])]
         self.args = [message, max(0, int(max_queue_size)),
-                     publisher.claim_ttl_s if claim else 0, queue]
-        self.scripted = claim or max_queue_size > 0
+                     publisher.claim_ttl_s if claim else 0, queue, publisher.mark_ttl_s]
+        self.scripted = claim or max_queue_size > 0 or publisher.mark_ttl_s > 0
+        #: Nothing to check, only the trace to write with the push.
+        self.trace_only = not claim and max_queue_size <= 0 and publisher.mark_ttl_s > 0
+        self.trace_args = [message, queue, publisher.mark_ttl_s]
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
 

@@ -18,6 +18,9 @@ reply channel is also looked up ``sweep_first_s`` after it was watched, then at 
 up to ``sweep_max_s``. When a look-up finds a result that its announcement should have brought
 (stored more than ``late_s`` earlier), the watcher logs it and watches new requests on their own
 channels for ``fallback_for_s``. It blocks in ``select`` on the pub/sub socket and a wake-up pipe.
+
+A request the broker lost (no result, and its trace gone: lost_check.py) is ended with
+:class:`~asyncinfer.errors.RequestLost` by the same thread, from its :class:`LostCheck`'s looks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import redis
 from celery import states
 
+from asyncinfer.client.lost_check import LostCheck, lost_error
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
 
@@ -66,8 +70,10 @@ class ResultWatcher:
     #: … and when one was not, new requests are watched on their own channels this long (seconds).
     fallback_for_s = 60.0
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, lost_check: LostCheck | None = None) -> None:
         self.backend = backend
+        #: Ends the futures of requests the broker lost (None: not checked).
+        self.lost_check = lost_check
         self._client: redis.Redis = backend.client
         #: This client's reply channel: requests it sends name it (wire/reply.py).
         self.channel = REPLY_CHANNEL_PREFIX + uuid.uuid4().hex
@@ -125,6 +131,18 @@ class ResultWatcher:
         with self._lock:
             self._callbacks.pop(request_id, None)
             self._keyed.discard(request_id)
+        if self.lost_check is not None:
+            self.lost_check.forget(request_id)
+
+    def trace(self, request_id: str, *, seen: bool) -> None:
+        """Judge whether the broker lost the watched ``request_id`` (lost_check.py); ``seen``: this
+        client's publish wrote its trace. Nothing without a lost check."""
+        if self.lost_check is None:
+            return
+        with self._lock:
+            if request_id not in self._callbacks:
+                return  # answered already
+            self.lost_check.trace(request_id, seen=seen)
 
     def close(self) -> None:
         """Stop the thread and close the pub/sub connection."""
@@ -188,7 +206,7 @@ class ResultWatcher:
                         finished.append(message["channel"])
             if finished:
                 pubsub.unsubscribe(*finished)
-            wait_s = self._sweep()
+            wait_s = min(self._sweep(), self._look_for_lost())
             sock = pubsub.connection._sock
             readable, _, _ = select.select([sock, self._wake_r], [], [], wait_s)
             if self._wake_r in readable:
@@ -261,6 +279,28 @@ class ResultWatcher:
             next_s = self._sweeps[0][0] - time.monotonic() if self._sweeps else 1.0
         return min(1.0, max(0.0, next_s))
 
+    def _look_for_lost(self) -> float:
+        """End the futures of requests the broker lost (when a look is due); seconds until the
+        next look (at most 1)."""
+        check = self.lost_check
+        if check is None:
+            return 1.0
+        for request_id in check.look():
+            with self._lock:
+                callbacks = self._callbacks.pop(request_id, None) or []
+                self._keyed.discard(request_id)
+            if callbacks:
+                log.warning("request %s: lost by the broker (no result, no trace); its future "
+                            "ends with RequestLost", request_id)
+            meta = {"status": states.FAILURE, "task_id": request_id,
+                    "result": lost_error(request_id)}
+            for callback in callbacks:
+                try:
+                    callback(meta)
+                except Exception:  # noqa: BLE001 - a callback's error must not stop the watcher
+                    log.exception("callback for request %s raised", request_id)
+        return min(1.0, check.due_in_s())
+
     def _fall_back(self, request_id: str) -> None:
         if time.monotonic() >= self._fallback_until:
             log.warning("request %s: its result was stored but not announced on this client's "
@@ -279,6 +319,8 @@ class ResultWatcher:
         with self._lock:
             callbacks = self._callbacks.pop(request_id, None) or []
             self._keyed.discard(request_id)
+        if self.lost_check is not None and isinstance(request_id, str):
+            self.lost_check.forget(request_id)
         for callback in callbacks:
             try:
                 callback(meta)

@@ -129,6 +129,14 @@ class Settings:
         0.0, "ASYNCINFER_SUBMIT_TIMEOUT_S",
         "How long `submit()` waits for room in a full queue (`max_queue_size`) before it raises "
         "`QueueFull`; 0: raise at once.")
+    lost_after_s: float = _setting(
+        30.0, "ASYNCINFER_LOST_AFTER_S",
+        "A client ends the future of a request the broker lost (Redis restarted without its last "
+        "writes, a failover that lost them: no result, and the trace written with the push is "
+        "gone) with `RequestLost` within about this many seconds; it looks every half of this, "
+        "one read per waiting request. A request merely queued or running is never declared "
+        "lost. 0: no check (and no trace written for generated request IDs). Requests of other "
+        "producers (Celery's `send_task`, `redis-cli`) have no trace and are not checked.")
     task_serializer: str = _setting(
         "json", "ASYNCINFER_TASK_SERIALIZER",
         "Serializer clients send requests with: `json` or `msgpack` (pickle is never accepted).")
@@ -267,7 +275,7 @@ class Settings:
         for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s", "lease_s",
                      "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
                      "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
-                     "submit_replicas_timeout_s"):
+                     "submit_replicas_timeout_s", "lost_after_s"):
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")

@@ -84,7 +84,8 @@ def error_for(exc: BaseException) -> GatewayError:
         return GatewayError(400, message)
     if isinstance(exc, errors.QueueFull):
         return GatewayError(429, message, retry_after_s=1.0)
-    if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated)):
+    if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated,
+                        errors.RequestLost)):
         return GatewayError(503, message)
     if isinstance(exc, (errors.RequestExpired, errors.RequestTimeout, errors.SoftTimeLimit,
                         errors.HardTimeLimit)) or type(exc).__name__ in (

@@ -1,9 +1,11 @@
 """``asyncinfer up --detach`` and ``asyncinfer down``.
 
 ``up --detach`` starts ``asyncinfer up`` (the same arguments) in a session of its own, its output
-going to ``<state dir>/up.log``, and returns once every worker it supervises answers ``status``,
-saying how to stop it. The running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600);
-``asyncinfer down`` sends it SIGTERM and waits until it has stopped its workers and its Redis.
+going to ``<state dir>/up.log``, and returns once every worker it supervises answers ``status``
+and every model each of them hosts is in the model catalogue under that worker (so a client or
+the gateway that starts right after finds every model it serves), saying how to stop it. The
+running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600); ``asyncinfer down`` sends it SIGTERM
+and waits until it has stopped its workers and its Redis.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: float = 180.0) -> int:
     """Start ``asyncinfer up`` with ``argv`` in the background; return once ``workers`` workers
-    answer (0), or when it exits or ``timeout_s`` passes first (1, with the end of its log)."""
+    answer and their models are in the catalogue (0), or when it exits or ``timeout_s`` passes
+    first (1, with the end of its log)."""
     if running_pid(settings) is not None:
         print(f"asyncinfer up: already running (pid {running_pid(settings)}); stop it with "
               f"`asyncinfer down`", file=sys.stderr)
@@ -75,7 +78,7 @@ def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: flo
                 print(f"asyncinfer up: exited with {proc.returncode} before its workers were "
                       f"ready:\n{_tail(log_path)}", file=sys.stderr)
                 return 1
-            if ready.workers() >= workers and ready.gateway():
+            if ready.workers() >= workers and ready.announced() and ready.gateway():
                 print(f"asyncinfer up: running in the background (pid {proc.pid}, log "
                       f"{log_path}); stop it with `asyncinfer down`", flush=True)
                 return 0
@@ -86,11 +89,27 @@ def detach(argv: Sequence[str], settings: Settings, workers: int, timeout_s: flo
 
 
 class _Readiness:
-    """How many workers answer ``status``, through one client made once the broker is known."""
+    """How many workers answer ``status``, and whether their models are in the catalogue, through
+    one client made once the broker is known."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.client: Any = None
+        #: What the workers that answered last said they host: worker name → models.
+        self.hosted: dict[str, list[str]] = {}
+
+    def announced(self) -> bool:
+        """Whether every model of every worker that answered is in the catalogue under it."""
+        if self.client is None:
+            return False
+        try:
+            entries = self.client.models()
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+        # (a prefork worker's children announce as ``worker/pid``)
+        return all(m in entries and any(h.worker == worker or h.worker.startswith(worker + "/")
+                                        for h in entries[m].hosts)
+                   for worker, models in self.hosted.items() for m in models)
 
     def workers(self) -> int:
         from asyncinfer.ops.status import cluster_status
@@ -104,7 +123,9 @@ class _Readiness:
 
                 self.client = Client(broker_url=url)
             self.client.ping()
-            return len(cluster_status(self.client.app, timeout_s=0.5).workers)
+            status = cluster_status(self.client.app, timeout_s=0.5)
+            self.hosted = {w.name: list(w.models) for w in status.workers}
+            return len(status.workers)
         except Exception:  # noqa: BLE001 - not up yet
             return 0
 

@@ -1,9 +1,14 @@
-"""A device worker's entry in the model catalogue (catalogue.py): announced when it is ready, again
-every third of the TTL, withdrawn when it stops.
+"""A device worker's entry in the model catalogue (catalogue.py): announced once its models are
+loaded and before it takes any request, again every third of the TTL, withdrawn before it gives its
+requests back on a clean stop.
 
 The catalogue lives on the result backend's Redis (where the gateway and clients also read
-results). A failed announcement is logged and tried again at the next beat; it never stops the
-worker serving. Without a Redis result backend there is no catalogue, and nothing is announced.
+results). The first announcement is made before :meth:`Announcer.start` returns, tried again until
+Redis takes it: a worker whose first answer came before its entry would have the gateway answer
+404 ("no worker announced it") for a model being served, and ``asyncinfer up --detach`` could not
+tell when a fleet serves. A later beat that fails is logged and tried again at the next; it never
+stops the worker serving. Without a Redis result backend there is no catalogue, and nothing is
+announced.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,20 +45,30 @@ class Announcer:
         self._announced: list[str] = []
         self._thread = threading.Thread(target=self._run, name="asyncinfer-announcer", daemon=True)
 
+    #: Between two tries of the first announcement (seconds): from the first to the last.
+    first_retry_s = (0.1, 2.0)
+
     def start(self) -> Announcer:
-        self.beat()  # before start() returns: a ready worker is in the catalogue
+        """Announce, trying again until Redis takes it (a worker that cannot reach its result
+        backend could not store an answer either), then keep announcing in a thread."""
+        pause_s = self.first_retry_s[0]
+        while not self.beat(retry_in_s=pause_s):
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, self.first_retry_s[1])
         self._thread.start()
         return self
 
-    def beat(self) -> None:
-        """Announce once (errors logged, not raised)."""
+    def beat(self, retry_in_s: float | None = None) -> bool:
+        """Announce once (errors logged, not raised); whether Redis took it."""
         try:
             models = self.models()
             self.catalogue.announce(self.worker, models, device=self.device, pid=os.getpid())
             self._announced = [str(m["name"]) for m in models]
+            return True
         except redis.RedisError as exc:
             log.warning("model catalogue: announcement failed (%s: %s); next try in %.1f s",
-                        type(exc).__name__, exc, self.interval_s)
+                        type(exc).__name__, exc, self.interval_s if retry_in_s is None else retry_in_s)
+            return False
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
@@ -76,8 +92,11 @@ _current: list[Announcer] = []
 
 def start(settings: Settings, worker: str, device: str,
           models: Callable[[], Sequence[Mapping[str, Any]]]) -> Announcer | None:
-    """Start this process's announcer (none without a Redis result backend)."""
-    stop()
+    """Start this process's announcer (none without a Redis result backend); returns once its
+    models are in the catalogue. One that runs already is kept: stopping it would withdraw the
+    entry, a gap in which the models look unserved."""
+    if _current:
+        return _current[-1]
     backend = settings.resolved_result_backend()
     if not is_redis_url(backend):
         log.info("model catalogue: the result backend is not Redis; nothing is announced")
@@ -91,6 +110,7 @@ def start(settings: Settings, worker: str, device: str,
 
 
 def stop() -> None:
-    """Stop this process's announcer, if any (it withdraws its models)."""
+    """Stop this process's announcer, if any (it withdraws its models). Called before the worker
+    gives its requests back, so no client is sent to a worker that is leaving."""
     while _current:
         _current.pop().stop()

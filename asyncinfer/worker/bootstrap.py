@@ -2,7 +2,14 @@
 
 Connected to Celery's worker signals, so ``celery -A asyncinfer worker -Q infer.mlp`` and
 ``asyncinfer worker`` behave the same. In a threads or solo pool the models load in the worker
-process before it consumes; in prefork they load in each child after the fork, never in the parent.
+process before it consumes, and are announced in the model catalogue (announcer.py) right after,
+in ``worker_init``, before any consumer starts: the first request a worker answers finds its
+model in the catalogue. In prefork they load in each child after the fork, never in the parent;
+a child announces before it runs anything.
+
+On a clean stop the models are withdrawn first (``worker_shutting_down``, before Celery's
+consumer and the fast consumer give their requests back), so no client is sent to a worker that
+is leaving.
 """
 
 from __future__ import annotations
@@ -91,14 +98,15 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         _worker_name[0] = str(getattr(sender, "hostname", "") or "")
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
+        # Before the blueprint starts any consumer: nothing is taken before the models are in
+        # the catalogue. (A prefork child announces itself once loaded.)
+        _announce(_worker_name[0])
 
 
-@signals.worker_ready.connect
-def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    # Consuming now: its models are served. (A prefork child announces itself once loaded.)
-    pool_cls = getattr(getattr(sender, "controller", None), "pool_cls", None)
-    if pool_cls is None or not is_prefork(pool_cls):
-        _announce(_worker_name[0] or str(getattr(sender, "hostname", "")))
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    # A clean stop begins: withdraw before any request is given back.
+    announcer.stop()
 
 
 @signals.worker_process_init.connect

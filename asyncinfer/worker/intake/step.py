@@ -8,6 +8,11 @@ consumer to the :class:`~asyncinfer.worker.intake.fast_consumer.FastConsumer`; C
 keeps the other queues, and the control queue (``asyncinfer.control``) so that it always has one,
 and goes on serving remote control, events and heartbeats. Otherwise (RabbitMQ, ``consumer=celery``
 as a debug switch, prefork) Celery's stock consumer serves everything.
+
+The fast consumer takes nothing before the worker's start-up is complete: it starts when Celery
+says the worker is ready (``worker_ready``: Celery's consumer connected, revocations synced with
+the other workers by mingle, so a request revoked earlier is not run), after the models were
+loaded and announced in the catalogue (bootstrap.py).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.concurrency import get_implementation
 
 from asyncinfer.config.bound import settings_of
@@ -56,6 +61,7 @@ class FastConsumerStep(bootsteps.StartStopStep):
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.consumer: Any = None
         self.queues: list[str] = self._take_queues(worker)
+        self._worker: Any = None
 
     @staticmethod
     def _take_queues(worker: Any) -> list[str]:
@@ -79,6 +85,19 @@ class FastConsumerStep(bootsteps.StartStopStep):
         return bool(self.queues)
 
     def start(self, worker: Any) -> None:
+        # Started once the worker is ready (see the module documentation).
+        self._worker = worker
+        signals.worker_ready.connect(self._on_worker_ready, weak=False)
+
+    def _on_worker_ready(self, sender: Any = None, **_: Any) -> None:
+        worker = self._worker
+        if worker is None or getattr(sender, "controller", worker) is not worker:
+            return  # another worker of this process (tests build several), or stopped already
+        signals.worker_ready.disconnect(self._on_worker_ready)
+        if self.consumer is None:
+            self._start_consumer(worker)
+
+    def _start_consumer(self, worker: Any) -> None:
         from asyncinfer.policy.policy import Policy
         from asyncinfer.worker import inspection, metrics
         from asyncinfer.worker.intake.fast_consumer import FastConsumer
@@ -96,6 +115,13 @@ class FastConsumerStep(bootsteps.StartStopStep):
         self.consumer = consumer.start()
 
     def stop(self, worker: Any) -> None:
+        from asyncinfer.worker import announcer
+
+        # Withdrawn from the model catalogue before the held requests go back (also on a stop
+        # that no signal began).
+        announcer.stop()
+        signals.worker_ready.disconnect(self._on_worker_ready)
+        self._worker = None
         if self.consumer is not None:
             self.consumer.stop()
             self.consumer = None
