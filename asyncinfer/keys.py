@@ -28,6 +28,7 @@ __all__ = [
     "DEATHS_PREFIX",
     "WATCH_PREFIX",
     "BELL_PREFIX",
+    "WAITERS_SUFFIX",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -58,8 +59,10 @@ DEATHS_PREFIX = KEY_PREFIX + "deaths:"
 
 #: The one idle consumer watching a list (wake.py): ``asyncinfer:watch:<list>`` names it, with a
 #: short TTL; ``asyncinfer:bell:<list>`` (at most one element) wakes one of the other idle ones.
+#: ``asyncinfer:bell:<list>:waiters`` counts the consumers waiting for that bell.
 WATCH_PREFIX = KEY_PREFIX + "watch:"
 BELL_PREFIX = KEY_PREFIX + "bell:"
+WAITERS_SUFFIX = ":waiters"
 
 #: Requests of model ``M`` that failed for good (when ``M`` opts in): the list ``asyncinfer:dead:M``.
 DEAD_LETTER_PREFIX = KEY_PREFIX + "dead:"

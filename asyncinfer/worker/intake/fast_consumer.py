@@ -237,6 +237,8 @@ class FastConsumer:
                 taken = self.taker.take(self._lists, room, started,
                                         self.leases.terms if self.leases is not None else None,
                                         watcher=self.waker.token)
+                if self.taker.passed_watch:
+                    self.waker.watch_passed()
                 if taken:
                     self._took(taken)
                 backoff_s = 0.1

@@ -32,6 +32,7 @@ from asyncinfer.keys import (
     LEASES_KEY,
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
+    WAITERS_SUFFIX,
     WATCH_PREFIX,
 )
 
@@ -40,15 +41,16 @@ __all__ = ["MAX_ENVELOPE_DEPTH", "LeaseTerms", "StartedText", "Taken", "Taker"]
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
 
-# KEYS: unacked_index, unacked, leases, lease holders, the first list's watch and bell (wake.py),
-# then the lists to take from, in order.
+# KEYS: unacked_index, unacked, leases, lease holders, the first list's watch, bell and count of
+# consumers waiting for the bell (wake.py), then the lists to take from, in order.
 # ARGV: most messages to take, now (seconds), deepest nesting allowed; then the STARTED states to
 # store ('' for none: result key prefix, the stored text before and after the JSON of the request
 # ID, seconds it lives or 0, the task whose requests start); then the lease (seconds, 0 for none),
 # the holder, and the prefix of the death counts ('' to read none); then the taker's watch token
 # ('' for none).
-# Returns a flat list: list name, message, 1 if recorded (else 0), 1 if its STARTED was stored
-# (else 0), the worker deaths counted against its request, list name, message, ...
+# Returns a flat list: 1 if the taker gave the first list's watch up (else 0), then per message:
+# list name, message, 1 if recorded (else 0), 1 if its STARTED was stored (else 0), the worker
+# deaths counted against its request.
 _TAKE = r"""
 local max_depth = tonumber(ARGV[3])
 
@@ -122,7 +124,7 @@ end
 
 local out = {}
 local taken = 0
-for i = 7, #KEYS do
+for i = 8, #KEYS do
   local queue = KEYS[i]
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
@@ -160,18 +162,26 @@ for i = 7, #KEYS do
   end
   if taken >= room then break end
 end
--- The watcher of the first list took what woke it: it gives the watch up and rings the bell, so
--- that one other idle consumer watches next; a take that filled its room and left messages
--- rings it too (one more consumer wakes to take them), never all of them.
+-- The watcher of the first list took what woke it: when other idle consumers wait for its bell
+-- (or it is full now and will not watch), it gives the watch up, and rings the bell so that one
+-- of them watches next; alone, it keeps the watch (no round trip to claim it again). A take that
+-- filled its room and left messages rings the bell too (one more consumer wakes to take them),
+-- never all of them.
+local passed = 0
 if watcher ~= '' and taken > 0 then
   local mine = redis.call('GET', KEYS[5]) == watcher
-  if mine then redis.call('DEL', KEYS[5]) end
-  if mine or (taken >= room and redis.call('LLEN', KEYS[7]) > 0) then
+  local waiting = (tonumber(redis.call('GET', KEYS[7]) or '0') or 0) > 0
+  if mine and (waiting or taken >= room) then
+    redis.call('DEL', KEYS[5])
+    passed = 1
+  end
+  if (passed == 1 and waiting) or (taken >= room and redis.call('LLEN', KEYS[8]) > 0) then
     redis.call('LPUSH', KEYS[6], '1')
     redis.call('LTRIM', KEYS[6], 0, 0)
     redis.call('PEXPIRE', KEYS[6], 60000)
   end
 end
+table.insert(out, 1, passed)
 return out
 """
 
@@ -208,6 +218,7 @@ class Taker:
 
     def __init__(self, client: Any) -> None:
         self._take = client.register_script(_TAKE)
+        self.passed_watch = False
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
              lease: LeaseTerms | None = None, watcher: str = "") -> list[Taken]:
@@ -226,10 +237,13 @@ class Taker:
         terms: list[Any] = [0, "", ""] if lease is None else [
             lease.lease_s, lease.holder, lease.deaths_prefix]
         flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY,
-                                WATCH_PREFIX + lists[0], BELL_PREFIX + lists[0], *lists],
+                                WATCH_PREFIX + lists[0], BELL_PREFIX + lists[0],
+                                BELL_PREFIX + lists[0] + WAITERS_SUFFIX, *lists],
                           args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher])
+        #: Whether this take gave the first list's watch up (the waker claims it again).
+        self.passed_watch = bool(flat[0])
         taken = []
-        for i in range(0, len(flat), 5):
+        for i in range(1, len(flat), 5):
             key = flat[i]
             taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
                           bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))

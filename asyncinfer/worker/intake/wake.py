@@ -16,18 +16,20 @@ on a connection of its own, so the common wake-up costs no thread hand-off (each
 for the GIL, which a busy device thread holds). A push must not wake every idle worker of a fleet
 (BLMOVE of a list onto itself leaves it non-empty, so Redis serves every client blocked on it: N
 takes for one request, N − 1 of them empty). So one idle consumer per list *watches* it — it
-holds ``asyncinfer:watch:<list>`` (a token with a short TTL, renewed at each wait) and blocks with
-BLMOVE — and the others wait on ``asyncinfer:bell:<list>`` (BLPOP). The watcher's take passes the
-watch on: it gives the token up and rings the bell, waking exactly one other idle consumer, which
-takes what came meanwhile and watches next; a take that fills its room and leaves messages rings
-it too (take.py). A watcher that dies or freezes holds the token until its TTL passes; meanwhile
-the others still take at least once per wait (about a second). Watcher threads cover the other lists (priority
-lists, other queues); one that fires sets the wake-up flag and, if the caller is blocked in Redis,
-cuts that block short with ``CLIENT UNBLOCK``. A watcher that fired waits until the consumer is
-idle again (:meth:`Waker.arm`) before it blocks again; otherwise it would spin on a list that is
-not empty. Redis older than 6.2 has no BLMOVE: ``BRPOPLPUSH list list`` is used instead (it moves
-the oldest message to the front of its list, which changes the order of that one message, never
-loses it).
+holds ``asyncinfer:watch:<list>`` (a token with a short TTL, renewed while it waits) and blocks
+with BLMOVE — and the others wait on ``asyncinfer:bell:<list>`` (BLPOP), counted in
+``…:waiters``. When others wait, the watcher's take passes the watch on: it gives the token up
+and rings the bell, waking exactly one other idle consumer, which takes what came meanwhile and
+watches next; alone, it keeps the watch. A take that fills its room and leaves messages rings the
+bell too (take.py). A watcher that dies or freezes holds the token until its TTL passes;
+meanwhile the others still take at least once per wait (about a second).
+
+Watcher threads cover the other lists (priority lists, other queues); one that fires sets the
+wake-up flag and, if the caller is blocked in Redis, cuts that block short with ``CLIENT UNBLOCK``. A
+watcher that fired waits until the consumer is idle again (:meth:`Waker.arm`) before it blocks
+again; otherwise it would spin on a list that is not empty. Redis older than 6.2 has no BLMOVE:
+``BRPOPLPUSH list list`` is used instead (it moves the oldest message to the front of its list,
+which changes the order of that one message, never loses it).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 import redis
 
 from asyncinfer.engine.vital import vital_thread
-from asyncinfer.keys import BELL_PREFIX, WATCH_PREFIX
+from asyncinfer.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
 
 __all__ = ["Waker"]
 
@@ -57,6 +59,15 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return 1
 end
 return 0
+"""
+
+# KEYS: a bell's count of waiters. ARGV: +1 or -1. Never below 0; lapses 30 s after its last
+# change (a waiter killed while it waited counts no longer).
+_WAITING = r"""
+local n = redis.call('INCRBY', KEYS[1], ARGV[1])
+if n < 0 then redis.call('SET', KEYS[1], 0) end
+redis.call('EXPIRE', KEYS[1], 30)
+return n
 """
 
 
@@ -96,8 +107,13 @@ class Waker:
         #: This consumer's watch token (the take script passes the watch on with it).
         self.token = os.urandom(8).hex()
         self._claim = client.register_script(_CLAIM)
+        self._waiting = client.register_script(_WAITING)
         self._watch_key = WATCH_PREFIX + self.lists[0]
         self._bell_key = BELL_PREFIX + self.lists[0]
+        self._waiters_key = self._bell_key + WAITERS_SUFFIX
+        #: Until when (monotonic) this consumer surely still holds the watch it claimed: no
+        #: round trip to claim it again before then (its take says when it gave it up).
+        self._watching_until = 0.0
 
     def start(self) -> Waker:
         connection = getattr(self.own, "connection", None)
@@ -130,11 +146,10 @@ class Waker:
                 return True
             try:
                 block_s = max(1, round(timeout_s))
-                if self._claim(keys=[self._watch_key], client=self.own,
-                               args=[self.token, (block_s + self.watch_margin_s) * 1000]):
+                if self._watching(block_s):
                     found = self._block(self.own, self.lists[0], block_s)
                 else:  # another idle consumer watches: wait for its bell
-                    found = self.own.blpop([self._bell_key], block_s)
+                    found = self._wait_for_bell(block_s)
             except Exception:
                 if self._done():
                     return True  # close() cut the connection
@@ -142,6 +157,35 @@ class Waker:
             return found is not None or self._wake.is_set()
         finally:
             self._blocking = False
+
+    def watch_passed(self) -> None:
+        """This consumer's take gave the watch of its first list up."""
+        self._watching_until = 0.0
+
+    def _watching(self, block_s: int) -> bool:
+        """Whether this consumer watches its first list for the next ``block_s`` seconds: it
+        held the watch recently enough, or it claims (or renews) it now."""
+        now = time.monotonic()
+        if now < self._watching_until:
+            return True
+        lifetime_s = block_s + self.watch_margin_s
+        if self._claim(keys=[self._watch_key], client=self.own, args=[self.token, lifetime_s * 1000]):
+            # sure for a little less than the watch lives, less the block that follows
+            self._watching_until = now + self.watch_margin_s - 0.5
+            return True
+        self._watching_until = 0.0
+        return False
+
+    def _wait_for_bell(self, block_s: int) -> Any:
+        """Wait for the watcher's bell, counted among its waiters (so that it passes the watch)."""
+        self._waiting(keys=[self._waiters_key], client=self.own, args=[1])
+        try:
+            return self.own.blpop([self._bell_key], block_s)
+        finally:
+            try:
+                self._waiting(keys=[self._waiters_key], client=self.own, args=[-1])
+            except redis.RedisError:  # the count lapses by itself
+                pass
 
     def close(self) -> None:
         """Stop the watchers (their blocked commands are cut by closing the connections)."""
