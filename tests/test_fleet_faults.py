@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -66,6 +68,25 @@ def _report(fault: str, sent: int, answered: int, starts: dict[int, int], second
     print(f"\n{fault}: sent {sent}, answered {answered}, lost {sent - answered}, ran twice "
           f"{twice}, more than twice {sum(1 for n in starts.values() if n > 2)}, last answer "
           f"{seconds:.1f} s after the fault")
+
+
+@contextmanager
+def _crashy_under_up(url: str, env: dict[str, str], tmp_path) -> Iterator[tuple[Client, list[int]]]:
+    """``asyncinfer up`` (no gateway) with one worker of "crashy" on ``url``; yields a client and
+    the PIDs of the workers seen (the test adds those it sees later; all are stopped by PID)."""
+    log = open(tmp_path / "up.log", "wb")
+    up = start_up({**worker_env(url), **env}, log, "--models", "crashy", "--no-gateway")
+    client = Client(broker_url=url)
+    seen: list[int] = []
+    try:
+        seen += [w.pid for w in wait_for(lambda: cluster_status(client.app, 0.5).workers, 90,
+                                         "a worker")]
+        yield client, seen
+        seen += [w.pid for w in cluster_status(client.app, 0.5).workers]
+    finally:
+        client.close()
+        stop_up(up, sorted(set(seen)))
+        log.close()
 
 
 @pytest.mark.timeout(180)
@@ -151,38 +172,26 @@ def test_a_worker_killed_under_up_is_restarted_and_takes_back_what_it_held_at_on
     # Given `asyncinfer up` with one worker on a slow kernel (30 s a batch), holding 12 requests
     url, r = redis_db.url, redis_db.client
     prefix, env = _crashy(url, "restart", 30)
-    log = open(tmp_path / "up.log", "wb")
-    up = start_up({**worker_env(url), **env}, log, "--models", "crashy", "--no-gateway")
-    client = Client(broker_url=url)
-    seen: set[int] = set()
-    try:
-        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
-        seen.update(w.pid for w in first)
+    with _crashy_under_up(url, env, tmp_path) as (client, seen):
         futures = [client.submit("crashy", _index(i)) for i in range(12)]
         wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and _batches(r, prefix), 30,
                  "12 held, a batch on the device")
         # When it is killed outright (no other worker anywhere) and its device gets fast
         r.set(f"{prefix}:fast", 1)
         struck = time.monotonic()
-        os.kill(first[0].pid, signal.SIGKILL)
+        os.kill(seen[0], signal.SIGKILL)
         # Then the worker `up` starts in its place takes them back at once (not after the lease:
         # the dead process was of this host) and answers every one
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
         last_s = time.monotonic() - struck
         assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
-        restarted = {a.parameters["worker"] for a in answers}
-        assert len(restarted) == 1
+        assert len({a.parameters["worker"] for a in answers}) == 1
         starts = _starts(r, prefix)
         on_device = _batches(r, prefix)[0]
         assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
-        seen.update(w.pid for w in cluster_status(client.app, 0.5).workers)
         _report("kill -9 of the one worker under up, restarted", 12, len(answers), starts, last_s)
         up_log = (tmp_path / "up.log").read_text(errors="replace")
         assert "took back 12 requests that a dead worker of this host held" in up_log, up_log[-3000:]
-    finally:
-        client.close()
-        stop_up(up, sorted(seen))
-        log.close()
 
 
 @pytest.mark.timeout(240)
@@ -191,15 +200,8 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
     # Given `asyncinfer up` with one worker and a model that keeps its dead letters
     url, r = redis_db.url, redis_db.client
     prefix, env = _crashy(url, "killer", 0.1)
-    options = json.dumps({"crashy": {"dead_letter": True}})
-    log = open(tmp_path / "up.log", "wb")
-    up = start_up({**worker_env(url), **env, "ASYNCINFER_MODEL_OPTIONS": options}, log,
-                  "--models", "crashy", "--no-gateway")
-    client = Client(broker_url=url)
-    seen: set[int] = set()
-    try:
-        first = wait_for(lambda: cluster_status(client.app, 0.5).workers, 90, "a worker")
-        seen.update(w.pid for w in first)
+    env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
+    with _crashy_under_up(url, env, tmp_path) as (client, _):
         # When 40 good requests and one that kills its worker (-1) are sent in one burst
         good = [client.submit("crashy", _index(i)) for i in range(20)]
         killer = client.submit("crashy", _index(-1))
@@ -218,15 +220,9 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
         assert [b for b in _batches(r, prefix) if -1 in b][1:] == [[-1]] * (starts[-1] - 1)
         # And it is kept as a dead letter
         dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
-        assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id,
-                                                                         "WorkerLost")]
+        assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
         _report("a request that kills its worker, among 40 (asyncinfer up)", 41,
                 len(answers) + 1, starts, last_s)
-        seen.update(w.pid for w in cluster_status(client.app, 0.5).workers)
-    finally:
-        client.close()
-        stop_up(up, sorted(seen))
-        log.close()
 
 
 @pytest.mark.timeout(150)

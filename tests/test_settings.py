@@ -119,6 +119,10 @@ def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
     ({}, {"result_expires_s": -1.0}, "result_expires_s"),
     ({}, {"task_serializer": "pickle"}, "task_serializer"),
     ({"ASYNCINFER_RESULT_SERIALIZER": "pickle"}, {}, "result_serializer"),
+    ({"ASYNCINFER_LEASE_S": "0.5"}, {}, "lease_s"),
+    ({}, {"lease_s": -1.0}, "lease_s"),
+    ({"ASYNCINFER_MAX_WORKER_DEATHS": "-1"}, {}, "max_worker_deaths"),
+    ({}, {"hold_batches": -2}, "hold_batches"),
 ])
 @pytest.mark.unit
 def test_invalid_values_name_the_field(env: dict[str, str], overrides: dict[str, object], field: str) -> None:
