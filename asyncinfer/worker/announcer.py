@@ -48,27 +48,33 @@ class Announcer:
     #: Between two tries of the first announcement (seconds): from the first to the last.
     first_retry_s = (0.1, 2.0)
 
-    def start(self) -> Announcer:
-        """Announce, trying again until Redis takes it (a worker that cannot reach its result
-        backend could not store an answer either), then keep announcing in a thread."""
+    def start(self, unreachable_for_s: float = 5.0) -> Announcer:
+        """Announce, trying again while Redis refuses it (a worker that cannot write to its
+        result backend could not store an answer either), then keep announcing in a thread.
+        A Redis that cannot be reached for ``unreachable_for_s`` is left to the worker's own
+        connection, which ends it with an error saying so; the thread keeps trying."""
         pause_s = self.first_retry_s[0]
-        while not self.beat(retry_in_s=pause_s):
+        deadline = time.monotonic() + unreachable_for_s
+        while (failure := self.beat(retry_in_s=pause_s)) is not None:
+            if isinstance(failure, (redis.ConnectionError, redis.TimeoutError)) \
+                    and time.monotonic() >= deadline:
+                break
             time.sleep(pause_s)
             pause_s = min(pause_s * 2, self.first_retry_s[1])
         self._thread.start()
         return self
 
-    def beat(self, retry_in_s: float | None = None) -> bool:
-        """Announce once (errors logged, not raised); whether Redis took it."""
+    def beat(self, retry_in_s: float | None = None) -> redis.RedisError | None:
+        """Announce once (errors logged, not raised); None once Redis took it, else its error."""
         try:
             models = self.models()
             self.catalogue.announce(self.worker, models, device=self.device, pid=os.getpid())
             self._announced = [str(m["name"]) for m in models]
-            return True
+            return None
         except redis.RedisError as exc:
             log.warning("model catalogue: announcement failed (%s: %s); next try in %.1f s",
                         type(exc).__name__, exc, self.interval_s if retry_in_s is None else retry_in_s)
-            return False
+            return exc
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
@@ -104,7 +110,8 @@ def start(settings: Settings, worker: str, device: str,
     client = redis_client(backend, settings, socket_connect_timeout=settings.connect_timeout_s,
                           socket_timeout=max(settings.connect_timeout_s, 1.0))
     catalogue = Catalogue(client, ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
-    announcer = Announcer(catalogue, worker, models, device=device).start()
+    announcer = Announcer(catalogue, worker, models, device=device).start(
+        unreachable_for_s=settings.connect_timeout_s)
     _current.append(announcer)
     return announcer
 

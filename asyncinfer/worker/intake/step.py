@@ -25,6 +25,7 @@ from celery import bootsteps, signals
 from celery.concurrency import get_implementation
 
 from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url
 from asyncinfer.constants import CONTROL_QUEUE, model_from_queue
 
@@ -85,7 +86,11 @@ class FastConsumerStep(bootsteps.StartStopStep):
         return bool(self.queues)
 
     def start(self, worker: Any) -> None:
-        # Started once the worker is ready (see the module documentation).
+        # Started once the worker is ready (see the module documentation). A broker that cannot
+        # be reached now ends the worker at once, non-zero (Celery's "Unrecoverable error"),
+        # instead of a hundred reconnection attempts by Celery's consumer over an hour: a
+        # supervisor then sees the worker fail and says why.
+        _check_reachable(worker.app)
         self._worker = worker
         signals.worker_ready.connect(self._on_worker_ready, weak=False)
 
@@ -125,3 +130,18 @@ class FastConsumerStep(bootsteps.StartStopStep):
         if self.consumer is not None:
             self.consumer.stop()
             self.consumer = None
+
+
+def _check_reachable(app: Any) -> None:
+    """Raise BrokerUnavailable unless the broker answers a PING within the connect timeout (a
+    broker that answers with a refusal, such as a full disk, is ridden out, not refused here)."""
+    from asyncinfer.client.pinger import Pinger
+    from asyncinfer.errors import BrokerRefused
+
+    pinger = Pinger(settings_of(app) or Settings.from_env())
+    try:
+        pinger.ping(str(app.conf.broker_url))
+    except BrokerRefused:
+        pass
+    finally:
+        pinger.close()
