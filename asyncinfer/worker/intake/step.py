@@ -90,9 +90,25 @@ class FastConsumerStep(bootsteps.StartStopStep):
         # be reached now ends the worker at once, non-zero (Celery's "Unrecoverable error"),
         # instead of a hundred reconnection attempts by Celery's consumer over an hour: a
         # supervisor then sees the worker fail and says why.
-        _check_reachable(worker.app)
+        self._check_reachable(worker)
         self._worker = worker
         signals.worker_ready.connect(self._on_worker_ready, weak=False)
+
+    @staticmethod
+    def _check_reachable(worker: Any) -> None:
+        """Raise BrokerUnavailable unless the broker answers a PING within the connect timeout
+        (a broker that answers with a refusal, such as a full disk, is ridden out, not refused)."""
+        from asyncinfer.client.pinger import Pinger
+        from asyncinfer.errors import BrokerRefused
+
+        app = worker.app
+        pinger = Pinger(settings_of(app) or Settings.from_env())
+        try:
+            pinger.ping(str(app.conf.broker_url))
+        except BrokerRefused:
+            pass
+        finally:
+            pinger.close()
 
     def _on_worker_ready(self, sender: Any = None, **_: Any) -> None:
         worker = self._worker
@@ -130,18 +146,3 @@ class FastConsumerStep(bootsteps.StartStopStep):
         if self.consumer is not None:
             self.consumer.stop()
             self.consumer = None
-
-
-def _check_reachable(app: Any) -> None:
-    """Raise BrokerUnavailable unless the broker answers a PING within the connect timeout (a
-    broker that answers with a refusal, such as a full disk, is ridden out, not refused here)."""
-    from asyncinfer.client.pinger import Pinger
-    from asyncinfer.errors import BrokerRefused
-
-    pinger = Pinger(settings_of(app) or Settings.from_env())
-    try:
-        pinger.ping(str(app.conf.broker_url))
-    except BrokerRefused:
-        pass
-    finally:
-        pinger.close()
