@@ -23,9 +23,11 @@ import pytest
 import redis
 
 from asyncinfer.client import Client
+from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
 from asyncinfer.keys import LEASES_KEY, UNACKED_KEY
 from asyncinfer.ops.status import cluster_status
+from tests.support.lost import lost_check_of
 from tests.support.processes import launch_worker, start_up, stop_up, worker_env
 from tests.support.proxy import Partition
 from tests.support.sentinel import SentinelGroup
@@ -149,17 +151,23 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
 
 @pytest.mark.timeout(150)
 def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis_db, tmp_path) -> None:
-    # Given two workers at the default settings (a 10 s lease)
+    # Given two workers at the default settings (a 10 s lease), and a client that declares a
+    # request lost after a few seconds without a trace of it
     url, r = redis_db.url, redis_db.client
     prefix, env = _crashy(url, "long", 0)
     first, second = _two_workers(url, url, tmp_path, env, env)
-    client = Client(broker_url=url)
+    client = Client(settings=Settings.from_env(broker_url=url, lost_after_s=4.0))
     try:
         # When one runs a 25 s kernel while the other idles beside it
-        answer = client.infer("crashy", _index(1025), timeout_s=ANSWER_WITHIN_S)
+        future = client.submit("crashy", _index(1025))
+        check = lost_check_of(client)
+        answer = future.result(timeout=ANSWER_WITHIN_S)
         # Then it ran exactly once: its renewed lease kept it from the idle one's sweep
         assert answer["output"].tolist() == [[1025.0]] and _starts(r, prefix) == {1025: 1}
         assert r.hlen(UNACKED_KEY) == 0 and r.zcard(LEASES_KEY) == 0
+        # And the client, which looked for it all along, never declared it lost
+        assert check.looks >= 25 / check.period_s - 2
+        print(f"\n25 s kernel: ran once, declared lost 0, looks while it ran {check.looks}")
     finally:
         client.close()
         first.stop()

@@ -21,11 +21,11 @@ import pytest
 import redis
 
 from asyncinfer.client import Client
-from asyncinfer.client.lost_check import LostCheck
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import RequestLost
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import RedisDatabase
+from tests.support.lost import lost_check_of
 from tests.support.processes import WorkerProcess, start_worker
 from tests.support.waiting import wait_for
 
@@ -52,12 +52,6 @@ def in_file(path: Path, futures: list) -> bool:
     """Whether every request of ``futures`` is written in the file at ``path``."""
     text = path.read_bytes()
     return all(f.id.encode() in text for f in futures)
-
-
-def lost_check_of(client: Client) -> LostCheck:
-    check = client.watcher.lost_check
-    assert check is not None, "the lost check is on for a Redis broker"
-    return check
 
 
 def ended_at(futures: list, clock: dict[str, float]) -> None:
@@ -205,19 +199,3 @@ def test_requests_behind_a_10000_deep_backlog_are_not_declared_lost(
         client.close()
         if worker is not None:
             worker.stop()
-
-
-def test_a_request_on_a_25_s_kernel_is_not_declared_lost(redis_url: str,
-                                                         worker: WorkerProcess) -> None:
-    # Given a request the session worker runs for 25 s, and a lost bound of a few seconds
-    client = Client(settings=Settings.from_env(broker_url=redis_url, lost_after_s=LOST_AFTER_S))
-    try:
-        future = client.submit("sleep", np.array([[25.0]], np.float32))
-        check = lost_check_of(client)
-        # Then it is answered after its kernel, not declared lost on the way
-        response = future.result(timeout=120)
-        assert response.id == future.id and response["output"].tolist() == [[25.0]]
-        assert check.looks >= 25 / check.period_s - 2  # the check looked all along
-        print(f"\n25 s kernel: answered, declared lost 0, looks while it ran {check.looks}")
-    finally:
-        client.close()
