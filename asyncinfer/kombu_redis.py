@@ -108,6 +108,15 @@ class QoS(kombu_redis.QoS):
             self.channel._refused("an acknowledgement", exc)
             self.channel._acks_due.append(delivery_tag)
 
+    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
+        """kombu's restore sweep; skipped this time when Redis refuses it (its lock is a write)."""
+        try:
+            return super().restore_visible(*args, **kwargs)
+        except REFUSED_CLASSES as exc:
+            log.warning("Redis refused the restore sweep: %s; it runs again on its next turn",
+                        refusal_reason(exc) or printable(exc))
+            return None
+
     def ack_due(self) -> None:
         """Make the acknowledgements Redis refused before, until it refuses again."""
         due = self.channel._acks_due
@@ -149,15 +158,18 @@ class Channel(kombu_redis.Channel):
     def _brpop_start(self, timeout: int | None = None) -> None:
         if self._backoff.waiting:
             return  # the poller asks again on its next tick
-        if self._acks_due or self._unrecorded:
-            try:
-                self.qos.ack_due()
-                while self._unrecorded:
-                    queue, envelope = self._unrecorded[0]
-                    self._deliver(envelope, queue, unrecorded=True)
-            except REFUSED_CLASSES as exc:
-                self._refused("the bookkeeping of a taken message", exc)
-                return
+        try:
+            self.qos.ack_due()
+        except REFUSED_CLASSES as exc:
+            self._refused("an acknowledgement", exc)
+            return
+        try:
+            while self._unrecorded:
+                queue, envelope = self._unrecorded[0]
+                self._deliver(envelope, queue, unrecorded=True)
+        except REFUSED_CLASSES as exc:
+            self._refused("the bookkeeping of a taken message", exc)
+            return
         super()._brpop_start(timeout)
 
     def _brpop_read(self, **options: Any) -> bool:

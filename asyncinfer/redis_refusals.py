@@ -23,7 +23,7 @@ import redis
 from redis import exceptions
 
 __all__ = ["RedisRefusal", "REFUSED_CLASSES", "REFUSALS", "refusal_code", "refusal_reason",
-           "refusing_parser"]
+           "refusing_parser", "retrying_refusals"]
 
 
 class RedisRefusal(exceptions.ResponseError):
@@ -101,3 +101,18 @@ def refusing_parser(base: type | None = None) -> type:
 
     RefusingParser.__name__ = RefusingParser.__qualname__ = f"Refusing{parent.__name__}"
     return RefusingParser
+
+
+def retrying_refusals(backend: Any) -> Any:
+    """``backend`` (a Celery result backend) counting a refusal as safe to retry, as it counts a
+    lost connection: with ``result_backend_always_retry`` (a worker sets it), a result Redis
+    refuses to store is stored again with Celery's backoff, not lost."""
+    safe = getattr(backend, "exception_safe_to_retry", None)
+    if safe is None:
+        return backend
+
+    def exception_safe_to_retry(exc: BaseException) -> bool:
+        return bool(safe(exc)) or refusal_code(exc) is not None
+
+    backend.exception_safe_to_retry = exception_safe_to_retry
+    return backend

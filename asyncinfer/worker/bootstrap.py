@@ -85,10 +85,19 @@ def _announce(worker: str) -> None:
     announcer.start(runtime.settings, worker, runtime.device.label, hosted)
 
 
+def _retry_result_writes(app: Celery) -> None:
+    """A worker stores every result through a lost connection or a refusal of Redis (a full
+    disk, say), with Celery's backoff, instead of dropping it: on Celery's stock path a result that
+    was not stored is a request lost once its message is acknowledged."""
+    app.conf.result_backend_always_retry = True
+    app.backend.always_retry = True  # the backend already made (others read the setting)
+
+
 @signals.worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is not None:
         _worker_name[0] = str(getattr(sender, "hostname", "") or "")
+        _retry_result_writes(sender.app)
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
 
@@ -105,6 +114,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 def _on_worker_process_init(**_: Any) -> None:
     from asyncinfer.celery_app import app
 
+    _retry_result_writes(app)
     _load(app)
     _announce(f"{_worker_name[0]}/{os.getpid()}")
 

@@ -14,6 +14,7 @@ request for it, so it never runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME, model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.task_policy import TaskPolicy
+from asyncinfer.redis_refusals import refusal_reason
 from asyncinfer.wire.envelope import (
     payload_too_large,
     printable,
@@ -48,6 +50,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
     _policy_key: frozenset[str] | None = None
     _policy: TaskPolicy | None = None
+    _refused_at = 0.0
+    _refusal_wait_s = 0.1
 
     def _refuse(self, message: Any, exc: Exception, request_id: Any = None) -> None:
         headers = message.headers or {}
@@ -73,6 +77,31 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                                           request=Context({REPLY_TO: reply_to}) if reply_to else None)
         except Exception:  # noqa: BLE001 - the message is dropped either way; say so
             log.exception("request %s: could not store the refusal", printable(request_id))
+
+    def on_connection_error_before_connected(self, exc: Exception) -> None:
+        if not self._refused(exc):
+            super().on_connection_error_before_connected(exc)
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        if not self._refused(exc):
+            super().on_connection_error_after_connected(exc)
+
+    def _refused(self, exc: Exception) -> bool:
+        """When Redis refused (a full disk, say: its refusals are connection errors of the
+        project's transport), say so and wait before Celery starts the consumer again, longer
+        each time in a row (0.1 s doubling to 5 s). True when it was a refusal."""
+        reason = refusal_reason(exc)
+        if reason is None:
+            return False
+        now = time.monotonic()
+        if now - self._refused_at > 60:
+            self._refusal_wait_s = 0.1
+        self._refused_at = now
+        wait_s = self._refusal_wait_s
+        self._refusal_wait_s = min(wait_s * 2, 5.0)
+        log.warning("consumer: Redis refused: %s; starting again in %.1f s", reason, wait_s)
+        time.sleep(wait_s)
+        return True
 
     def connect(self) -> Any:
         """Celery's connection, whose Redis transport (:mod:`asyncinfer.kombu_redis`) answers here
