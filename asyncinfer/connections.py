@@ -295,7 +295,7 @@ def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
     if isinstance(exc, redis.ConnectionError):
         return BrokerUnavailable(where + f"broker unreachable: {exc}")
     # A refusal inside a script comes as a plain ResponseError carrying Redis' error code.
-    said = str(exc) or repr(exc)
+    said = str(exc) or f"{type(exc).__name__}, with no message"
     if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in said:
         return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {said}")
     reason = refusal_reason(exc)

@@ -58,8 +58,9 @@ _CODE_OF_CLASS: tuple[tuple[type[BaseException], str], ...] = (
 REFUSED_CLASSES: tuple[type[BaseException], ...] = (RedisRefusal,) + tuple(
     cls for cls, _ in _CODE_OF_CLASS)
 
-# A code at the start of the reply, after a script's "-" or a pipeline's "caused error: ".
-_CODE = re.compile(r"(?:^|[\s:]-?)(" + "|".join(REFUSALS) + r")\b")
+# A code as a word of its own: at the start of the reply, after a script's "-", after a
+# pipeline's "caused error: " (redis.asyncio's quotes the reply as a tuple: "('MISCONF ...',)").
+_CODE = re.compile(r"(?<!\w)(" + "|".join(REFUSALS) + r")\b")
 
 
 def refusal_code(exc: BaseException) -> str | None:
