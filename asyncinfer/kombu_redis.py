@@ -142,10 +142,14 @@ class Channel(kombu_redis.Channel):
 
     # -- connections -----------------------------------------------------------------------------
 
-    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
-        params = super()._connparams(asynchronous)
-        params["parser_class"] = _PARSER
-        return params
+    def _get_pool(self, asynchronous: bool = False) -> Any:
+        pool = super()._get_pool(asynchronous)
+        # its connections read replies with the refusing parser (a plain ResponseError for
+        # MISCONF, BUSY, ... becomes a RedisRefusal, a connection error here)
+        kwargs = getattr(pool, "connection_kwargs", None)
+        if isinstance(kwargs, dict):
+            kwargs.setdefault("parser_class", _PARSER)
+        return pool
 
     def _get_client(self) -> Any:
         client = super()._get_client()
