@@ -35,6 +35,7 @@ from typing import Any
 from kombu import Connection as KombuConnection
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import base as virtual
+from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from asyncinfer.errors import InvalidRequest
@@ -105,8 +106,11 @@ class QoS(kombu_redis.QoS):
         try:
             super().ack(delivery_tag)
         except REFUSED_CLASSES as exc:
-            self.channel._refused("an acknowledgement", exc)
+            # done here (its prefetch slot freed: the channel consumes again, and acknowledges
+            # again before it does); still unacknowledged in Redis until then
+            virtual.QoS.ack(self, delivery_tag)
             self.channel._acks_due.append(delivery_tag)
+            self.channel._refused("an acknowledgement", exc)
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
         """kombu's restore sweep; skipped this time when Redis refuses it (its lock is a write)."""
@@ -121,10 +125,8 @@ class QoS(kombu_redis.QoS):
         """Make the acknowledgements Redis refused before, until it refuses again."""
         due = self.channel._acks_due
         while due:
-            tag = due[0]
-            self._remove_from_indices(tag).execute()  # a refusal leaves it due
+            self._remove_from_indices(due[0]).execute()  # a refusal leaves it due
             due.popleft()
-            virtual.QoS.ack(self, tag)
 
 
 class Channel(kombu_redis.Channel):
@@ -231,7 +233,7 @@ class Channel(kombu_redis.Channel):
         """The envelope of ``raw`` if it keeps the rules of a kombu message, else None (answered)."""
         delivery = Delivery(raw=raw, queue=queue, received_at=0.0)
         try:
-            parse_envelope(delivery)
+            parse_envelope(delivery, loads=_kombu_loads)  # kombu's reader, as kombu loads it
         except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, ...: this one only
             self._malformed(delivery, exc)
             return None
@@ -290,6 +292,12 @@ class Channel(kombu_redis.Channel):
         wait_s = self._backoff.refused()
         log.warning("Redis refused %s: %s; again in %.1f s", what,
                     refusal_reason(exc) or printable(exc), wait_s)
+
+
+def _kombu_loads(raw: Any) -> Any:
+    """kombu's reading of a message (its JSON hooks), except that text which is not UTF-8 is
+    malformed, as the fast consumer holds (kombu would replace the bytes it cannot read)."""
+    return kombu_json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
 
 
 class _BadBody(ValueError):

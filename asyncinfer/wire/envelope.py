@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -99,13 +100,14 @@ class Delivery:
         return json.dumps([self.envelope, info.get("exchange", ""), info.get("routing_key", self.queue)])
 
 
-def parse_envelope(delivery: Delivery) -> None:
+def parse_envelope(delivery: Delivery, loads: Callable[[Any], Any] = json_text.loads) -> None:
     """Fill the envelope, delivery tag and request ID of ``delivery``; ValueError if malformed.
+    ``loads`` reads the JSON text (kombu's own reader, in the project's kombu channel).
 
     Any other exception (RecursionError of a deeply nested text, MemoryError, ...) may escape
     too: the caller treats every exception as "malformed".
     """
-    envelope = json_text.loads(delivery.raw)
+    envelope = loads(delivery.raw)
     if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict):
         raise ValueError("not a kombu message envelope (an object with properties)")
     headers = envelope.get("headers")
