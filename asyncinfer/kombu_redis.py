@@ -39,6 +39,7 @@ from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.kombu_take import AtomicTake
 from asyncinfer.redis_refusals import REFUSED_CLASSES, refusal_reason, refusing_parser
 from asyncinfer.wire.envelope import (
     MALFORMED_DROPPED,
@@ -102,6 +103,17 @@ class QoS(kombu_redis.QoS):
     """kombu's acknowledgement emulation; an acknowledgement Redis refuses is made again later
     (the message stays unacknowledged meanwhile, never lost)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Tags the atomic take recorded already (kombu_take.py): not written again.
+        self.recorded: set[str] = set()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self.recorded:
+            virtual.QoS.append(self, message, delivery_tag)
+        else:
+            super().append(message, delivery_tag)
+
     def ack(self, delivery_tag: str) -> None:
         try:
             super().ack(delivery_tag)
@@ -129,10 +141,12 @@ class QoS(kombu_redis.QoS):
             due.popleft()
 
 
-class Channel(kombu_redis.Channel):
-    """kombu's Redis channel that checks what it pops and rides out Redis' refusals."""
+class Channel(AtomicTake, kombu_redis.Channel):
+    """kombu's Redis channel that checks what it pops, rides out Redis' refusals, and (with the
+    transport option ``atomic_take``) takes with the fast consumer's atomic script."""
 
     QoS = QoS
+    from_transport_options = kombu_redis.Channel.from_transport_options + AtomicTake.OPTIONS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._backoff = _Backoff()
@@ -176,14 +190,22 @@ class Channel(kombu_redis.Channel):
         except REFUSED_CLASSES as exc:
             self._refused("the bookkeeping of a taken message", exc)
             return
-        super()._brpop_start(timeout)
+        if self._takes_atomically():
+            self._take_start()
+        else:
+            super()._brpop_start(timeout)
 
     def _brpop_read(self, **options: Any) -> bool:
         """kombu's, with the popped message checked before kombu loads it and a refusal of the
         BRPOP itself ridden out."""
+        taken = dest__item = None
         try:
             try:
-                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                if self._take_sent:  # the atomic take's (kombu_take.py)
+                    taken = self._take_reply(**options)
+                else:
+                    dest__item = self.client.parse_response(self.client.connection, "BRPOP",
+                                                            **options)
             except REFUSED_CLASSES as exc:  # the reply was read whole: the connection is fine
                 self._refused("consuming", exc)
                 raise _Empty() from None
@@ -193,6 +215,10 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()
                 raise
             self._backoff.reset()
+            if taken:
+                for queue, raw, recorded in taken:
+                    self._took(queue, raw, recorded)
+                return True
             if not dest__item:
                 raise _Empty()
             dest, item = dest__item
@@ -240,11 +266,11 @@ class Channel(kombu_redis.Channel):
         return delivery.envelope
 
     def _deliver(self, envelope: dict[str, Any], queue: str, raw: Any = None,
-                 unrecorded: bool = False) -> None:
+                 unrecorded: bool = False) -> bool:
         """Hand ``envelope`` to kombu (which records it as unacknowledged, then calls the
-        consumer). One kombu cannot even make a message of is answered as malformed; one whose
-        bookkeeping Redis refuses is held to be recorded again (``unrecorded``: it is the first
-        held one; a refusal is raised, and it stays held)."""
+        consumer); True when kombu took it. One kombu cannot even make a message of is answered
+        as malformed; one whose bookkeeping Redis refuses is held to be recorded again
+        (``unrecorded``: it is the first held one; a refusal is raised, and it stays held)."""
         tag = envelope["properties"]["delivery_tag"]
         try:
             self.connection._deliver(envelope, queue)
@@ -257,7 +283,7 @@ class Channel(kombu_redis.Channel):
                 raise
             self._unrecorded.append((queue, envelope))
             self._refused("the bookkeeping of a taken message", exc)
-            return
+            return False
         except Exception as exc:
             if tag in self.qos._delivered:  # the consumer's own error, after kombu took it
                 if unrecorded:
@@ -269,8 +295,12 @@ class Channel(kombu_redis.Channel):
             delivery.request_id = request_id if isinstance(request_id, str) else ""
             self._malformed(delivery, InvalidRequest(f"request {delivery.request_id}: {exc}")
                             if isinstance(exc, _BadBody) and delivery.request_id else exc)
+            if unrecorded:
+                self._unrecorded.popleft()
+            return False
         if unrecorded:
             self._unrecorded.popleft()
+        return True
 
     def _malformed(self, delivery: Delivery, exc: BaseException) -> None:
         error = malformed_error(delivery, exc)
@@ -318,6 +348,9 @@ class Transport(kombu_redis.Transport):
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     """:class:`Channel` on the master a Sentinel group names."""
+
+    from_transport_options = (kombu_redis.SentinelChannel.from_transport_options
+                              + AtomicTake.OPTIONS)
 
 
 class SentinelTransport(Transport):
