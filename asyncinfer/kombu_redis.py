@@ -2,8 +2,9 @@
 
 Every Celery consumer of the app on a Redis broker uses it: ``ASYNCINFER_CONSUMER=celery``, the
 prefork pool, the ``asyncinfer.cpu`` stage workers, and the Celery consumer inside a device worker
-(its control queue, mingle, gossip, kombu's restore sweep). It is kombu's own transport
-(``kombu.transport.redis``) with two things changed:
+(its control queue, mingle, gossip, kombu's restore sweep); the app's connections pick it
+(:mod:`asyncinfer.kombu_connection`). It is kombu's own transport (``kombu.transport.redis``,
+whose own tests it passes: tests/test_kombu_upstream.py) with three things changed:
 
 - **A queue is an open door.** Whatever is pushed on a queue (``LPUSH infer.mlp "{not json"``) is
   checked by the same rules as the fast consumer's (:func:`~asyncinfer.wire.envelope.parse_envelope`)
@@ -18,9 +19,14 @@ prefork pool, the ``asyncinfer.cpu`` stage workers, and the Celery consumer insi
   logging Redis' reason. A ``PING`` refused under ``MISCONF`` counts as an answer (the server is
   there), so a channel opens while the disk is full and consumes once it is not.
 
-A message BRPOP popped whose bookkeeping Redis refused (``OOM``) is held in memory and recorded
-again before the next BRPOP; like kombu's own gap between a BRPOP and its bookkeeping, a kill in
-that time loses it.
+- **A kill at any moment loses nothing.** With the transport option ``atomic_take`` (the app
+  sets it) a message is popped and recorded in kombu's bookkeeping in one atomic step, by the
+  fast consumer's take script (:mod:`asyncinfer.kombu_take`), instead of BRPOP and a record one
+  round trip later.
+
+Without ``atomic_take``, a message BRPOP popped whose bookkeeping Redis refused (``OOM``) is held
+in memory and recorded again before the next BRPOP; like kombu's own gap between a BRPOP and its
+bookkeeping, a kill in that time loses it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kombu import Connection as KombuConnection
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import base as virtual
 from kombu.utils import json as kombu_json
@@ -49,7 +54,7 @@ from asyncinfer.wire.envelope import (
     printable,
 )
 
-__all__ = ["Connection", "Transport", "Channel", "SentinelTransport", "SentinelChannel",
+__all__ = ["Transport", "SecureTransport", "Channel", "SentinelTransport", "SentinelChannel",
            "OnMalformed"]
 
 log = logging.getLogger(__name__)
@@ -360,16 +365,5 @@ class SentinelTransport(Transport):
     default_port = kombu_redis.SentinelTransport.default_port
 
 
-#: The transport of each kombu transport name (a URL's scheme) this module replaces.
-_OURS: dict[str, type] = {"redis": Transport, "rediss": Transport, "sentinel": SentinelTransport}
-
-
-class Connection(KombuConnection):  # type: ignore[misc]
-    """kombu's connection, on :class:`Transport` for ``redis://`` and ``rediss://`` URLs and on
-    :class:`SentinelTransport` for ``sentinel://`` ones (failover alternates included); it still
-    names itself by its URL's scheme (``as_uri``, ``info``), as kombu's does. The app's
-    :class:`~asyncinfer.celery_amqp.AMQP` makes every connection of the app one of these."""
-
-    def get_transport_cls(self) -> Any:
-        ours = _OURS.get(self.transport_cls) if isinstance(self.transport_cls, str) else None
-        return ours or super().get_transport_cls()
+class SecureTransport(Transport):
+    """:class:`Transport` for ``rediss://`` URLs (named so in a connection's URL)."""

@@ -126,7 +126,10 @@ class AtomicTake:
         if recorded:
             ch.qos.recorded.add(tag)
         try:
-            if not ch._deliver(envelope, queue, raw=raw) and recorded:
-                ch.qos._remove_from_indices(tag).execute()  # answered as malformed
+            delivered = ch._deliver(envelope, queue, raw=raw)
+            if recorded and (not delivered or tag not in ch.qos._delivered):
+                # answered as malformed, or taken by a consumer that does not acknowledge
+                # (no_ack: remote control's replies, say): out of the bookkeeping
+                ch.qos._remove_from_indices(tag).execute()
         finally:
             ch.qos.recorded.discard(tag)
