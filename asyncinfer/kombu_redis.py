@@ -19,7 +19,7 @@ whose own tests it passes: tests/test_kombu_upstream.py) with three things chang
   logging Redis' reason. A ``PING`` refused under ``MISCONF`` counts as an answer (the server is
   there), so a channel opens while the disk is full and consumes once it is not.
 
-- **A kill at any moment loses nothing.** With the transport option ``atomic_take`` (the app
+- **A kill at any moment loses nothing.** With the transport option ``atomic_take`` (a worker
   sets it) a message is popped and recorded in kombu's bookkeeping in one atomic step, by the
   fast consumer's take script (:mod:`asyncinfer.kombu_take`), instead of BRPOP and a record one
   round trip later.

@@ -2,7 +2,7 @@
 
 kombu's channel pops a message with BRPOP and records it in its ``unacked`` bookkeeping one round
 trip later: a worker killed in between loses that message. With ``atomic_take`` (a transport
-option; the app turns it on, asyncinfer/config/celery_config.py) the project's channel takes as
+option; every worker turns it on at start, asyncinfer/worker/bootstrap.py) the project's channel takes as
 the fast consumer does (asyncinfer/worker/intake/take.py): one script pops what is waiting, up to
 the prefetch room, and records each message in kombu's ``unacked`` hash and ``unacked_index`` in
 the same atomic step; an idle channel waits without popping (``BLMOVE list list RIGHT RIGHT``, a

@@ -16,6 +16,7 @@ from kombu import Consumer, Exchange, Producer, Queue
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import RedisServer
+from asyncinfer.worker.bootstrap import take_atomically
 
 EXCHANGE = Exchange("take", type="direct")
 QUEUES = [Queue(name, EXCHANGE, routing_key=name, queue_arguments={"x-max-priority": 10})
@@ -30,6 +31,13 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
         yield s
     finally:
         s.stop()
+
+
+def _worker_app(url: str) -> Any:
+    """The app as a worker configures it at start (worker/bootstrap.py)."""
+    app = create_app(Settings(broker_url=url))
+    take_atomically(app)
+    return app
 
 
 def _drain(conn: Any, received: list[Any], count: int) -> None:
@@ -48,7 +56,7 @@ def _calls(r: redis.Redis, command: str) -> int:
 
 
 def test_every_list_is_taken_atomically_and_recorded_before_the_consumer_sees_it(server) -> None:
-    app = create_app(Settings(broker_url=server.url))
+    app = _worker_app(server.url)
     r = redis.Redis.from_url(server.url)
     received: list[tuple[str, int, bool]] = []
 
@@ -80,7 +88,7 @@ def test_every_list_is_taken_atomically_and_recorded_before_the_consumer_sees_it
 
 
 def test_a_consumer_that_does_not_acknowledge_leaves_nothing_recorded(server) -> None:
-    app = create_app(Settings(broker_url=server.url))
+    app = _worker_app(server.url)
     r = redis.Redis.from_url(server.url)
     received: list[Any] = []
     try:
@@ -98,7 +106,7 @@ def test_a_consumer_that_does_not_acknowledge_leaves_nothing_recorded(server) ->
 
 
 def test_a_message_the_script_records_but_the_rules_refuse_leaves_the_bookkeeping(server) -> None:
-    app = create_app(Settings(broker_url=server.url))
+    app = _worker_app(server.url)
     r = redis.Redis.from_url(server.url)
     received: list[Any] = []
     try:

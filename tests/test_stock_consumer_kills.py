@@ -40,5 +40,11 @@ def test_kill_9_during_a_paced_stream_loses_none_on_the_stock_consumer(tmp_path)
             for key in totals:
                 totals[key] += counts[key]
         print(f"stock consumer, kill -9, {RUNS} runs: {totals}")
+        # and the workers took with the atomic script, never with kombu's BRPOP (the clients
+        # here consume nothing through kombu)
+        probe = redis.Redis.from_url(server.url)
+        stats = probe.info("commandstats")
+        probe.close()
+        assert "cmdstat_brpop" not in stats and stats["cmdstat_evalsha"]["calls"] > 0
     finally:
         server.stop()

@@ -68,10 +68,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         **({"redis_backend_use_ssl": backend_tls} if backend_tls else {}),
         "broker_url": broker_url,
         "result_backend": backend_url,
-        # Celery's consumer takes as the fast one does: pop and record in one atomic step
-        # (asyncinfer/kombu_take.py; kombu's own transports ignore the option)
-        "broker_transport_options": _with_sentinel({**transport, "atomic_take": True}, broker_url,
-                                                   settings),
+        "broker_transport_options": _with_sentinel(transport, broker_url, settings),
         "result_backend_transport_options": _with_sentinel(transport, backend_url, settings),
         "broker_connection_retry_on_startup": True,
         "broker_connection_timeout": settings.connect_timeout_s,

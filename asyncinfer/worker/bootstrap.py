@@ -24,7 +24,7 @@ from asyncinfer.worker.intake.step import fast_queues, is_prefork
 from asyncinfer.worker.runtime import close_runtime, existing_runtime, get_runtime
 from asyncinfer.worker.supervisor import CANNOT_START
 
-__all__ = ["hosted_models"]
+__all__ = ["hosted_models", "take_atomically"]
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,21 @@ def _retry_result_writes(app: Celery) -> None:
     app.backend.always_retry = True  # the backend already made (others read the setting)
 
 
+def take_atomically(app: Celery) -> None:
+    """A worker's Celery consumer on Redis takes as the fast consumer does: pop and record in
+    kombu's bookkeeping in one atomic step (asyncinfer/kombu_take.py), so that a kill at any
+    moment loses nothing. (A client consumes only replies it does not acknowledge: kombu's
+    BRPOP.)"""
+    app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
+                                         "atomic_take": True}
+
+
 @signals.worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is not None:
         _worker_name[0] = str(getattr(sender, "hostname", "") or "")
         _retry_result_writes(sender.app)
+        take_atomically(sender.app)
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
 
