@@ -17,6 +17,7 @@ from typing import Any
 from celery.app.amqp import AMQP as CeleryAMQP
 
 from asyncinfer.config.celery_config import ACCEPT_CONTENT
+from asyncinfer.kombu_connection import Connection
 
 __all__ = ["AMQP"]
 
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class AMQP(CeleryAMQP):  # type: ignore[misc]
-    """Celery's AMQP of the app, publishing json or msgpack only."""
+    """Celery's AMQP of the app, publishing json or msgpack only; its connections to Redis use the
+    project's kombu transport (:mod:`asyncinfer.kombu_connection`)."""
+
+    Connection = Connection
 
     def _create_task_sender(self) -> Callable[..., Any]:
         send = super()._create_task_sender()

@@ -27,8 +27,9 @@ INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.work
 
 class _App(Celery):  # type: ignore[misc]
     """Celery, with a worker whose banner tells a device worker's truth, publishing json or
-    msgpack only (:mod:`asyncinfer.celery_amqp`), and a result backend that announces a request's
-    final state on its reply channel (:mod:`asyncinfer.replies`)."""
+    msgpack only on the project's kombu transport (:mod:`asyncinfer.celery_amqp`), and a result
+    backend that announces a request's final state on its reply channel (:mod:`asyncinfer.replies`)
+    and counts Redis' refusals as safe to retry (:mod:`asyncinfer.redis_refusals`)."""
 
     amqp_cls = "asyncinfer.celery_amqp:AMQP"
 
@@ -38,9 +39,10 @@ class _App(Celery):  # type: ignore[misc]
 
     def _get_backend(self) -> Any:
         """Celery's result backend, announcing final states on reply channels (replies.py)."""
+        from asyncinfer.redis_refusals import retrying_refusals
         from asyncinfer.replies import announcing
 
-        return announcing(super()._get_backend())
+        return announcing(retrying_refusals(super()._get_backend()))
 
 
 class _FromSettings(Mapping[str, Any]):

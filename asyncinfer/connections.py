@@ -31,6 +31,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConn
 
 from asyncinfer.errors import AsyncInferError, BrokerRefused, BrokerUnavailable, NotReplicated
 from asyncinfer.keys import REPLICATION_MARK_CHANNEL
+from asyncinfer.redis_refusals import refusal_reason
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
@@ -279,8 +280,10 @@ def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
     """The asyncinfer error for a Redis error that a publish of ``request_id`` met.
 
     Unreachable, timed out or refused credentials: :class:`BrokerUnavailable`; Redis refusing the
-    write (out of memory, a read-only replica, a missing permission, any other error reply):
-    :class:`BrokerRefused`. A timeout leaves it open whether the request went out.
+    write (a full disk, out of memory, a read-only replica, a missing permission, any other error
+    reply): :class:`BrokerRefused`, naming the cause and quoting Redis
+    (:func:`~asyncinfer.redis_refusals.refusal_reason`). A timeout leaves it open whether the
+    request went out.
     """
     where = f"request {request_id}: "
     if isinstance(exc, redis.AuthenticationError):
@@ -292,13 +295,10 @@ def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:
     if isinstance(exc, redis.ConnectionError):
         return BrokerUnavailable(where + f"broker unreachable: {exc}")
     # A refusal inside a script comes as a plain ResponseError carrying Redis' error code.
-    said = str(exc)
+    said = str(exc) or f"{type(exc).__name__}, with no message"
     if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in said:
-        return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {exc}")
-    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in said:
-        return BrokerRefused(where + f"broker is out of memory (maxmemory reached) and takes no "
-                             f"writes; not sent: {exc}")
-    if isinstance(exc, redis.exceptions.ReadOnlyError) or "READONLY" in said:
-        return BrokerRefused(where + f"broker is a read-only replica (a failover in progress?); not "
-                             f"sent: {exc}")
-    return BrokerRefused(where + f"broker refused the request ({type(exc).__name__}): {exc}")
+        return BrokerRefused(where + f"broker user lacks a permission (Redis ACL): {said}")
+    reason = refusal_reason(exc)
+    if reason is not None:  # "the broker cannot write to its disk (MISCONF ...)", ...
+        return BrokerRefused(where + reason.removeprefix("the ") + "; not sent")
+    return BrokerRefused(where + f"broker refused the request ({type(exc).__name__}): {said}")

@@ -1,8 +1,10 @@
-"""Hostile envelopes interleaved with valid requests, all taken by the session worker in one go.
+"""Hostile envelopes interleaved with valid requests, all taken by a worker in one go.
 
 Every valid request is answered at once (not after the visibility timeout), each bad message that
 names a request ID gets a FAILURE naming it, nothing bad stays in kombu's unacknowledged
-bookkeeping, the worker's memory stays bounded and it goes on serving.
+bookkeeping, the worker's memory stays bounded and it goes on serving. The same matrix runs
+against the session worker (the fast consumer) and a worker on Celery's stock consumer
+(``ASYNCINFER_CONSUMER=celery``, the project's kombu Redis transport).
 """
 
 from __future__ import annotations
@@ -11,15 +13,20 @@ import base64
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
+from asyncinfer.client import Client
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import task_message
+from tests.support.databases import RedisDatabases
+from tests.support.processes import SESSION_MAX_PAYLOAD_BYTES, WorkerProcess, start_worker
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,13 +117,65 @@ HOSTILE: dict[str, tuple[Callable[[str], str | bytes], str | None]] = {
 }
 
 
+@dataclass(frozen=True)
+class Served:
+    """A worker on one consumer and the broker URL it serves."""
+
+    consumer: str
+    url: str
+    worker: WorkerProcess
+
+
+@pytest.fixture(scope="module", params=["fast", "celery"])
+def served(request: pytest.FixtureRequest, redis_url: str, redis_databases: RedisDatabases,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The session worker (fast consumer), or a worker of its own on Celery's stock consumer."""
+    if request.param == "fast":
+        yield Served("fast", redis_url, request.getfixturevalue("worker"))
+        return
+    with redis_databases.take("hostile-celery") as db:
+        proc = start_worker(db.url, tmp_path_factory.mktemp("hostile") / "worker.log",
+                            "--device", "cpu", "--models", "identity", "--concurrency", "8",
+                            "--hostname", "hostile-celery@%h", ASYNCINFER_CONSUMER="celery",
+                            ASYNCINFER_MAX_PAYLOAD_BYTES=str(SESSION_MAX_PAYLOAD_BYTES))
+        try:
+            assert "fast consumer on" not in proc.log()
+            yield Served("celery", db.url, proc)
+        finally:
+            proc.stop()
+
+
+@pytest.fixture()
+def served_client(served: Served) -> Iterator[Client]:
+    c = Client(broker_url=served.url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture()
+def served_worker(served: Served) -> WorkerProcess:
+    return served.worker
+
+
+@pytest.fixture()
+def served_redis(served: Served) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(served.url)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
 
 
 def test_hostile_envelopes_fail_alone_and_valid_ones_are_answered_at_once(
-        client, worker, redis_client) -> None:
+        served_client, served_worker, served_redis) -> None:
+    client, worker, redis_client = served_client, served_worker, served_redis
     # Given the worker is serving
     assert client.infer("identity", {"x": np.ones((1, 2), np.float32)}, timeout_s=30)
     rss_before = _rss_kib(worker.pid)
@@ -157,7 +216,8 @@ def test_hostile_envelopes_fail_alone_and_valid_ones_are_answered_at_once(
     assert out["x"].tolist() == [[7.0, 7.0]]
 
 
-def test_a_request_id_cannot_forge_a_log_line(client, worker, redis_client) -> None:
+def test_a_request_id_cannot_forge_a_log_line(served_client, served_worker, served_redis) -> None:
+    client, worker, redis_client = served_client, served_worker, served_redis
     # Given a message whose request ID carries a line break and a fake log line
     rid = f"evil-{uuid.uuid4().hex[:6]}\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged"
     future = client.future(rid)

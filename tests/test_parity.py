@@ -240,6 +240,37 @@ def test_a_redelivered_request_whose_result_is_stored_is_not_run_again(target: T
     assert "was redelivered but its result (SUCCESS) is already stored" in target.worker.log()
 
 
+def test_a_malformed_message_fails_alone_and_the_worker_goes_on(target: Target) -> None:
+    # Given a line that is not JSON, and a cut-off envelope whose text still names its request,
+    # pushed raw on the queue between two good requests
+    named = str(uuid.uuid4())
+    body = {"model": "flaky", "inputs": [{"name": "input", "datatype": "FP64", "shape": [1, 2],
+                                          "data": [_index(), 0]}]}
+    cut = task_message(TASK_NAME, named, body, "infer.flaky")[:-40]
+    first, second = target.client.future(str(uuid.uuid4())), target.client.future(str(uuid.uuid4()))
+    failed = target.client.future(named)
+    pipe = target.redis.pipeline()
+    pipe.lpush("infer.flaky", task_message(TASK_NAME, first.id, body, "infer.flaky"))
+    pipe.lpush("infer.flaky", "{not json")
+    pipe.lpush("infer.flaky", cut)
+    pipe.lpush("infer.flaky", task_message(TASK_NAME, second.id, body, "infer.flaky"))
+    pipe.execute()
+    # Then the named one fails for its ID, saying it was malformed; the other is logged and dropped
+    with pytest.raises(InvalidRequest, match=rf"request {named}: the message on infer.flaky is "
+                                             r"malformed and was dropped"):
+        failed.result(timeout=60)
+    _one_failure_line(target, named)
+    wait_for(lambda: "dropped a malformed message on infer.flaky (JSONDecodeError"
+             in target.worker.log(), 10, "the line of the message that names no request")
+    # And the good ones on both sides are answered by the same process, nothing left behind
+    assert first.result(timeout=60)["output"].shape == (1, 2)
+    assert second.result(timeout=60)["output"].shape == (1, 2)
+    wait_for(lambda: not target.redis.hlen("unacked"), 10, "every message acknowledged")
+    assert target.redis.llen("infer.flaky") == 0
+    assert target.worker.process.poll() is None
+    assert "Unrecoverable error" not in target.worker.log()
+
+
 # -- links -------------------------------------------------------------------------------------
 
 

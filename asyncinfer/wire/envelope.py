@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -38,13 +39,17 @@ __all__ = [
     "Delivery",
     "parse_envelope",
     "decode_body",
+    "protocol2_body",
     "result_meta",
     "expired",
     "seconds_until",
     "task_message",
     "refused_content",
     "payload_too_large",
+    "undecodable_body",
     "request_id_in",
+    "malformed_error",
+    "MALFORMED_DROPPED",
     "tag_in",
     "valid_request_id",
     "check_request_id",
@@ -97,13 +102,14 @@ class Delivery:
         return json.dumps([self.envelope, info.get("exchange", ""), info.get("routing_key", self.queue)])
 
 
-def parse_envelope(delivery: Delivery) -> None:
+def parse_envelope(delivery: Delivery, loads: Callable[[Any], Any] = json_text.loads) -> None:
     """Fill the envelope, delivery tag and request ID of ``delivery``; ValueError if malformed.
+    ``loads`` reads the JSON text (kombu's own reader, in the project's kombu channel).
 
     Any other exception (RecursionError of a deeply nested text, MemoryError, ...) may escape
     too: the caller treats every exception as "malformed".
     """
-    envelope = json_text.loads(delivery.raw)
+    envelope = loads(delivery.raw)
     if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict):
         raise ValueError("not a kombu message envelope (an object with properties)")
     headers = envelope.get("headers")
@@ -197,16 +203,28 @@ def decode_body(delivery: Delivery, max_body_bytes: int | None = None
     except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         if isinstance(exc, InvalidRequest):
             raise
-        raise InvalidRequest(f"request {rid}: the message body is not valid {content_type} "
-                             f"({type(exc).__name__}: {printable(exc)})") from None
-    if not (isinstance(decoded, list) and len(decoded) == 3):
-        raise InvalidRequest(f"request {rid}: the message body must be [args, kwargs, embed] "
+        raise undecodable_body(rid, content_type, exc) from None
+    return protocol2_body(rid, decoded)
+
+
+def protocol2_body(request_id: str, decoded: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """``(args, kwargs, embed)`` of a decoded task protocol-2 body; InvalidRequest when it is not
+    ``[args, kwargs, embed]`` with a list and a mapping."""
+    if not (isinstance(decoded, (list, tuple)) and len(decoded) == 3):
+        raise InvalidRequest(f"request {request_id}: the message body must be [args, kwargs, embed] "
                              f"(Celery task protocol 2)")
     args, kwargs, embed = decoded
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
-        raise InvalidRequest(f"request {rid}: the message body must be [args, kwargs, embed] "
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+        raise InvalidRequest(f"request {request_id}: the message body must be [args, kwargs, embed] "
                              f"with a list and a mapping")
-    return args, kwargs, embed if isinstance(embed, dict) else {}
+    return list(args), kwargs, embed if isinstance(embed, dict) else {}
+
+
+def undecodable_body(request_id: str, content_type: object, exc: BaseException) -> InvalidRequest:
+    """The error a message body that does not decode as its content type gets (``exc``: what the
+    decoder raised)."""
+    return InvalidRequest(f"request {request_id}: the message body is not valid {content_type} "
+                          f"({type(exc).__name__}: {printable(exc)})")
 
 
 def payload_too_large(request_id: str, size_bytes: int, limit_bytes: int) -> InvalidRequest:
@@ -235,6 +253,28 @@ def request_id_in(raw: bytes | str) -> str:
     text = raw.encode() if isinstance(raw, str) else bytes(raw)
     match = _ID_IN_TEXT.search(text)
     return match.group(1).decode() if match else ""
+
+
+#: The log line of a malformed message that names no request: queue, error type, error, text.
+MALFORMED_DROPPED = "dropped a malformed message on %s (%s: %s): %s"
+
+
+def malformed_error(delivery: Delivery, exc: BaseException) -> InvalidRequest | None:
+    """What every consumer answers a message that is no valid kombu envelope with (``exc`` says
+    which rule it broke): an InvalidRequest naming the request ID its text holds (then set on
+    ``delivery``), or None when its text names none (it is logged, with :data:`MALFORMED_DROPPED`,
+    and dropped). A malformed message is never redelivered."""
+    try:
+        request_id = delivery.request_id or request_id_in(delivery.raw)
+    except Exception:  # noqa: BLE001 - not even its text can be searched
+        request_id = ""
+    if not request_id:
+        return None
+    delivery.request_id = request_id
+    if isinstance(exc, InvalidRequest):
+        return exc
+    return InvalidRequest(f"request {request_id}: the message on {delivery.queue} is malformed and "
+                          f"was dropped ({type(exc).__name__}: {printable(exc)})")
 
 
 def refused_content(request_id: str, content_type: object) -> InvalidRequest:

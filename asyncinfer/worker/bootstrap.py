@@ -31,7 +31,7 @@ from asyncinfer.worker.intake.step import fast_queues, is_prefork
 from asyncinfer.worker.runtime import close_runtime, existing_runtime, get_runtime
 from asyncinfer.worker.supervisor import CANNOT_START
 
-__all__ = ["hosted_models"]
+__all__ = ["hosted_models", "take_atomically"]
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,29 @@ def _announce(worker: str) -> None:
     announcer.start(runtime.settings, worker, runtime.device.label, hosted)
 
 
+def _retry_result_writes(app: Celery) -> None:
+    """A worker stores every result through a lost connection or a refusal of Redis (a full
+    disk, say), with Celery's backoff, instead of dropping it: on Celery's stock path a result that
+    was not stored is a request lost once its message is acknowledged."""
+    app.conf.result_backend_always_retry = True
+    app.backend.always_retry = True  # the backend already made (others read the setting)
+
+
+def take_atomically(app: Celery) -> None:
+    """A worker's Celery consumer on Redis takes as the fast consumer does: pop and record in
+    kombu's bookkeeping in one atomic step (asyncinfer/kombu_take.py), so that a kill at any
+    moment loses nothing. (A client consumes only replies it does not acknowledge: kombu's
+    BRPOP.)"""
+    app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
+                                         "atomic_take": True}
+
+
 @signals.worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is not None:
         _worker_name[0] = str(getattr(sender, "hostname", "") or "")
+        _retry_result_writes(sender.app)
+        take_atomically(sender.app)
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
         # Before the blueprint starts any consumer: nothing is taken before the models are in
@@ -113,6 +132,7 @@ def _on_worker_shutting_down(**_: Any) -> None:
 def _on_worker_process_init(**_: Any) -> None:
     from asyncinfer.celery_app import app
 
+    _retry_result_writes(app)
     _load(app)
     _announce(f"{_worker_name[0]}/{os.getpid()}")
 

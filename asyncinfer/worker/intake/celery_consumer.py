@@ -14,19 +14,28 @@ request for it, so it never runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from celery import states
 from celery.app.task import Context
 from celery.worker.consumer import Consumer as CeleryConsumer
-from kombu.exceptions import ContentDisallowed
+from kombu.exceptions import ContentDisallowed, DecodeError
 
+from asyncinfer import kombu_redis
 from asyncinfer.config.bound import settings_of
 from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME, model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.task_policy import TaskPolicy
-from asyncinfer.wire.envelope import payload_too_large, refused_content
+from asyncinfer.redis_refusals import refusal_reason
+from asyncinfer.wire.envelope import (
+    payload_too_large,
+    printable,
+    protocol2_body,
+    refused_content,
+    undecodable_body,
+)
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
 from asyncinfer.worker.lifecycle import FAILED_FORMAT, already_answered
@@ -41,6 +50,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
     _policy_key: frozenset[str] | None = None
     _policy: TaskPolicy | None = None
+    _refused_at = 0.0
+    _refusal_wait_s = 0.1
 
     def _refuse(self, message: Any, exc: Exception, request_id: Any = None) -> None:
         headers = message.headers or {}
@@ -51,15 +62,61 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             error = refused_content(request_id, message.content_type)
         elif isinstance(exc, InvalidRequest):
             error = exc
+        elif isinstance(exc, DecodeError):  # kombu's, wrapping what the decoder raised
+            cause = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else exc
+            error = undecodable_body(request_id, message.content_type, cause)
         else:
             error = InvalidRequest(f"request {request_id}: the message breaks the task protocol "
                                    f"({type(exc).__name__}: {exc})")
+        self._store_failure(request_id, error, headers)
+
+    def _store_failure(self, request_id: str, error: Exception, headers: Mapping[str, Any]) -> None:
         try:
             reply_to = reply_channel_of(headers)
             self.app.backend.store_result(request_id, error, states.FAILURE,
                                           request=Context({REPLY_TO: reply_to}) if reply_to else None)
         except Exception:  # noqa: BLE001 - the message is dropped either way; say so
-            log.exception("request %s: could not store the refusal", request_id)
+            log.exception("request %s: could not store the refusal", printable(request_id))
+
+    def on_connection_error_before_connected(self, exc: Exception) -> None:
+        if not self._refused(exc):
+            super().on_connection_error_before_connected(exc)
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        if not self._refused(exc):
+            super().on_connection_error_after_connected(exc)
+
+    def _refused(self, exc: Exception) -> bool:
+        """When Redis refused (a full disk, say: its refusals are connection errors of the
+        project's transport), say so and wait before Celery starts the consumer again, longer
+        each time in a row (0.1 s doubling to 5 s). True when it was a refusal."""
+        reason = refusal_reason(exc)
+        if reason is None:
+            return False
+        now = time.monotonic()
+        if now - self._refused_at > 60:
+            self._refusal_wait_s = 0.1
+        self._refused_at = now
+        wait_s = self._refusal_wait_s
+        self._refusal_wait_s = min(wait_s * 2, 5.0)
+        log.warning("consumer: Redis refused: %s; starting again in %.1f s", reason, wait_s)
+        time.sleep(wait_s)
+        return True
+
+    def connect(self) -> Any:
+        """Celery's connection, whose Redis transport (:mod:`asyncinfer.kombu_redis`) answers here
+        the malformed messages it drops."""
+        conn = super().connect()
+        if isinstance(conn.transport, kombu_redis.Transport):
+            conn.transport.on_malformed = self._answer_malformed
+        return conn
+
+    def _answer_malformed(self, request_id: str, error: InvalidRequest, headers: Mapping[str, Any],
+                          queue: str) -> None:
+        """Log and store the FAILURE of a malformed message the transport dropped."""
+        log.warning(FAILED_FORMAT, printable(request_id), model_from_queue(queue) or queue,
+                    self.hostname, type(error).__name__, printable(error, 1000))
+        self._store_failure(request_id, error, headers)
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().create_task_handler(*args, **kwargs)
@@ -74,6 +131,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                 self._answer_refused(message, request_id,
                                      payload_too_large(str(request_id or "?"), size, limit))
                 return None
+            if not self._well_formed(message):
+                return None
             policy = self._task_policy()
             if policy is not None and self._refused_by(policy, message):
                 return None
@@ -82,6 +141,23 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             return handle(message)
 
         return on_task_received
+
+    def _well_formed(self, message: Any) -> bool:
+        """Whether a task message's body is what task protocol 2 says, ``[args, kwargs, embed]``
+        (Celery's tracer would fail it without storing a result); one that is not is answered as
+        the fast consumer answers it. The decoded body is kept for Celery (kombu caches it)."""
+        headers = message.headers or {}
+        if "task" not in headers:
+            return True  # protocol 1: Celery's own rules
+        try:
+            protocol2_body(str(headers.get("id") or "?"), message.decode())
+        except InvalidRequest as error:
+            self._answer_refused(message, headers.get("id"), error)
+            return False
+        except Exception as exc:  # noqa: BLE001 - answered as Celery answers it, refused unrun
+            self.on_decode_error(message, exc)
+            return False
+        return True
 
     def _answered_before(self, message: Any) -> bool:
         """Acknowledge, without running it again, a redelivered request whose final result is

@@ -48,11 +48,12 @@ from asyncinfer.keys import (
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import EXIT_WEDGED
 from asyncinfer.wire.envelope import (
+    MALFORMED_DROPPED,
     Delivery,
     decode_body,
+    malformed_error,
     parse_envelope,
     printable,
-    request_id_in,
     restored_message,
     tag_in,
 )
@@ -308,27 +309,24 @@ class FastConsumer:
         return deliveries
 
     def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
-        """Answer a message that is no kombu envelope: a FAILURE for the request ID its text names,
-        if any; else a log line. Either way it is gone from the queue (a malformed message is never
-        redelivered) and from the unacknowledged bookkeeping, if the take recorded it."""
+        """Answer a message that is no kombu envelope as every consumer does
+        (:func:`~asyncinfer.wire.envelope.malformed_error`): a FAILURE for the request ID its text
+        names, if any; else a log line. Either way it is gone from the queue and from the
+        unacknowledged bookkeeping, if the take recorded it."""
         try:
-            request_id = d.request_id or request_id_in(d.raw)
             d.tag = tag_in(d.raw) if recorded else ""
         except Exception:  # noqa: BLE001 - not even its text can be searched
-            request_id, d.tag = "", ""
+            d.tag = ""
+        error = malformed_error(d, exc)
         d.envelope = {}
-        if not request_id:
-            log.error("dropped a malformed message on %s (%s: %s): %s", d.queue,
-                      type(exc).__name__, printable(exc), printable(d.raw))
+        if error is None:
+            log.error(MALFORMED_DROPPED, d.queue, type(exc).__name__, printable(exc), printable(d.raw))
             if d.tag:
                 self.holdings.add(d)
                 self.outcomes.acknowledge(d)
             return
-        d.request_id = request_id
         self.holdings.add(d)
-        self.outcomes.fail(d, InvalidRequest(f"request {request_id}: the message on {d.queue} is "
-                                             f"malformed and was dropped ({type(exc).__name__}: "
-                                             f"{printable(exc)})"), retry=False)
+        self.outcomes.fail(d, error, retry=False)
 
     def _should_start(self, d: Delivery) -> bool:
         return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")

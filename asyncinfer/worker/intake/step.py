@@ -18,20 +18,27 @@ loaded and announced in the catalogue (bootstrap.py).
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
+import redis
 from celery import bootsteps, signals
 from celery.concurrency import get_implementation
+from celery.worker import state as worker_state
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url
 from asyncinfer.constants import CONTROL_QUEUE, model_from_queue
+from asyncinfer.redis_refusals import refusal_reason
 
 __all__ = ["FastConsumerStep", "fast_queues", "is_prefork", "uses_fast_consumer"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 _fast_queues: WeakKeyDictionary[Any, list[str]] = WeakKeyDictionary()
@@ -52,6 +59,22 @@ def uses_fast_consumer(settings: Any, broker_url: str) -> bool:
     """Whether a device worker runs the fast consumer: configured (the default), on a Redis
     broker (kombu's Redis transport is what it speaks)."""
     return settings is not None and settings.consumer == "fast" and is_redis_url(broker_url)
+
+
+def _despite_redis(make: Callable[[], T]) -> T:
+    """``make()``, made again with backoff while Redis is unreachable or refuses (a full disk
+    refuses even the PING that opens a connection), until the worker is told to stop."""
+    backoff_s = 0.1
+    while True:
+        try:
+            return make()
+        except redis.RedisError as exc:
+            if worker_state.should_stop is not None or worker_state.should_terminate is not None:
+                raise
+            log.warning("fast consumer: cannot start, Redis failed (%s); again in %.1f s",
+                        refusal_reason(exc) or f"{type(exc).__name__}: {exc}", backoff_s)
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)
 
 
 class FastConsumerStep(bootsteps.StartStopStep):
@@ -124,12 +147,12 @@ class FastConsumerStep(bootsteps.StartStopStep):
         from asyncinfer.worker.intake.fast_consumer import FastConsumer
         from asyncinfer.worker.runtime import get_runtime
 
-        consumer = FastConsumer(
+        consumer = _despite_redis(lambda: FastConsumer(
             worker.app, get_runtime(), self.queues, hostname=worker.hostname,
             policy=Policy.of_worker(worker.app),
             # task events when the worker sends them (-E, ASYNCINFER_SEND_EVENTS); Celery's own
             # consumer sends the worker's heartbeats
-            send_events=bool(worker.task_events))
+            send_events=bool(worker.task_events)))
         metrics.watch(in_flight=lambda: consumer.in_flight)
         inspection.serve(self.queues, consumer.max_in_flight, hostname=worker.hostname,
                          held=consumer.holdings.held, waiting=consumer.runtime.waiting_ids)

@@ -36,7 +36,8 @@ from asyncinfer.keys import (
     WATCH_PREFIX,
 )
 
-__all__ = ["MAX_ENVELOPE_DEPTH", "LeaseTerms", "StartedText", "Taken", "Taker"]
+__all__ = ["MAX_ENVELOPE_DEPTH", "TAKE_SCRIPT", "LeaseTerms", "StartedText", "Taken", "Taker",
+           "parse_taken", "take_args", "take_keys"]
 
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
@@ -213,11 +214,44 @@ class LeaseTerms:
 Taken = tuple[str, bytes, bool, bool, int]
 
 
+def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
+              unacked: str = UNACKED_KEY) -> list[str]:
+    """The take script's keys for ``lists`` (kombu's bookkeeping under the names given)."""
+    first = lists[0]
+    return [unacked_index, unacked, LEASES_KEY, LEASE_HOLDERS_KEY, WATCH_PREFIX + first,
+            BELL_PREFIX + first, BELL_PREFIX + first + WAITERS_SUFFIX, *lists]
+
+
+def take_args(room: int, started: StartedText | None = None, lease: LeaseTerms | None = None,
+              watcher: str = "") -> list[Any]:
+    """The take script's arguments (see :meth:`Taker.take`)."""
+    extra: list[Any] = ["", "", "", 0, ""] if started is None else [
+        started.key_prefix, started.head, started.tail, started.expires_s, started.task]
+    terms: list[Any] = [0, "", ""] if lease is None else [
+        lease.lease_s, lease.holder, lease.deaths_prefix]
+    return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher]
+
+
+def parse_taken(flat: Sequence[Any]) -> tuple[bool, list[Taken]]:
+    """The take script's reply: whether the taker gave its watch up, and what it took."""
+    taken = []
+    for i in range(1, len(flat), 5):
+        key = flat[i]
+        taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
+                      bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
+    return bool(flat[0]) if flat else False, taken
+
+
+#: The take script's text (kombu's channel sends it on its own connection: kombu_take.py).
+TAKE_SCRIPT = _TAKE
+
+
 class Taker:
     """Runs the take script on the broker ``client``."""
 
     def __init__(self, client: Any) -> None:
         self._take = client.register_script(_TAKE)
+        #: Whether the last take gave the first list's watch up (the waker claims it again).
         self.passed_watch = False
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
@@ -232,19 +266,6 @@ class Taker:
         took something passes the first list's watch on (wake.py)."""
         if room <= 0 or not lists:
             return []
-        extra: list[Any] = ["", "", "", 0, ""] if started is None else [
-            started.key_prefix, started.head, started.tail, started.expires_s, started.task]
-        terms: list[Any] = [0, "", ""] if lease is None else [
-            lease.lease_s, lease.holder, lease.deaths_prefix]
-        flat = self._take(keys=[UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY,
-                                WATCH_PREFIX + lists[0], BELL_PREFIX + lists[0],
-                                BELL_PREFIX + lists[0] + WAITERS_SUFFIX, *lists],
-                          args=[room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher])
-        #: Whether this take gave the first list's watch up (the waker claims it again).
-        self.passed_watch = bool(flat[0])
-        taken = []
-        for i in range(1, len(flat), 5):
-            key = flat[i]
-            taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
-                          bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
+        self.passed_watch, taken = parse_taken(
+            self._take(keys=take_keys(lists), args=take_args(room, started, lease, watcher)))
         return taken

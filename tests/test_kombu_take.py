@@ -1,0 +1,131 @@
+"""The app's kombu channel takes with the atomic take script on a real Redis (asyncinfer/kombu_take.py):
+no BRPOP, every list of every queue served, each message recorded in kombu's bookkeeping before
+its consumer sees it, and nothing left recorded that nobody will acknowledge."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu import Consumer, Exchange, Producer, Queue
+
+from asyncinfer.celery_app import create_app
+from asyncinfer.config.settings import Settings
+from asyncinfer.ops.redis_server import RedisServer
+from asyncinfer.worker.bootstrap import take_atomically
+
+EXCHANGE = Exchange("take", type="direct")
+QUEUES = [Queue(name, EXCHANGE, routing_key=name, queue_arguments={"x-max-priority": 10})
+          for name in ("take.a", "take.b")]
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of its own: its command counts are this test's."""
+    s = RedisServer(tmp_path / "redis", appendonly=False).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _worker_app(url: str) -> Any:
+    """The app as a worker configures it at start (worker/bootstrap.py)."""
+    app = create_app(Settings(broker_url=url))
+    take_atomically(app)
+    return app
+
+
+def _drain(conn: Any, received: list[Any], count: int) -> None:
+    for _ in range(200):
+        if len(received) >= count:
+            return
+        try:
+            conn.drain_events(timeout=0.5)
+        except TimeoutError:
+            pass
+    raise TimeoutError(f"{len(received)} of {count} messages received")
+
+
+def _calls(r: redis.Redis, command: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_every_list_is_taken_atomically_and_recorded_before_the_consumer_sees_it(server) -> None:
+    app = _worker_app(server.url)
+    r = redis.Redis.from_url(server.url)
+    received: list[tuple[str, int, bool]] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        # recorded in kombu's bookkeeping before it is handed over
+        received.append((message.delivery_info["routing_key"], body["n"],
+                         bool(r.hexists("unacked", message.delivery_tag))))
+        message.ack()
+
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            assert channel.atomic_take
+            producer = Producer(channel, EXCHANGE)
+            for q in QUEUES:
+                q(channel).declare()
+            # a second queue, and a priority list of the first
+            producer.publish({"n": 1}, routing_key="take.a")
+            producer.publish({"n": 2}, routing_key="take.b")
+            producer.publish({"n": 3}, routing_key="take.a", priority=9)
+            with Consumer(channel, QUEUES, callbacks=[on_message], accept=["json"]):
+                _drain(conn, received, 3)
+        assert sorted(n for _, n, _ in received) == [1, 2, 3]
+        assert all(recorded for _, _, recorded in received), received
+        assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0
+        assert _calls(r, "brpop") == 0 and _calls(r, "evalsha") > 0
+    finally:
+        r.close()
+
+
+def test_a_consumer_that_does_not_acknowledge_leaves_nothing_recorded(server) -> None:
+    app = _worker_app(server.url)
+    r = redis.Redis.from_url(server.url)
+    received: list[Any] = []
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            QUEUES[0](channel).declare()
+            Producer(channel, EXCHANGE).publish({"n": 1}, routing_key="take.a")
+            with Consumer(channel, QUEUES[:1], callbacks=[lambda b, m: received.append(b)],
+                          accept=["json"], no_ack=True):
+                _drain(conn, received, 1)
+        assert received == [{"n": 1}]
+        assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0
+    finally:
+        r.close()
+
+
+def test_a_message_the_script_records_but_the_rules_refuse_leaves_the_bookkeeping(server) -> None:
+    app = _worker_app(server.url)
+    r = redis.Redis.from_url(server.url)
+    received: list[Any] = []
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            QUEUES[0](channel).declare()
+            producer = Producer(channel, EXCHANGE)
+            producer.publish({"n": 1}, routing_key="take.a")
+            # a well-formed envelope (the script records it) with a header of the wrong type
+            raw = json.loads(r.lindex("take.a", 0))
+            raw["headers"] = {"retries": "many"}
+            raw["properties"]["delivery_tag"] = "bad-tag"
+            r.lpush("take.a", json.dumps(raw))
+            producer.publish({"n": 2}, routing_key="take.a")
+            with Consumer(channel, QUEUES[:1], accept=["json"],
+                          callbacks=[lambda b, m: (received.append(b), m.ack())]):
+                _drain(conn, received, 2)
+        assert sorted(b["n"] for b in received) == [1, 2]
+        assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0
+        assert r.llen("take.a") == 0
+    finally:
+        r.close()
