@@ -84,6 +84,8 @@ def refusal_reason(exc: BaseException) -> str | None:
     said = (str(exc) or repr(exc)).strip()
     if code not in said:  # redis-py strips the code of the classes it maps
         said = f"{code} {said}".strip()
+    elif not said.startswith(code):  # a script's error wraps Redis' words: quote those alone
+        said = said[_CODE.search(said).start():]  # type: ignore[union-attr]
     return f"{REFUSALS[code]} ({said})"
 
 
