@@ -44,6 +44,7 @@ from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.keys import LEASE_HOLDERS_KEY, LEASES_KEY
 from asyncinfer.kombu_take import AtomicTake
 from asyncinfer.redis_refusals import REFUSED_CLASSES, refusal_reason, refusing_parser
 from asyncinfer.wire.envelope import (
@@ -138,6 +139,13 @@ class QoS(kombu_redis.QoS):
                         refusal_reason(exc) or printable(exc))
             return None
 
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        """kombu's, and the message's lease with it when the channel leases (kombu_take.py)."""
+        pipe = super()._remove_from_indices(delivery_tag, pipe)
+        if self.channel.lease_s:
+            pipe = pipe.zrem(LEASES_KEY, delivery_tag).hdel(LEASE_HOLDERS_KEY, delivery_tag)
+        return pipe
+
     def ack_due(self) -> None:
         """Make the acknowledgements Redis refused before, until it refuses again."""
         due = self.channel._acks_due
@@ -161,6 +169,10 @@ class Channel(AtomicTake, kombu_redis.Channel):
         #: Acknowledgements Redis refused, made again before the next BRPOP.
         self._acks_due: deque[str] = deque()
         super().__init__(*args, **kwargs)
+
+    def close(self) -> None:
+        self._stop_leases()
+        super().close()
 
     # -- connections -----------------------------------------------------------------------------
 

@@ -44,8 +44,15 @@ class AtomicTake:
     #: Longest wait of an idle channel on its first list before it takes from all again (seconds;
     #: transport option ``take_wait_s``).
     take_wait_s = 0.1
+    #: Lease what it takes for this long (seconds, Redis' clock; 0: no leases), to a holder named
+    #: after this worker (transport options ``lease_s`` and ``lease_node``): the channel renews
+    #: the leases of what it holds and sweeps expired ones (worker/intake/leases.py).
+    lease_s = 0.0
+    lease_node = ""
     #: The transport options above.
-    OPTIONS = ("atomic_take", "take_wait_s")
+    OPTIONS = ("atomic_take", "take_wait_s", "lease_s", "lease_node")
+
+    _leases: Any = None
 
     _take_next = _TAKE
     _take_sent = ""
@@ -78,12 +85,33 @@ class AtomicTake:
         else:
             room = ch.qos.can_consume_max_estimate() or 1
             keys = take_keys(lists, ch.unacked_index_key, ch.unacked_key)
-            args = (_TAKE, self._take_sha, len(keys), *keys, *take_args(room))
+            args = (_TAKE, self._take_sha, len(keys), *keys,
+                    *take_args(room, lease=self._lease_terms()))
         connection = ch.client.connection
         ch._in_poll = connection
         ch._brpop_sent_at = time.monotonic()
         self._take_sent = args[0]
         connection.send_command(*args)
+
+    def _lease_terms(self) -> Any:
+        """The lease terms of this channel's takes (its leases started on first use); None
+        without leases. Deaths are not counted on this path (no device batches to mark)."""
+        if not self.lease_s:
+            return None
+        if self._leases is None:
+            from asyncinfer.worker.intake.leases import Leases
+
+            ch: Any = self
+            self._leases = Leases(ch._create_client(), ch._create_client(),
+                                  node=self.lease_node or "celery", lease_s=float(self.lease_s),
+                                  deaths_ttl_s=3600, count_deaths=False,
+                                  held=lambda: list(ch.qos._delivered.copy())).start()
+        return self._leases.terms
+
+    def _stop_leases(self) -> None:
+        if self._leases is not None:
+            self._leases.stop()
+            self._leases = None
 
     def _take_reply(self, **options: Any) -> list[tuple[str, Any, bool]]:
         """The reply of what :meth:`_take_start` sent: what a take took, as ``(queue, message,

@@ -25,6 +25,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
 from asyncinfer.constants import model_from_queue
 from asyncinfer.worker import announcer, metrics
 from asyncinfer.worker.intake.step import fast_queues, is_prefork
@@ -100,13 +101,16 @@ def _retry_result_writes(app: Celery) -> None:
     app.backend.always_retry = True  # the backend already made (others read the setting)
 
 
-def take_atomically(app: Celery) -> None:
-    """A worker's Celery consumer on Redis takes as the fast consumer does: pop and record in
-    kombu's bookkeeping in one atomic step (asyncinfer/kombu_take.py), so that a kill at any
-    moment loses nothing. (A client consumes only replies it does not acknowledge: kombu's
-    BRPOP.)"""
+def take_atomically(app: Celery, node: str = "") -> None:
+    """A worker's Celery consumer on Redis takes as the fast consumer does: pop, record in
+    kombu's bookkeeping and lease to this worker (``node``) in one atomic step
+    (asyncinfer/kombu_take.py), so that a kill at any moment loses nothing and what a dead
+    worker held comes back within the lease. (A client consumes only replies it does not
+    acknowledge: kombu's BRPOP.)"""
+    settings = settings_of(app) or Settings.from_env()
     app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
-                                         "atomic_take": True}
+                                         "atomic_take": True, "lease_s": settings.lease_s,
+                                         "lease_node": node}
 
 
 @signals.worker_init.connect
@@ -114,7 +118,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is not None:
         _worker_name[0] = str(getattr(sender, "hostname", "") or "")
         _retry_result_writes(sender.app)
-        take_atomically(sender.app)
+        take_atomically(sender.app, _worker_name[0])
     if sender is not None and not is_prefork(sender.pool_cls):
         _load(sender.app)
         # Before the blueprint starts any consumer: nothing is taken before the models are in
