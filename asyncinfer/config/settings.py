@@ -70,12 +70,12 @@ class Settings:
     visibility_timeout_s: float = _setting(
         3600.0, "ASYNCINFER_VISIBILITY_TIMEOUT_S",
         "Seconds before an unacknowledged request is redelivered to another worker (Redis broker): "
-        "the backstop behind leases (the setting below), and the only rule for Celery's stock "
-        "consumer, which takes no leases.")
+        "the backstop behind leases (the setting below), which every worker of this release "
+        "takes.")
     lease_s: float = _setting(
         10.0, "ASYNCINFER_LEASE_S",
-        "Seconds a taken request is leased to its worker (Redis broker, `asyncinfer worker`'s "
-        "consumer). A live worker renews its leases every third of this, however long its kernels "
+        "Seconds a taken request is leased to its worker (Redis broker; the fast consumer and "
+        "Celery's own). A live worker renews its leases every third of this, however long its kernels "
         "run; the requests of a worker that stops renewing (killed, frozen, cut off from Redis) go "
         "back to their queues for any other worker within this plus a sweep (about a second), and "
         "a worker restarted on the same host takes its predecessor's back at once. The visibility "
