@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +42,7 @@ from kombu.transport.virtual import base as virtual
 from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.keys import LEASE_HOLDERS_KEY, LEASES_KEY
 from asyncinfer.kombu_take import AtomicTake
@@ -80,29 +80,6 @@ def _answering(client_cls: type) -> type:
 
     Client.__name__ = Client.__qualname__ = f"Answering{client_cls.__name__}"
     return Client
-
-
-class _Backoff:
-    """Seconds to wait after each refusal in a row: 0.1 s doubling to 5 s, reset by a success."""
-
-    first_s, most_s = 0.1, 5.0
-
-    def __init__(self) -> None:
-        self.next_s = self.first_s
-        self.until = 0.0
-
-    def refused(self) -> float:
-        wait_s = self.next_s
-        self.until = time.monotonic() + wait_s
-        self.next_s = min(self.next_s * 2, self.most_s)
-        return wait_s
-
-    def reset(self) -> None:
-        self.next_s, self.until = self.first_s, 0.0
-
-    @property
-    def waiting(self) -> bool:
-        return time.monotonic() < self.until
 
 
 class QoS(kombu_redis.QoS):
@@ -163,7 +140,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
                               + AtomicTake.OPTIONS)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._backoff = _Backoff()
+        self._backoff = Backoff()
         #: Popped messages whose bookkeeping Redis refused: (queue, envelope), oldest first.
         self._unrecorded: deque[tuple[str, dict[str, Any]]] = deque()
         #: Acknowledgements Redis refused, made again before the next BRPOP.
@@ -337,7 +314,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
                           printable(delivery.request_id))
 
     def _refused(self, what: str, exc: BaseException) -> None:
-        wait_s = self._backoff.refused()
+        wait_s = self._backoff.failed()
         log.warning("Redis refused %s: %s; again in %.1f s", what,
                     refusal_reason(exc) or printable(exc), wait_s)
 

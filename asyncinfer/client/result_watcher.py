@@ -39,6 +39,7 @@ from typing import Any
 import redis
 from celery import states
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
@@ -156,12 +157,12 @@ class ResultWatcher:
     # -- watcher thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff_s = 0.1
+        backoff = Backoff()
         while not self._closed:
             pubsub = self._client.pubsub()
             try:
                 self._serve(pubsub)
-                backoff_s = 0.1
+                backoff.reset()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if self._closed:
                     break
@@ -171,10 +172,10 @@ class ResultWatcher:
                     # connection resubscribes and reads every watched key again.
                     log.debug("result watcher: a pub/sub read timed out (%s); resubscribing", exc)
                 else:
+                    wait_s = backoff.failed()
                     log.warning("result watcher lost Redis (%s); reconnecting in %.1f s", exc,
-                                backoff_s)
-                    time.sleep(backoff_s)
-                    backoff_s = min(backoff_s * 2, 5.0)
+                                wait_s)
+                    time.sleep(wait_s)
             finally:
                 try:
                     pubsub.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.catalogue import Catalogue
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url, redis_client
@@ -53,14 +54,13 @@ class Announcer:
         result backend could not store an answer either), then keep announcing in a thread.
         A Redis that cannot be reached for ``unreachable_for_s`` is left to the worker's own
         connection, which ends it with an error saying so; the thread keeps trying."""
-        pause_s = self.first_retry_s[0]
+        backoff = Backoff(*self.first_retry_s)
         deadline = time.monotonic() + unreachable_for_s
-        while (failure := self.beat(retry_in_s=pause_s)) is not None:
+        while (failure := self.beat(retry_in_s=backoff.next_s)) is not None:
             if isinstance(failure, (redis.ConnectionError, redis.TimeoutError)) \
                     and time.monotonic() >= deadline:
                 break
-            time.sleep(pause_s)
-            pause_s = min(pause_s * 2, self.first_retry_s[1])
+            time.sleep(backoff.failed())
         self._thread.start()
         return self
 

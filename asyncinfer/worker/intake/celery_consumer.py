@@ -24,6 +24,7 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from asyncinfer import kombu_redis
+from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME, model_from_queue
 from asyncinfer.errors import InvalidRequest
@@ -51,7 +52,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     _policy_key: frozenset[str] | None = None
     _policy: TaskPolicy | None = None
     _refused_at = 0.0
-    _refusal_wait_s = 0.1
+    _refusal_backoff: Backoff | None = None
+
+    @property
+    def _refusals(self) -> Backoff:
+        """How long to wait after Redis' refusals in a row (this consumer's own)."""
+        if self._refusal_backoff is None:
+            self._refusal_backoff = Backoff()
+        return self._refusal_backoff
 
     def _refuse(self, message: Any, exc: Exception, request_id: Any = None) -> None:
         headers = message.headers or {}
@@ -94,11 +102,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         if reason is None:
             return False
         now = time.monotonic()
-        if now - self._refused_at > 60:
-            self._refusal_wait_s = 0.1
+        if now - self._refused_at > 60:  # not in a row: from the first wait again
+            self._refusals.reset()
         self._refused_at = now
-        wait_s = self._refusal_wait_s
-        self._refusal_wait_s = min(wait_s * 2, 5.0)
+        wait_s = self._refusals.failed()
         log.warning("consumer: Redis refused: %s; starting again in %.1f s", reason, wait_s)
         time.sleep(wait_s)
         return True

@@ -31,6 +31,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
@@ -224,7 +225,7 @@ class FastConsumer:
     # -- intake --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff_s = 0.1
+        backoff = Backoff()
         while not self._stopping.is_set():
             try:
                 room = self.holdings.room(self._stopping_now)
@@ -242,7 +243,7 @@ class FastConsumer:
                     self.waker.watch_passed()
                 if taken:
                     self._took(taken)
-                backoff_s = 0.1
+                backoff.reset()
                 if len(taken) < room:
                     self.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
                     self.waker.arm()
@@ -250,14 +251,14 @@ class FastConsumer:
             except redis.RedisError as exc:
                 # Lost connection, a timeout, OOM, READONLY (a demoted master), ...: nothing was
                 # taken that is not recorded; wait and take again.
+                wait_s = backoff.failed()
                 log.warning("consumer: Redis failed (%s: %s); again in %.1f s", type(exc).__name__,
-                            exc, backoff_s)
-                self._stopping.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                            exc, wait_s)
+                self._stopping.wait(wait_s)
             except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
-                log.exception("consumer error; going on in %.1f s", backoff_s)
-                self._stopping.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                wait_s = backoff.failed()
+                log.exception("consumer error; going on in %.1f s", wait_s)
+                self._stopping.wait(wait_s)
 
     def _took(self, taken: list[Taken]) -> None:
         """Start messages the take script popped and recorded; write the STARTED states it did

@@ -38,6 +38,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import (
@@ -330,7 +331,7 @@ class Leases:
 
     def _run(self) -> None:
         next_renewal = time.monotonic() + self.renew_every_s
-        backoff_s = 0.5
+        backoff = Backoff()
         while not self._stopped.wait(self.sweep_every_s):
             try:
                 if time.monotonic() >= next_renewal:
@@ -338,12 +339,12 @@ class Leases:
                     self.renew()
                 while self.sweep() >= self.sweep_batch:
                     pass
-                backoff_s = 0.5
+                backoff.reset()
             except redis.RedisError as exc:
+                wait_s = backoff.failed()
                 log.warning("leases: Redis failed (%s: %s); again in %.1f s", type(exc).__name__,
-                            exc, backoff_s)
-                self._stopped.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                            exc, wait_s)
+                self._stopped.wait(wait_s)
             except Exception:  # noqa: BLE001 - the renewal must outlive whatever goes wrong
                 log.exception("leases: unexpected error")
 

@@ -32,6 +32,7 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
 from asyncinfer.constants import TASK_NAME
@@ -225,7 +226,7 @@ class ResultWriter:
         """Store ``batch``, trying again until Redis takes it. A transaction Redis refuses for
         memory is split in halves, down to one request each: queued commands count towards
         ``maxmemory`` until EXEC, so a large batch can be refused where its parts fit."""
-        backoff_s = 0.1
+        backoff = Backoff()
         budgeted = False
         parts = [batch]
         while parts:
@@ -236,7 +237,7 @@ class ResultWriter:
                     budgeted = True
                 self._store_part(part)
                 parts.pop(0)
-                backoff_s = 0.1
+                backoff.reset()
                 continue
             except redis.OutOfMemoryError as exc:
                 if len(part) > 1:
@@ -248,10 +249,10 @@ class ResultWriter:
             except redis.RedisError as exc:
                 error = exc
             # The requests stay unacknowledged until this succeeds: nothing is lost.
+            wait_s = backoff.failed()
             log.warning("storing %d results failed (%s: %s); retrying in %.1f s", len(part),
-                        type(error).__name__, error, backoff_s)
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 5.0)
+                        type(error).__name__, error, wait_s)
+            time.sleep(wait_s)
 
     def _store_part(self, part: list[Outcome]) -> None:
         """One script call: the results of ``part`` and their acknowledgements (two, results

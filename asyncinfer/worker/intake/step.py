@@ -28,6 +28,7 @@ from celery import bootsteps, signals
 from celery.concurrency import get_implementation
 from celery.worker import state as worker_state
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url
@@ -64,17 +65,17 @@ def uses_fast_consumer(settings: Any, broker_url: str) -> bool:
 def _despite_redis(make: Callable[[], T]) -> T:
     """``make()``, made again with backoff while Redis is unreachable or refuses (a full disk
     refuses even the PING that opens a connection), until the worker is told to stop."""
-    backoff_s = 0.1
+    backoff = Backoff()
     while True:
         try:
             return make()
         except redis.RedisError as exc:
             if worker_state.should_stop is not None or worker_state.should_terminate is not None:
                 raise
+            wait_s = backoff.failed()
             log.warning("fast consumer: cannot start, Redis failed (%s); again in %.1f s",
-                        refusal_reason(exc) or f"{type(exc).__name__}: {exc}", backoff_s)
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 5.0)
+                        refusal_reason(exc) or f"{type(exc).__name__}: {exc}", wait_s)
+            time.sleep(wait_s)
 
 
 class FastConsumerStep(bootsteps.StartStopStep):

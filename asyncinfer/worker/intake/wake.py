@@ -43,6 +43,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.backoff import Backoff
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
 
@@ -217,7 +218,7 @@ class Waker:
 
     def _watch(self, key: str) -> None:
         seen = -1
-        backoff_s = 0.1
+        backoff = Backoff()
         while not self._done():
             with self._cond:
                 while self._generation == seen and not self._done():
@@ -226,7 +227,7 @@ class Waker:
             while not self._done():
                 try:
                     found = self._block(self.client, key, self.block_s)
-                    backoff_s = 0.1
+                    backoff.reset()
                     if found is not None:
                         self._wake.set()
                         self._unblock()
@@ -236,10 +237,10 @@ class Waker:
                         return  # close() cut the connection
                     if self._wake.is_set():
                         break  # it fired; only cutting the caller's block short failed
+                    wait_s = backoff.failed()
                     log.warning("watching %s failed (%s: %s); again in %.1f s", key,
-                                type(exc).__name__, exc, backoff_s)
-                    self._closed.wait(backoff_s)
-                    backoff_s = min(backoff_s * 2, 5.0)
+                                type(exc).__name__, exc, wait_s)
+                    self._closed.wait(wait_s)
 
     def _block(self, client: redis.Redis, key: str, timeout_s: int) -> Any:
         if not self._rotate:
