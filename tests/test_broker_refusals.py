@@ -2,8 +2,8 @@
 it out and serve again, nothing accepted is lost, and every submit in between is answered or
 refused with an error naming Redis' reason.
 
-Out of memory (``maxmemory`` under ``noeviction``) on Celery's stock consumer is here too (the
-fast consumer's is in tests/test_delivery_faults.py).
+Out of memory (``maxmemory`` under ``noeviction``) is in tests/test_delivery_faults.py, on both
+consumers.
 
 Redis' disk is a small tmpfs under its append-only file; a client streams 64 KB requests until the
 disk is full (Redis answers ``MISCONF Errors writing to the AOF file: No space left on device``),
@@ -14,8 +14,6 @@ runs Celery's consumer on its control queue, mingle and gossip) and Celery's sto
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -25,11 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
 from asyncinfer.client import Client
 from asyncinfer.client.responses import InferFuture
-from asyncinfer.errors import BrokerRefused
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.processes import launch_worker, start_worker
 from tests.support.waiting import wait_for
@@ -165,43 +161,3 @@ def test_a_full_disk_under_redis_is_ridden_out_and_nothing_accepted_is_lost(
                 if proc is not None:
                     proc.stop()
             server.stop()
-
-
-def test_redis_out_of_memory_then_freed_the_stock_consumer_serves_again(tmp_path: Path) -> None:
-    # Given a Redis of its own (noeviction, as Celery requires) and a worker on Celery's consumer
-    server = RedisServer(tmp_path / "redis", appendonly=False).start()
-    worker = start_worker(server.url, tmp_path / "worker.log", "--device", "cpu", "--models",
-                          "identity", "--hostname", "oom-celery@%h", ASYNCINFER_CONSUMER="celery")
-    client = Client(broker_url=server.url, serializer="msgpack")
-    r = redis.Redis.from_url(server.url)
-    try:
-        big = np.arange(65536, dtype=np.float32).reshape(1, -1)  # 256 KiB a request and a result
-        for f in [client.submit("identity", {"x": big}) for _ in range(30)]:
-            assert f.result(timeout=60)["x"].shape == (1, 65536)
-        # When Redis is full of those results (maxmemory below what it uses) while requests wait
-        os.kill(worker.pid, signal.SIGSTOP)
-        waiting = [client.submit("identity", {"x": big + i}) for i in range(10)]
-        r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - 2 * 1024 * 1024)
-        os.kill(worker.pid, signal.SIGCONT)
-        # Then the worker takes one, Redis refuses to record it (or its result): it says so
-        wait_for(lambda: "out of memory" in worker.log(), 30, "the worker meeting OOM")
-        # And a submit is refused naming the request and the cause
-        with pytest.raises(BrokerRefused, match=r"request oom-c1: broker is out of memory"):
-            client.submit("identity", {"x": big}, request_id="oom-c1")
-        # When memory is freed (the old results deleted)
-        for key in r.scan_iter("celery-task-meta-*", count=1000):
-            r.delete(key)
-        # Then the same worker process answers every waiting request and serves new ones
-        for i, f in enumerate(waiting):
-            assert f.result(timeout=60)["x"][0, :3].tolist() == [i, i + 1.0, i + 2.0]
-        assert client.infer("identity", {"x": big[:, :4]}, timeout_s=30)["x"].tolist() == [[0, 1, 2, 3]]
-        assert worker.process.poll() is None
-        assert "Unrecoverable error" not in worker.log()
-    finally:
-        if worker.process.poll() is None:
-            os.kill(worker.pid, signal.SIGCONT)
-        client.close()
-        r.close()
-        worker.stop()
-        server.stop()

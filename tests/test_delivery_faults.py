@@ -167,11 +167,14 @@ def test_kill_9_again_and_again_during_a_paced_stream_loses_none(redis_db, tmp_p
 
 
 @pytest.mark.timeout(150)
-def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path) -> None:
-    # Given a Redis of its own (noeviction, as Celery requires) and a worker of identity
+@pytest.mark.parametrize("consumer", ["fast", "celery"])
+def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path, consumer: str) -> None:
+    # Given a Redis of its own (noeviction, as Celery requires) and a worker of identity, on the
+    # fast consumer or Celery's own
     server = RedisServer(tmp_path / "redis", appendonly=False).start()
     worker = start_worker(server.url, tmp_path / "worker.log", "--device", "cpu", "--models",
-                          "identity", "--hostname", "oom@%h", "--concurrency", "8")
+                          "identity", "--hostname", f"oom-{consumer}@%h", "--concurrency", "8",
+                          ASYNCINFER_CONSUMER=consumer)
     client = Client(broker_url=server.url, serializer="msgpack")
     r = redis.Redis.from_url(server.url)
     try:
@@ -184,8 +187,10 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path) -
         r.config_set("maxmemory-policy", "noeviction")
         r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - 2 * 1024 * 1024)
         os.kill(worker.pid, signal.SIGCONT)
-        # Then the worker takes them but Redis refuses their results: it says so and retries
-        wait_for(lambda: "OutOfMemoryError" in worker.log(), 30, "the worker meeting OOM")
+        # Then the worker takes them but Redis refuses their bookkeeping or their results: it
+        # says so and retries
+        wait_for(lambda: "OutOfMemoryError" in worker.log() or "out of memory" in worker.log(), 30,
+                 "the worker meeting OOM")
         # And a submit is refused with an asyncinfer error naming the request and the cause,
         # leaving nothing registered in the result watcher
         with pytest.raises(BrokerRefused, match=r"request oom-1: broker is out of memory") as err:
@@ -198,7 +203,7 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path) -
         for i, f in enumerate(waiting):
             assert f.result(timeout=60)["x"][0, :3].tolist() == [i, i + 1.0, i + 2.0]
         assert client.infer("identity", {"x": big[:, :4]}, timeout_s=30)["x"].tolist() == [[0, 1, 2, 3]]
-        assert worker.process.poll() is None
+        assert worker.process.poll() is None and "Unrecoverable error" not in worker.log()
     finally:
         if worker.process.poll() is None:
             os.kill(worker.pid, signal.SIGCONT)
