@@ -104,7 +104,7 @@ class AtomicTake:
             ch: Any = self
             self._leases = Leases(ch._create_client(), ch._create_client(),
                                   node=self.lease_node or "celery", lease_s=float(self.lease_s),
-                                  deaths_ttl_s=3600, count_deaths=False,
+                                  deaths_ttl_s=86400, count_deaths=False,
                                   held=lambda: list(ch.qos._delivered.copy())).start()
         return self._leases.terms
 

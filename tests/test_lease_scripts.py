@@ -167,3 +167,18 @@ def test_a_batch_off_the_device_is_unmarked_with_the_next_batchs_marks(r) -> Non
     leases.on_device([("t-next", "r-next", nxt)])
     # Then a death from now on counts against the batch on the device only
     assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-next": b"r-next"}
+
+
+def test_a_sweeper_that_marks_nothing_itself_still_counts_the_deaths_of_others(r) -> None:
+    # Given a request marked on the device of a holder that died
+    r.lpush(QUEUE, _message("killer"))
+    dead = _leases(r, [])
+    [(_, raw, *_)] = Taker(r).take([QUEUE], 1, lease=dead.terms)
+    dead.on_device([(_tag(raw), "killer", WorkItem(request=None, rows=1, signature=(),
+                                                   on_device=True))])
+    # When a sweeper that counts no deaths of its own (Celery's consumer's) puts it back
+    stock = Leases(r, r, node="stock@h", lease_s=1.0, deaths_ttl_s=60, count_deaths=False,
+                   held=list)
+    wait_for(lambda: stock.sweep() == 1, 10, "the expired lease swept", poll_s=0.1)
+    # Then the death counts all the same
+    assert r.get(DEATHS_PREFIX + "killer") == b"1" and stock.deaths_counted == 1

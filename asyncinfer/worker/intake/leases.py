@@ -307,8 +307,10 @@ class Leases:
     def _put_back(self, found: list[tuple[Any, Any, Any]], expired_only: bool) -> int:
         if not found:
             return 0
-        args: list[Any] = ["1" if expired_only else "0",
-                           DEATHS_PREFIX if self.count_deaths else "", self.deaths_ttl_s]
+        # Deaths are counted for whatever another holder marked as on its device, whether or not
+        # this holder marks its own (every sweeper of the fleet must count them, or a request
+        # that kills its workers would be isolated only when the right worker swept)
+        args: list[Any] = ["1" if expired_only else "0", DEATHS_PREFIX, self.deaths_ttl_s]
         for tag, entry, unacked in found:
             came_from = _text(entry).split("\t", 1)
             restored = redelivered_text(unacked) if unacked else None
