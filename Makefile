@@ -25,8 +25,12 @@ setup: $(STAMP)
 demo: setup
 	$(PY) -m asyncinfer.ops.demo
 
+# Two processes, each with its own Redis and session worker; a file's tests stay in one process
+# (they share its fixtures). Tests that wait on real time (leases, kills, failovers) overlap.
+TEST_PROCESSES ?= 2
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
 # The fast tier: no Redis, no subprocess.
 test-unit: setup

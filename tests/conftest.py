@@ -49,6 +49,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a real Redis server for this test session (its database is the session worker's)."""
     given = os.environ.get("ASYNCINFER_TEST_REDIS_URL")
     if given:
+        if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+            pytest.exit("ASYNCINFER_TEST_REDIS_URL names one Redis for one test process: run with "
+                        "TEST_PROCESSES=1 (make) or without -n (pytest)", returncode=4)
         yield given
         return
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
