@@ -1,7 +1,7 @@
 """N workers on one queue: do they add up? Rows/s against N × the device limit, side by side.
 
     .venv/bin/python bench/scale_out.py [--trees old=/tmp/old,new=.] [--workers 1,4,8]
-        [--seconds 20] [--in-flight-per-worker 64] [--out bench/results/scale_out.json]
+        [--seconds 20] [--out bench/results/scale_out.json] [--env ASYNCINFER_HOLD_BATCHES=3]
 
 Each run starts one embedded Redis, N workers of one source tree (first on their ``PYTHONPATH``)
 serving the model ``sim-scale`` — a simulated device of 100 ms + 1 ms per row with the GIL
@@ -83,6 +83,7 @@ def _run(tag: str, tree: Path, n: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp), appendonly=False).start()
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+        env.update(dict(kv.split("=", 1) for kv in args.env))
         env.update(ASYNCINFER_BROKER_URL=server.url, ASYNCINFER_LOG_LEVEL="warning",
                    ASYNCINFER_MODEL_FACTORIES="sim-scale=scale_out:sim_scale",
                    PYTHONPATH=f"{tree}{os.pathsep}{HERE}")
@@ -137,6 +138,8 @@ def main() -> int:
     p.add_argument("--workers", default="1,4,8")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--env", action="append", default=[],
+                   help="VAR=VALUE for the workers (repeatable), e.g. ASYNCINFER_HOLD_BATCHES=3")
     args = p.parse_args()
     trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.trees.split(",")]
     rows = [_run(tag, tree, int(n), args) for n in args.workers.split(",") for tag, tree in trees]

@@ -173,9 +173,15 @@ class Settings:
         "Messages reserved per task thread; concurrency × this bounds what the batcher sees.")
     hold_batches: int = _setting(
         2, "ASYNCINFER_HOLD_BATCHES",
-        "Device batches a device worker holds per model instance (taken from its queues and not "
-        "yet answered: on the device or waiting for it), within the bound above: a worker that "
-        "dies strands no more, and idle workers beside it get the rest. 0: the bound above alone.")
+        "The least a device worker holds, in device batches per model instance (taken from its "
+        "queues and not yet answered: on the device or waiting for it); it holds more for a fast "
+        "device (the setting below), within the bound above: a worker that dies strands little, "
+        "and idle workers beside it get the rest. 0: the bound above alone.")
+    hold_s: float = _setting(
+        0.25, "ASYNCINFER_HOLD_S",
+        "Seconds of device work a device worker holds at most, by the pace its models' batches "
+        "keep (the number of batches above is the least it holds): a fast device keeps enough in "
+        "hand not to wait for each take, a slow one holds little that a death could strand.")
     consumer: str = _setting(
         "fast", "ASYNCINFER_CONSUMER",
         "How a device worker (`asyncinfer worker`, `celery -A asyncinfer worker -Q infer.M`) takes "
@@ -273,6 +279,7 @@ class Settings:
             raise ValueError(f"lease_s must be 0 (no leases) or at least 1 second (it is renewed "
                              f"every third of it), got {self.lease_s!r}")
         for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s", "lease_s",
+                     "hold_s",
                      "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
                      "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
                      "submit_replicas_timeout_s", "lost_after_s"):

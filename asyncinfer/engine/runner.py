@@ -103,6 +103,9 @@ class ModelRunner:
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
+        #: Seconds a batch takes from forming to its results (a moving average; None until one
+        #: ran): how fast this model gets through what a worker holds.
+        self.batch_s: float | None = None
         #: A batch that must run alone has the device to itself (no other instance's batch).
         self._gate = DeviceGate()
         # A batch holds a slot from the moment it is formed until its results are on the host
@@ -401,6 +404,8 @@ class ModelRunner:
                 for i, t in enumerate(first)}
 
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
+        took_s = time.perf_counter() - started
+        self.batch_s = took_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * took_s
         with self.settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 

@@ -113,8 +113,8 @@ class FastConsumer:
                                         **blocking),
                            self._lists, stopping=self._stopping_now)
         #: Everything taken and not yet answered: the one in-flight account.
-        self.holdings = Holdings(held_at_most(policy.max_in_flight, settings.hold_batches,
-                                              runtime.runners()))
+        self.holdings = Holdings(lambda: held_at_most(policy.max_in_flight, settings.hold_batches,
+                                                      settings.hold_s, runtime.runners()))
         #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events)

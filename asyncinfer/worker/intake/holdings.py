@@ -41,13 +41,18 @@ class Holding:
 class Holdings:
     """The one in-flight account of a consumer, safe to use from any thread."""
 
-    def __init__(self, max_in_flight: int) -> None:
-        self.max_in_flight = max_in_flight
+    def __init__(self, max_in_flight: int | Callable[[], int]) -> None:
+        #: The bound: a number, or asked each time (it follows the device's pace).
+        self._bound = max_in_flight if callable(max_in_flight) else (lambda: max_in_flight)
         self._held: dict[int, Holding] = {}
         #: Delivery tags by request ID, for what goes onto the device (the leases' marks).
         self._tags: dict[str, str] = {}
         self._in_flight = 0
         self._cond = threading.Condition()
+
+    @property
+    def max_in_flight(self) -> int:
+        return self._bound()
 
     @property
     def in_flight(self) -> int:
@@ -101,9 +106,9 @@ class Holdings:
     def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
         """Wait until fewer than ``max_in_flight`` are in flight (or ``stopping()``); the room."""
         with self._cond:
-            while self._in_flight >= self.max_in_flight and not stopping():
+            while self._in_flight >= (bound := self._bound()) and not stopping():
                 self._cond.wait(poll_s)
-            return self.max_in_flight - self._in_flight
+            return bound - self._in_flight
 
     def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for nothing to be in flight; how many still are."""
@@ -133,13 +138,19 @@ class Holdings:
         return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)
 
 
-def held_at_most(max_in_flight: int, hold_batches: int, runners: Sequence[Any]) -> int:
-    """How many requests a consumer holds at most: ``hold_batches`` device batches per instance of
-    each of ``runners`` (loaded models), within ``max_in_flight``; ``max_in_flight`` alone when
-    ``hold_batches`` is 0 or no model is loaded yet.
+def held_at_most(max_in_flight: int, hold_batches: int, hold_s: float, runners: Sequence[Any]) -> int:
+    """How many requests a consumer holds at most, within ``max_in_flight``: what the devices of
+    ``runners`` (loaded models) get through in ``hold_s`` seconds at full batches (by each
+    runner's ``batch_s``, once a batch ran), and never less than ``hold_batches`` device batches
+    per instance; ``max_in_flight`` alone when ``hold_batches`` is 0 or no model is loaded yet.
 
-    A worker that took 128 requests while its device starts 32 at a time hoarded: idle workers
-    beside it had nothing, batches shrank, and its death stranded all 128.
+    A worker that took 128 requests while its slow device starts 32 at a time hoarded: idle
+    workers beside it had nothing, batches shrank, and its death stranded all 128. A fast device
+    (a batch in milliseconds) needs more than two batches in hand, or it waits for each take.
     """
-    wanted = sum(hold_batches * r.max_batch_size * r.options.instances for r in runners)
-    return max(1, min(max_in_flight, wanted)) if wanted else max_in_flight
+    floor = sum(hold_batches * r.max_batch_size * r.options.instances for r in runners)
+    if not floor:
+        return max_in_flight
+    by_time = sum(r.max_batch_size * r.options.instances * hold_s / r.batch_s
+                  for r in runners if r.batch_s)
+    return max(1, min(max_in_flight, max(floor, int(by_time))))
