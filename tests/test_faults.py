@@ -57,12 +57,13 @@ def test_requests_of_a_killed_worker_complete_once_on_a_new_worker(redis_db, tmp
         r.set(f"{prefix}:gate", "closed")
         futures += [client.submit("gated", _index(i)) for i in range(30, 150)]
         wait_for(lambda: r.get(f"{prefix}:blocked"), 60, "the first worker to block in forward", poll_s=0.02)
-        # (a worker holds two device batches of 32 at the defaults, ASYNCINFER_HOLD_BATCHES)
-        wait_for(lambda: r.hlen("unacked") == 64, 60, "the first worker to take 64", poll_s=0.02)
+        # (at least two device batches of 32, more for a fast device: ASYNCINFER_HOLD_BATCHES, _S)
+        wait_for(lambda: r.hlen("unacked") >= 64, 60, "the first worker to take 64", poll_s=0.02)
         # and it is killed with SIGKILL (no shutdown, no acks, nothing restored by it)
         first.process.kill()
         first.process.wait()
-        assert r.hlen("unacked") == 64 and r.llen("infer.gated") == 56
+        held = r.hlen("unacked")
+        assert held >= 64 and r.llen("infer.gated") == 120 - held
         # Then, with the gate open and a new worker started, every request completes
         r.delete(f"{prefix}:gate")
         second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "gated",
