@@ -32,6 +32,13 @@ from asyncinfer.engine.delivery import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.gate import DeviceGate
+from asyncinfer.engine.hooks import (
+    LaunchObserver,
+    WedgedHandler,
+    ignore_batch,
+    ignore_launch,
+    settle_wedged,
+)
 from asyncinfer.engine.timer import Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
@@ -47,11 +54,6 @@ from asyncinfer.errors import (
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request
-
-#: Called when a request's hard time limit passes while its batch is on the device.
-WedgedHandler = Callable[[WorkItem, BaseException], None]
-#: Called with a batch's items on the device thread just before the batch goes onto the device.
-LaunchObserver = Callable[[Sequence[WorkItem]], None]
 
 __all__ = ["Completed", "ModelRunner", "settle"]
 
@@ -89,16 +91,16 @@ class ModelRunner:
         self.max_batch_size = opts.max_batch_size
         self.is_revoked = is_revoked or (lambda request_id: False)
         self.timer = timer
-        self.on_wedged = on_wedged or _settle_wedged
+        self.on_wedged = on_wedged or settle_wedged
         #: Which model exceptions are worth retrying; who hears of each finished batch.
         self.is_transient = is_transient
-        self.on_batch: BatchObserver = on_batch or _ignore_batch
+        self.on_batch: BatchObserver = on_batch or ignore_batch
         #: What a batch's requests are settled inside (the fast consumer's result writer gathers
         #: their outcomes into one write).
         self.settling = settling or contextlib.nullcontext
         #: Who hears of each batch just before it goes onto the device (the worker's leases mark
         #: what a death there would count against).
-        self.on_launch: LaunchObserver = on_launch or _ignore_launch
+        self.on_launch: LaunchObserver = on_launch or ignore_launch
         #: Set once a batch overran its hard time limit on the device: the process is being
         #: replaced, and the requests still waiting are left to be redelivered, not failed.
         self.wedged = False
@@ -410,15 +412,6 @@ class ModelRunner:
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 
 
-def _ignore_launch(items: Sequence[WorkItem]) -> None:
-    pass
-
-
-def _ignore_batch(model: str, device: str, rows: int, compute_s: float,
-                  waits_s: Sequence[float]) -> None:
-    pass
-
-
 def _forward_only(job: _Job) -> bool:
     """Whether the batch holds prepared requests (the stages run as separate Celery tasks)."""
     return job.items[0].request.parameters.get("stage") == FORWARD_STAGE
@@ -432,8 +425,3 @@ def _overrides(model: Model, method: str) -> bool:
 def _off_device(items: Sequence[WorkItem]) -> None:
     for item in items:
         item.on_device = False
-
-
-def _settle_wedged(item: WorkItem, exc: BaseException) -> None:
-    """Default for a wedged device when no worker handles it: fail the request."""
-    settle(item.future, exc=exc)

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
@@ -19,6 +19,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.delivery import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
+from asyncinfer.engine.hooks import LaunchObserver, ignore_launch
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
@@ -68,7 +69,7 @@ class WorkerRuntime:
         self.settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
         #: Who hears of each batch just before it goes onto the device (the fast consumer's
         #: leases mark it, so that a death then counts against its requests).
-        self.on_launch: Callable[[Sequence[WorkItem]], None] = _ignore_launch
+        self.on_launch: LaunchObserver = ignore_launch
 
     def load(self, models: Iterable[str]) -> None:
         """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
@@ -180,10 +181,6 @@ class WorkerRuntime:
         for runner in runners:
             runner.close()
         self.timer.close()
-
-
-def _ignore_launch(items: Sequence[WorkItem]) -> None:
-    pass
 
 
 def _exit_wedged(item: WorkItem, exc: BaseException) -> None:
