@@ -16,7 +16,9 @@ from celery import signals
 
 from asyncinfer.catalogue import Catalogue
 from asyncinfer.worker import announcer
+from asyncinfer.config.settings import Settings
 from asyncinfer.worker.intake.step import FastConsumerStep
+from asyncinfer.worker.worker import Worker, attach
 
 pytestmark = pytest.mark.unit
 
@@ -59,14 +61,21 @@ def test_the_first_announcement_is_made_before_start_returns_even_if_redis_refus
     assert Catalogue(r).read()["identity"].hosts == ()  # withdrawn, still known
 
 
-def test_a_running_announcer_is_kept_not_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+def _worker(announcing: Any = None, name: str = "w@host") -> Worker:
+    """A device worker (no Celery worker, no device) whose announcer is ``announcing``."""
+    worker = Worker(SimpleNamespace(), Settings.from_env(), name)  # type: ignore[arg-type]
+    worker.announcer = announcing
+    return worker
+
+
+def test_a_running_announcer_is_kept_not_restarted() -> None:
     withdrawn: list[str] = []
     running = SimpleNamespace(stop=lambda: withdrawn.append("withdrawn"))
-    monkeypatch.setattr(announcer, "_current", [running])
-    again = announcer.start(None, "w@host", "cpu", lambda: MODELS)  # type: ignore[arg-type]
+    worker = _worker(running)
+    again = worker.announce()
     assert again is running and withdrawn == []  # no gap in which the model looks unserved
-    announcer.stop()
-    assert withdrawn == ["withdrawn"] and announcer._current == []
+    worker.withdraw()
+    assert withdrawn == ["withdrawn"] and worker.announcer is None
 
 
 class Consumer:
@@ -87,7 +96,8 @@ def _step(order: list[str]) -> FastConsumerStep:
 def test_the_fast_consumer_starts_only_once_its_worker_is_ready() -> None:
     order: list[str] = []
     step = _step(order)
-    worker, other = SimpleNamespace(name="w"), SimpleNamespace(name="other")
+    worker = SimpleNamespace(name="w", app=SimpleNamespace())
+    other = SimpleNamespace(name="other", app=SimpleNamespace())
     step.start(worker)
     try:
         assert order == []  # the blueprint started it: nothing is taken yet
@@ -101,21 +111,27 @@ def test_the_fast_consumer_starts_only_once_its_worker_is_ready() -> None:
         step.stop(worker)
 
 
-def test_a_stop_withdraws_the_models_before_the_consumer_gives_requests_back(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_withdraws_the_models_before_the_consumer_gives_requests_back() -> None:
     order: list[str] = []
-    monkeypatch.setattr(announcer, "_current", [SimpleNamespace(stop=lambda: order.append("withdraw"))])
+    app = SimpleNamespace()
+    attach(app, _worker(SimpleNamespace(stop=lambda: order.append("withdraw"))))  # type: ignore[arg-type]
     step = _step(order)
     step.consumer = SimpleNamespace(stop=lambda: order.append("give back"))
-    step.stop(SimpleNamespace(name="w"))
+    step.stop(SimpleNamespace(name="w", app=app))
     assert order == ["withdraw", "give back"]
 
 
-def test_a_clean_stop_withdraws_when_it_begins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clean_stop_withdraws_when_it_begins() -> None:
     # worker_shutting_down: sent by Celery's signal handler before the blueprint stops anything
-    import asyncinfer.worker.bootstrap  # noqa: F401 - connects the worker's signals
+    from asyncinfer.worker.bootstrap import withdraw_when_stopping
 
     order: list[str] = []
-    monkeypatch.setattr(announcer, "_current", [SimpleNamespace(stop=lambda: order.append("withdraw"))])
-    signals.worker_shutting_down.send(sender="w@host", sig="TERM", how="Warm", exitcode=0)
-    assert order == ["withdraw"]
+    worker = _worker(SimpleNamespace(stop=lambda: order.append("withdraw")))
+    receiver = withdraw_when_stopping(worker)
+    try:
+        signals.worker_shutting_down.send(sender="other@host", sig="TERM", how="Warm", exitcode=0)
+        assert order == []  # another worker of this process stops
+        signals.worker_shutting_down.send(sender="w@host", sig="TERM", how="Warm", exitcode=0)
+        assert order == ["withdraw"]
+    finally:
+        signals.worker_shutting_down.disconnect(receiver)

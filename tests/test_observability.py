@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.ops.redis_server import free_port
-from asyncinfer.worker.metrics import _Ring
+from asyncinfer.worker.metrics import Ring
 from tests.support.metrics import scrape, value
 from tests.support.processes import ROOT, TEST_FACTORIES, WorkerProcess, start_worker, worker_env
 
@@ -244,7 +244,7 @@ def test_stock_celery_path_logs_once_and_counts(redis_url, tmp_path) -> None:
 
 @pytest.mark.unit
 def test_throughput_ring_counts_the_last_seconds() -> None:
-    ring = _Ring(10)
+    ring = Ring(10)
     for second in range(100, 110):
         ring.add(5, now=second + 0.5)
     assert ring.rate(now=109.5) == pytest.approx(50 / 9.5)

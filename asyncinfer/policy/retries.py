@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import redis
 from celery import Celery
@@ -81,19 +80,11 @@ class RetryPolicy:
         return (rng or random).uniform(0.0, ceiling) if self.jitter else ceiling
 
 
-_budgets: WeakKeyDictionary[Any, Any] = WeakKeyDictionary()
-
-
 def retry_budget_for(app: Celery) -> Any:
-    """The app's :class:`~asyncinfer.policy.retry_budget.RetryBudget` (on the result backend's
-    Redis), one per app."""
-    budget = _budgets.get(app)
-    if budget is None:
-        from asyncinfer.policy.retry_budget import RetryBudget
+    """A :class:`~asyncinfer.policy.retry_budget.RetryBudget` for a worker of ``app`` (on the
+    result backend's Redis; the budget itself is the fleet's, kept there)."""
+    from asyncinfer.policy.retry_budget import RetryBudget
 
-        settings = settings_of(app) or Settings.from_env()
-        budget = RetryBudget(app.backend.client, ratio=settings.retry_budget_ratio,
-                             minimum=settings.retry_budget_min,
-                             window_s=settings.retry_budget_window_s)
-        _budgets[app] = budget
-    return budget
+    settings = settings_of(app) or Settings.from_env()
+    return RetryBudget(app.backend.client, ratio=settings.retry_budget_ratio,
+                       minimum=settings.retry_budget_min, window_s=settings.retry_budget_window_s)

@@ -24,6 +24,7 @@ from asyncinfer.wire.envelope import seconds_until
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.lifecycle import EXPIRED, REVOKED, admit
 from asyncinfer.worker.stock_path import model_of, settlement
+from asyncinfer.worker.worker import worker_of
 
 __all__ = ["infer", "InferTask"]
 
@@ -105,17 +106,16 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     Keyword arguments are the Open Inference Protocol v2 request: ``model``, ``inputs``,
     ``parameters``. The return value is the v2 response.
     """
-    from asyncinfer.worker.runtime import get_runtime
-
     request_id = str(self.request.id)
     if not self.request.retries:
         settlement(self.app).policy.budget.count_requests(1)
     request = request_kwargs(request_id, args, kwargs)
     limits = settlement(self.app).policy.limits_for(self.request.timelimit)
+    worker = worker_of(self.app)
     try:
-        return get_runtime().infer(request_id, request, worker=str(self.request.hostname),
-                                   expires_in_s=seconds_until(self.request.expires),
-                                   time_limits=limits)
+        return worker.runtime.infer(request_id, request, worker=str(self.request.hostname),
+                                    expires_in_s=seconds_until(self.request.expires),
+                                    time_limits=limits)
     except RequestRevoked as exc:
         # Revoked while it waited in the batcher: record it as Celery would have, store nothing else.
         self.backend.mark_as_revoked(request_id, reason=str(exc), request=self.request)

@@ -9,18 +9,14 @@ like any others; only its forward runs.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from celery import Task
 
 from asyncinfer.celery_app import app
-from asyncinfer.config.bound import settings_of
-from asyncinfer.config.settings import Settings
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
 from asyncinfer.models.base import Model
-from asyncinfer.models.registry import Registry
 from asyncinfer.wire.protocol import (
     FORWARD_STAGE,
     decode_request,
@@ -28,24 +24,13 @@ from asyncinfer.wire.protocol import (
     request_kwargs,
     tensor_from_value,
 )
+from asyncinfer.worker.worker import worker_of
 
 __all__ = ["preprocess", "postprocess"]
 
-_models: dict[str, Model] = {}
-_lock = threading.Lock()
-
-
-def _cpu_model(name: str, request_id: str) -> Model:
+def _cpu_model(task: Task, name: str, request_id: str) -> Model:
     """The model's instance for CPU stages in this process (loaded once, on the CPU)."""
-    with _lock:
-        model = _models.get(name)
-        if model is None:
-            settings = settings_of(app) or Settings.from_env()
-            registry = Registry.from_config(settings.model_factories, settings.model_dir)
-            model = registry.create(name, request_id)
-            model.load(torch.device("cpu"))
-            _models[name] = model
-        return model
+    return worker_of(task.app).cpu_model(name, request_id)
 
 
 def _encode(values: dict[str, Any], binary: bool) -> list[dict[str, Any]]:
@@ -57,7 +42,7 @@ def preprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Run the model's preprocess on one v2 request; return the prepared v2 request."""
     request_id = str(self.request.id)
     request = decode_request(request_id, request_kwargs(request_id, args, kwargs))
-    model = _cpu_model(request.model, request_id)
+    model = _cpu_model(self, request.model, request_id)
     model.validate(request)
     with torch.inference_mode():
         prepared = model.preprocess({t.name: t.value for t in request.inputs})
@@ -72,7 +57,7 @@ def postprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     response = request_kwargs(request_id, args, kwargs)
     model_name = response.get("model_name")
     forward = decode_request(request_id, {"model": model_name, "inputs": response.get("outputs")})
-    model = _cpu_model(forward.model, request_id)
+    model = _cpu_model(self, forward.model, request_id)
     with torch.inference_mode():
         outputs = model.postprocess({t.name: t.value for t in forward.inputs})
     parameters = dict(response.get("parameters") or {})

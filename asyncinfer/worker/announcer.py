@@ -27,7 +27,7 @@ from asyncinfer.catalogue import Catalogue
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url, redis_client
 
-__all__ = ["Announcer", "start", "stop"]
+__all__ = ["Announcer", "announcer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +93,10 @@ class Announcer:
         self.catalogue.client.close()
 
 
-_current: list[Announcer] = []
-
-
-def start(settings: Settings, worker: str, device: str,
-          models: Callable[[], Sequence[Mapping[str, Any]]]) -> Announcer | None:
-    """Start this process's announcer (none without a Redis result backend); returns once its
-    models are in the catalogue. One that runs already is kept: stopping it would withdraw the
-    entry, a gap in which the models look unserved."""
-    if _current:
-        return _current[-1]
+def announcer_for(settings: Settings, worker: str, device: str,
+                  models: Callable[[], Sequence[Mapping[str, Any]]]) -> Announcer | None:
+    """A started announcer of ``models()`` for ``worker`` (none without a Redis result backend);
+    returns once its models are in the catalogue."""
     backend = settings.resolved_result_backend()
     if not is_redis_url(backend):
         log.info("model catalogue: the result backend is not Redis; nothing is announced")
@@ -110,14 +104,5 @@ def start(settings: Settings, worker: str, device: str,
     client = redis_client(backend, settings, socket_connect_timeout=settings.connect_timeout_s,
                           socket_timeout=max(settings.connect_timeout_s, 1.0))
     catalogue = Catalogue(client, ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
-    announcer = Announcer(catalogue, worker, models, device=device).start(
+    return Announcer(catalogue, worker, models, device=device).start(
         unreachable_for_s=settings.connect_timeout_s)
-    _current.append(announcer)
-    return announcer
-
-
-def stop() -> None:
-    """Stop this process's announcer, if any (it withdraws its models). Called before the worker
-    gives its requests back, so no client is sent to a worker that is leaving."""
-    while _current:
-        _current.pop().stop()

@@ -15,7 +15,6 @@ from celery.apps.worker import Worker as CeleryWorker
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import masked_url
-from asyncinfer.worker.intake.step import fast_queues
 
 __all__ = ["Worker", "truthful"]
 
@@ -45,4 +44,9 @@ class Worker(CeleryWorker):  # type: ignore[misc]
         in_flight = settings.concurrency * settings.prefetch_multiplier if settings else 0
         return truthful(banner, broker=masked_url(str(self.app.conf.broker_url)),
                         results=masked_url(str(self.app.conf.result_backend)),
-                        queues=fast_queues(self.app), in_flight=in_flight)
+                        queues=_fast_queues(self), in_flight=in_flight)
+
+
+def _fast_queues(controller: Any) -> list[str]:
+    worker = getattr(controller, "asyncinfer", None)
+    return list(worker.fast_queues) if worker is not None else []

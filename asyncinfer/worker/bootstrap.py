@@ -14,25 +14,23 @@ is leaving.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, signals
-from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
-from asyncinfer.constants import model_from_queue
-from asyncinfer.worker import announcer, metrics
-from asyncinfer.worker.intake.step import fast_queues, is_prefork
-from asyncinfer.worker.runtime import close_runtime, existing_runtime, get_runtime
+from asyncinfer.worker import inspection  # noqa: F401 - registers the inspection commands
+from asyncinfer.worker.intake.step import is_prefork
 from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.worker.worker import Worker, existing_worker, worker_of
 
-__all__ = ["hosted_models", "take_atomically"]
+__all__ = ["hosted_models", "take_atomically", "withdraw_when_stopping"]
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +38,14 @@ log = logging.getLogger(__name__)
 def hosted_models(app: Celery) -> list[str]:
     """Models to load at start: the configured ones, else those of the consumed ``infer.*``
     queues (none for a worker that consumes no ``infer.*`` queue)."""
-    configured = settings_of(app)
-    if configured is not None and configured.models:
-        return list(configured.models)
-    # the fast consumer's queues were Celery's until its step took them
-    queues = [*fast_queues(app), *(app.amqp.queues.consume_from or {})]
-    # A worker of other queues (the CPU stages, say) loads models lazily, when first asked.
-    return list(dict.fromkeys(m for q in queues if (m := model_from_queue(q)) is not None))
+    worker = worker_of(app)
+    return worker.hosted_models()
 
 
-def _load(app: Celery) -> None:
-    hosted = hosted_models(app)
-    settings = settings_of(app)
-    if settings is not None and hosted and not settings.models:
-        # ``celery -A asyncinfer worker -Q infer.mlp``: it hosts the models of its queues, and
-        # loads no other when a request names one (UnknownModel instead).
-        settings = dataclasses.replace(settings, models=tuple(hosted))
-    runtime = get_runtime(settings)
+def _load(worker: Worker) -> None:
+    hosted = worker.hosted_models()
     try:
-        runtime.load(hosted)
+        worker.load(hosted)
     except Exception as exc:  # noqa: BLE001 - Celery's signal would log it and serve no model
         # A worker that cannot load what it hosts must not report ready: one line, then the
         # status its supervisor (``asyncinfer up``) reads as "cannot start as configured".
@@ -67,30 +54,6 @@ def _load(app: Celery) -> None:
         log.debug("loading failed", exc_info=True)
         logging.shutdown()
         os._exit(CANNOT_START)
-    log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
-    # Celery's stock path: its active requests are those in flight (the fast consumer, when it
-    # starts, registers its own count instead).
-    metrics.watch(device=runtime.device.label, pending=runtime.pending,
-                  in_flight=lambda: len(worker_state.active_requests))
-    port = runtime.settings.metrics_port
-    if port:
-        metrics.serve(port)
-
-
-#: This worker's name (``celery@host``), known from ``worker_init`` (and kept across prefork's fork).
-_worker_name = [""]
-
-
-def _announce(worker: str) -> None:
-    """Put this process's models in the model catalogue (announcer.py) until the worker stops."""
-    runtime = existing_runtime()
-    if runtime is None or not runtime.models:
-        return
-
-    def hosted() -> list[dict[str, Any]]:
-        return [r.model.metadata(r.options) for r in runtime.runners()]
-
-    announcer.start(runtime.settings, worker, runtime.device.label, hosted)
 
 
 def _retry_result_writes(app: Celery) -> None:
@@ -113,50 +76,65 @@ def take_atomically(app: Celery, node: str = "") -> None:
                                          "lease_node": node}
 
 
+def withdraw_when_stopping(worker: Worker) -> Callable[..., None]:
+    """Withdraw ``worker``'s models when a clean stop of it begins (Celery's
+    ``worker_shutting_down``, sent before anything is given back); returns the receiver."""
+
+    def shutting_down(sender: Any = None, **_: Any) -> None:
+        if sender == worker.name:  # Celery names the worker that stops
+            worker.withdraw()
+
+    signals.worker_shutting_down.connect(shutting_down, weak=False)
+    return shutting_down
+
+
 @signals.worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    if sender is not None:
-        _worker_name[0] = str(getattr(sender, "hostname", "") or "")
-        _retry_result_writes(sender.app)
-        take_atomically(sender.app, _worker_name[0])
-    if sender is not None and not is_prefork(sender.pool_cls):
-        _load(sender.app)
+    if sender is None:
+        return
+    # The device worker of this Celery worker: made by ``asyncinfer worker``, else here.
+    worker = worker_of(sender.app)
+    worker.name = str(getattr(sender, "hostname", "") or worker.name)
+    sender.asyncinfer = worker
+    withdraw_when_stopping(worker)
+    _retry_result_writes(sender.app)
+    take_atomically(sender.app, worker.name)
+    if not is_prefork(sender.pool_cls):
+        _load(worker)
         # Before the blueprint starts any consumer: nothing is taken before the models are in
         # the catalogue. (A prefork child announces itself once loaded.)
-        _announce(_worker_name[0])
-
-
-@signals.worker_shutting_down.connect
-def _on_worker_shutting_down(**_: Any) -> None:
-    # A clean stop begins: withdraw before any request is given back.
-    announcer.stop()
+        worker.announce()
 
 
 @signals.worker_process_init.connect
 def _on_worker_process_init(**_: Any) -> None:
     from asyncinfer.celery_app import app
 
+    worker = worker_of(app)  # the parent's, copied by the fork: this child makes its own runtime
     _retry_result_writes(app)
-    _load(app)
-    _announce(f"{_worker_name[0]}/{os.getpid()}")
+    _load(worker)
+    worker.announce(f"{worker.name}/{os.getpid()}")
 
 
 @signals.worker_shutdown.connect
-def _on_worker_shutdown(**_: Any) -> None:
-    announcer.stop()
-    close_runtime()
+def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+    worker = getattr(sender, "asyncinfer", None)
+    if worker is not None:
+        worker.close()
 
 
 @signals.worker_process_shutdown.connect
 def _on_worker_process_shutdown(**_: Any) -> None:
-    announcer.stop()
+    from asyncinfer.celery_app import app
+
+    worker = existing_worker(app)
+    if worker is not None:
+        worker.withdraw()
 
 
 @inspect_command()  # type: ignore[misc]
 def asyncinfer_info(state: Any, **_: Any) -> dict[str, Any]:
     """Control command behind ``asyncinfer status``: this worker's device, models, requests pending
     in the batchers, requests in flight and finished requests per second over the last ~10 s."""
-    runtime = get_runtime()
-    return {"device": runtime.device.label, "models": runtime.models, "pid": os.getpid(),
-            "pending": runtime.pending(), "in_flight": metrics.in_flight_now(),
-            "throughput_per_s": round(metrics.throughput_per_s(), 2)}
+    worker = getattr(state.consumer.controller, "asyncinfer", None) or worker_of(state.consumer.app)
+    return worker.info()

@@ -17,7 +17,6 @@ the fast consumer does:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 from celery.worker import control, state
@@ -25,30 +24,24 @@ from kombu import Exchange, Queue
 
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.worker.intake.holdings import ACTIVE, SCHEDULED, Holding
+from asyncinfer.worker.worker import Worker, existing_worker
 
-__all__ = ["serve", "count_started", "request_info"]
+__all__ = ["count_started", "request_info"]
 
-#: The fast consumer's queues and its in-flight bound, once it runs in this process.
-_fast_queues: list[str] = []
-_max_in_flight = [0]
-#: ``held()``, the fast consumer's holdings; ``waiting()``, the IDs waiting in the batchers.
-_sources: dict[str, Callable[[], Any]] = {}
-_hostname = [""]
-_celery = {name: control.Panel.data[name] for name in ("stats", "active", "reserved", "scheduled")}
+#: Celery's own commands, which these extend (read once, when this module registers its own).
+_CELERY = {name: control.Panel.data[name] for name in ("stats", "active", "reserved", "scheduled")}
 
 
-def serve(queues: list[str], max_in_flight: int, *, hostname: str = "",
-          held: Callable[[], list[Holding]] | None = None,
-          waiting: Callable[[], set[str]] | None = None) -> None:
-    """Say, from now on, that this worker also serves ``queues``, ``max_in_flight`` at once, and
-    holds what ``held()`` returns (of which ``waiting()`` are in the batchers)."""
-    _fast_queues[:] = queues
-    _max_in_flight[0] = max_in_flight
-    _hostname[0] = hostname
-    if held is not None:
-        _sources["held"] = held
-    if waiting is not None:
-        _sources["waiting"] = waiting
+def _worker(panel: Any) -> Worker | None:
+    """The device worker the command reached (None: Celery's consumer alone serves)."""
+    return getattr(panel.consumer.controller, "asyncinfer", None) \
+        or existing_worker(panel.consumer.app)
+
+
+def _consumer(panel: Any) -> Any:
+    """The worker's fast consumer (None: Celery's consumer alone serves)."""
+    worker = _worker(panel)
+    return worker.consumer if worker is not None else None
 
 
 def request_info(holding: Holding, hostname: str) -> dict[str, Any]:
@@ -66,15 +59,14 @@ def request_info(holding: Holding, hostname: str) -> dict[str, Any]:
                               "redelivered": bool(headers.get("redelivered"))}}
 
 
-def _held(kind: str) -> list[Holding]:
+def _held(consumer: Any, kind: str) -> list[Holding]:
     """The fast consumer's requests that are ``active``, ``reserved`` or ``scheduled`` now."""
-    source = _sources.get("held")
-    if source is None:
+    if consumer is None:
         return []
-    held = [h for h in source() if h.delivery.request_id]
+    held = [h for h in consumer.holdings.held() if h.delivery.request_id]
     if kind == SCHEDULED:
         return [h for h in held if h.state == SCHEDULED]
-    waiting = _sources["waiting"]() if "waiting" in _sources else set()
+    waiting = consumer.runtime.waiting_ids()
     on_device = [h for h in held if h.state == ACTIVE and h.delivery.request_id not in waiting]
     if kind == ACTIVE:
         return on_device
@@ -95,40 +87,47 @@ def active_queues(panel: Any) -> list[dict[str, Any]]:
     consumer = panel.consumer.task_consumer
     own = [dict(q.as_dict(recurse=True)) for q in consumer.queues] if consumer else []
     names = {q.get("name") for q in own}
+    worker = _worker(panel)
+    fast = worker.fast_queues if worker is not None and worker.consumer is not None else []
     return own + [dict(Queue(name, Exchange(name), routing_key=name).as_dict(recurse=True))
-                  for name in _fast_queues if name not in names]
+                  for name in fast if name not in names]
 
 
 @control.inspect_command()
 def stats(panel: Any, **kwargs: Any) -> dict[str, Any]:
     """Request worker statistics/information (the fast consumer's bound as the concurrency)."""
-    reply: dict[str, Any] = _celery["stats"](panel, **kwargs)
-    if _max_in_flight[0] and isinstance(reply.get("pool"), dict):
-        reply["pool"] = {**reply["pool"], "max-concurrency": _max_in_flight[0]}
+    reply: dict[str, Any] = _CELERY["stats"](panel, **kwargs)
+    consumer = _consumer(panel)
+    if consumer is not None and isinstance(reply.get("pool"), dict):
+        reply["pool"] = {**reply["pool"], "max-concurrency": consumer.max_in_flight}
     return reply
 
 
 @control.inspect_command(alias="dump_active")
 def active(panel: Any, safe: bool = False, **kwargs: Any) -> list[dict[str, Any]]:
     """List of tasks currently being executed (Celery's, and the fast consumer's on the device)."""
-    own: list[dict[str, Any]] = _celery["active"](panel, safe=safe, **kwargs)
-    return own + [request_info(h, _hostname[0]) for h in _held(ACTIVE)]
+    own: list[dict[str, Any]] = _CELERY["active"](panel, safe=safe, **kwargs)
+    consumer = _consumer(panel)
+    return own + [request_info(h, consumer.hostname) for h in _held(consumer, ACTIVE)]
 
 
 @control.inspect_command(alias="dump_reserved")
 def reserved(panel: Any, **kwargs: Any) -> list[dict[str, Any]]:
     """List of currently reserved tasks, not including scheduled/active (Celery's, and the fast
     consumer's taken and waiting)."""
-    own: list[dict[str, Any]] = _celery["reserved"](panel, **kwargs)
-    return own + [request_info(h, _hostname[0]) for h in _held("reserved")]
+    own: list[dict[str, Any]] = _CELERY["reserved"](panel, **kwargs)
+    consumer = _consumer(panel)
+    return own + [request_info(h, consumer.hostname) for h in _held(consumer, "reserved")]
 
 
 @control.inspect_command(alias="dump_schedule")
 def scheduled(panel: Any, **kwargs: Any) -> list[dict[str, Any]]:
     """List of currently scheduled ETA/countdown tasks (Celery's, and the fast consumer's)."""
-    own: list[dict[str, Any]] = _celery["scheduled"](panel, **kwargs)
+    own: list[dict[str, Any]] = _CELERY["scheduled"](panel, **kwargs)
+    consumer = _consumer(panel)
     return own + [{"eta": _eta_of(h), "priority": h.delivery.envelope.get("properties", {}).get(
-        "priority"), "request": request_info(h, _hostname[0])} for h in _held(SCHEDULED)]
+        "priority"), "request": request_info(h, consumer.hostname)}
+        for h in _held(consumer, SCHEDULED)]
 
 
 def _eta_of(holding: Holding) -> str | None:

@@ -19,7 +19,6 @@ from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visib
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.models.registry import Registry
 from asyncinfer.worker.intake.step import uses_fast_consumer
-from asyncinfer.worker.runtime import set_device_label
 from asyncinfer.worker.supervisor import CANNOT_START
 
 __all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "check_device", "check_models",
@@ -112,11 +111,13 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     hosted = list(settings.models) or registry.names()
     check_models(hosted, registry)
     settings = dataclasses.replace(settings, models=tuple(hosted))
-    set_device_label(str(spec) if spec.type != "auto" else None)
 
     from asyncinfer.celery_app import app, configure
+    from asyncinfer.worker.worker import Worker, attach
 
     configure(app, settings)
+    # The one object of this device worker (Celery's worker_init names it: bootstrap.py).
+    attach(app, Worker(app, settings, device_label=str(spec) if spec.type != "auto" else None))
     queues = [queue_for(m) for m in hosted]
     # With the fast consumer (worker/intake/step.py) Celery's pool runs no inference: two
     # threads serve remote control.

@@ -32,7 +32,7 @@ from asyncinfer.errors import RetryBudgetExhausted
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.task_policy import refused_on_infer_queue
 from asyncinfer.wire.envelope import printable, seconds_until
-from asyncinfer.worker import metrics
+from asyncinfer.worker.metrics import WorkerMetrics
 
 __all__ = ["Admission", "admit", "already_answered", "is_revoked", "Settlement",
            "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
@@ -96,17 +96,19 @@ class Settlement:
     """How requests end on one worker, announced once (see the module documentation).
 
     ``events``: the worker's :class:`~asyncinfer.worker.events.TaskEvents` when it sends task
-    events itself (the fast consumer), else None.
+    events itself (the fast consumer), else None; ``metrics``: the worker's.
     """
 
-    def __init__(self, hostname: str, device: str, policy: Policy, events: Any = None) -> None:
+    def __init__(self, hostname: str, device: str, policy: Policy, events: Any = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.hostname = hostname
         self.device = device
         self.policy = policy
         self.events = events
+        self.metrics = metrics or WorkerMetrics()
 
     def succeeded(self, request: Any, model: str, response: Any) -> None:
-        metrics.record_outcome(model, self.device, states.SUCCESS)
+        self.metrics.record_outcome(model, self.device, states.SUCCESS)
         if self.events is not None:
             self.events.finished(request, states.SUCCESS, response)
 
@@ -114,12 +116,12 @@ class Settlement:
         """The request ended in FAILURE: its one log line, its metric, its event."""
         log.warning(FAILED_FORMAT, printable(_id_of(request)), model, worker or self.hostname,
                     type(exc).__name__, printable(exc, 1000))
-        metrics.record_outcome(model, self.device, states.FAILURE, exc)
+        self.metrics.record_outcome(model, self.device, states.FAILURE, exc)
         if self.events is not None:
             self.events.finished(request, states.FAILURE, exc)
 
     def revoked(self, request: Any, model: str, expired: bool) -> None:
-        metrics.record_outcome(model, self.device, states.REVOKED)
+        self.metrics.record_outcome(model, self.device, states.REVOKED)
         if self.events is not None:
             self.events.finished(request, states.REVOKED, None, expired=expired)
 
@@ -127,7 +129,7 @@ class Settlement:
         """The request goes back to its queue for retry number ``retries + 1``."""
         log.info("request %s: retry %s after %s: %s", printable(_id_of(request)), retries + 1,
                  type(exc).__name__, printable(exc, 1000))
-        metrics.count_retry(model, self.device)
+        self.metrics.count_retry(model, self.device)
         if self.events is not None:
             self.events.finished(request, states.RETRY, exc)
 

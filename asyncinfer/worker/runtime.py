@@ -1,7 +1,7 @@
-"""The per-process state of a device worker: its device, its models, their runners.
+"""A device worker's device, its models and their runners.
 
-Created inside the worker process (never in a parent that forks), once, on first use or when the
-worker starts. Task threads reach it through :func:`get_runtime`.
+Made inside the worker process (never in a parent that forks), once, by its
+:class:`~asyncinfer.worker.worker.Worker`.
 """
 
 from __future__ import annotations
@@ -28,31 +28,28 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
-from asyncinfer.worker import metrics
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import is_revoked
+from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["WorkerRuntime", "get_runtime", "existing_runtime", "close_runtime", "set_device_label"]
+__all__ = ["WorkerRuntime"]
 
 log = logging.getLogger(__name__)
 
-#: The device name the user gave ``asyncinfer worker`` (``cuda:1``), for reporting: after the
-#: visible-device variable is set, the process itself sees that device as ``cuda:0``.
-_device_label: list[str | None] = [None]
-
-
-def set_device_label(label: str | None) -> None:
-    """Report this process's device as ``label`` (None: as the runtime names it)."""
-    _device_label[0] = label
-
 
 class WorkerRuntime:
-    """One device and the models this process serves on it."""
+    """One device and the models this process serves on it.
 
-    def __init__(self, settings: Settings) -> None:
+    ``device_label``: the device as the user named it (``cuda:1``), for reporting (None: as the
+    runtime names it); ``metrics``: where each device batch is recorded.
+    """
+
+    def __init__(self, settings: Settings, *, device_label: str | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or WorkerMetrics()
         spec = parse_device(settings.device)
-        label = _device_label[0]
+        label = device_label
         if label is None and spec.type != "auto":
             label = str(spec)
         self.device = Device(bind_visible_device(spec), label=label)
@@ -104,7 +101,7 @@ class WorkerRuntime:
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            on_wedged=lambda item, exc: self.on_wedged(item, exc),
-                           is_transient=is_transient, on_batch=metrics.record_batch,
+                           is_transient=is_transient, on_batch=self.metrics.record_batch,
                            settling=lambda: self.settling(),
                            on_launch=lambda items: self.on_launch(items))
 
@@ -191,31 +188,3 @@ def _exit_wedged(item: WorkItem, exc: BaseException) -> None:
     exit_timer = threading.Timer(2.0, os._exit, args=(EXIT_WEDGED,))
     exit_timer.daemon = True
     exit_timer.start()
-
-
-_runtime: WorkerRuntime | None = None
-_runtime_lock = threading.Lock()
-
-
-def get_runtime(settings: Settings | None = None) -> WorkerRuntime:
-    """This process's runtime, created on first call from ``settings`` (default: environment)."""
-    global _runtime
-    if _runtime is None:
-        with _runtime_lock:
-            if _runtime is None:
-                _runtime = WorkerRuntime(settings or Settings.from_env())
-    return _runtime
-
-
-def existing_runtime() -> WorkerRuntime | None:
-    """This process's runtime if one was created (never creates one)."""
-    return _runtime
-
-
-def close_runtime() -> None:
-    """Stop this process's runtime, if there is one."""
-    global _runtime
-    with _runtime_lock:
-        runtime, _runtime = _runtime, None
-    if runtime is not None:
-        runtime.close()

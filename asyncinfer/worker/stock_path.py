@@ -11,34 +11,24 @@ consumer before Celery accepts them (:mod:`asyncinfer.worker.intake.celery_consu
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from celery import Celery, signals
 
 from asyncinfer.constants import TASK_NAME, model_from_queue
-from asyncinfer.policy.policy import Policy
 from asyncinfer.worker import dead_letters
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.worker import worker_of
 
 __all__ = ["settlement", "model_of"]
 
 log = logging.getLogger(__name__)
 
-_settlement: Settlement | None = None
-_lock = threading.Lock()
-
 
 def settlement(app: Celery) -> Settlement:
-    """This process's settlement of ``asyncinfer.infer`` on Celery's stock path."""
-    global _settlement
-    if _settlement is None:
-        with _lock:
-            if _settlement is None:
-                from asyncinfer.worker.runtime import get_runtime
-
-                _settlement = Settlement("?", get_runtime().device.label, Policy.of_worker(app))
-    return _settlement
+    """The settlement of ``asyncinfer.infer`` on Celery's stock path, of the app's worker."""
+    worker = worker_of(app)
+    return worker.settlement
 
 
 def model_of(request: Any, args: Any = None, kwargs: Any = None) -> str:

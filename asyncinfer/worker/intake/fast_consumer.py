@@ -117,7 +117,8 @@ class FastConsumer:
                                                       settings.hold_s, runtime.runners()))
         #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
         self.events = TaskEvents(app, hostname, enabled=send_events)
-        self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events)
+        self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
+                                     metrics=runtime.metrics)
         self.writer = ResultWriter(app, redis_client(app.conf.broker_url, settings,
                                                      health_check_interval=30,
                                                      single_connection_client=True))

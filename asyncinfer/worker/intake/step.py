@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from weakref import WeakKeyDictionary
 
 import redis
 from celery import bootsteps, signals
@@ -34,20 +33,13 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url
 from asyncinfer.constants import CONTROL_QUEUE, model_from_queue
 from asyncinfer.redis_refusals import refusal_reason
+from asyncinfer.worker.worker import existing_worker, worker_of
 
-__all__ = ["FastConsumerStep", "fast_queues", "is_prefork", "uses_fast_consumer"]
+__all__ = ["FastConsumerStep", "is_prefork", "uses_fast_consumer"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-_fast_queues: WeakKeyDictionary[Any, list[str]] = WeakKeyDictionary()
-
-
-def fast_queues(app: Any) -> list[str]:
-    """The ``infer.*`` queues the fast consumer of this worker takes (empty: none runs)."""
-    return list(_fast_queues.get(app, ()))
 
 
 def is_prefork(pool_cls: Any) -> bool:
@@ -103,7 +95,7 @@ class FastConsumerStep(bootsteps.StartStopStep):
             queues.select_add(CONTROL_QUEUE)
         for name in taken:
             queues.deselect(name)
-        _fast_queues[app] = taken
+        worker_of(app).fast_queues = taken
         return taken
 
     def include_if(self, worker: Any) -> bool:
@@ -143,28 +135,24 @@ class FastConsumerStep(bootsteps.StartStopStep):
             self._start_consumer(worker)
 
     def _start_consumer(self, worker: Any) -> None:
-        from asyncinfer.policy.policy import Policy
-        from asyncinfer.worker import inspection, metrics
         from asyncinfer.worker.intake.fast_consumer import FastConsumer
-        from asyncinfer.worker.runtime import get_runtime
 
+        device_worker = worker_of(worker.app)
         consumer = _despite_redis(lambda: FastConsumer(
-            worker.app, get_runtime(), self.queues, hostname=worker.hostname,
-            policy=Policy.of_worker(worker.app),
+            worker.app, device_worker.runtime, self.queues, hostname=worker.hostname,
+            policy=device_worker.policy,
             # task events when the worker sends them (-E, ASYNCINFER_SEND_EVENTS); Celery's own
             # consumer sends the worker's heartbeats
             send_events=bool(worker.task_events)))
-        metrics.watch(in_flight=lambda: consumer.in_flight)
-        inspection.serve(self.queues, consumer.max_in_flight, hostname=worker.hostname,
-                         held=consumer.holdings.held, waiting=consumer.runtime.waiting_ids)
+        device_worker.serving(consumer)
         self.consumer = consumer.start()
 
     def stop(self, worker: Any) -> None:
-        from asyncinfer.worker import announcer
-
         # Withdrawn from the model catalogue before the held requests go back (also on a stop
         # that no signal began).
-        announcer.stop()
+        device_worker = existing_worker(worker.app)
+        if device_worker is not None:
+            device_worker.withdraw()
         signals.worker_ready.disconnect(self._on_worker_ready)
         self._worker = None
         if self.consumer is not None:

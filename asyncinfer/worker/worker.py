@@ -1,0 +1,227 @@
+"""One device worker, as one object: its name, settings, policy, device runtime, metrics, its entry
+in the model catalogue, its fast consumer, and what Celery's inspection and stock path ask of it.
+
+Built once per worker: by ``asyncinfer worker`` (:func:`~asyncinfer.worker.launch.run_worker`),
+or, under ``celery -A asyncinfer worker``, when Celery's ``worker_init`` finds none
+(bootstrap.py). It is kept on the Celery app (``app.asyncinfer_worker``) and on Celery's worker
+(``controller.asyncinfer``), where Celery's signals, its remote-control commands and the stock
+task find it; everything else is given it. Nothing of a worker lives in module state, so two
+workers can live in one process (each with its own runtime, metrics and registry).
+
+The device runtime is made on first use, inside the process that owns the device: a prefork
+parent never makes one; each child makes its own after the fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from celery import Celery
+
+from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
+from asyncinfer.constants import model_from_queue
+from asyncinfer.models.base import Model
+from asyncinfer.models.registry import Registry
+from asyncinfer.policy.policy import Policy
+from asyncinfer.worker.announcer import Announcer, announcer_for
+from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.metrics import WorkerMetrics
+from asyncinfer.worker.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from asyncinfer.worker.intake.fast_consumer import FastConsumer
+
+__all__ = ["Worker", "worker_of", "existing_worker", "attach"]
+
+log = logging.getLogger(__name__)
+
+#: Guards the making of an app's worker where Celery's ``worker_init`` did not make one (a task
+#: run in a process that is no worker).
+_making = threading.Lock()
+
+_ATTRIBUTE = "asyncinfer_worker"
+
+
+class Worker:
+    """A device worker of ``app`` under ``settings``, named ``name`` (Celery's node name).
+
+    ``device_label``: the device as the user named it (``cuda:1``), for reporting; after the
+    visible-device variable is set, the process sees that device as ``cuda:0``.
+    """
+
+    def __init__(self, app: Celery, settings: Settings, name: str = "", *,
+                 device_label: str | None = None) -> None:
+        self.app = app
+        self.settings = settings
+        self.name = name or f"{os.getpid()}@{socket.gethostname()}"
+        self.device_label = device_label
+        self.metrics = WorkerMetrics()
+        #: The ``infer.*`` queues its fast consumer takes (empty: none runs).
+        self.fast_queues: list[str] = []
+        #: The fast consumer, once it runs.
+        self.consumer: FastConsumer | None = None
+        self.announcer: Announcer | None = None
+        self._runtime: WorkerRuntime | None = None
+        self._policy: Policy | None = None
+        self._settlement: Settlement | None = None
+        #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
+        self._cpu_models: dict[str, Model] = {}
+        self._lock = threading.RLock()
+
+    # -- what it is made of ----------------------------------------------------------------------
+
+    @property
+    def runtime(self) -> WorkerRuntime:
+        """The device and the models on it, made on first use in this process."""
+        runtime = self._runtime
+        if runtime is None:
+            with self._lock:
+                runtime = self._runtime
+                if runtime is None:
+                    runtime = self._runtime = WorkerRuntime(
+                        self.settings, device_label=self.device_label, metrics=self.metrics)
+                    self.metrics.watch(device=runtime.device.label, pending=runtime.pending)
+        return runtime
+
+    def has_runtime(self) -> bool:
+        """Whether this process made its runtime already (never makes one)."""
+        return self._runtime is not None
+
+    @property
+    def policy(self) -> Policy:
+        """Retries and their budget, time limits, the in-flight bound, the payload limit."""
+        if self._policy is None:
+            with self._lock:
+                if self._policy is None:
+                    self._policy = Policy.of_worker(self.app, self.settings)
+        return self._policy
+
+    @property
+    def settlement(self) -> Settlement:
+        """How requests end on Celery's stock path (the fast consumer has its own, with events)."""
+        if self._settlement is None:
+            with self._lock:
+                if self._settlement is None:
+                    self._settlement = Settlement("?", self.runtime.device.label, self.policy,
+                                                  metrics=self.metrics)
+        return self._settlement
+
+    def cpu_model(self, name: str, request_id: str) -> Model:
+        """``name``'s instance for the CPU stages in this process (loaded once, on the CPU)."""
+        with self._lock:
+            model = self._cpu_models.get(name)
+            if model is None:
+                registry = Registry.from_config(self.settings.model_factories,
+                                                self.settings.model_dir)
+                model = registry.create(name, request_id)
+                model.load(torch.device("cpu"))
+                self._cpu_models[name] = model
+            return model
+
+    def hosted_models(self) -> list[str]:
+        """Models to load at start: the configured ones, else those of the consumed ``infer.*``
+        queues (none for a worker that consumes no ``infer.*`` queue: the CPU stages load
+        models lazily, when first asked)."""
+        if self.settings.models:
+            return list(self.settings.models)
+        # the fast consumer's queues were Celery's until its step took them
+        queues = [*self.fast_queues, *(self.app.amqp.queues.consume_from or {})]
+        return list(dict.fromkeys(m for q in queues if (m := model_from_queue(q)) is not None))
+
+    # -- its life --------------------------------------------------------------------------------
+
+    def load(self, models: list[str]) -> None:
+        """Load ``models`` on the device now, and serve metrics if asked. A worker told no models
+        hosts these only: it loads no other when a request names one (UnknownModel instead)."""
+        if models and not self.settings.models and self._runtime is None:
+            self.settings = dataclasses.replace(self.settings, models=tuple(models))
+        runtime = self.runtime
+        runtime.load(models)
+        log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+
+    def announce(self, name: str | None = None) -> Announcer | None:
+        """Put this process's models in the model catalogue (as ``name``, default the worker's)
+        until :meth:`withdraw`; returns once they are in. One that runs already is kept:
+        stopping it would withdraw the entry, a gap in which the models look unserved."""
+        with self._lock:
+            if self.announcer is not None:
+                return self.announcer
+            if self._runtime is None or not self._runtime.models:
+                return None
+            runtime = self._runtime
+
+            def hosted() -> list[dict[str, Any]]:
+                return [r.model.metadata(r.options) for r in runtime.runners()]
+
+            self.announcer = announcer_for(self.settings, name or self.name, runtime.device.label,
+                                           hosted)
+            return self.announcer
+
+    def withdraw(self) -> None:
+        """Take this worker's models out of the catalogue (before it gives requests back)."""
+        with self._lock:
+            announcer, self.announcer = self.announcer, None
+        if announcer is not None:
+            announcer.stop()
+
+    def serving(self, consumer: FastConsumer) -> None:
+        """``consumer`` now takes this worker's ``infer.*`` queues."""
+        self.consumer = consumer
+        self.metrics.watch(in_flight=lambda: consumer.in_flight)
+
+    def in_flight(self) -> int:
+        """Requests taken and not yet answered (Celery's stock path: its active requests)."""
+        if self.consumer is not None:
+            return self.consumer.in_flight
+        from celery.worker import state as worker_state
+
+        return len(worker_state.active_requests)
+
+    def info(self) -> dict[str, Any]:
+        """What ``asyncinfer status`` shows of this worker."""
+        runtime = self.runtime
+        return {"device": runtime.device.label, "models": runtime.models, "pid": os.getpid(),
+                "pending": runtime.pending(), "in_flight": self.in_flight(),
+                "throughput_per_s": round(self.metrics.throughput_per_s(), 2)}
+
+    def close(self) -> None:
+        """Withdraw, stop the runtime and the metrics server."""
+        self.withdraw()
+        with self._lock:
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.close()
+        self.metrics.close()
+
+
+def existing_worker(app: Celery) -> Worker | None:
+    """The worker of ``app`` in this process, if one was made (never makes one)."""
+    return getattr(app, _ATTRIBUTE, None)
+
+
+def worker_of(app: Celery) -> Worker:
+    """The worker of ``app`` in this process; made from the app's settings when there is none,
+    as for a task run in a process that Celery's worker did not start."""
+    worker = getattr(app, _ATTRIBUTE, None)
+    if worker is not None:
+        return worker
+    with _making:
+        worker = getattr(app, _ATTRIBUTE, None)
+        if worker is None:
+            worker = attach(app, Worker(app, settings_of(app) or Settings.from_env()))
+    return worker
+
+
+def attach(app: Celery, worker: Worker) -> Worker:
+    """Make ``worker`` the worker of ``app`` in this process."""
+    setattr(app, _ATTRIBUTE, worker)
+    return worker
