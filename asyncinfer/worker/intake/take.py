@@ -98,11 +98,14 @@ if lease_s > 0 then  -- Redis' clock, not the hosts'
   expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease_s
 end
 
--- Worker deaths counted against the request of env while it was on a device (leases.py).
+-- Worker deaths counted against the request of env while it was on a device (leases.py): only
+-- a redelivered message can have any (what a dead worker held comes back marked so).
 local function deaths(env)
   if deaths_prefix == '' then return 0 end
   local h = env['headers']
-  if type(h) ~= 'table' or type(h['id']) ~= 'string' or h['id'] == '' then return 0 end
+  if type(h) ~= 'table' or type(h['id']) ~= 'string' or h['id'] == ''
+     or h['redelivered'] == nil or h['redelivered'] == cjson.null or h['redelivered'] == false
+  then return 0 end
   return tonumber(redis.call('GET', deaths_prefix .. h['id']) or '0') or 0
 end
 
