@@ -43,12 +43,14 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. asyncinfer/gateway/proto/inference.proto
 
 lint: setup
-	$(VENV)/bin/ruff check asyncinfer tests
+	$(VENV)/bin/ruff check asyncinfer tests bench
 	$(VENV)/bin/mypy asyncinfer
 
 # Triton (through PyTriton) and Ray Serve for `asyncinfer bench --systems triton,ray`: they pin
-# their own dependencies, so they live in a venv of their own; the bench starts them from it with
-# the project on PYTHONPATH (so the model, and celery and redis that its imports touch, are here too).
+# their own dependencies, so they live in a venv of their own; the bench starts their scripts
+# (bench/peers) from it with asyncinfer and bench/peers on PYTHONPATH (so the model, and celery and
+# redis that its imports touch, are here too). Run the bench from this folder, or name both with
+# --peers-dir and --peers-venv (ASYNCINFER_PEERS_DIR, ASYNCINFER_PEERS_VENV).
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 

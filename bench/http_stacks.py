@@ -1,5 +1,6 @@
-"""Which async HTTP stack for the gateway's REST front: aiohttp (asyncio's loop or uvloop) vs Starlette on
-uvicorn (httptools + uvloop), each serving a v2-shaped echo (read the JSON body, parse it, answer JSON) in its own process.
+"""Which async HTTP stack for the gateway's REST front: aiohttp (asyncio's loop or uvloop) vs
+Starlette on uvicorn (httptools + uvloop), each serving a v2-shaped echo (read the JSON body, parse
+it, answer JSON) in its own process.
 
     .venv/bin/pip install "uvicorn[standard]" starlette   # only for this comparison
     .venv/bin/python bench/http_stacks.py [--duration-s 5]
@@ -102,7 +103,8 @@ def main() -> None:
     if args.serve:
         _SERVERS[args.serve](args.port)
         return
-    print(f"{'stack':15} {'in flight':>9} {'calls/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'server CPU ms/call':>19}")
+    print(f"{'stack':15} {'in flight':>9} {'calls/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'server CPU ms/call':>19}")
     for stack in _SERVERS:
         port = _free_port()
         server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])

@@ -2,11 +2,12 @@
 
 For each workload: (a) the model called in-process at its best batch size — the limit; (b) plain
 Celery, one task per request; (c) asyncinfer. Closed loop at each in-flight level, then an open-
-loop rate sweep. ``--systems`` also takes ``triton`` and ``ray`` (the peers, closed loop only) and
-``gateway`` / ``gateway-http``: asyncinfer's worker behind ``asyncinfer gateway``, driven over
-gRPC / HTTP by Triton's own client as the Triton peer is (closed loop only). Writes JSON,
-Markdown and a PNG plot under ``--out`` (``./bench-results``; the project's own figures are
-``--out bench/results``).
+loop rate sweep. ``--systems`` also takes ``gateway`` / ``gateway-http``: asyncinfer's worker
+behind ``asyncinfer gateway``, driven over gRPC / HTTP by Triton's own client (closed loop only),
+and ``triton`` and ``ray``: the peers, driven the same way (closed loop only), whose servers are
+scripts of a source checkout (``--peers-dir``, default ``./bench/peers``) run from a venv of their
+own (``--peers-venv``, default ``./.venv-peers``: ``make peers``). Writes JSON, Markdown and a PNG
+plot under ``--out`` (``./bench-results``; the project's own figures are ``--out bench/results``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
-from asyncinfer.bench.peers import PEERS
+from asyncinfer.bench.peers import PEERS, PEERS_DIR_ENV, PEERS_VENV_ENV, Peers
 from asyncinfer.bench.report import markdown, write_report
 from asyncinfer.bench.systems import (
     GATEWAYS,
@@ -60,6 +61,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench-results",
                    help="folder for bench.{json,md,png} (default ./bench-results; the project's "
                         "committed figures: bench/results)")
+    p.add_argument("--peers-dir", help=f"the peers' servers and load generator, for triton and ray "
+                   f"(default {PEERS_DIR_ENV} or ./bench/peers: a source checkout's)")
+    p.add_argument("--peers-venv", help=f"the peers' venv (default {PEERS_VENV_ENV} or ./.venv-peers: "
+                   f"`make peers`)")
     return p.parse_args(argv)
 
 
@@ -209,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [WORKLOADS[n] for n in names]
     skipped = [w.name for w in workloads if not _available(w)]
     workloads = [w for w in workloads if w.name not in skipped]
-    systems = available_systems(parse_systems(args.systems))
+    peers = Peers.find(args.peers_dir, args.peers_venv)
+    systems = available_systems(parse_systems(args.systems), peers)
     levels = [int(x) for x in args.in_flight.split(",")]
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     doc: dict[str, Any] = {
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # the pipelined/serial comparison is asyncinfer's own
                     bar.set_postfix_str(f"{workload.name}: {system}")
                     if is_peer(system):  # closed loop only: its own load generator, its own venv
-                        runs = measure_peer_runs(system, workload, levels, args.duration_s, Path(tmp))
+                        runs = measure_peer_runs(system, workload, levels, args.duration_s, Path(tmp),
+                                                 peers)
                         doc["runs"] += [r.summary() for r in runs]
                         bar.update(len(levels) + len(rates))
                         continue

@@ -2,10 +2,10 @@
 
 ``asyncinfer``: ``asyncinfer worker`` (fast consumer, dynamic batching). ``celery``: plain Celery,
 one task per request, the same model code, the same thread concurrency. ``triton`` and ``ray``:
-the peers (Triton through PyTriton, Ray Serve), started from their own venv (``make peers``) by
-:mod:`asyncinfer.bench.peers`. ``gateway`` (and ``gateway-http``): the same ``asyncinfer worker``
-behind one ``asyncinfer gateway``, driven over gRPC (HTTP) by Triton's own client, as the Triton
-peer is driven.
+the peers (Triton through PyTriton, Ray Serve), a source checkout's scripts started from their own
+venv (``make peers``) by :mod:`asyncinfer.bench.peers`. ``gateway`` (and ``gateway-http``): the
+same ``asyncinfer worker`` behind one ``asyncinfer gateway``, driven over gRPC (HTTP) by Triton's
+own client (:mod:`asyncinfer.bench.v2_loadgen`), as the Triton peer is driven.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ from celery import Celery
 
 from asyncinfer.bench.baseline import QUEUE_PREFIX as PLAIN_PREFIX
 from asyncinfer.bench.baseline import TASK as PLAIN_TASK
+from asyncinfer.bench.host import free_port
 from asyncinfer.bench.measure import Run
+from asyncinfer.bench.peers import PEERS, Peers, measure_peer, missing_message
+from asyncinfer.bench.v2_loadgen import MODULE as LOADGEN_MODULE
+from asyncinfer.bench.v2_loadgen import child_env, run_load
 from asyncinfer.bench.workloads import Workload
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.processes import stop_process
@@ -87,8 +91,6 @@ class GatewayUnderTest:
     """One ``asyncinfer gateway`` on free ports of 127.0.0.1: its ports, CPU time, how to stop it."""
 
     def __init__(self, broker_url: str, log_path: Path) -> None:
-        from asyncinfer.bench.peers.runner import free_port
-
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = log_path
         self._log = open(log_path, "wb")
@@ -150,14 +152,15 @@ def payload_kwargs(workload: Workload, i: int) -> dict[str, Any]:
     return {"model": workload.model, **workload.payload(i)}
 
 
-def available_systems(systems: list[str]) -> list[str]:
-    """``systems`` less the peers (triton, ray) that cannot run here, each named in one line."""
-    from asyncinfer.bench.peers import PEERS, missing_message, peers_python
-
+def available_systems(systems: list[str], peers: Peers | None = None) -> list[str]:
+    """``systems`` less the peers (triton, ray) that cannot run here (``peers``: where they are;
+    default: ``Peers.find()``), each named in one line that says what is missing."""
+    peers = peers or Peers.find()
     kept = []
     for system in systems:
-        if system in PEERS and peers_python() is None:
-            print(missing_message(system))
+        why = peers.missing(system) if system in PEERS else None
+        if why is not None:
+            print(missing_message(system, why))
         else:
             kept.append(system)
     return kept
@@ -165,20 +168,16 @@ def available_systems(systems: list[str]) -> list[str]:
 
 def is_peer(system: str) -> bool:
     """Whether ``system`` is a peer serving stack (started from the peers venv), not a worker."""
-    from asyncinfer.bench.peers import PEERS
-
     return system in PEERS
 
 
 def measure_peer_runs(system: str, workload: Workload, levels: list[int], duration_s: float,
-                      log_dir: Path) -> list[Run]:
+                      log_dir: Path, peers: Peers) -> list[Run]:
     """Closed-loop runs of a peer on ``workload``; none (and one line saying why) when it fails."""
-    from asyncinfer.bench.peers.runner import measure_peer
-
     if workload.name.startswith("pipeline3"):
         return []  # the pipelined/serial comparison is asyncinfer's own
     try:
-        return measure_peer(system, workload.name, levels, duration_s, log_dir)
+        return measure_peer(system, workload.name, levels, duration_s, log_dir, peers)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"bench: {system} on {workload.name} failed: {str(exc).splitlines()[0]}")
         return []
@@ -195,14 +194,13 @@ def measure_gateway_runs(system: str, workload: Workload, worker: WorkerUnderTes
     """Closed-loop runs of ``worker`` behind one ``asyncinfer gateway`` (started and stopped here),
     driven as the Triton peer is (Triton's client, the load generator in a process of its own);
     the gateway's and the worker's CPU in their own columns. None (and one line why) on failure."""
-    from asyncinfer.bench.peers.runner import run_load
-
     gateway = GatewayUnderTest(broker_url, log_dir / f"{system}-{workload.name}-gateway.log")
     try:
         gateway.wait_ready()
         pids = {"worker": worker.process.pid, **({"redis": redis_pid} if redis_pid else {})}
-        return run_load(sys.executable, system, gateway.port(system), workload.name, levels,
-                        duration_s, gateway.process.pid, log_dir, server="gateway", cpu_pids=pids)
+        return run_load([sys.executable, "-m", LOADGEN_MODULE], system, gateway.port(system),
+                        workload.name, levels, duration_s, gateway.process.pid, log_dir,
+                        server="gateway", cpu_pids=pids, env=child_env())
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"bench: {system} on {workload.name} failed: {str(exc).splitlines()[0]}")
         return []

@@ -1,14 +1,16 @@
-"""A process and everything it started, read from /proc: their PIDs and CPU seconds.
+"""This host: a process and everything it started, read from /proc (their PIDs and CPU seconds),
+and a free port of 127.0.0.1.
 
-Light on purpose (standard library only): both the bench and the peers' load generator use it.
+Light on purpose (standard library only): the bench, its load generator and the peers' use it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
-__all__ = ["tree_pids", "tree_cpu_s"]
+__all__ = ["tree_pids", "tree_cpu_s", "free_port"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -45,3 +47,10 @@ def tree_cpu_s(root: int) -> float:
         if fields is not None:
             total += int(fields[11]) + int(fields[12])
     return total / _TICKS
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,5 +1,6 @@
-"""Triton through PyTriton serving a bench workload: ``python -m asyncinfer.bench.peers.triton_server
---workload minilm --grpc-port P --http-port Q --metrics-port R`` (in the peers venv).
+"""Triton through PyTriton serving a bench workload: ``python bench/peers/triton_server.py
+--workload minilm --port P [--http-port Q] [--metrics-port R]`` (in the peers venv; P is the gRPC
+port the load generator drives, Q and R default to free ports).
 
 Triton's dynamic batcher gets the model's own max batch and delay (32 rows, 5 ms for minilm and the
 sim models), and its instance group the model's ``instances`` (KIND_CPU). The model's rows come
@@ -17,8 +18,9 @@ import threading
 from typing import Any
 
 import numpy as np
+from served import ServedModel  # this folder is on sys.path
 
-from asyncinfer.bench.peers.served import ServedModel
+from asyncinfer.bench.host import free_port
 
 
 def _same_libpython() -> None:
@@ -33,9 +35,9 @@ def _same_libpython() -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", required=True)
-    p.add_argument("--grpc-port", type=int, required=True)
-    p.add_argument("--http-port", type=int, required=True)
-    p.add_argument("--metrics-port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="gRPC")
+    p.add_argument("--http-port", type=int, default=0, help="default: a free one")
+    p.add_argument("--metrics-port", type=int, default=0, help="default: a free one")
     args = p.parse_args()
 
     from pytriton.decorators import batch
@@ -54,8 +56,8 @@ def main() -> None:
 
     in_dtype: Any = bytes if served.datatype == "BYTES" else np.float32
     in_shape = (1,) if served.datatype == "BYTES" else served.row_shape
-    config = TritonConfig(grpc_port=args.grpc_port, http_port=args.http_port,
-                          metrics_port=args.metrics_port, grpc_address="127.0.0.1",
+    config = TritonConfig(grpc_port=args.port, http_port=args.http_port or free_port(),
+                          metrics_port=args.metrics_port or free_port(), grpc_address="127.0.0.1",
                           http_address="127.0.0.1")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

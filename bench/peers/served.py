@@ -1,6 +1,6 @@
 """The bench's model as a peer serves it: built from the project's registry, one batch per call.
 
-Imported in the peers venv (torch, numpy and the project on ``PYTHONPATH``): the peers run the
+Imported in the peers venv (torch, numpy, and asyncinfer on ``PYTHONPATH``): the peers run the
 same preprocess → forward → postprocess as asyncinfer's worker, on the same batch sizes, with the
 same number of model instances and threads per instance.
 """
@@ -12,55 +12,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncinfer.bench.workloads import WORKLOADS, Workload
-from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.bench.v2_loadgen import model_options, request_rows
+from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
-from asyncinfer.wire.protocol import decode_request
 
-__all__ = ["ServedModel", "model_options", "request_rows"]
-
-
-def _workload(name: str) -> Workload:
-    if name not in WORKLOADS:
-        raise SystemExit(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
-    return WORKLOADS[name]
-
-
-def _create(workload: Workload) -> Model:
-    registry = Registry.from_config([workload.factories] if workload.factories else [])
-    return registry.create(workload.model)
-
-
-def model_options(workload_name: str) -> ModelOptions:
-    """The workload's model's batching options (max batch, max delay), without loading it."""
-    return _create(_workload(workload_name)).options
-
-
-def request_rows(workload_name: str, count: int) -> tuple[str, str, list[np.ndarray]]:
-    """The input name, its v2 datatype and ``count`` one-row numpy values of the workload's
-    requests (BYTES as UTF-8 ``bytes``): the same requests the bench sends asyncinfer."""
-    workload = _workload(workload_name)
-    rows, name, datatype = [], "", ""
-    for i in range(count):
-        request = decode_request(f"peer-{i}", {"model": workload.model, **workload.payload(i)})
-        (tensor,) = request.inputs
-        name, datatype = tensor.name, tensor.datatype
-        if datatype == "BYTES":
-            value = np.array([s.encode() if isinstance(s, str) else s for s in tensor.value], dtype=object)
-        else:
-            value = np.asarray(tensor.value)
-        rows.append(value)
-    return name, datatype, rows
+__all__ = ["ServedModel", "model_options"]
 
 
 class ServedModel:
     """One loaded model of a workload; ``__call__`` runs one batch of rows."""
 
     def __init__(self, workload_name: str) -> None:
-        workload = _workload(workload_name)
-        self.model: Model = _create(workload)
+        if workload_name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {workload_name!r}; known: {sorted(WORKLOADS)}")
+        workload = WORKLOADS[workload_name]
+        registry = Registry.from_config([workload.factories] if workload.factories else [])
+        self.model: Model = registry.create(workload.model)
         #: Model instances, as asyncinfer's worker runs them (Triton's instance count, Ray's
         #: replicas), each with the same share of torch's threads as the worker gives one.
         self.instances = self.model.options.instances

@@ -1,6 +1,6 @@
 """Soak run: many requests through one worker at a steady concurrency; does anything grow?
 
-``python -m asyncinfer.bench.soak --requests 20000`` starts its own Redis and one worker, keeps
+``.venv/bin/python bench/soak.py --requests 20000`` starts its own Redis and one worker, keeps
 ``--in-flight`` requests outstanding until ``--requests`` are done, samples the worker's resident
 memory (``VmRSS``) and Redis' memory as it goes, and counts Redis keys before and after — by
 prefix, and how many have no TTL (a key without one is kept forever). Prints a table and writes
@@ -159,7 +159,7 @@ def _census_text(label: str, census: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncinfer.bench.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--in-flight", type=int, default=32, help="requests outstanding at once")
     parser.add_argument("--model", default="mlp", choices=["mlp", "identity"])

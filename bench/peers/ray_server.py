@@ -1,5 +1,5 @@
-"""Ray Serve serving a bench workload: ``python -m asyncinfer.bench.peers.ray_server --workload
-minilm --http-port P`` (in the peers venv).
+"""Ray Serve serving a bench workload: ``python bench/peers/ray_server.py --workload minilm
+--port P`` (in the peers venv; P is the HTTP port of Ray Serve's proxy).
 
 One replica per model instance (the model's ``instances``); ``@serve.batch`` gets the model's
 own max batch and delay (32 rows, 5 ms for minilm and the sim models); ``max_ongoing_requests``
@@ -28,8 +28,7 @@ MAX_ONGOING_REQUESTS = 1024
 
 def build_app(workload: str) -> Any:
     from ray import serve
-
-    from asyncinfer.bench.peers.served import ServedModel, model_options
+    from served import ServedModel, model_options  # this folder is on sys.path (and the replicas')
 
     options = model_options(workload)  # read without loading: the replica loads the model
 
@@ -59,7 +58,7 @@ def build_app(workload: str) -> Any:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", required=True)
-    p.add_argument("--http-port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="HTTP")
     args = p.parse_args()
 
     import ray
@@ -70,7 +69,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(args.workload), name="peer", route_prefix="/", blocking=False)
         print("READY", flush=True)
         stop.wait()
