@@ -15,8 +15,8 @@ import redis
 from celery import signals
 
 from asyncinfer.catalogue import Catalogue
-from asyncinfer.worker import announcer
 from asyncinfer.config.settings import Settings
+from asyncinfer.worker import announcer
 from asyncinfer.worker.intake.step import FastConsumerStep
 from asyncinfer.worker.worker import Worker, attach
 

@@ -38,12 +38,10 @@ ALLOWED = {
     # Still to move into the objects that own them:
     ("asyncinfer.worker.dead_letters", "_node_name"): "to the Worker (its name)",
     ("asyncinfer.worker.dead_letters", "_stock_clients"): "to the Worker (its broker client)",
-    ("asyncinfer.bench.baseline", "_models"): "to the in-process limit's runner",
-    ("asyncinfer.bench.baseline", "_lock"): "to the in-process limit's runner",
 }
 
-#: Modules not imported here: generated code, the command's entry point, the peers' servers.
-SKIPPED = re.compile(r"(\.proto\.|__main__$|\.bench\.peers\b)")
+#: Modules not imported here: generated code and the command's entry point.
+SKIPPED = re.compile(r"(\.proto\.|__main__$)")
 
 _MUTABLE = (list, dict, set, bytearray, collections.deque, weakref.WeakKeyDictionary,
             weakref.WeakValueDictionary, weakref.WeakSet)

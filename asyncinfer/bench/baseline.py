@@ -31,24 +31,34 @@ app.config_from_object(celery_config(_settings))
 app.conf.worker_consumer = "celery.worker.consumer:Consumer"
 app.conf.worker_send_task_events = False  # plain Celery's default (asyncinfer's workers send them)
 
-_models: dict[str, Model] = {}
-_lock = threading.Lock()
 
 
-def _model(name: str) -> Model:
-    with _lock:
-        if name not in _models:
-            model = Registry.from_config(_settings.model_factories, _settings.model_dir).create(name)
-            model.load(torch.device("cpu"))
-            _models[name] = model
-        return _models[name]
+class _Models:
+    """The models this worker process loaded, each once, on the CPU."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._loaded: dict[str, Model] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Model:
+        with self._lock:
+            if name not in self._loaded:
+                model = Registry.from_config(self.settings.model_factories,
+                                             self.settings.model_dir).create(name)
+                model.load(torch.device("cpu"))
+                self._loaded[name] = model
+            return self._loaded[name]
+
+
+app.plain_models = _Models(_settings)
 
 
 @app.task(name=TASK, bind=True, typing=False)
 def plain_infer(self: Any, **kwargs: Any) -> dict[str, Any]:
     """One request, run alone: decode, preprocess, forward, postprocess, encode."""
     request = decode_request(str(self.request.id), kwargs)
-    model = _model(request.model)
+    model = self.app.plain_models.get(request.model)
     model.validate(request)
     with torch.inference_mode():
         batch = model.preprocess({t.name: t.value for t in request.inputs})
