@@ -10,7 +10,7 @@ demoted master still connected to) closes the connection and is raised as a ``Co
 which every asyncinfer loop retries, reconnecting to the new master.
 
 Celery and kombu take the database and the password of a Sentinel URL from its *first* entry only;
-:func:`normalized_url` copies them into every entry, so that ``sentinel://a:26379;sentinel://b:26379/2``
+:func:`normalized_url` (redis_urls.py, URLs as text) copies them into every entry, so that ``sentinel://a:26379;sentinel://b:26379/2``
 means database 2 for Celery, kombu and asyncinfer alike.
 
 Redis replicates asynchronously: :func:`require_replicas` waits until ``ASYNCINFER_SUBMIT_REPLICAS``
@@ -22,9 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, unquote, urlsplit
 
 import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -32,6 +30,16 @@ from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConn
 from asyncinfer.errors import AsyncInferError, BrokerRefused, BrokerUnavailable, NotReplicated
 from asyncinfer.keys import REPLICATION_MARK_CHANNEL
 from asyncinfer.redis_refusals import refusal_reason
+from asyncinfer.redis_urls import (
+    DEFAULT_SENTINEL_PORT,
+    REDIS_SCHEMES,
+    SentinelUrl,
+    is_redis_url,
+    is_sentinel_url,
+    masked_url,
+    normalized_url,
+    parse_sentinel_url,
+)
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
@@ -40,101 +48,10 @@ __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "p
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
            "require_replicas", "broker_error", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
 
-#: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
-REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
-DEFAULT_SENTINEL_PORT = 26379
-_SEPARATOR = ";"
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
 MASTER_CHECK_S = 1.0
 
 log = logging.getLogger(__name__)
-
-
-def _scheme(url: str) -> str:
-    return url.split("://", 1)[0].lower() if "://" in url else ""
-
-
-def is_redis_url(url: str) -> bool:
-    """Whether ``url`` names a Redis server: ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://``."""
-    return _scheme(url) in REDIS_SCHEMES
-
-
-def is_sentinel_url(url: str) -> bool:
-    """Whether ``url`` is Celery's ``sentinel://host:port;sentinel://host:port/db`` form."""
-    return _scheme(url) == "sentinel"
-
-
-@dataclass(frozen=True)
-class SentinelUrl:
-    """What a ``sentinel://`` URL names: the Sentinels, and the database and credentials of the
-    master they watch."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-
-    def url(self) -> str:
-        """The URL again, with the database and credentials in every entry (:func:`normalized_url`)."""
-        user = quote(self.username, safe="") if self.username else ""
-        auth = (f"{user}:{quote(self.password, safe='')}@" if self.password
-                else (f"{user}@" if user else ""))
-        return _SEPARATOR.join(f"sentinel://{auth}{host}:{port}/{self.db}" for host, port in self.sentinels)
-
-
-def parse_sentinel_url(url: str) -> SentinelUrl:
-    """Parse ``sentinel://[[user]:password@]host[:port][/db];...``.
-
-    The database and credentials may stand in any entry; entries that name them must agree.
-    Raises ValueError naming the entry and the rule it breaks.
-    """
-    sentinels: list[tuple[str, int]] = []
-    dbs: set[int] = set()
-    users: set[str] = set()
-    passwords: set[str] = set()
-    for entry in (part.strip() for part in url.split(_SEPARATOR)):
-        if not entry:
-            continue
-        parts = urlsplit(entry)
-        if parts.scheme.lower() != "sentinel":
-            raise ValueError(f"every entry of a Sentinel URL must start with sentinel://, got {entry!r}")
-        try:
-            port = parts.port or DEFAULT_SENTINEL_PORT
-        except ValueError:
-            raise ValueError(f"Sentinel URL entry {entry!r}: the port must be a number") from None
-        if not parts.hostname:
-            raise ValueError(f"Sentinel URL entry {entry!r} names no host")
-        sentinels.append((parts.hostname, port))
-        path = parts.path.strip("/")
-        if path:
-            if not path.isdigit():
-                raise ValueError(f"Sentinel URL entry {entry!r}: the database must be a number, got {path!r}")
-            dbs.add(int(path))
-        if parts.username:
-            users.add(unquote(parts.username))
-        if parts.password:
-            passwords.add(unquote(parts.password))
-    if not sentinels:
-        raise ValueError(f"a Sentinel URL must name at least one Sentinel, got {url!r}")
-    for what, values in (("databases", dbs), ("usernames", users), ("passwords", passwords)):
-        if len(values) > 1:
-            shown = sorted(map(str, values)) if what == "databases" else f"{len(values)} different"
-            raise ValueError(f"the entries of a Sentinel URL name different {what} ({shown}); name one")
-    return SentinelUrl(tuple(sentinels), db=next(iter(dbs), 0), username=next(iter(users), None),
-                       password=next(iter(passwords), None))
-
-
-def masked_url(url: str) -> str:
-    """``url`` with every password in it replaced by ``**`` (each entry of a Sentinel URL too)."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    return ";".join(str(maybe_sanitize_url(part)) for part in url.split(";"))
-
-
-def normalized_url(url: str) -> str:
-    """``url`` as Celery and kombu read it the same way asyncinfer does: a Sentinel URL gets its
-    database and credentials in every entry (they read only the first); other URLs are unchanged."""
-    return parse_sentinel_url(url).url() if is_sentinel_url(url) else url
 
 
 def sentinel_kwargs(settings: Settings | None) -> dict[str, Any] | None:

@@ -28,18 +28,16 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
+from asyncinfer.ops.dead import DeadLetters, requeue_message
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
-    DeadLetters,
-    add_to,
     entry_for,
     options_of,
     push,
-    requeue_message,
     set_worker_name,
 )
-from asyncinfer.worker.intake.result_writer import Outcome
+from asyncinfer.worker.intake.result_writer import Outcome, add_dead_letter
 from tests.support.databases import RedisDatabase, RedisDatabases
 from tests.support.processes import ROOT, WorkerProcess, start_worker, worker_env
 from tests.support.waiting import wait_for
@@ -149,12 +147,12 @@ def test_push_keeps_the_newest_entries_up_to_the_bound_and_sets_the_ttl() -> Non
     (states.REVOKED, None, True, "poison", False),
 ])
 @pytest.mark.unit
-def test_add_to_keeps_only_final_failures_of_models_that_opted_in(
+def test_add_dead_letter_keeps_only_final_failures_of_models_that_opted_in(
         state: str, retry: str | None, store: bool, model: str, kept: bool) -> None:
     r = fakeredis.FakeRedis()
     d = _delivery(model, retries=1)
     pipe = r.pipeline(transaction=True)
-    add_to(pipe, _app(), Outcome(d, state, ModelError("m"), retry=retry, store=store))
+    add_dead_letter(pipe, _app(), Outcome(d, state, ModelError("m"), retry=retry, store=store))
     pipe.execute()
     stored = r.lrange(dead_letter_key(model), 0, -1)
     assert len(stored) == (1 if kept else 0)
@@ -164,12 +162,12 @@ def test_add_to_keeps_only_final_failures_of_models_that_opted_in(
 
 
 @pytest.mark.unit
-def test_add_to_never_raises() -> None:
+def test_add_dead_letter_never_raises() -> None:
     class Broken:
         def lpush(self, *_: Any) -> None:
             raise RuntimeError("broken pipe object")
 
-    add_to(Broken(), _app(), Outcome(_delivery(), states.FAILURE, ModelError("m")))  # logged only
+    add_dead_letter(Broken(), _app(), Outcome(_delivery(), states.FAILURE, ModelError("m")))  # logged only
 
 
 @pytest.mark.unit

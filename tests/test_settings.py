@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncinfer.config.celery_config import celery_config
+from asyncinfer.config.published import PID_FILE, URL_FILE
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings, settings_table
-from asyncinfer.ops.redis_server import PID_FILE, URL_FILE
 
 pytestmark = pytest.mark.timeout(30)
 

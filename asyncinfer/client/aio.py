@@ -1,6 +1,6 @@
 """asyncio forms of the client's calls: ``ainfer``, ``asubmit``, ``amap``, ``as_completed``.
 
-Nothing here polls. A request's :class:`~asyncinfer.client.client.InferFuture` is settled by the client's
+Nothing here polls. A request's :class:`~asyncinfer.client.responses.InferFuture` is settled by the client's
 result watcher thread; ``asyncio.wrap_future`` hands that to the event loop through
 ``call_soon_threadsafe``. Nothing blocks the loop: a small request on a plain Redis broker is
 published by the loop itself, on a ``redis.asyncio`` connection of its own (:func:`send_on_loop`:
@@ -8,43 +8,41 @@ no thread hop); everything else (a large tensor to encode, a Sentinel broker, re
 another broker, an unknown-model check that must read the catalogue) runs in the loop's default
 executor, so a broker that is slow to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``)
 never blocks the loop.
+
+The functions take the client's :class:`~asyncinfer.client.sender.Sender` (``client.sender``), the
+core that the blocking :class:`~asyncinfer.client.client.Client` stands on too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import redis
-import redis.asyncio
 
 from asyncinfer.client.outgoing import Outgoing
-from asyncinfer.client.publisher import AsyncPublisher
-from asyncinfer.connections import broker_error, is_sentinel_url
+from asyncinfer.client.responses import InferFuture, InferResponse
+from asyncinfer.client.sender import Sender
+from asyncinfer.connections import broker_error
 from asyncinfer.errors import RequestTimeout
 
-if TYPE_CHECKING:
-    from asyncinfer.client.client import Client, InferFuture, InferResponse
-
-__all__ = ["publish", "submit", "send_on_loop", "LoopPublishers", "wait_response", "amap", "as_completed"]
+__all__ = ["publish", "submit", "send_on_loop", "wait_response", "amap", "as_completed"]
 
 T = TypeVar("T")
 #: What :func:`as_completed` accepts: the futures of ``submit`` or of ``asubmit``.
 AnyFuture = Union["asyncio.Future[Any]", "concurrent.futures.Future[Any]"]
 
 
-async def publish(client: Client, send: Callable[[], T]) -> T:
-    """Run ``send`` (one or more ``client.submit`` calls) in the loop's default executor.
+async def publish(sender: Sender, send: Callable[[], T]) -> T:
+    """Run ``send`` (one or more ``sender.submit`` calls) in the loop's default executor.
 
     If the awaiting task is cancelled while ``send`` runs, ``send`` still completes, and every
     future it returned is then cancelled (so its request is revoked).
     """
     loop = asyncio.get_running_loop()
-    client.watcher  # noqa: B018 - start the watcher here, not in racing executor threads
+    sender.watcher  # noqa: B018 - start the watcher here, not in racing executor threads
     sending = loop.run_in_executor(None, send)
     try:
         return await asyncio.shield(sending)
@@ -53,52 +51,17 @@ async def publish(client: Client, send: Callable[[], T]) -> T:
         raise
 
 
-class LoopPublishers:
-    """A client's publishers for event loops: one ``redis.asyncio`` connection pool per loop
-    (their connections belong to the loop that made them). None where the loop cannot publish
-    itself: a broker other than plain Redis, a Sentinel group, or replica waits."""
-
-    def __init__(self, broker_url: str, *, claim_ttl_s: float, replicas: int,
-                 connect_timeout_s: float, mark_ttl_s: float = 0.0) -> None:
-        self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
-                       and not is_sentinel_url(broker_url) and not replicas)
-        self.broker_url = broker_url
-        self.claim_ttl_s = claim_ttl_s
-        self.mark_ttl_s = mark_ttl_s
-        self.connect_timeout_s = connect_timeout_s
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPublisher] = (
-            weakref.WeakKeyDictionary())
-
-    def for_running_loop(self) -> AsyncPublisher | None:
-        if not self.usable:
-            return None
-        loop = asyncio.get_running_loop()
-        publisher = self._by_loop.get(loop)
-        if publisher is None:
-            client = redis.asyncio.Redis.from_url(
-                self.broker_url, socket_connect_timeout=self.connect_timeout_s)
-            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s,
-                                                            mark_ttl_s=self.mark_ttl_s)
-        return publisher
-
-    async def aclose(self) -> None:
-        """Close the running loop's connections."""
-        publisher = self._by_loop.pop(asyncio.get_running_loop(), None)
-        if publisher is not None:
-            await publisher.client.aclose()
-
-
 #: A request whose tensors hold more than this (bytes) is encoded in the executor, not on the loop.
 ON_LOOP_BYTES = 256 * 1024
 
 
-async def submit(client: Client, model: str, inputs: Any, options: dict[str, Any]) -> InferFuture:
-    """``client.submit(model, inputs, **options)`` from the running loop, without blocking it:
-    on the loop itself (:func:`send_on_loop`) when the inputs are small and the unknown-model
-    check needs no catalogue read, else in the executor."""
-    if nbytes(inputs) > ON_LOOP_BYTES or not client.knows_now(model):
-        return await publish(client, functools.partial(client.submit, model, inputs, **options))
-    return await send_on_loop(client, client.submission(model, inputs, **options))
+async def submit(sender: Sender, model: str, inputs: Any, options: dict[str, Any]) -> InferFuture:
+    """``sender.submit(model, inputs, **options)`` (what :meth:`Client.submit` does) from the
+    running loop, without blocking it: on the loop itself (:func:`send_on_loop`) when the inputs
+    are small and the unknown-model check needs no catalogue read, else in the executor."""
+    if nbytes(inputs) > ON_LOOP_BYTES or not sender.knows_now(model):
+        return await publish(sender, lambda: sender.submit(model, inputs, **options))
+    return await send_on_loop(sender, sender.submission(model, inputs, **options))
 
 
 def nbytes(inputs: Any) -> int:
@@ -115,29 +78,29 @@ def nbytes(inputs: Any) -> int:
     return ON_LOOP_BYTES + 1
 
 
-async def send_on_loop(client: Client, outgoing: Outgoing) -> InferFuture:
+async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
     """Send ``outgoing`` from the running loop and return its future: published by the loop
-    itself where it can (:class:`LoopPublishers`), else by :meth:`Client.send`'s path in the
+    itself where it can (:class:`LoopPublishers`), else by :meth:`Sender.send_watched` in the
     executor. The request is watched before it is published. If the awaiting task is cancelled
     while the push is under way (it may have reached Redis), the request is revoked."""
-    publisher = client.loop_publishers.for_running_loop()
+    publisher = sender.loop_publishers.for_running_loop()
     if publisher is None:
-        return await publish(client, lambda: client._send_watched(outgoing))
-    message = outgoing.message(client.watcher.channel, client.settings.max_payload_bytes)
-    future = client.watched(outgoing)
+        return await publish(sender, lambda: sender.send_watched(outgoing))
+    message = outgoing.message(sender.watcher.channel, sender.settings.max_payload_bytes)
+    future = sender.watched(outgoing)
     try:
-        status = await publisher.publish(message=message, **client.publish_options(outgoing))
+        status = await publisher.publish(message=message, **sender.publish_options(outgoing))
     except asyncio.CancelledError:
-        client.watcher.unwatch(outgoing.request_id)
+        sender.watcher.unwatch(outgoing.request_id)
         asyncio.get_running_loop().run_in_executor(None, future.cancel)  # a revoke: a broadcast
         raise
     except redis.RedisError as exc:
-        client.watcher.unwatch(outgoing.request_id)
-        raise client._broker_error(broker_error(outgoing.request_id, exc)) from exc
+        sender.watcher.unwatch(outgoing.request_id)
+        raise sender.broker_error(broker_error(outgoing.request_id, exc)) from exc
     except BaseException:
-        client.watcher.unwatch(outgoing.request_id)
+        sender.watcher.unwatch(outgoing.request_id)
         raise
-    client.sent(outgoing, status)
+    sender.sent(outgoing, status)
     return future
 
 
@@ -167,11 +130,11 @@ async def wait_response(future: asyncio.Future[InferResponse], timeout_s: float 
         raise
 
 
-async def amap(client: Client, model: str, inputs: Iterable[Any], timeout_s: float | None,
+async def amap(sender: Sender, model: str, inputs: Iterable[Any], timeout_s: float | None,
                options: dict[str, Any]) -> AsyncIterator[InferResponse]:
     """Send every request (one executor call), then yield the responses in input order."""
     sent: list[InferFuture] = await publish(
-        client, lambda: [client.submit(model, one, **options) for one in inputs])
+        sender, lambda: [sender.submit(model, one, **options) for one in inputs])
     loop = asyncio.get_running_loop()
     try:
         for future in sent:
@@ -179,7 +142,7 @@ async def amap(client: Client, model: str, inputs: Iterable[Any], timeout_s: flo
     finally:
         for future in sent:
             if not future.done():
-                client.watcher.unwatch(future.id)
+                sender.watcher.unwatch(future.id)
 
 
 async def as_completed(futures: Iterable[AnyFuture],

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,25 +19,22 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
-from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.pinger import Pinger
-from asyncinfer.client.publisher import DUPLICATE, Publisher
+from asyncinfer.client.publisher import LoopPublishers
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
-from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
-from asyncinfer.connections import broker_error, is_redis_url, redis_client
+from asyncinfer.client.sender import Sender
+from asyncinfer.config.settings import Settings
+from asyncinfer.connections import broker_error, is_redis_url
 from asyncinfer.constants import (
     CPU_QUEUE,
     POSTPROCESS_TASK,
     PREPROCESS_TASK,
     TASK_NAME,
-    model_from_queue,
     queue_for,
 )
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestTimeout
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.wire.envelope import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -59,46 +55,26 @@ class Client:
         self.settings = settings or Settings.from_env(
             broker_url=broker_url, result_backend=result_backend, task_serializer=serializer)
         self.app: Celery = create_app(self.settings)
-        # The ResultWatcher subscribes to each request's result; Celery's own result consumer
-        # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
-        self.app.backend.on_task_call = _skip_on_task_call
-        self._watcher: ResultWatcher | None = None
-        # Two threads' first requests must not start two watchers (one would own the futures,
-        # the other the lost check's traces).
-        self._watcher_lock = threading.Lock()
-        # On a Redis broker a request is one LPUSH of Celery's message (what send_task would
-        # publish), without Celery's per-send machinery; other brokers use send_task.
-        broker_url = str(self.app.conf.broker_url)
-        self._broker: redis.Redis | None = (
-            redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
-            if is_redis_url(broker_url) else None)
-        trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
-        self._publisher = (Publisher(self._broker, claim_ttl_s=self.settings.result_expires_s,
-                                     replicas=self.settings.submit_replicas,
-                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s,
-                                     mark_ttl_s=trace_s)
-                           if self._broker is not None else None)
-        self._results_shared = str(self.app.conf.result_backend) == broker_url
-        self._pinger = Pinger(self.settings)
-        self._bounds: dict[str, int] = {}
-        #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
-        self._broker_guessed = self.settings.broker_url_origin() == "default"
         backend_url = str(self.app.conf.result_backend)
         self._catalogue = (Catalogue(self.app.backend.client, ttl_s=self.settings.catalogue_ttl_s,
                                      retention_s=self.settings.model_retention_s)
                            if is_redis_url(backend_url) else None)
         self._known = (KnownModels(self._catalogue, self.settings.model_retention_s)
                        if self._catalogue is not None else None)
-        #: Where coroutines publish small requests themselves (aio.send_on_loop).
-        self.loop_publishers = aio.LoopPublishers(
-            broker_url if self._broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
-            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
-            mark_ttl_s=trace_s if self._broker is not None else 0.0)
+        #: What every submit, blocking or asyncio, stands on (client/sender.py).
+        self.sender = Sender(self.settings, self.app, self._known)
+        self._broker = self.sender.broker
+        self._pinger = Pinger(self.settings)
 
     @property
     def broker(self) -> redis.Redis | None:
         """The Redis client of the broker (None on another broker)."""
         return self._broker
+
+    @property
+    def loop_publishers(self) -> LoopPublishers:
+        """Where coroutines publish small requests themselves (aio.send_on_loop)."""
+        return self.sender.loop_publishers
 
     def models(self) -> dict[str, CatalogueEntry]:
         """The model catalogue: every model the fleet announced within ``model_retention_s``,
@@ -112,27 +88,18 @@ class Client:
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
-        return self._known is None or self._known.fresh(model)
+        return self.sender.knows_now(model)
 
     def check_model(self, model: str, request_id: str = "") -> None:
         """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
         not ``model``, within ``model_retention_s`` (0: never). A known model with no live worker
         passes: its requests wait in its queue for one."""
-        if self._known is not None:
-            self._known.check(model, request_id)
+        self.sender.check_model(model, request_id)
 
     @property
     def watcher(self) -> ResultWatcher:
         """The result watcher (started on first use)."""
-        watcher = self._watcher
-        if watcher is not None:
-            return watcher
-        with self._watcher_lock:
-            if self._watcher is None:
-                self._watcher = ResultWatcher(self.app.backend, LostCheck.of(
-                    self._broker, self.app.backend, lost_after_s=self.settings.lost_after_s,
-                    result_expires_s=self.settings.result_expires_s))
-            return self._watcher
+        return self.sender.watcher
 
     def submit(self, model: str, inputs: Any, *, request_id: str | None = None,
                parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -164,7 +131,7 @@ class Client:
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
         (see :meth:`check_model`).
         """
-        return self._send_watched(self.submission(
+        return self.sender.send_watched(self.submission(
             model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
             binary=binary, link=link, link_error=link_error, expires=expires, timeout_s=timeout_s,
             soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s, priority=priority))
@@ -174,17 +141,8 @@ class Client:
                    binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
         """The request :meth:`submit` would send, checked and not yet sent (``check``: the
         unknown-model check too)."""
-        serializer = serializer or self.settings.task_serializer
-        if serializer not in ("json", "msgpack"):
-            raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
-        if binary is None:
-            binary = serializer == "msgpack"
-        claim = request_id is not None  # generated IDs cannot collide
-        request_id = uuid4_text() if request_id is None else request_id
-        if check:
-            self.check_model(model, request_id)
-        return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
-                              parameters=parameters, **options)
+        return self.sender.submission(model, inputs, request_id=request_id, parameters=parameters,
+                                      serializer=serializer, binary=binary, check=check, **options)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -204,7 +162,7 @@ class Client:
         flow = (self.app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
                 | self.app.signature(TASK_NAME, queue=queue_for(model), **options)
                 | self.app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
-        future = InferFuture(request_id, self)
+        future = self.sender.future_of(request_id)
         self.watcher.watch(request_id, future._settle)
         flow.apply_async()
         return future
@@ -223,72 +181,20 @@ class Client:
         """
         if claim is None:
             claim = request_id is not None  # generated IDs cannot collide
-        return self._send_watched(Outgoing(
+        return self.sender.send_watched(Outgoing(
             task, queue, kwargs, uuid4_text() if request_id is None else request_id, claim,
             serializer or self.settings.task_serializer, link=link, link_error=link_error,
             expires=expires, timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
             time_limit_s=time_limit_s, priority=priority or 0))
 
-    def _send_watched(self, outgoing: Outgoing) -> InferFuture:
-        """Watch ``outgoing``'s request, then send it; its future."""
-        future = self.watched(outgoing)
-        try:
-            self._send(outgoing)
-        except BaseException:
-            self.watcher.unwatch(outgoing.request_id)  # nothing is left waiting for a request not sent
-            raise
-        return future
-
     def watched(self, outgoing: Outgoing) -> InferFuture:
         """The future of ``outgoing``'s request, watched on this client's reply channel (before
         it is sent, so its answer cannot come first)."""
-        future = InferFuture(outgoing.request_id, self)
-        self.watcher.watch(outgoing.request_id, future._settle, announced=True)
-        return future
-
-    def _send(self, outgoing: Outgoing) -> None:
-        request_id = outgoing.request_id
-        reply_to = self.watcher.channel
-        if self._broker is None:
-            if outgoing.claim and not self._claim(request_id):
-                # already sent, perhaps by another producer: wait on its own channel
-                self.watcher.watch_own_channel(request_id)
-                return
-            self.app.send_task(outgoing.task, **outgoing.send_task_options(reply_to))
-            return
-        message = outgoing.message(reply_to, self.settings.max_payload_bytes)
-        assert self._publisher is not None
-        try:
-            status = self._publisher.publish(message=message, **self.publish_options(outgoing))
-        except redis.RedisError as exc:
-            raise self._broker_error(broker_error(request_id, exc)) from exc
-        self.sent(outgoing, status)
-
-    def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
-        """The publisher's arguments for ``outgoing`` (all but its message)."""
-        return {"queue": outgoing.queue, "request_id": outgoing.request_id,
-                "claim": outgoing.claim, "priority": outgoing.priority,
-                "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
-                               else None),
-                "max_queue_size": self._queue_bound(outgoing.queue),
-                "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
-                              else outgoing.timeout_s)}
-
-    def sent(self, outgoing: Outgoing, status: int) -> None:
-        """After the publish: a request ID sent before (perhaps by another producer, whose reply
-        channel is not this one) is watched on its own channel. The request is judged by the
-        lost check from now on (its trace was written by this publish, or by the first's)."""
-        if status == DUPLICATE:
-            self.watcher.watch_own_channel(outgoing.request_id)
-        self.watcher.trace(outgoing.request_id, seen=status != DUPLICATE)
+        return self.sender.watched(outgoing)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""
-        if not (self._broker_guessed and isinstance(error, BrokerUnavailable)):
-            return error
-        return BrokerUnavailable(f"{error} (no broker configured: ASYNCINFER_BROKER_URL is unset and "
-                                 f"no 'asyncinfer up' runs on this host, so the default "
-                                 f"{DEFAULT_BROKER_URL} was tried)")
+        return self.sender.broker_error(error)
 
     def ping(self) -> None:
         """Raise :class:`~asyncinfer.errors.BrokerUnavailable` (one line, within about
@@ -297,23 +203,6 @@ class Client:
             self._pinger.ping_app(self.app, redis_broker=self._broker is not None)
         except AsyncInferError as exc:
             raise self._broker_error(exc) from exc.__cause__
-
-    def _queue_bound(self, queue: str) -> int:
-        """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
-        bound = self._bounds.get(queue)
-        if bound is None:
-            model = model_from_queue(queue)
-            bound = self.settings.options_for(model, ModelOptions()).max_queue_size if model else 0
-            self._bounds[queue] = bound
-        return bound
-
-    def _claim(self, request_id: str) -> bool:
-        """Claim a caller-chosen request ID on the result backend (brokers other than Redis)."""
-        client = self.app.backend.client
-        ttl_s = max(1, int(self.settings.result_expires_s or 86400))
-        if client.exists(self.watcher.key(request_id)):
-            return False
-        return bool(client.set(CLAIM_PREFIX + request_id, "1", nx=True, ex=ttl_s))
 
     def infer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
               **options: Any) -> InferResponse:
@@ -334,7 +223,7 @@ class Client:
 
     def future(self, request_id: str) -> InferFuture:
         """The future of a request sent by anyone, looked up by its ID."""
-        future = InferFuture(request_id, self)
+        future = self.sender.future_of(request_id)
         self.watcher.watch(request_id, future._settle)
         if self._broker is not None:  # judged only if a look finds its trace
             self.watcher.trace(request_id, seen=False)
@@ -370,21 +259,21 @@ class Client:
         watcher thread settles the future through ``call_soon_threadsafe``. Cancelling the future
         (or a task awaiting it) revokes the request, as ``InferFuture.cancel()`` does.
         """
-        future = await aio.submit(self, model, inputs, options)
+        future = await aio.submit(self.sender, model, inputs, options)
         return asyncio.wrap_future(future, loop=asyncio.get_running_loop())
 
     async def ainfer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
                      **options: Any) -> InferResponse:
         """Send one request and await its response (``TimeoutError`` after ``timeout_s``; the
         request keeps running). Cancelling the awaiting task revokes the request."""
-        future = await aio.submit(self, model, inputs, options)
+        future = await aio.submit(self.sender, model, inputs, options)
         return await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
 
     def amap(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
              **options: Any) -> AsyncIterator[InferResponse]:
         """``async for response in client.amap(model, inputs)``: send every request at once,
         yield the responses in input order (``timeout_s`` per response)."""
-        return aio.amap(self, model, inputs, timeout_s, options)
+        return aio.amap(self.sender, model, inputs, timeout_s, options)
 
     def as_completed(self, futures: Iterable[aio.AnyFuture], *,
                      timeout_s: float | None = None) -> AsyncIterator[InferResponse]:
@@ -400,13 +289,7 @@ class Client:
 
     def close(self) -> None:
         """Stop the result watcher and release connections."""
-        if self._watcher is not None:
-            self._watcher.close()
-            self._watcher = None
-        if self._publisher is not None:
-            self._publisher.close()
-        if self._broker is not None:
-            self._broker.close()
+        self.sender.close()
         self._pinger.close()
         self.app.close()
 
@@ -415,8 +298,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _skip_on_task_call(producer: Any, task_id: str) -> None:
-    return None
-

@@ -29,16 +29,19 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from asyncinfer.connections import require_replicas
 from asyncinfer.constants import priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.redis_urls import is_sentinel_url
 
-__all__ = ["Publisher", "AsyncPublisher", "PUBLISHED", "DUPLICATE"]
+__all__ = ["Publisher", "AsyncPublisher", "LoopPublishers", "PUBLISHED", "DUPLICATE"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
@@ -249,3 +252,38 @@ class _Push:
         pause_s = min(self._pause_s, max(0.0, self.deadline - time.monotonic()))
         self._pause_s = min(self._pause_s * 2, Publisher.poll_s[1])
         return pause_s
+
+
+class LoopPublishers:
+    """A client's publishers for event loops: one ``redis.asyncio`` connection pool per loop
+    (their connections belong to the loop that made them). None where the loop cannot publish
+    itself: a broker other than plain Redis, a Sentinel group, or replica waits."""
+
+    def __init__(self, broker_url: str, *, claim_ttl_s: float, replicas: int,
+                 connect_timeout_s: float, mark_ttl_s: float = 0.0) -> None:
+        self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
+                       and not is_sentinel_url(broker_url) and not replicas)
+        self.broker_url = broker_url
+        self.claim_ttl_s = claim_ttl_s
+        self.mark_ttl_s = mark_ttl_s
+        self.connect_timeout_s = connect_timeout_s
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPublisher] = (
+            weakref.WeakKeyDictionary())
+
+    def for_running_loop(self) -> AsyncPublisher | None:
+        if not self.usable:
+            return None
+        loop = asyncio.get_running_loop()
+        publisher = self._by_loop.get(loop)
+        if publisher is None:
+            client = redis.asyncio.Redis.from_url(
+                self.broker_url, socket_connect_timeout=self.connect_timeout_s)
+            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s,
+                                                            mark_ttl_s=self.mark_ttl_s)
+        return publisher
+
+    async def aclose(self) -> None:
+        """Close the running loop's connections."""
+        publisher = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if publisher is not None:
+            await publisher.client.aclose()

@@ -23,7 +23,9 @@ from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
 from asyncinfer.wire.result_json import decode_result
 
 if TYPE_CHECKING:
-    from asyncinfer.client.client import Client
+    from celery import Celery
+
+    from asyncinfer.client.result_watcher import ResultWatcher
 
 __all__ = ["InferFuture", "InferResponse", "whereabouts"]
 
@@ -67,22 +69,23 @@ class InferResponse:
 class InferFuture(concurrent.futures.Future[InferResponse]):
     """A ``concurrent.futures.Future`` for one request; ``cancel()`` revokes it in Celery."""
 
-    def __init__(self, request_id: str, client: Client) -> None:
+    def __init__(self, request_id: str, app: Celery, watcher: ResultWatcher) -> None:
         super().__init__()
         self.id = request_id
-        self._client = client
+        self._app = app
+        self._watcher = watcher
 
     @property
     def async_result(self) -> AsyncResult:
         """Celery's view of the same request."""
-        return AsyncResult(self.id, app=self._client.app)
+        return AsyncResult(self.id, app=self._app)
 
     def cancel(self) -> bool:
         """Revoke the request (it will not run if it has not started) and cancel this future."""
         if self.done():
             return False
-        self._client.app.control.revoke(self.id)
-        self._client.watcher.unwatch(self.id)
+        self._app.control.revoke(self.id)
+        self._watcher.unwatch(self.id)
         return super().cancel()
 
     def result(self, timeout: float | None = None) -> InferResponse:
@@ -109,11 +112,11 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
             is_response = isinstance(result, dict) and "outputs" in result and "id" in result
             self.set_result(InferResponse(result) if is_response else result)
         elif status == states.REVOKED:
-            stored = self._client.app.backend.exception_to_python(meta.get("result"))
+            stored = self._app.backend.exception_to_python(meta.get("result"))
             self.set_exception(stored if isinstance(stored, TaskRevokedError)
                                else TaskRevokedError(f"request {self.id} was revoked"))
         else:
-            self.set_exception(self._client.app.backend.exception_to_python(meta.get("result")))
+            self.set_exception(self._app.backend.exception_to_python(meta.get("result")))
 
     def __repr__(self) -> str:
         return f"<InferFuture {self.id} {self._state}>"

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
+from asyncinfer.config.published import published_url
+from asyncinfer.redis_urls import is_redis_url
 
 __all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
            "DEFAULT_BROKER_URL", "URL_EXAMPLES"]
@@ -306,8 +308,6 @@ class Settings:
         """The configured broker URL, else the one `asyncinfer up` published, else the default."""
         if self.broker_url:
             return self.broker_url
-        from asyncinfer.ops.redis_server import published_url
-
         return published_url(self.redis_dir) or DEFAULT_BROKER_URL
 
     def broker_url_origin(self) -> str:
@@ -315,8 +315,6 @@ class Settings:
         running ``asyncinfer up``) or ``default`` (nothing configured, no ``up`` running)."""
         if self.broker_url:
             return "configured"
-        from asyncinfer.ops.redis_server import published_url
-
         return "published" if published_url(self.redis_dir) else "default"
 
     def resolved_result_backend(self) -> str:
@@ -324,8 +322,6 @@ class Settings:
         if self.result_backend:
             return self.result_backend
         broker = self.resolved_broker_url()
-        from asyncinfer.connections import is_redis_url
-
         if is_redis_url(broker):
             return broker
         raise ValueError(

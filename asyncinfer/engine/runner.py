@@ -39,7 +39,7 @@ from asyncinfer.engine.hooks import (
     ignore_launch,
     settle_wedged,
 )
-from asyncinfer.engine.timer import Timer
+from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
 from asyncinfer.errors import (
@@ -52,7 +52,6 @@ from asyncinfer.errors import (
     TransientModelError,
 )
 from asyncinfer.models.base import Batch, Model
-from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
 __all__ = ["Completed", "ModelRunner", "settle"]

@@ -1,4 +1,6 @@
-"""One thread that calls functions at given times: time limits and delayed retries.
+"""One thread that calls functions at given times: time limits and delayed retries; and the
+time limits of a request (:class:`TimeLimits`, read from Celery's options by the worker's policy:
+policy/time_limits.py).
 
 A heap and a condition variable: the thread sleeps until the earliest entry is due (or a new,
 earlier one arrives), never polls. Entries are not cancelled; a callback checks whether it still
@@ -13,12 +15,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from asyncinfer.engine.vital import vital_thread
 
-__all__ = ["Timer"]
+__all__ = ["Timer", "TimeLimits"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TimeLimits:
+    """Soft and hard limits in seconds; None where there is none."""
+
+    soft_s: float | None = None
+    hard_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.soft_s is not None or self.hard_s is not None
 
 
 class Timer:

@@ -283,7 +283,7 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await aio.submit(self.client, call.model, inputs, {
+        sent = await aio.submit(self.client.sender, call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
         waiting = asyncio.wrap_future(sent)

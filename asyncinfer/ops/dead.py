@@ -1,21 +1,155 @@
-"""``asyncinfer dead list|show|requeue|purge MODEL``: a model's dead letters."""
+"""``asyncinfer dead list|show|requeue|purge MODEL``: a model's dead letters.
+
+Workers keep them (worker/dead_letters.py: the entry and how it is pushed). Here they are read,
+requeued — the message back on ``infer.<model>`` with ``retries`` 0, no ``eta`` and a new delivery
+tag, and its stored FAILURE removed, in one atomic step — and purged (:class:`DeadLetters`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["run_dead"]
+from asyncinfer.config.settings import Settings
+from asyncinfer.constants import queue_for, queue_of_list
+from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
+from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.worker.dead_letters import DeadLetter
+
+__all__ = ["run_dead", "DeadLetters", "Requeued", "requeue_message"]
+
+log = logging.getLogger(__name__)
+
+
+def requeue_message(entry: DeadLetter) -> str:
+    """The message that runs ``entry`` again: its envelope with ``retries`` 0, no ``eta``, not
+    ``redelivered``, and a new delivery tag. ValueError when it cannot run again as it was."""
+    why = entry.requeueable
+    if why:
+        raise ValueError(f"request {entry.request_id}: cannot be requeued: {why}")
+    envelope = json.loads(json.dumps(entry.envelope))  # a copy
+    headers = envelope.setdefault("headers", {})
+    headers["retries"] = 0
+    headers["eta"] = None
+    headers.pop("redelivered", None)
+    properties = envelope["properties"]
+    properties["delivery_tag"] = uuid4_text()
+    (properties.get("delivery_info") or {}).pop("redelivered", None)
+    return json.dumps(envelope)
+
+
+# KEYS: the dead-letter list, the queue, [the request's stored result].
+# ARGV: the entry as stored, the message to push.
+# Removes the entry; only if it was there, pushes the message and deletes the stored FAILURE.
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+if KEYS[3] then redis.call('DEL', KEYS[3]) end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """What :meth:`DeadLetters.requeue` did."""
+
+    requeued: list[str]
+    not_found: list[str]
+    refused: dict[str, str]
+
+
+class DeadLetters:
+    """The dead letters of one model on the broker ``client``.
+
+    ``results_shared``: the result backend is the broker's Redis and database, so a requeue also
+    deletes the request's stored FAILURE (a client asking for the result waits for the new run).
+    """
+
+    def __init__(self, client: Any, model: str, *, results_shared: bool = True) -> None:
+        self.client = client
+        self.model = model
+        self.key = dead_letter_key(model)
+        self.results_shared = results_shared
+        self._requeue = client.register_script(_REQUEUE)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
+        """The dead letters of ``model`` on the broker ``settings`` name (which must be Redis)."""
+        from asyncinfer.connections import is_redis_url, redis_client
+
+        broker = settings.resolved_broker_url()
+        if not is_redis_url(broker):
+            raise ValueError(f"dead letters are kept on a Redis broker; the broker is {broker}")
+        client = redis_client(broker, settings, socket_connect_timeout=settings.connect_timeout_s)
+        return cls(client, model, results_shared=settings.resolved_result_backend() == broker)
+
+    def entries(self) -> list[tuple[bytes, DeadLetter]]:
+        """Every entry, newest first, with its stored text; unreadable ones are skipped (logged)."""
+        out = []
+        for stored in self.client.lrange(self.key, 0, -1):
+            try:
+                out.append((stored, DeadLetter.from_json(stored)))
+            except (ValueError, TypeError) as exc:
+                log.warning("%s holds an entry that is not a dead letter (%s): %.200r", self.key, exc,
+                            stored)
+        return out
+
+    def find(self, request_id: str) -> DeadLetter | None:
+        """The newest entry of ``request_id``, or None."""
+        return next((e for _, e in self.entries() if e.request_id == request_id), None)
+
+    def requeue(self, request_ids: Iterable[str] | None = None) -> Requeued:
+        """Send entries back to the model's queue (all of them when ``request_ids`` is None)."""
+        wanted = None if request_ids is None else list(dict.fromkeys(request_ids))
+        newest: dict[str, tuple[bytes, DeadLetter]] = {}
+        older: dict[str, list[bytes]] = {}  # a request kept twice runs once: its newest entry
+        for stored, entry in self.entries():
+            if wanted is None or entry.request_id in wanted:
+                if entry.request_id in newest:
+                    older.setdefault(entry.request_id, []).append(stored)
+                else:
+                    newest[entry.request_id] = (stored, entry)
+        done: list[str] = []
+        refused: dict[str, str] = {}
+        for stored, entry in reversed(newest.values()):  # oldest first: they go back in order
+            try:
+                message = requeue_message(entry)
+            except ValueError as exc:
+                refused[entry.request_id] = str(exc)
+                continue
+            keys = [self.key, self._queue_of(entry)]
+            if self.results_shared:
+                keys.append(RESULT_KEY_PREFIX + entry.request_id)
+            if int(self._requeue(keys=keys, args=[stored, message])):
+                done.append(entry.request_id)
+                for duplicate in older.get(entry.request_id, ()):
+                    self.client.lrem(self.key, 1, duplicate)
+        not_found = [i for i in wanted or () if i not in newest]
+        return Requeued(done, not_found, refused)
+
+    def purge(self) -> int:
+        """Remove every entry; how many there were."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.llen(self.key)
+        pipe.delete(self.key)
+        count, _ = pipe.execute()
+        return int(count)
+
+    def _queue_of(self, entry: DeadLetter) -> str:
+        """The list it came from when that is one of the model's, else ``infer.<model>``."""
+        queue = queue_for(self.model)
+        return entry.queue if queue_of_list(entry.queue) == queue else queue
 
 
 def run_dead(args: argparse.Namespace) -> int:
     """Run one ``asyncinfer dead`` action; the exit status."""
     import redis
-
-    from asyncinfer.config.settings import Settings
-    from asyncinfer.worker.dead_letters import DeadLetters
 
     if args.action == "requeue" and bool(args.request_ids) == bool(args.all):
         print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from asyncinfer.processes import die_with_parent, pid_alive, stop_process
+from asyncinfer.config.published import PID_FILE, URL_FILE, published_url
+from asyncinfer.processes import die_with_parent, stop_process
 
 __all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "published_url", "free_port",
            "supports_tls", "make_private_dir", "write_private", "load_or_create_password"]
 
 log = logging.getLogger(__name__)
 
-URL_FILE = "broker_url"
-PID_FILE = "redis.pid"
 PASSWORD_FILE = "password"
 CONF_FILE = "redis.conf"
 #: Commands a private server does not know: CONFIG (``CONFIG SET dir`` + ``SAVE`` writes files
@@ -151,16 +150,6 @@ def _tighten_files(data_dir: Path) -> None:
 def _conf_value(value: str) -> str:
     """``value`` as one double-quoted argument of a Redis config file line."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def published_url(state_dir: Path) -> str | None:
-    """The broker URL an ``asyncinfer up`` on this host published, if its Redis still runs."""
-    try:
-        url = (state_dir / URL_FILE).read_text().strip()
-        pid = int((state_dir / PID_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return url if url and pid_alive(pid) else None
 
 
 class RedisServer:

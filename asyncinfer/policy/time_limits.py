@@ -16,28 +16,19 @@ signal could not interrupt device work anyway. Here the limits are watched by th
 The limits come from the message (``apply_async(soft_time_limit=..., time_limit=...)``, header
 ``timelimit``), else the task's options (``task_annotations``), else ``task_soft_time_limit`` /
 ``task_time_limit`` (``ASYNCINFER_SOFT_TIME_LIMIT_S`` / ``ASYNCINFER_TIME_LIMIT_S``).
+The value, :class:`~asyncinfer.engine.timer.TimeLimits`, is the engine's, which enforces it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TimeLimits", "time_limits_of"]
+from asyncinfer.engine.timer import TimeLimits
+
+__all__ = ["TimeLimits", "time_limits_of", "EXIT_WEDGED", "NO_LIMITS"]
 
 #: The exit status of a worker process that left because its device was wedged.
 EXIT_WEDGED = 75
-
-
-@dataclass(frozen=True)
-class TimeLimits:
-    """Soft and hard limits in seconds; None where there is none."""
-
-    soft_s: float | None = None
-    hard_s: float | None = None
-
-    def __bool__(self) -> bool:
-        return self.soft_s is not None or self.hard_s is not None
 
 
 NO_LIMITS = TimeLimits()

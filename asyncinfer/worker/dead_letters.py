@@ -12,13 +12,13 @@ once the configuration is fixed. REVOKED requests (cancelled, expired) are not k
 The list holds at most ``dead_letter_max_entries`` (LTRIM) and expires ``dead_letter_ttl_s``
 after its newest entry (EXPIRE on every push). The fast consumer's writer adds the entry in the
 broker transaction that acknowledges the message — the one that stores the FAILURE too when results
-live on the broker's Redis, the default (:func:`add_to`); Celery's stock
+live on the broker's Redis, the default (:func:`add_failure`, called by
+worker/intake/result_writer.py for a final FAILURE); Celery's stock
 path adds it from the ``task_failure`` signal, just after Celery stored the FAILURE
 (:func:`add_stock_failure`; its message rebuilt from the task request, as Celery keeps no bytes).
 
-:class:`DeadLetters` reads the list, requeues entries (the message back on ``infer.<model>`` with
-``retries`` 0, no ``eta`` and a new delivery tag, and its stored FAILURE removed, in one atomic
-step) and purges it: ``asyncinfer dead list|show|requeue|purge MODEL``.
+This module is the worker's write side: the entry and how it is pushed. The operator's side (list,
+show, requeue, purge: ``asyncinfer dead``) reads the same entries in ops/dead.py.
 """
 
 from __future__ import annotations
@@ -29,27 +29,25 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 import msgpack
-from celery import Celery, signals, states
+from celery import Celery, signals
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
-from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
-from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.keys import dead_letter_key
+from asyncinfer.wire.envelope import Delivery, uuid4_text
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
-    from asyncinfer.worker.intake.result_writer import Outcome
 
-__all__ = ["DeadLetter", "DeadLetters", "Requeued", "entry_for", "push", "add_to", "add_stock_failure",
-           "requeue_message", "options_of"]
+__all__ = ["DeadLetter", "entry_for", "push", "add_failure", "add_stock_failure", "options_of",
+           "set_worker_name"]
 
 log = logging.getLogger(__name__)
 
@@ -184,25 +182,24 @@ def _worker_name(app: Celery) -> str:
     return _node_name[0] or f"{os.getpid()}@{socket.gethostname()}"
 
 
-def add_to(pipe: Any, app: Celery, outcome: Outcome) -> None:
-    """Add the dead letter of ``outcome`` to ``pipe`` (the broker's write of that outcome) when it
-    is a final FAILURE of a model that opted in. Never raises: a dead letter must not cost a result."""
+def add_failure(pipe: Any, app: Celery, delivery: Delivery, exc: BaseException | Any) -> None:
+    """Add the dead letter of ``delivery``, which failed for good with ``exc``, to ``pipe`` (the
+    broker's write of that FAILURE) when its model opted in. Never raises: a dead letter must not
+    cost a result."""
     try:
-        d = outcome.delivery
-        if outcome.state != states.FAILURE or not outcome.store or outcome.retry is not None:
-            return
+        d = delivery
         model = model_from_queue(queue_of_list(d.queue))
         if not d.request_id or model is None:
             return
         options = options_of(app, model)
         if not options.dead_letter:
             return
-        entry = entry_for(d.request_id, d.list_key, outcome.result, raw=d.raw,
+        entry = entry_for(d.request_id, d.list_key, exc, raw=d.raw,
                           retries=_int(d.headers.get("retries")), worker=_worker_name(app), model=model)
         push(pipe, entry, options)
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("request %s: its dead letter could not be kept",
-                      getattr(getattr(outcome, "delivery", None), "request_id", "?"))
+                      getattr(delivery, "request_id", "?"))
 
 
 def _int(value: Any) -> int:
@@ -268,125 +265,3 @@ def _stock_client(app: Celery) -> Any:
         client = redis_client(str(app.conf.broker_url), settings_of(app))
         _stock_clients[app] = client
     return client
-
-
-# -- reading and requeueing (``asyncinfer dead``) -------------------------------------------------
-
-def requeue_message(entry: DeadLetter) -> str:
-    """The message that runs ``entry`` again: its envelope with ``retries`` 0, no ``eta``, not
-    ``redelivered``, and a new delivery tag. ValueError when it cannot run again as it was."""
-    why = entry.requeueable
-    if why:
-        raise ValueError(f"request {entry.request_id}: cannot be requeued: {why}")
-    envelope = json.loads(json.dumps(entry.envelope))  # a copy
-    headers = envelope.setdefault("headers", {})
-    headers["retries"] = 0
-    headers["eta"] = None
-    headers.pop("redelivered", None)
-    properties = envelope["properties"]
-    properties["delivery_tag"] = uuid4_text()
-    (properties.get("delivery_info") or {}).pop("redelivered", None)
-    return json.dumps(envelope)
-
-
-# KEYS: the dead-letter list, the queue, [the request's stored result].
-# ARGV: the entry as stored, the message to push.
-# Removes the entry; only if it was there, pushes the message and deletes the stored FAILURE.
-_REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
-if KEYS[3] then redis.call('DEL', KEYS[3]) end
-redis.call('LPUSH', KEYS[2], ARGV[2])
-return 1
-"""
-
-
-@dataclass(frozen=True)
-class Requeued:
-    """What :meth:`DeadLetters.requeue` did."""
-
-    requeued: list[str]
-    not_found: list[str]
-    refused: dict[str, str]
-
-
-class DeadLetters:
-    """The dead letters of one model on the broker ``client``.
-
-    ``results_shared``: the result backend is the broker's Redis and database, so a requeue also
-    deletes the request's stored FAILURE (a client asking for the result waits for the new run).
-    """
-
-    def __init__(self, client: Any, model: str, *, results_shared: bool = True) -> None:
-        self.client = client
-        self.model = model
-        self.key = dead_letter_key(model)
-        self.results_shared = results_shared
-        self._requeue = client.register_script(_REQUEUE)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
-        """The dead letters of ``model`` on the broker ``settings`` name (which must be Redis)."""
-        from asyncinfer.connections import is_redis_url, redis_client
-
-        broker = settings.resolved_broker_url()
-        if not is_redis_url(broker):
-            raise ValueError(f"dead letters are kept on a Redis broker; the broker is {broker}")
-        client = redis_client(broker, settings, socket_connect_timeout=settings.connect_timeout_s)
-        return cls(client, model, results_shared=settings.resolved_result_backend() == broker)
-
-    def entries(self) -> list[tuple[bytes, DeadLetter]]:
-        """Every entry, newest first, with its stored text; unreadable ones are skipped (logged)."""
-        out = []
-        for stored in self.client.lrange(self.key, 0, -1):
-            try:
-                out.append((stored, DeadLetter.from_json(stored)))
-            except (ValueError, TypeError) as exc:
-                log.warning("%s holds an entry that is not a dead letter (%s): %.200r", self.key, exc,
-                            stored)
-        return out
-
-    def find(self, request_id: str) -> DeadLetter | None:
-        """The newest entry of ``request_id``, or None."""
-        return next((e for _, e in self.entries() if e.request_id == request_id), None)
-
-    def requeue(self, request_ids: Iterable[str] | None = None) -> Requeued:
-        """Send entries back to the model's queue (all of them when ``request_ids`` is None)."""
-        wanted = None if request_ids is None else list(dict.fromkeys(request_ids))
-        newest: dict[str, tuple[bytes, DeadLetter]] = {}
-        older: dict[str, list[bytes]] = {}  # a request kept twice runs once: its newest entry
-        for stored, entry in self.entries():
-            if wanted is None or entry.request_id in wanted:
-                if entry.request_id in newest:
-                    older.setdefault(entry.request_id, []).append(stored)
-                else:
-                    newest[entry.request_id] = (stored, entry)
-        done: list[str] = []
-        refused: dict[str, str] = {}
-        for stored, entry in reversed(newest.values()):  # oldest first: they go back in order
-            try:
-                message = requeue_message(entry)
-            except ValueError as exc:
-                refused[entry.request_id] = str(exc)
-                continue
-            keys = [self.key, self._queue_of(entry)]
-            if self.results_shared:
-                keys.append(RESULT_KEY_PREFIX + entry.request_id)
-            if int(self._requeue(keys=keys, args=[stored, message])):
-                done.append(entry.request_id)
-                for duplicate in older.get(entry.request_id, ()):
-                    self.client.lrem(self.key, 1, duplicate)
-        not_found = [i for i in wanted or () if i not in newest]
-        return Requeued(done, not_found, refused)
-
-    def purge(self) -> int:
-        """Remove every entry; how many there were."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.llen(self.key)
-        pipe.delete(self.key)
-        count, _ = pipe.execute()
-        return int(count)
-
-    def _queue_of(self, entry: DeadLetter) -> str:
-        """The list it came from when that is one of the model's, else ``infer.<model>``."""
-        queue = queue_for(self.model)
-        return entry.queue if queue_of_list(entry.queue) == queue else queue

@@ -45,7 +45,7 @@ from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.store import Entry, StoreScript, as_out_of_memory, error_texts
 from asyncinfer.worker.intake.take import StartedText
 
-__all__ = ["Outcome", "ResultWriter"]
+__all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,14 @@ class Outcome:
     retry: str | None = None
     #: False to acknowledge only (the result is already stored: a redelivered duplicate).
     store: bool = True
+
+
+def add_dead_letter(pipe: Any, app: Celery, outcome: Outcome) -> None:
+    """Add the dead letter of ``outcome`` to ``pipe`` (the broker's write of that outcome) when it
+    is a final FAILURE (stored, not retried) of a model that opted in (worker/dead_letters.py).
+    Never raises: a dead letter must not cost a result."""
+    if outcome.state == states.FAILURE and outcome.store and outcome.retry is None:
+        dead_letters.add_failure(pipe, app, outcome.delivery, outcome.result)
 
 
 def _nothing(batch: list[Outcome]) -> None:
@@ -335,7 +343,7 @@ class ResultWriter:
             value = encode_meta(self.backend, meta)
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
-        dead_letters.add_to(pushes, self.app, outcome)  # a final FAILURE of a model that opted in
+        add_dead_letter(pushes, self.app, outcome)
         return key, value, reply_to, d.tag or ""  # no tag: a malformed message never recorded
 
     def _call_links(self, outcome: Outcome) -> None:

@@ -1,0 +1,216 @@
+"""The core of every submit, blocking or asyncio: a request from its :class:`Outgoing` to its watched
+future.
+
+:class:`Sender` holds what sending needs — the Celery app, the broker's client and its publisher,
+the result watcher, the queue bounds, the unknown-model check — and nothing of the callers above
+it: :class:`~asyncinfer.client.client.Client` (the blocking API) and the asyncio forms
+(client/aio.py, which publish from the event loop through :meth:`Sender.watched`,
+:meth:`Sender.publish_options` and :meth:`Sender.sent`) both stand on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery
+
+from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
+from asyncinfer.client.outgoing import Outgoing
+from asyncinfer.client.publisher import DUPLICATE, LoopPublishers, Publisher
+from asyncinfer.client.responses import InferFuture
+from asyncinfer.client.result_watcher import ResultWatcher
+from asyncinfer.config.model_options import ModelOptions
+from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
+from asyncinfer.connections import broker_error, is_redis_url, redis_client
+from asyncinfer.constants import model_from_queue
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable
+from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.envelope import uuid4_text
+
+__all__ = ["Sender"]
+
+
+class Sender:
+    """Sends requests of the app ``app`` (built from ``settings``) and watches their results.
+
+    ``known``: the unknown-model check (None: every model passes).
+    """
+
+    def __init__(self, settings: Settings, app: Celery, known: KnownModels | None = None) -> None:
+        self.settings = settings
+        self.app = app
+        self.known = known
+        # The ResultWatcher subscribes to each request's result; Celery's own result consumer
+        # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
+        self.app.backend.on_task_call = _skip_on_task_call
+        self._watcher: ResultWatcher | None = None
+        # Two threads' first requests must not start two watchers (one would own the futures,
+        # the other the lost check's traces).
+        self._watcher_lock = threading.Lock()
+        # On a Redis broker a request is one LPUSH of Celery's message (what send_task would
+        # publish), without Celery's per-send machinery; other brokers use send_task.
+        broker_url = str(self.app.conf.broker_url)
+        #: The Redis client of the broker (None on another broker).
+        self.broker: redis.Redis | None = (
+            redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
+            if is_redis_url(broker_url) else None)
+        trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
+        self._publisher = (Publisher(self.broker, claim_ttl_s=self.settings.result_expires_s,
+                                     replicas=self.settings.submit_replicas,
+                                     replicas_timeout_s=self.settings.submit_replicas_timeout_s,
+                                     mark_ttl_s=trace_s)
+                           if self.broker is not None else None)
+        self._results_shared = str(self.app.conf.result_backend) == broker_url
+        self._bounds: dict[str, int] = {}
+        #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
+        self._broker_guessed = self.settings.broker_url_origin() == "default"
+        #: Where coroutines publish small requests themselves (aio.send_on_loop).
+        self.loop_publishers = LoopPublishers(
+            broker_url if self.broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
+            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
+            mark_ttl_s=trace_s if self.broker is not None else 0.0)
+
+    @property
+    def watcher(self) -> ResultWatcher:
+        """The result watcher (started on first use)."""
+        watcher = self._watcher
+        if watcher is not None:
+            return watcher
+        with self._watcher_lock:
+            if self._watcher is None:
+                self._watcher = ResultWatcher(self.app.backend, LostCheck.of(
+                    self.broker, self.app.backend, lost_after_s=self.settings.lost_after_s,
+                    result_expires_s=self.settings.result_expires_s))
+            return self._watcher
+
+    def knows_now(self, model: str) -> bool:
+        """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
+        return self.known is None or self.known.fresh(model)
+
+    def check_model(self, model: str, request_id: str = "") -> None:
+        """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
+        not ``model``, within ``model_retention_s`` (0: never)."""
+        if self.known is not None:
+            self.known.check(model, request_id)
+
+    def submission(self, model: str, inputs: Any, *, request_id: str | None = None,
+                   parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
+                   binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
+        """The ``asyncinfer.infer`` request of ``model`` for ``inputs``, checked and not yet sent
+        (``check``: the unknown-model check too); :meth:`Client.submit
+        <asyncinfer.client.client.Client.submit>` documents the options."""
+        serializer = serializer or self.settings.task_serializer
+        if serializer not in ("json", "msgpack"):
+            raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
+        if binary is None:
+            binary = serializer == "msgpack"
+        claim = request_id is not None  # generated IDs cannot collide
+        request_id = uuid4_text() if request_id is None else request_id
+        if check:
+            self.check_model(model, request_id)
+        return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
+                              parameters=parameters, **options)
+
+    def submit(self, model: str, inputs: Any, **options: Any) -> InferFuture:
+        """Send one ``asyncinfer.infer`` request (:meth:`submission`'s options); its future."""
+        return self.send_watched(self.submission(model, inputs, **options))
+
+    def send_watched(self, outgoing: Outgoing) -> InferFuture:
+        """Watch ``outgoing``'s request, then send it; its future."""
+        future = self.watched(outgoing)
+        try:
+            self._send(outgoing)
+        except BaseException:
+            self.watcher.unwatch(outgoing.request_id)  # nothing is left waiting for a request not sent
+            raise
+        return future
+
+    def watched(self, outgoing: Outgoing) -> InferFuture:
+        """The future of ``outgoing``'s request, watched on this sender's reply channel (before
+        it is sent, so its answer cannot come first)."""
+        future = self.future_of(outgoing.request_id)
+        self.watcher.watch(outgoing.request_id, future._settle, announced=True)
+        return future
+
+    def future_of(self, request_id: str) -> InferFuture:
+        """A future of ``request_id``, not yet watched."""
+        return InferFuture(request_id, self.app, self.watcher)
+
+    def _send(self, outgoing: Outgoing) -> None:
+        request_id = outgoing.request_id
+        reply_to = self.watcher.channel
+        if self.broker is None:
+            if outgoing.claim and not self._claim(request_id):
+                # already sent, perhaps by another producer: wait on its own channel
+                self.watcher.watch_own_channel(request_id)
+                return
+            self.app.send_task(outgoing.task, **outgoing.send_task_options(reply_to))
+            return
+        message = outgoing.message(reply_to, self.settings.max_payload_bytes)
+        assert self._publisher is not None
+        try:
+            status = self._publisher.publish(message=message, **self.publish_options(outgoing))
+        except redis.RedisError as exc:
+            raise self.broker_error(broker_error(request_id, exc)) from exc
+        self.sent(outgoing, status)
+
+    def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
+        """The publisher's arguments for ``outgoing`` (all but its message)."""
+        return {"queue": outgoing.queue, "request_id": outgoing.request_id,
+                "claim": outgoing.claim, "priority": outgoing.priority,
+                "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
+                               else None),
+                "max_queue_size": self._queue_bound(outgoing.queue),
+                "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
+                              else outgoing.timeout_s)}
+
+    def sent(self, outgoing: Outgoing, status: int) -> None:
+        """After the publish: a request ID sent before (perhaps by another producer, whose reply
+        channel is not this one) is watched on its own channel. The request is judged by the
+        lost check from now on (its trace was written by this publish, or by the first's)."""
+        if status == DUPLICATE:
+            self.watcher.watch_own_channel(outgoing.request_id)
+        self.watcher.trace(outgoing.request_id, seen=status != DUPLICATE)
+
+    def broker_error(self, error: AsyncInferError) -> AsyncInferError:
+        """``error``, saying so when the broker URL was the default for want of any other."""
+        if not (self._broker_guessed and isinstance(error, BrokerUnavailable)):
+            return error
+        return BrokerUnavailable(f"{error} (no broker configured: ASYNCINFER_BROKER_URL is unset and "
+                                 f"no 'asyncinfer up' runs on this host, so the default "
+                                 f"{DEFAULT_BROKER_URL} was tried)")
+
+    def _queue_bound(self, queue: str) -> int:
+        """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
+        bound = self._bounds.get(queue)
+        if bound is None:
+            model = model_from_queue(queue)
+            bound = self.settings.options_for(model, ModelOptions()).max_queue_size if model else 0
+            self._bounds[queue] = bound
+        return bound
+
+    def _claim(self, request_id: str) -> bool:
+        """Claim a caller-chosen request ID on the result backend (brokers other than Redis)."""
+        client = self.app.backend.client
+        ttl_s = max(1, int(self.settings.result_expires_s or 86400))
+        if client.exists(self.watcher.key(request_id)):
+            return False
+        return bool(client.set(CLAIM_PREFIX + request_id, "1", nx=True, ex=ttl_s))
+
+    def close(self) -> None:
+        """Stop the result watcher and close the broker's connections."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self._publisher is not None:
+            self._publisher.close()
+        if self.broker is not None:
+            self.broker.close()
+
+
+def _skip_on_task_call(producer: Any, task_id: str) -> None:
+    return None
