@@ -35,7 +35,6 @@ from asyncinfer.worker.dead_letters import (
     entry_for,
     options_of,
     push,
-    set_worker_name,
 )
 from asyncinfer.worker.intake.result_writer import Outcome, add_dead_letter
 from tests.support.databases import RedisDatabase, RedisDatabases
@@ -72,7 +71,6 @@ class _App:
 def _app(options: str = OPTIONS) -> Any:
     app = _App()
     bind(app, Settings(model_options=options))
-    set_worker_name("unit@host")
     return app
 
 
@@ -152,7 +150,8 @@ def test_add_dead_letter_keeps_only_final_failures_of_models_that_opted_in(
     r = fakeredis.FakeRedis()
     d = _delivery(model, retries=1)
     pipe = r.pipeline(transaction=True)
-    add_dead_letter(pipe, _app(), Outcome(d, state, ModelError("m"), retry=retry, store=store))
+    add_dead_letter(pipe, _app(), Outcome(d, state, ModelError("m"), retry=retry, store=store),
+                    "unit@host")
     pipe.execute()
     stored = r.lrange(dead_letter_key(model), 0, -1)
     assert len(stored) == (1 if kept else 0)
@@ -167,7 +166,8 @@ def test_add_dead_letter_never_raises() -> None:
         def lpush(self, *_: Any) -> None:
             raise RuntimeError("broken pipe object")
 
-    add_dead_letter(Broken(), _app(), Outcome(_delivery(), states.FAILURE, ModelError("m")))  # logged only
+    add_dead_letter(Broken(), _app(), Outcome(_delivery(), states.FAILURE, ModelError("m")),  # logged only
+                    "unit@host")
 
 
 @pytest.mark.unit

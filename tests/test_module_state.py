@@ -35,9 +35,6 @@ ALLOWED = {
         "guards torch.load's process-wide safe-globals list, which is torch's state, not ours",
     ("asyncinfer.worker.worker", "_making"):
         "guards the making of an app's one worker where Celery's worker_init made none",
-    # Still to move into the objects that own them:
-    ("asyncinfer.worker.dead_letters", "_node_name"): "to the Worker (its name)",
-    ("asyncinfer.worker.dead_letters", "_stock_clients"): "to the Worker (its broker client)",
 }
 
 #: Modules not imported here: generated code and the command's entry point.

@@ -27,15 +27,12 @@ import base64
 import functools
 import json
 import logging
-import os
-import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
-from weakref import WeakKeyDictionary
 
 import msgpack
-from celery import Celery, signals
+from celery import Celery
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
@@ -46,8 +43,7 @@ from asyncinfer.wire.envelope import Delivery, uuid4_text
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
 
-__all__ = ["DeadLetter", "entry_for", "push", "add_failure", "add_stock_failure", "options_of",
-           "set_worker_name"]
+__all__ = ["DeadLetter", "entry_for", "push", "add_failure", "add_stock_failure", "options_of"]
 
 log = logging.getLogger(__name__)
 
@@ -163,29 +159,11 @@ def options_of(app: Celery, model: str) -> ModelOptions:
 
 # -- the worker's side ------------------------------------------------------------------------------
 
-#: The worker's node name, once Celery has set it up (this process runs one worker).
-_node_name = [""]
-
-
-def set_worker_name(name: str) -> None:
-    """The node name the dead letters of this process name as their worker."""
-    _node_name[0] = name
-
-
-@signals.celeryd_after_setup.connect
-def _remember_node_name(sender: Any = None, **_: Any) -> None:
-    if sender:
-        set_worker_name(str(sender))
-
-
-def _worker_name(app: Celery) -> str:
-    return _node_name[0] or f"{os.getpid()}@{socket.gethostname()}"
-
-
-def add_failure(pipe: Any, app: Celery, delivery: Delivery, exc: BaseException | Any) -> None:
-    """Add the dead letter of ``delivery``, which failed for good with ``exc``, to ``pipe`` (the
-    broker's write of that FAILURE) when its model opted in. Never raises: a dead letter must not
-    cost a result."""
+def add_failure(pipe: Any, app: Celery, delivery: Delivery, exc: BaseException | Any, *,
+                worker: str) -> None:
+    """Add the dead letter of ``delivery``, which failed for good with ``exc`` on ``worker``, to
+    ``pipe`` (the broker's write of that FAILURE) when its model opted in. Never raises: a dead
+    letter must not cost a result."""
     try:
         d = delivery
         model = model_from_queue(queue_of_list(d.queue))
@@ -195,7 +173,7 @@ def add_failure(pipe: Any, app: Celery, delivery: Delivery, exc: BaseException |
         if not options.dead_letter:
             return
         entry = entry_for(d.request_id, d.list_key, exc, raw=d.raw,
-                          retries=_int(d.headers.get("retries")), worker=_worker_name(app), model=model)
+                          retries=_int(d.headers.get("retries")), worker=worker, model=model)
         push(pipe, entry, options)
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("request %s: its dead letter could not be kept",
@@ -229,9 +207,10 @@ def _stock_envelope(request: Any) -> str:
                        "content-type": content_type, "headers": headers, "properties": properties})
 
 
-def add_stock_failure(task: Any, request_id: str, exc: BaseException) -> None:
-    """Keep the dead letter of a request that failed on Celery's stock path (``task_failure``),
-    when its model opted in. Never raises."""
+def add_stock_failure(task: Any, request_id: str, exc: BaseException, *, worker: str,
+                      broker: Any) -> None:
+    """Keep the dead letter of a request that failed on Celery's stock path (``task_failure``) of
+    ``worker``, when its model opted in, through ``broker`` (a Redis client). Never raises."""
     try:
         request = task.request
         queue = str((getattr(request, "delivery_info", None) or {}).get("routing_key") or "")
@@ -244,24 +223,9 @@ def add_stock_failure(task: Any, request_id: str, exc: BaseException) -> None:
             return
         entry = entry_for(request_id, queue or queue_for(model), exc, raw=_stock_envelope(request),
                           retries=_int(getattr(request, "retries", 0)),
-                          worker=str(getattr(request, "hostname", "") or _worker_name(task.app)),
-                          model=model)
-        client = _stock_client(task.app)
-        pipe = client.pipeline(transaction=True)
+                          worker=str(getattr(request, "hostname", "") or worker), model=model)
+        pipe = broker.pipeline(transaction=True)
         push(pipe, entry, options)
         pipe.execute()
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("request %s: its dead letter could not be kept", request_id)
-
-
-_stock_clients: WeakKeyDictionary[Any, Any] = WeakKeyDictionary()
-
-
-def _stock_client(app: Celery) -> Any:
-    client = _stock_clients.get(app)
-    if client is None:
-        from asyncinfer.connections import redis_client
-
-        client = redis_client(str(app.conf.broker_url), settings_of(app))
-        _stock_clients[app] = client
-    return client

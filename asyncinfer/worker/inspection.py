@@ -19,14 +19,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery.worker import control, state
+from celery.worker import control
 from kombu import Exchange, Queue
 
-from asyncinfer.constants import TASK_NAME
 from asyncinfer.worker.intake.holdings import ACTIVE, SCHEDULED, Holding
 from asyncinfer.worker.worker import Worker, existing_worker
 
-__all__ = ["count_started", "request_info"]
+__all__ = ["request_info"]
 
 #: Celery's own commands, which these extend (read once, when this module registers its own).
 _CELERY = {name: control.Panel.data[name] for name in ("stats", "active", "reserved", "scheduled")}
@@ -72,12 +71,6 @@ def _held(consumer: Any, kind: str) -> list[Holding]:
         return on_device
     ids = {id(h) for h in on_device}
     return [h for h in held if h.state != SCHEDULED and id(h) not in ids]
-
-
-def count_started(n: int = 1) -> None:
-    """Count ``n`` started requests in Celery's ``inspect stats`` totals."""
-    state.total_count[TASK_NAME] += n
-    state.all_total_count[0] += n
 
 
 @control.inspect_command()

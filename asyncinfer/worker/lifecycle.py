@@ -34,7 +34,7 @@ from asyncinfer.policy.task_policy import refused_on_infer_queue
 from asyncinfer.wire.envelope import printable, seconds_until
 from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["Admission", "admit", "already_answered", "is_revoked", "Settlement",
+__all__ = ["Admission", "admit", "already_answered", "count_started", "is_revoked", "Settlement",
            "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,12 @@ def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: A
     if left_s <= 0:
         return Admission(EXPIRED, error=TaskRevokedError("expired"))
     return Admission(RUN, expires_in_s=left_s)
+
+
+def count_started(n: int = 1) -> None:
+    """Count ``n`` started requests in Celery's ``inspect stats`` totals."""
+    worker_state.total_count[TASK_NAME] += n
+    worker_state.all_total_count[0] += n
 
 
 def already_answered(status: Any) -> bool:

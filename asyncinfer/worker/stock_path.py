@@ -80,7 +80,9 @@ def _on_task_failure(sender: Any = None, task_id: Any = None, exception: Any = N
         return
     settlement(sender.app).failed(sender.request, model_of(sender.request, args, kwargs), exception,
                                   worker=_hostname(sender))
-    dead_letters.add_stock_failure(sender, str(task_id or ""), exception)
+    worker = worker_of(sender.app)
+    dead_letters.add_stock_failure(sender, str(task_id or ""), exception, worker=worker.name,
+                                   broker=worker.broker)
 
 
 @signals.task_retry.connect

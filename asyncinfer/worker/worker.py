@@ -26,6 +26,7 @@ from celery import Celery
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
+from asyncinfer.connections import redis_client
 from asyncinfer.constants import model_from_queue
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
@@ -73,6 +74,7 @@ class Worker:
         self._settlement: Settlement | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
         self._cpu_models: dict[str, Model] = {}
+        self._broker: Any = None
         self._lock = threading.RLock()
 
     # -- what it is made of ----------------------------------------------------------------------
@@ -112,6 +114,15 @@ class Worker:
                     self._settlement = Settlement("?", self.runtime.device.label, self.policy,
                                                   metrics=self.metrics)
         return self._settlement
+
+    @property
+    def broker(self) -> Any:
+        """A Redis client of the broker, for the stock path's own writes (its dead letters)."""
+        if self._broker is None:
+            with self._lock:
+                if self._broker is None:
+                    self._broker = redis_client(str(self.app.conf.broker_url), self.settings)
+        return self._broker
 
     def cpu_model(self, name: str, request_id: str) -> Model:
         """``name``'s instance for the CPU stages in this process (loaded once, on the CPU)."""

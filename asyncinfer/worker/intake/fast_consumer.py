@@ -60,7 +60,6 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.wire.result_json import decode_meta
-from asyncinfer.worker import inspection
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
@@ -78,6 +77,7 @@ from asyncinfer.worker.lifecycle import (
     Settlement,
     admit,
     already_answered,
+    count_started,
 )
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -121,7 +121,8 @@ class FastConsumer:
                                      metrics=runtime.metrics)
         self.writer = ResultWriter(app, redis_client(app.conf.broker_url, settings,
                                                      health_check_interval=30,
-                                                     single_connection_client=True))
+                                                     single_connection_client=True),
+                                   worker=hostname)
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         #: Deaths on the device a request may see before it fails for good (0: not counted).
         self.max_worker_deaths = settings.max_worker_deaths
@@ -413,5 +414,5 @@ class FastConsumer:
             self.outcomes.fail(d, exc, embed)
             return
         self.holdings.start(d)
-        inspection.count_started()
+        count_started()
         future.add_done_callback(lambda f: self.outcomes.settle(d, request, f, embed))

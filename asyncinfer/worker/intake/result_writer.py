@@ -67,12 +67,12 @@ class Outcome:
     store: bool = True
 
 
-def add_dead_letter(pipe: Any, app: Celery, outcome: Outcome) -> None:
-    """Add the dead letter of ``outcome`` to ``pipe`` (the broker's write of that outcome) when it
-    is a final FAILURE (stored, not retried) of a model that opted in (worker/dead_letters.py).
-    Never raises: a dead letter must not cost a result."""
+def add_dead_letter(pipe: Any, app: Celery, outcome: Outcome, worker: str) -> None:
+    """Add the dead letter of ``outcome`` (on ``worker``) to ``pipe`` (the broker's write of that
+    outcome) when it is a final FAILURE (stored, not retried) of a model that opted in
+    (worker/dead_letters.py). Never raises: a dead letter must not cost a result."""
     if outcome.state == states.FAILURE and outcome.store and outcome.retry is None:
-        dead_letters.add_failure(pipe, app, outcome.delivery, outcome.result)
+        dead_letters.add_failure(pipe, app, outcome.delivery, outcome.result, worker=worker)
 
 
 def _nothing(batch: list[Outcome]) -> None:
@@ -90,8 +90,11 @@ class ResultWriter:
     max_batch = 256
 
     def __init__(self, app: Celery, broker: redis.Redis,
-                 on_written: Callable[[list[Outcome]], None] | None = None) -> None:
+                 on_written: Callable[[list[Outcome]], None] | None = None, *,
+                 worker: str = "") -> None:
         self.app = app
+        #: The worker's name, which its dead letters give.
+        self.worker = worker
         self.backend = app.backend
         self.broker = broker
         # Results go to the result backend's Redis; acks to the broker's. One pipeline when they
@@ -343,7 +346,7 @@ class ResultWriter:
             value = encode_meta(self.backend, meta)
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
-        add_dead_letter(pushes, self.app, outcome)
+        add_dead_letter(pushes, self.app, outcome, self.worker)
         return key, value, reply_to, d.tag or ""  # no tag: a malformed message never recorded
 
     def _call_links(self, outcome: Outcome) -> None:
