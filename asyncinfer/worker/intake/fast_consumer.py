@@ -1,4 +1,6 @@
-"""The device worker's consumer of ``infer.*`` queues: Celery's wire format, a fraction of its cost.
+"""The device worker's consumer of ``infer.*`` queues on Redis: how messages are taken, leased,
+acknowledged and given back. What happens to each request between the take and the write is the
+pipeline's (worker/pipeline.py).
 
 Celery's own per-task path (a BRPOP, a Request object, a pool hand-off, two result writes and an
 ack pipeline per message) costs milliseconds of worker CPU per request on a small host — time
@@ -6,15 +8,16 @@ taken from the model. This consumer keeps the same messages, results, states and
 bookkeeping, but works in batches:
 
 - one script takes what is waiting (up to the free in-flight room) and records it as
-  unacknowledged in the same atomic step (take.py); an idle consumer waits without popping
-  (wake.py), so a request is never in the worker's memory unrecorded;
-- decoding and validation run right here, and valid requests go straight to the model's batcher
-  (no thread per request);
-- the :class:`ResultWriter` stores results and acknowledges them in one pipeline per batch.
+  unacknowledged and leased to this worker in the same atomic step (take.py, leases.py); an idle
+  consumer waits without popping, and a push wakes one idle consumer of the fleet (wake.py), so a
+  request is never in the worker's memory unrecorded;
+- the pipeline decodes and validates right here, and valid requests go straight to the model's
+  batcher (no thread per request);
+- the :class:`ResultWriter` stores results and acknowledges them in one round trip per batch;
+- a clean stop, or a wedged device, gives back at once what is still held.
 
-Revocation (``celery.worker.state.revoked``) and ``expires`` are honoured; ``link``,
-``link_error`` and chains are called as Celery's tracer calls them. Used by ``asyncinfer
-worker`` on a Redis broker; ``celery -A asyncinfer worker`` keeps Celery's stock path.
+Used by ``asyncinfer worker`` on a Redis broker (the default consumer); Celery's stock consumer
+serves RabbitMQ, ``ASYNCINFER_CONSUMER=celery`` and prefork.
 """
 
 from __future__ import annotations
@@ -22,11 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
-from itertools import groupby
-from operator import itemgetter
-from typing import Any
 
 import redis
 from celery import Celery
@@ -35,10 +34,9 @@ from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
-from asyncinfer.constants import TASK_NAME, priority_lists, queue_of_list
+from asyncinfer.constants import priority_lists
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.vital import vital_thread
-from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.keys import (
     LEASE_DEVICE_KEY,
     LEASE_HOLDERS_KEY,
@@ -48,37 +46,17 @@ from asyncinfer.keys import (
 )
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import EXIT_WEDGED
-from asyncinfer.wire.envelope import (
-    MALFORMED_DROPPED,
-    Delivery,
-    decode_body,
-    malformed_error,
-    parse_envelope,
-    printable,
-    restored_message,
-    tag_in,
-)
-from asyncinfer.wire.protocol import request_kwargs
-from asyncinfer.wire.result_json import decode_meta
+from asyncinfer.wire.envelope import restored_message
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings, held_at_most
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.outcomes import Outcomes
 from asyncinfer.worker.intake.result_writer import ResultWriter
-from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken, Taker
+from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
-from asyncinfer.worker.lifecycle import (
-    DELAY,
-    EXPIRED,
-    REFUSED,
-    REVOKED,
-    Settlement,
-    admit,
-    already_answered,
-    count_started,
-)
+from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["FastConsumer"]
@@ -140,7 +118,11 @@ class FastConsumer:
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()
-        self.first_attempts = FirstAttempts(policy.budget)
+        #: What happens to each request taken, from the take to the write.
+        self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
+                                 outcomes=self.outcomes, writer=self.writer, events=self.events,
+                                 max_worker_deaths=self.max_worker_deaths,
+                                 stopping=self._stopping_now)
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
     @property
@@ -167,7 +149,7 @@ class FastConsumer:
         self._stopping.set()
         self.waker.close()
         self._thread.join(timeout=5)
-        self.first_attempts.send(due_only=False)
+        self.pipeline.first_attempts.send(due_only=False)
         left = self.holdings.drain(grace_s)
         self.writer.close()
         self.events.close()
@@ -244,10 +226,10 @@ class FastConsumer:
                 if self.taker.passed_watch:
                     self.waker.watch_passed()
                 if taken:
-                    self._took(taken)
+                    self.pipeline.took(taken)
                 backoff.reset()
                 if len(taken) < room:
-                    self.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
+                    self.pipeline.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
                     self.waker.arm()
                     self.waker.wait(1.0)
             except redis.RedisError as exc:
@@ -261,158 +243,3 @@ class FastConsumer:
                 wait_s = backoff.failed()
                 log.exception("consumer error; going on in %.1f s", wait_s)
                 self._stopping.wait(wait_s)
-
-    def _took(self, taken: list[Taken]) -> None:
-        """Start messages the take script popped and recorded; write the STARTED states it did
-        not."""
-        received_at = time.perf_counter()
-        deliveries: list[Delivery] = []
-        for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
-            deliveries += self._parse(queue_of_list(key), key,
-                                      [(raw, rec, started, died)
-                                       for _, raw, rec, started, died in group], received_at)
-        # before STARTED is stored over the answer a redelivered request may already have
-        deliveries = self._skip_answered(deliveries)
-        if self.policy.track_started:  # those the take did not store: before they run
-            self.writer.store_started([d for d in deliveries
-                                       if not d.started and self._should_start(d)], self.hostname)
-        self._start_all(deliveries)
-        self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
-
-    def _start_all(self, deliveries: list[Delivery]) -> None:
-        runners = [r.batcher for r in self.runtime.runners()]
-        for batcher in runners:  # batches forming now may wait for these requests
-            batcher.hold()
-        try:
-            with self.writer.gathering():  # those answered at once (bad input, revoked): one write
-                for d in deliveries:
-                    self._start(d)
-        finally:
-            for batcher in runners:
-                batcher.release()
-        self.events.flush()
-
-    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool, int]],
-               received_at: float) -> list[Delivery]:
-        deliveries = []
-        for raw, recorded, started, died in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
-                         deaths=died)
-            try:
-                parse_envelope(d)
-                if not recorded:
-                    raise ValueError(f"the envelope breaks the rules of a kombu message (objects "
-                                     f"for headers and properties, nested at most "
-                                     f"{MAX_ENVELOPE_DEPTH} deep)")
-            except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, ...: this one only
-                self._malformed(d, exc, recorded)
-                continue
-            deliveries.append(d)
-        self.holdings.add(*deliveries)  # one lock for the whole take
-        return deliveries
-
-    def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
-        """Answer a message that is no kombu envelope as every consumer does
-        (:func:`~asyncinfer.wire.envelope.malformed_error`): a FAILURE for the request ID its text
-        names, if any; else a log line. Either way it is gone from the queue and from the
-        unacknowledged bookkeeping, if the take recorded it."""
-        try:
-            d.tag = tag_in(d.raw) if recorded else ""
-        except Exception:  # noqa: BLE001 - not even its text can be searched
-            d.tag = ""
-        error = malformed_error(d, exc)
-        d.envelope = {}
-        if error is None:
-            log.error(MALFORMED_DROPPED, d.queue, type(exc).__name__, printable(exc), printable(d.raw))
-            if d.tag:
-                self.holdings.add(d)
-                self.outcomes.acknowledge(d)
-            return
-        self.holdings.add(d)
-        self.outcomes.fail(d, error, retry=False)
-
-    def _should_start(self, d: Delivery) -> bool:
-        return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")
-
-    def _skip_answered(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Acknowledge, without running them again, redelivered requests whose result is already
-        stored (a worker died between storing the result and the acknowledgement)."""
-        again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
-        if not again:
-            return deliveries
-        backend = self.app.backend
-        try:
-            stored = self.writer.results.mget([backend.get_key_for_task(d.request_id) for d in again])
-        except redis.RedisError as exc:  # cannot tell: run them again (at least once)
-            log.warning("could not look up %d redelivered requests (%s); running them", len(again), exc)
-            return deliveries
-        answered: set[int] = set()
-        for d, raw in zip(again, stored, strict=True):
-            if raw is None:
-                continue
-            try:
-                status = decode_meta(backend, raw).get("status")
-            except Exception:  # noqa: BLE001 - unreadable: run it again
-                continue
-            if already_answered(status):
-                log.info("request %s was redelivered but its result (%s) is already stored; "
-                         "acknowledged without running it again", d.request_id, status)
-                self.outcomes.acknowledge(d, status)
-                answered.add(id(d))
-        return [d for d in deliveries if id(d) not in answered]
-
-    # -- admission -----------------------------------------------------------------------------
-
-    def _resume(self, d: Delivery) -> None:
-        if self._stopping.is_set():  # left held: sent back to its queue at shutdown
-            return
-        self.holdings.resume(d)
-        self._start(d, waited=True)
-
-    def _start(self, d: Delivery, waited: bool = False) -> None:
-        if not d.request_id:
-            self.outcomes.acknowledge(d)  # nothing to answer
-            log.error("dropped a message without a request ID on %s", d.queue)
-            return
-        headers = d.headers
-        admission = admit(d.request_id, headers.get("task"), d.queue,
-                          eta=None if waited else headers.get("eta"), expires=headers.get("expires"))
-        if admission.verdict == DELAY:
-            # Held, unacknowledged, outside the in-flight bound, until its eta (a retry's backoff).
-            self.holdings.schedule(d)
-            self.runtime.timer.call_later(admission.delay_s, lambda: self._resume(d))
-            return
-        self.events.received(d)
-        if admission.verdict in (REVOKED, EXPIRED):
-            self.outcomes.revoke(d, expired=admission.verdict == EXPIRED)
-            return
-        # started before it can fail, as a Celery task starts before it raises: Flower counts a
-        # request received and never started as prefetched for good
-        self.events.started(d)
-        if admission.verdict == REFUSED:
-            self.outcomes.fail(d, admission.error or InvalidRequest(d.request_id))
-            return
-        if self.max_worker_deaths and d.deaths >= self.max_worker_deaths:
-            self.outcomes.fail(d, WorkerLost(
-                f"request {d.request_id}: worker processes died {d.deaths} times while this "
-                f"request was on their device (ASYNCINFER_MAX_WORKER_DEATHS={self.max_worker_deaths}"
-                f"); it may be what kills them, so it is not run again"), retry=False)
-            return
-        embed: dict[str, Any] | None = None
-        try:
-            args, kwargs, embed = decode_body(d, self.policy.max_payload_bytes)
-            request, future = self.runtime.submit(
-                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
-                expires_in_s=admission.expires_in_s,
-                time_limits=self.policy.limits_for(headers.get("timelimit")),
-                alone=d.deaths > 0)  # a worker died with it on the device: no bystanders now
-        except AsyncInferError as exc:
-            self.outcomes.fail(d, exc, embed)
-            return
-        except Exception as exc:  # noqa: BLE001 - never lose an accepted request
-            log.debug("request %s: unexpected error", d.request_id, exc_info=True)  # fail says it
-            self.outcomes.fail(d, exc, embed)
-            return
-        self.holdings.start(d)
-        count_started()
-        future.add_done_callback(lambda f: self.outcomes.settle(d, request, f, embed))

@@ -1,0 +1,256 @@
+"""A request's life on a device worker, top to bottom: take → admit → decode → batch → run →
+settle → write.
+
+1. **take** — the transport (fast_consumer.py: the atomic take script, leases, the single wake)
+   hands over what it popped and recorded, list by list: :meth:`Pipeline.took`.
+2. **parse** — each message must be a kombu envelope; one that is not fails alone
+   (:func:`~asyncinfer.wire.envelope.malformed_error`: a FAILURE for the request ID its text
+   names, else a log line) and the others go on.
+3. **answered before** — a redelivered request whose final result is already stored (a worker
+   died between storing it and the acknowledgement) is acknowledged without running again.
+4. **admit** — :func:`~asyncinfer.worker.lifecycle.admit`: held until its ``eta`` (a retry's
+   backoff), refused when it is not ``asyncinfer.infer``, revoked or expired; then the fleet's
+   rule: a request that saw ``ASYNCINFER_MAX_WORKER_DEATHS`` deaths on a device fails with
+   ``WorkerLost``, one that saw any runs in a device batch of its own.
+5. **decode** — arguments and payload limit (wire/envelope.py), the v2 request
+   (wire/protocol.py); bad input fails naming the request and the rule.
+6. **batch, run** — the model's runner (engine/): batcher, device, time limits.
+7. **settle** — outcomes.py: success, failure, revocation or retry (the task's retry options and
+   the fleet's retry budget), announced once (lifecycle.py: log line, metrics, events).
+8. **write** — result_writer.py: results, acknowledgements, retries and dead letters in one round
+   trip per batch; links and errbacks sent after.
+
+Celery's stock consumer (RabbitMQ, ``ASYNCINFER_CONSUMER=celery``, prefork) runs the same
+admission, settlement and runtime through Celery's own request and tracer (stock_path.py,
+tasks/infer.py); docs/architecture.md says what differs and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from itertools import groupby
+from operator import itemgetter
+from typing import Any
+
+import redis
+from celery import Celery
+
+from asyncinfer.constants import TASK_NAME, queue_of_list
+from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
+from asyncinfer.policy.policy import Policy
+from asyncinfer.wire.envelope import (
+    MALFORMED_DROPPED,
+    Delivery,
+    decode_body,
+    malformed_error,
+    parse_envelope,
+    printable,
+    tag_in,
+)
+from asyncinfer.wire.protocol import request_kwargs
+from asyncinfer.wire.result_json import decode_meta
+from asyncinfer.worker.events import TaskEvents
+from asyncinfer.worker.intake.first_attempts import FirstAttempts
+from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.outcomes import Outcomes
+from asyncinfer.worker.intake.result_writer import ResultWriter
+from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken
+from asyncinfer.worker.lifecycle import (
+    DELAY,
+    EXPIRED,
+    REFUSED,
+    REVOKED,
+    admit,
+    already_answered,
+    count_started,
+)
+from asyncinfer.worker.runtime import WorkerRuntime
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """What happens to the requests one consumer takes, from the take to the write.
+
+    ``stopping()``: whether the consumer stops (a request whose ``eta`` comes then stays held,
+    and is given back with the rest).
+    """
+
+    def __init__(self, app: Celery, runtime: WorkerRuntime, policy: Policy, *, hostname: str,
+                 holdings: Holdings, outcomes: Outcomes, writer: ResultWriter, events: TaskEvents,
+                 max_worker_deaths: int, stopping: Callable[[], bool]) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.policy = policy
+        self.hostname = hostname
+        self.holdings = holdings
+        self.outcomes = outcomes
+        self.writer = writer
+        self.events = events
+        #: Deaths on the device a request may see before it fails for good (0: not counted).
+        self.max_worker_deaths = max_worker_deaths
+        self.stopping = stopping
+        #: First attempts, counted towards the fleet's retry budget off the requests' path.
+        self.first_attempts = FirstAttempts(policy.budget)
+
+    # -- 1-3: take, parse, answered before ---------------------------------------------------------
+
+    def took(self, taken: list[Taken]) -> None:
+        """Start what the take script popped and recorded; store the STARTED states it did not."""
+        received_at = time.perf_counter()
+        deliveries: list[Delivery] = []
+        for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
+            deliveries += self._parse(queue_of_list(key), key,
+                                      [(raw, rec, started, died)
+                                       for _, raw, rec, started, died in group], received_at)
+        # before STARTED is stored over the answer a redelivered request may already have
+        deliveries = self._skip_answered(deliveries)
+        if self.policy.track_started:  # those the take did not store: before they run
+            self.writer.store_started([d for d in deliveries
+                                       if not d.started and self._should_start(d)], self.hostname)
+        self._start_all(deliveries)
+        self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
+
+    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool, int]],
+               received_at: float) -> list[Delivery]:
+        deliveries = []
+        for raw, recorded, started, died in raws:
+            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
+                         deaths=died)
+            try:
+                parse_envelope(d)
+                if not recorded:
+                    raise ValueError(f"the envelope breaks the rules of a kombu message (objects "
+                                     f"for headers and properties, nested at most "
+                                     f"{MAX_ENVELOPE_DEPTH} deep)")
+            except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, ...: this one only
+                self._malformed(d, exc, recorded)
+                continue
+            deliveries.append(d)
+        self.holdings.add(*deliveries)  # one lock for the whole take
+        return deliveries
+
+    def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
+        """Answer a message that is no kombu envelope as every consumer does
+        (:func:`~asyncinfer.wire.envelope.malformed_error`): a FAILURE for the request ID its text
+        names, if any; else a log line. Either way it is gone from the queue and from the
+        unacknowledged bookkeeping, if the take recorded it."""
+        try:
+            d.tag = tag_in(d.raw) if recorded else ""
+        except Exception:  # noqa: BLE001 - not even its text can be searched
+            d.tag = ""
+        error = malformed_error(d, exc)
+        d.envelope = {}
+        if error is None:
+            log.error(MALFORMED_DROPPED, d.queue, type(exc).__name__, printable(exc), printable(d.raw))
+            if d.tag:
+                self.holdings.add(d)
+                self.outcomes.acknowledge(d)
+            return
+        self.holdings.add(d)
+        self.outcomes.fail(d, error, retry=False)
+
+    @staticmethod
+    def _should_start(d: Delivery) -> bool:
+        return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")
+
+    def _skip_answered(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Acknowledge, without running them again, redelivered requests whose result is already
+        stored (a worker died between storing the result and the acknowledgement)."""
+        again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
+        if not again:
+            return deliveries
+        backend = self.app.backend
+        try:
+            stored = self.writer.results.mget([backend.get_key_for_task(d.request_id) for d in again])
+        except redis.RedisError as exc:  # cannot tell: run them again (at least once)
+            log.warning("could not look up %d redelivered requests (%s); running them", len(again), exc)
+            return deliveries
+        answered: set[int] = set()
+        for d, raw in zip(again, stored, strict=True):
+            if raw is None:
+                continue
+            try:
+                status = decode_meta(backend, raw).get("status")
+            except Exception:  # noqa: BLE001 - unreadable: run it again
+                continue
+            if already_answered(status):
+                log.info("request %s was redelivered but its result (%s) is already stored; "
+                         "acknowledged without running it again", d.request_id, status)
+                self.outcomes.acknowledge(d, status)
+                answered.add(id(d))
+        return [d for d in deliveries if id(d) not in answered]
+
+    # -- 4-6: admit, decode, batch -----------------------------------------------------------------
+
+    def _start_all(self, deliveries: list[Delivery]) -> None:
+        runners = [r.batcher for r in self.runtime.runners()]
+        for batcher in runners:  # batches forming now may wait for these requests
+            batcher.hold()
+        try:
+            with self.writer.gathering():  # those answered at once (bad input, revoked): one write
+                for d in deliveries:
+                    self._start(d)
+        finally:
+            for batcher in runners:
+                batcher.release()
+        self.events.flush()
+
+    def _resume(self, d: Delivery) -> None:
+        if self.stopping():  # left held: sent back to its queue at shutdown
+            return
+        self.holdings.resume(d)
+        self._start(d, waited=True)
+
+    def _start(self, d: Delivery, waited: bool = False) -> None:
+        if not d.request_id:
+            self.outcomes.acknowledge(d)  # nothing to answer
+            log.error("dropped a message without a request ID on %s", d.queue)
+            return
+        headers = d.headers
+        admission = admit(d.request_id, headers.get("task"), d.queue,
+                          eta=None if waited else headers.get("eta"), expires=headers.get("expires"))
+        if admission.verdict == DELAY:
+            # Held, unacknowledged, outside the in-flight bound, until its eta (a retry's backoff).
+            self.holdings.schedule(d)
+            self.runtime.timer.call_later(admission.delay_s, lambda: self._resume(d))
+            return
+        self.events.received(d)
+        if admission.verdict in (REVOKED, EXPIRED):
+            self.outcomes.revoke(d, expired=admission.verdict == EXPIRED)
+            return
+        # started before it can fail, as a Celery task starts before it raises: Flower counts a
+        # request received and never started as prefetched for good
+        self.events.started(d)
+        if admission.verdict == REFUSED:
+            self.outcomes.fail(d, admission.error or InvalidRequest(d.request_id))
+            return
+        if self.max_worker_deaths and d.deaths >= self.max_worker_deaths:
+            self.outcomes.fail(d, WorkerLost(
+                f"request {d.request_id}: worker processes died {d.deaths} times while this "
+                f"request was on their device (ASYNCINFER_MAX_WORKER_DEATHS={self.max_worker_deaths}"
+                f"); it may be what kills them, so it is not run again"), retry=False)
+            return
+        embed: dict[str, Any] | None = None
+        try:
+            args, kwargs, embed = decode_body(d, self.policy.max_payload_bytes)
+            request, future = self.runtime.submit(
+                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
+                expires_in_s=admission.expires_in_s,
+                time_limits=self.policy.limits_for(headers.get("timelimit")),
+                alone=d.deaths > 0)  # a worker died with it on the device: no bystanders now
+        except AsyncInferError as exc:
+            self.outcomes.fail(d, exc, embed)
+            return
+        except Exception as exc:  # noqa: BLE001 - never lose an accepted request
+            log.debug("request %s: unexpected error", d.request_id, exc_info=True)  # fail says it
+            self.outcomes.fail(d, exc, embed)
+            return
+        # -- 7-8: settle and write, once the device is done (outcomes.py, result_writer.py)
+        self.holdings.start(d)
+        count_started()
+        future.add_done_callback(lambda f: self.outcomes.settle(d, request, f, embed))
