@@ -17,12 +17,13 @@ and its signals):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.policy.retries import RetryPolicy, retry_budget_for
+from asyncinfer.policy.retries import Retries, RetryPolicy, retry_budget_for
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
 
 __all__ = ["Policy"]
@@ -39,6 +40,11 @@ class Policy:
     track_started: bool = True
     #: The fleet's retry budget (None: retries are not budgeted).
     budget: Any = None
+
+    @cached_property
+    def retries(self) -> Retries:
+        """The retry decisions: the task's options within the fleet's budget."""
+        return Retries(self.retry, self.budget)
 
     @classmethod
     def of_worker(cls, app: Any, settings: Settings | None = None) -> Policy:

@@ -1,9 +1,10 @@
-"""Which failures are retried, and how long each retry waits: Celery's task options, read once.
+"""Retries, one policy: which failures are retried and how long each retry waits (Celery's task
+options, read once), within the fleet's retry budget (:class:`Retries`).
 
 ``asyncinfer.infer`` carries Celery's own retry options — ``autoretry_for``, ``max_retries``,
 ``retry_backoff``, ``retry_backoff_max``, ``retry_jitter`` — set from ``ASYNCINFER_*`` settings
 and overridable as Celery users do (``task_annotations``). Both consumers read them into one
-:class:`RetryPolicy` (the worker's :class:`~asyncinfer.worker.lifecycle.Settlement` holds it), so a
+:class:`RetryPolicy`, and decide through the worker's one :class:`Retries` (its policy's), so a
 retry is decided the same way on each; the backoff is in fractions of a second (Celery's own
 autoretry rounds to whole seconds).
 
@@ -26,9 +27,9 @@ from celery.exceptions import SoftTimeLimitExceeded
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.failures import TRANSIENT_CAUSES
-from asyncinfer.errors import InvalidRequest, TransientError
+from asyncinfer.errors import InvalidRequest, RetryBudgetExhausted, TransientError
 
-__all__ = ["AUTORETRY_FOR", "RetryPolicy", "is_transient", "retry_budget_for"]
+__all__ = ["AUTORETRY_FOR", "RetryPolicy", "Retries", "is_transient", "retry_budget_for"]
 
 #: What ``asyncinfer.infer`` retries by default.
 AUTORETRY_FOR: tuple[type[BaseException], ...] = (TransientError, SoftTimeLimitExceeded)
@@ -78,6 +79,49 @@ class RetryPolicy:
             return 0.0
         ceiling = min(self.backoff_max_s, self.backoff_s * (2 ** retries))
         return (rng or random).uniform(0.0, ceiling) if self.jitter else ceiling
+
+
+class Retries:
+    """The one place a retry is decided, on both consumers: the task's retry ``options`` say
+    whether a failure goes again and after which backoff (:meth:`countdown_s`, as it fails); the
+    fleet's ``budget`` says whether it may (:meth:`refused`, one round trip for all the retries
+    of a written batch, just before the write)."""
+
+    def __init__(self, options: RetryPolicy, budget: Any = None) -> None:
+        self.options = options
+        #: The fleet's :class:`~asyncinfer.policy.retry_budget.RetryBudget` (None: not budgeted).
+        self.budget = budget
+
+    def countdown_s(self, exc: BaseException, retries: int) -> float | None:
+        """Seconds before a request that failed with ``exc`` after ``retries`` retries runs again,
+        or None when it is not retried (the task's retry options)."""
+        if not self.options.should_retry(exc, retries):
+            return None
+        return self.options.countdown_s(retries)
+
+    def refused(self, request_ids: list[str],
+                causes: list[BaseException]) -> list[RetryBudgetExhausted | None]:
+        """Ask the fleet's retry budget for these retries (one round trip); for each, None when it
+        is granted, else the final error it fails with."""
+        budget = self.budget
+        if budget is None or not request_ids:
+            return [None] * len(request_ids)
+        decision = budget.spend(len(request_ids))
+        refused: list[RetryBudgetExhausted | None] = []
+        for i, (request_id, cause) in enumerate(zip(request_ids, causes, strict=True)):
+            if i < decision.granted:
+                refused.append(None)
+                continue
+            err = RetryBudgetExhausted(f"request {request_id}: not retried after "
+                                       f"{type(cause).__name__}: {cause}: {budget.describe(decision)}")
+            err.__cause__ = cause
+            refused.append(err)
+        return refused
+
+    def count_first_attempts(self, n: int) -> None:
+        """Count ``n`` first attempts towards the budget (what it grants retries against)."""
+        if self.budget is not None and n:
+            self.budget.count_requests(n)
 
 
 def retry_budget_for(app: Celery) -> Any:

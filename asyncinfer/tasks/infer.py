@@ -63,7 +63,7 @@ class InferTask(Task):
         except (Ignore, Retry):
             raise
         except Exception as exc:
-            countdown_s = settlement(self.app).retry_countdown_s(exc, int(request.retries or 0))
+            countdown_s = settlement(self.app).policy.retries.countdown_s(exc, int(request.retries or 0))
             if countdown_s is None:
                 raise
             raise self.retry(exc=exc, countdown=countdown_s) from exc
@@ -84,7 +84,7 @@ class InferTask(Task):
               eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
         limit = self.max_retries if max_retries is None else max_retries
         if exc is not None and (limit is None or self.request.retries < limit):
-            refusal = settlement(self.app).refused_retry([str(self.request.id)], [exc])[0]
+            refusal = settlement(self.app).policy.retries.refused([str(self.request.id)], [exc])[0]
             if refusal is not None:
                 raise refusal
         request = self.request
@@ -108,7 +108,7 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """
     request_id = str(self.request.id)
     if not self.request.retries:
-        settlement(self.app).policy.budget.count_requests(1)
+        settlement(self.app).policy.retries.count_first_attempts(1)
     request = request_kwargs(request_id, args, kwargs)
     limits = settlement(self.app).policy.limits_for(self.request.timelimit)
     worker = worker_of(self.app)

@@ -10,9 +10,8 @@ what is left is the revocation that came after Celery accepted it, and a redeliv
 **Settlement** (:class:`Settlement`): how a request ended is announced once, the same way on both
 paths: the one failure log line, the metrics (success, failure by reason, revoked, retries), the
 task events when the worker sends them itself (the fast consumer; Celery's worker sends its own),
-and the retry decision (:meth:`Settlement.retry_countdown_s` — the task's retry options — and the
-fleet's retry budget, :meth:`Settlement.refused_retry`), both from the worker's one
-:class:`~asyncinfer.policy.policy.Policy`. The stock path reaches it through Celery's
+while the retry decision is the policy's (:class:`~asyncinfer.policy.retries.Retries`: the task's
+retry options within the fleet's retry budget). The stock path reaches it through Celery's
 signals (``task_success``, ``task_failure``, ``task_revoked``, ``task_retry``), the fast path directly.
 """
 
@@ -28,7 +27,6 @@ from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import RetryBudgetExhausted
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.task_policy import refused_on_infer_queue
 from asyncinfer.wire.envelope import printable, seconds_until
@@ -138,32 +136,6 @@ class Settlement:
         self.metrics.count_retry(model, self.device)
         if self.events is not None:
             self.events.finished(request, states.RETRY, exc)
-
-    def retry_countdown_s(self, exc: BaseException, retries: int) -> float | None:
-        """Seconds before a request that failed with ``exc`` after ``retries`` retries runs again,
-        or None when it is not retried (the task's retry options)."""
-        if not self.policy.retry.should_retry(exc, retries):
-            return None
-        return self.policy.retry.countdown_s(retries)
-
-    def refused_retry(self, request_ids: list[str],
-                      causes: list[BaseException]) -> list[RetryBudgetExhausted | None]:
-        """Ask the fleet's retry budget for these retries (one round trip); for each, None when it
-        is granted, else the final error it fails with."""
-        budget = self.policy.budget
-        if budget is None or not request_ids:
-            return [None] * len(request_ids)
-        decision = budget.spend(len(request_ids))
-        refused: list[RetryBudgetExhausted | None] = []
-        for i, (request_id, cause) in enumerate(zip(request_ids, causes, strict=True)):
-            if i < decision.granted:
-                refused.append(None)
-                continue
-            err = RetryBudgetExhausted(f"request {request_id}: not retried after "
-                                       f"{type(cause).__name__}: {cause}: {budget.describe(decision)}")
-            err.__cause__ = cause
-            refused.append(err)
-        return refused
 
 
 def _id_of(request: Any) -> str:

@@ -95,7 +95,7 @@ class Pipeline:
         self.max_worker_deaths = max_worker_deaths
         self.stopping = stopping
         #: First attempts, counted towards the fleet's retry budget off the requests' path.
-        self.first_attempts = FirstAttempts(policy.budget)
+        self.first_attempts = FirstAttempts(policy.retries)
 
     # -- 1-3: take, parse, answered before ---------------------------------------------------------
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import redis
 
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.policy.retries import Retries
 from asyncinfer.wire.envelope import Delivery
 
 __all__ = ["FirstAttempts", "COUNT_INTERVAL_S"]
@@ -27,10 +27,11 @@ COUNT_INTERVAL_S = 0.1
 
 
 class FirstAttempts:
-    """First attempts taken and not yet counted in ``budget`` (used by one thread)."""
+    """First attempts taken and not yet counted in the budget of ``retries`` (used by one
+    thread)."""
 
-    def __init__(self, budget: Any) -> None:
-        self.budget = budget
+    def __init__(self, retries: Retries) -> None:
+        self.retries = retries
         self._uncounted = 0
         self._sent_at = 0.0
 
@@ -47,7 +48,7 @@ class FirstAttempts:
             return
         self._sent_at = now
         try:
-            self.budget.count_requests(self._uncounted)
+            self.retries.count_first_attempts(self._uncounted)
             self._uncounted = 0
         except redis.RedisError as exc:  # sent with the next ones
             log.warning("could not count %d requests towards the retry budget (%s)",

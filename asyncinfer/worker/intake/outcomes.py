@@ -75,7 +75,7 @@ class Outcomes:
         if not (d.tag and d.headers.get("task") == TASK_NAME):
             return False
         retries = int(d.headers.get("retries") or 0)
-        countdown_s = self.settlement.retry_countdown_s(exc, retries)
+        countdown_s = self.settlement.policy.retries.countdown_s(exc, retries)
         if countdown_s is None:
             return False
         self.writer.put(Outcome(d, states.RETRY, exc, embed, retry=retry_message(d, countdown_s)))
@@ -116,7 +116,7 @@ class Outcomes:
         retries = [o for o in batch if o.state == states.RETRY]
         if not retries:
             return
-        refusals = self.settlement.refused_retry([o.delivery.request_id for o in retries],
+        refusals = self.settlement.policy.retries.refused([o.delivery.request_id for o in retries],
                                                  [o.result for o in retries])
         for outcome, refusal in zip(retries, refusals, strict=True):
             d = outcome.delivery
