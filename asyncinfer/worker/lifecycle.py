@@ -30,10 +30,11 @@ from asyncinfer.constants import TASK_NAME
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.task_policy import refused_on_infer_queue
 from asyncinfer.wire.envelope import printable, seconds_until
+from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["Admission", "admit", "already_answered", "count_started", "is_revoked", "Settlement",
-           "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
+__all__ = ["Admission", "admit", "already_answered", "answered_before", "count_started", "is_revoked",
+           "Settlement", "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,43 @@ def already_answered(status: Any) -> bool:
     """Whether a stored result of this ``status`` answers a redelivered copy of its request (a
     worker died between storing the result and the acknowledgement): run it again only if not."""
     return status in states.READY_STATES
+
+
+def answered_before(backend: Any, request_ids: list[str], client: Any = None) -> dict[str, str]:
+    """The redelivered requests among ``request_ids`` whose final result is already stored (a
+    worker died between storing it and the acknowledgement), with that result's state: they are
+    acknowledged without running again. One MGET on ``client`` (the results' Redis; default the
+    backend's). When Redis cannot tell, none (they run again: at least once)."""
+    if not request_ids:
+        return {}
+    client = client if client is not None else getattr(backend, "client", None)
+    try:
+        if client is None:  # a result backend other than Redis
+            metas = [backend.get_task_meta(i, cache=False) for i in request_ids]
+        else:
+            raws = client.mget([backend.get_key_for_task(i) for i in request_ids])
+            metas = [_meta(backend, raw) for raw in raws]
+    except Exception as exc:  # noqa: BLE001 - cannot tell: run them again
+        log.warning("could not look up %d redelivered requests (%s); running them",
+                    len(request_ids), exc)
+        return {}
+    answered = {}
+    for request_id, meta in zip(request_ids, metas, strict=True):
+        status = meta.get("status")
+        if already_answered(status):
+            log.info("request %s was redelivered but its result (%s) is already stored; "
+                     "acknowledged without running it again", request_id, status)
+            answered[request_id] = str(status)
+    return answered
+
+
+def _meta(backend: Any, raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    try:
+        return decode_meta(backend, raw)
+    except Exception:  # noqa: BLE001 - unreadable: run it again
+        return {}
 
 
 class Settlement:

@@ -34,7 +34,6 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
-import redis
 from celery import Celery
 
 from asyncinfer.constants import TASK_NAME, queue_of_list
@@ -50,7 +49,6 @@ from asyncinfer.wire.envelope import (
     tag_in,
 )
 from asyncinfer.wire.protocol import request_kwargs
-from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings
@@ -63,7 +61,7 @@ from asyncinfer.worker.lifecycle import (
     REFUSED,
     REVOKED,
     admit,
-    already_answered,
+    answered_before,
     count_started,
 )
 from asyncinfer.worker.runtime import WorkerRuntime
@@ -164,26 +162,14 @@ class Pipeline:
         again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
         if not again:
             return deliveries
-        backend = self.app.backend
-        try:
-            stored = self.writer.results.mget([backend.get_key_for_task(d.request_id) for d in again])
-        except redis.RedisError as exc:  # cannot tell: run them again (at least once)
-            log.warning("could not look up %d redelivered requests (%s); running them", len(again), exc)
+        answered = answered_before(self.app.backend, [d.request_id for d in again],
+                                   self.writer.results)
+        if not answered:
             return deliveries
-        answered: set[int] = set()
-        for d, raw in zip(again, stored, strict=True):
-            if raw is None:
-                continue
-            try:
-                status = decode_meta(backend, raw).get("status")
-            except Exception:  # noqa: BLE001 - unreadable: run it again
-                continue
-            if already_answered(status):
-                log.info("request %s was redelivered but its result (%s) is already stored; "
-                         "acknowledged without running it again", d.request_id, status)
-                self.outcomes.acknowledge(d, status)
-                answered.add(id(d))
-        return [d for d in deliveries if id(d) not in answered]
+        for d in again:
+            if d.request_id in answered:
+                self.outcomes.acknowledge(d, answered[d.request_id])
+        return [d for d in deliveries if d.request_id not in answered]
 
     # -- 4-6: admit, decode, batch -----------------------------------------------------------------
 

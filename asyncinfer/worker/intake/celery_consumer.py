@@ -39,7 +39,7 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
-from asyncinfer.worker.lifecycle import FAILED_FORMAT, already_answered
+from asyncinfer.worker.lifecycle import FAILED_FORMAT, answered_before
 
 __all__ = ["Consumer"]
 
@@ -176,15 +176,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         if not (headers.get("redelivered") and headers.get("task") == TASK_NAME
                 and isinstance(request_id, str) and request_id):
             return False
-        try:
-            status = self.app.backend.get_task_meta(request_id, cache=False).get("status")
-        except Exception as exc:  # noqa: BLE001 - cannot tell: run it again (at least once)
-            log.warning("could not look up redelivered request %s (%s); running it", request_id, exc)
+        if request_id not in answered_before(self.app.backend, [request_id]):
             return False
-        if not already_answered(status):
-            return False
-        log.info("request %s was redelivered but its result (%s) is already stored; acknowledged "
-                 "without running it again", request_id, status)
         message.ack()
         return True
 
