@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Task, group
+from celery import Task
 from celery.exceptions import Ignore, Retry
 
 from asyncinfer.celery_app import app
@@ -23,6 +23,7 @@ from asyncinfer.policy.retries import AUTORETRY_FOR
 from asyncinfer.wire.envelope import seconds_until
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.lifecycle import EXPIRED, REVOKED, admit
+from asyncinfer.worker.links import send_errbacks
 from asyncinfer.worker.stock_path import model_of, settlement
 from asyncinfer.worker.worker import worker_of
 
@@ -70,13 +71,9 @@ class InferTask(Task):
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any,
                    einfo: Any) -> None:
-        errbacks = getattr(self.request, "asyncinfer_errbacks", None)
-        if not errbacks:
-            return
         try:
-            root_id = self.request.root_id or task_id
-            group([self.app.signature(e) for e in errbacks], app=self.app).apply_async(
-                (task_id,), parent_id=task_id, root_id=root_id)
+            send_errbacks(self.app, getattr(self.request, "asyncinfer_errbacks", None), task_id,
+                          self.request.root_id or task_id)
         except Exception:  # noqa: BLE001 - a broken errback must not hide the failure itself
             log.exception("request %s: sending its errbacks failed", task_id)
 

@@ -44,6 +44,7 @@ from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.store import Entry, StoreScript, as_out_of_memory, error_texts
 from asyncinfer.worker.intake.take import StartedText
+from asyncinfer.worker.links import send_callbacks, send_errbacks
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 
@@ -356,18 +357,9 @@ class ResultWriter:
         root_id = d.headers.get("root_id") or d.request_id
         try:
             if outcome.state == states.SUCCESS:
-                for callback in embed.get("callbacks") or ():
-                    self.app.signature(callback).apply_async(
-                        (outcome.result,), parent_id=d.request_id, root_id=root_id)
-                chain = list(embed.get("chain") or ())
-                if chain:
-                    nxt = self.app.signature(chain.pop())
-                    nxt.apply_async((outcome.result,), chain=chain, parent_id=d.request_id,
-                                    root_id=root_id)
+                send_callbacks(self.app, embed, d.request_id, root_id, outcome.result)
             elif outcome.state == states.FAILURE or isinstance(outcome.result, TaskRevokedError):
-                for errback in embed.get("errbacks") or ():
-                    self.app.signature(errback).apply_async(
-                        (d.request_id,), parent_id=d.request_id, root_id=root_id)
+                send_errbacks(self.app, embed.get("errbacks"), d.request_id, root_id)
                 # As Celery does: the tasks a chain would have run next fail with this error too,
                 # so whoever waits on the chain's last task hears of it.
                 for element in embed.get("chain") or ():
