@@ -4,7 +4,7 @@ and the worker goes on serving.
 Requests a Client cannot produce (malformed JSON, bodies that are no Celery protocol-2 message,
 oversized or pickle bodies) are hand-built kombu envelopes pushed raw onto the queue, as any
 producer with a Redis connection could. That a pickle body is never unpickled (on both consumers)
-is shown in tests/test_wire.py; the client-side checks of ``submit`` are at the end.
+is shown in tests/integration/test_wire.py; the client-side checks of ``submit`` are at the end.
 """
 
 from __future__ import annotations

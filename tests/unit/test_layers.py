@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parent.parent / "asyncinfer"
+PACKAGE = Path(__file__).resolve().parents[2] / "asyncinfer"
 FORBIDDEN_LIBRARIES = {"celery", "kombu", "redis"}
 FORBIDDEN_LAYERS = ("asyncinfer.worker", "asyncinfer.client", "asyncinfer.ops", "asyncinfer.tasks",
                     "asyncinfer.celery_app")

@@ -2,7 +2,7 @@
 it out and serve again, nothing accepted is lost, and every submit in between is answered or
 refused with an error naming Redis' reason.
 
-Out of memory (``maxmemory`` under ``noeviction``) is in tests/test_delivery_faults.py, on both
+Out of memory (``maxmemory`` under ``noeviction``) is in tests/faults/test_delivery.py, on both
 consumers.
 
 Redis' disk is a small tmpfs under its append-only file; a client streams 64 KB requests until the

@@ -31,7 +31,7 @@ from tests.support.models import Tripwire  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 TOL = 1e-5
 

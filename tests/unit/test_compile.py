@@ -1,5 +1,5 @@
 """The ``compile`` model option (engine/compile.py): unit tier. MiniLM's TorchScript forward is
-checked against sentence-transformers in tests/test_minilm.py."""
+checked against sentence-transformers in tests/integration/test_minilm.py."""
 
 from __future__ import annotations
 
