@@ -112,22 +112,3 @@ def test_celery_worker_command_keeps_the_stock_consumer_when_asked(gated_db: str
             assert out["x"].tolist() == [[1.0, 1.0]]
     finally:
         proc.stop()
-
-
-@pytest.mark.unit
-def test_the_banner_names_the_fast_consumers_queues_bound_and_true_urls() -> None:
-    from asyncinfer.worker.banner import truthful
-
-    celery = ("- ** ---------- .> transport:   redis://:**@127.0.0.1:6379/0\n"
-              "- ** ---------- .> results:     redis://127.0.0.1:6379/0\n"
-              "- *** --- * --- .> concurrency: 2 (thread)\n"
-              " -------------- [queues]\n"
-              "                .> asyncinfer.control exchange=celery(direct) key=asyncinfer.control\n")
-    assert truthful(celery, broker="redis://127.0.0.1:6379/0", results="redis://127.0.0.1:6379/0",
-                    queues=["infer.mlp"], in_flight=128).splitlines() == [
-        "- ** ---------- .> transport:   redis://127.0.0.1:6379/0",
-        "- ** ---------- .> results:     redis://127.0.0.1:6379/0",
-        "- *** --- * --- .> concurrency: 2 (thread); fast consumer: 128 requests in flight",
-        " -------------- [queues]",
-        "                .> infer.mlp (fast consumer)",
-        "                .> asyncinfer.control exchange=celery(direct) key=asyncinfer.control"]

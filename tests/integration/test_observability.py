@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from asyncinfer.ops.redis_server import free_port
-from asyncinfer.worker.metrics import _Ring
 from tests.support.metrics import scrape, value
 from tests.support.processes import ROOT, TEST_FACTORIES, WorkerProcess, start_worker, worker_env
 
@@ -240,14 +239,3 @@ def test_stock_celery_path_logs_once_and_counts(redis_url, tmp_path) -> None:
         assert value(m, "asyncinfer_inference_batch_size_sum", **labels) == 2
     finally:
         proc.stop()
-
-
-@pytest.mark.unit
-def test_throughput_ring_counts_the_last_seconds() -> None:
-    ring = _Ring(10)
-    for second in range(100, 110):
-        ring.add(5, now=second + 0.5)
-    assert ring.rate(now=109.5) == pytest.approx(50 / 9.5)
-    # Seconds older than the window drop out; a gap counts as zero
-    assert ring.rate(now=115.0) == pytest.approx(20 / 9.0)
-    assert ring.rate(now=130.0) == 0.0

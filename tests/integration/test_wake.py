@@ -80,46 +80,6 @@ def test_an_idle_worker_waits_quietly_through_whole_blocking_cycles(client, work
     assert client.infer("identity", {"x": np.ones((1, 1), np.float32)}, timeout_s=30)
 
 
-class _Flaky:
-    """A Redis client whose watched list has a message and whose CLIENT UNBLOCK fails."""
-
-    def __init__(self) -> None:
-        self.blocks = 0
-        self.connection_pool = self
-
-    def blmove(self, *_: object, **__: object) -> bytes:
-        self.blocks += 1
-        return b"m"
-
-    def client_unblock(self, _client_id: int) -> bool:
-        raise redis.ConnectionError("Connection closed by server.")
-
-    def client_id(self) -> int:
-        return 7
-
-    def disconnect(self) -> None:
-        pass
-
-    def register_script(self, _script: str) -> object:
-        return lambda **_: 1  # the watch is this consumer's
-
-
-@pytest.mark.unit
-def test_a_watcher_survives_a_failed_unblock() -> None:
-    # A watcher fires while Redis drops its connection: cutting the caller's block short fails,
-    # and the wake-up stands; the thread (whose death ends a worker process) lives on
-    client, own = _Flaky(), _Flaky()
-    w = Waker(client, own, LISTS, block_s=1)  # type: ignore[arg-type]
-    w._blocking = True  # the caller is in its blocking command
-    w.start()
-    try:
-        w.arm()
-        wait_for(lambda: client.blocks >= 1 and w._wake.is_set(), 5, "the watcher fired", poll_s=0.01)
-        assert all(thread.is_alive() for thread in w._threads)
-    finally:
-        w.close()
-
-
 def test_a_push_wakes_one_idle_consumer_and_its_take_wakes_exactly_one_more(redis_db) -> None:
     # Given three idle consumers of one queue
     url, r = redis_db.url, redis_db.client

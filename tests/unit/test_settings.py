@@ -1,11 +1,11 @@
-"""Settings from the environment, their validation, broker resolution and the Celery config."""
+"""Settings from the environment, their validation, broker resolution and the Celery config.
+
+A URL published by a server that has exited: tests/integration/test_settings.py (it starts one)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,13 +29,6 @@ def publish(state_dir: Path, url: str, pid: int) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / URL_FILE).write_text(url + "\n")
     (state_dir / PID_FILE).write_text(f"{pid}\n")
-
-
-def dead_pid() -> int:
-    """The PID of a child that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait(10)
-    return proc.pid
 
 
 # -- from_env ----------------------------------------------------------------------------------
@@ -209,12 +202,6 @@ def test_broker_url_published_by_a_live_server_is_used(tmp_path: Path) -> None:
     assert s.resolved_broker_url() == "redis://127.0.0.1:7777/0"
     assert s.resolved_result_backend() == "redis://127.0.0.1:7777/0"
     assert celery_config(s)["broker_url"] == "redis://127.0.0.1:7777/0"
-
-
-def test_broker_url_published_by_a_dead_server_is_ignored(tmp_path: Path) -> None:
-    publish(tmp_path, "redis://127.0.0.1:7777/0", dead_pid())
-    s = Settings.from_env({"ASYNCINFER_STATE_DIR": str(tmp_path)})
-    assert s.resolved_broker_url() == DEFAULT_BROKER_URL
 
 
 @pytest.mark.unit
