@@ -18,8 +18,6 @@ from asyncinfer.catalogue import Catalogue
 from asyncinfer.worker import announcer
 from asyncinfer.worker.intake.step import FastConsumerStep
 
-pytestmark = pytest.mark.unit
-
 MODELS = [{"name": "identity", "versions": ["1"]}]
 
 

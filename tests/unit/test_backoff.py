@@ -6,7 +6,7 @@ import pytest
 
 from asyncinfer.backoff import Backoff
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 
 def test_waits_double_from_the_first_to_the_most_and_a_success_starts_again() -> None:

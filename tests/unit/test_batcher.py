@@ -10,7 +10,7 @@ import pytest
 
 from asyncinfer.engine.batcher import Batcher, WorkItem
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 
 def item(tag: str, rows: int = 1, signature: Hashable = "a") -> WorkItem:

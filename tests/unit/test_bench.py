@@ -13,8 +13,6 @@ from asyncinfer.bench.synthetic import SimDevice, sim_fast, sim_prep, sim_slow
 from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.models.registry import Registry
 
-pytestmark = pytest.mark.unit
-
 
 def test_the_sim_devices_limits_are_their_batch_over_their_time() -> None:
     assert round(sim_slow().limit_rows_per_s()) == 615  # 32 / (20 ms + 32 × 1 ms)

@@ -18,8 +18,6 @@ from asyncinfer.bench.peers.runner import run_from_line
 from asyncinfer.bench.peers.served import request_rows
 from asyncinfer.bench.systems import GATEWAYS, available_systems
 
-pytestmark = pytest.mark.unit
-
 
 def _line(**changes: object) -> str:
     doc = {"peer": "triton", "workload": "minilm", "level": 256,

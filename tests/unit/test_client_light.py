@@ -17,7 +17,6 @@ from asyncinfer.wire.protocol import Tensor, encode_tensor
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.unit
 def test_bf16_rounding_is_torchs() -> None:
     rng = np.random.default_rng(7)
     ties = (np.arange(1 << 16, dtype=np.uint32) << 16 | 0x8000).view(np.float32)
@@ -28,7 +27,6 @@ def test_bf16_rounding_is_torchs() -> None:
         np.testing.assert_array_equal(to_bits(round_to_bf16(values)), expected)
 
 
-@pytest.mark.unit
 def test_bf16_rounding_keeps_every_bfloat16_bit_pattern() -> None:
     every = np.arange(1 << 16, dtype=np.uint16)  # NaN payloads and signalling NaNs included
     assert to_bits(round_to_bf16(from_bits(every))).tolist() == every.tolist()
@@ -36,7 +34,6 @@ def test_bf16_rounding_keeps_every_bfloat16_bit_pattern() -> None:
     assert to_bits(round_to_bf16(nans)).tolist() == [0x7FC0, 0xFFC0, 0x7FFF]  # stay NaNs
 
 
-@pytest.mark.unit
 def test_numpy_values_get_the_datatype_torch_gave_them() -> None:
     for np_dtype, datatype in [(np.bool_, "BOOL"), (np.uint16, "UINT16"), (">i8", "INT64"),
                                (np.float16, "FP16"), ("<f8", "FP64")]:
@@ -52,7 +49,6 @@ def test_numpy_values_get_the_datatype_torch_gave_them() -> None:
         array_from_value("b", np.ones(2), "BYTES")
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("datatype", ["BF16", "FP16", "INT8", "UINT8", "BOOL", "INT64"])
 def test_numpy_casts_give_the_bytes_torch_casts_give(datatype: str) -> None:
     values = np.array([0.1, 1.75, 3.0, 0.0, 2.5, 100.0])
@@ -61,7 +57,6 @@ def test_numpy_casts_give_the_bytes_torch_casts_give(datatype: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.unit
 def test_bf16_output_reads_alike_from_a_list_and_from_raw_bytes() -> None:
     bits = np.array([0x3F81, 0xC2F7, 0x0001, 0x7FC1, 0xFF80], "<u2")
     raw = {"name": "o", "shape": [5], "datatype": "BF16", "data": bits.tobytes()}

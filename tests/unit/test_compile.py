@@ -12,8 +12,6 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.compile import compile_model
 from asyncinfer.models.base import Batch, Model
 
-pytestmark = pytest.mark.unit
-
 
 class Plain(Model):
     name = "plain"

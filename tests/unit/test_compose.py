@@ -12,8 +12,6 @@ import yaml
 
 from tests.support.processes import ROOT
 
-pytestmark = pytest.mark.unit
-
 COMPOSE = ROOT / "docker-compose.yml"
 BROKER_URL = "redis://redis:6379/0"
 ASCEND_CONTROL_DEVICES = {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"}

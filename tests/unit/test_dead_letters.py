@@ -66,7 +66,6 @@ def _app(options: str = OPTIONS) -> Any:
     return app
 
 
-@pytest.mark.unit
 def test_an_entry_holds_the_envelope_reason_attempts_worker_and_time() -> None:
     d = _delivery(retries=2, key=f"infer.poison{PRIORITY_SEP}3")
     before = datetime.now(timezone.utc)
@@ -80,7 +79,6 @@ def test_an_entry_holds_the_envelope_reason_attempts_worker_and_time() -> None:
     assert DeadLetter.from_json(entry.to_json()) == entry and entry.requeueable == ""
 
 
-@pytest.mark.unit
 def test_requeue_message_resets_retries_eta_redelivery_and_the_tag() -> None:
     d = _delivery(retries=3)
     entry = entry_for(d.request_id, d.queue, RuntimeError("x"), raw=d.raw, retries=3, worker="w")
@@ -93,7 +91,6 @@ def test_requeue_message_resets_retries_eta_redelivery_and_the_tag() -> None:
     assert entry.envelope == original  # the entry itself is left as it was
 
 
-@pytest.mark.unit
 def test_malformed_and_refused_messages_are_kept_but_cannot_be_requeued() -> None:
     malformed = entry_for("r1", "infer.poison", InvalidRequest("request r1: malformed"),
                           raw=b'{"id": "r1", not json' + b"x" * 10000, retries=0, worker="w")
@@ -110,7 +107,6 @@ def test_malformed_and_refused_messages_are_kept_but_cannot_be_requeued() -> Non
         requeue_message(refused)
 
 
-@pytest.mark.unit
 def test_push_keeps_the_newest_entries_up_to_the_bound_and_sets_the_ttl() -> None:
     r = fakeredis.FakeRedis()
     options = ModelOptions(dead_letter=True, dead_letter_max_entries=3, dead_letter_ttl_s=50)
@@ -136,7 +132,6 @@ def test_push_keeps_the_newest_entries_up_to_the_bound_and_sets_the_ttl() -> Non
     (states.SUCCESS, None, True, "poison", False),
     (states.REVOKED, None, True, "poison", False),
 ])
-@pytest.mark.unit
 def test_add_to_keeps_only_final_failures_of_models_that_opted_in(
         state: str, retry: str | None, store: bool, model: str, kept: bool) -> None:
     r = fakeredis.FakeRedis()
@@ -151,7 +146,6 @@ def test_add_to_keeps_only_final_failures_of_models_that_opted_in(
         assert (entry.request_id, entry.attempts, entry.worker) == (d.request_id, 2, "unit@host")
 
 
-@pytest.mark.unit
 def test_add_to_never_raises() -> None:
     class Broken:
         def lpush(self, *_: Any) -> None:
@@ -160,7 +154,6 @@ def test_add_to_never_raises() -> None:
     add_to(Broken(), _app(), Outcome(_delivery(), states.FAILURE, ModelError("m")))  # logged only
 
 
-@pytest.mark.unit
 def test_options_validate_and_star_opts_every_model_in() -> None:
     assert options_of(_app('{"*": {"dead_letter": true}}'), "anything").dead_letter is True
     assert options_of(_app("{}"), "poison") == ModelOptions()

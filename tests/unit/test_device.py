@@ -13,7 +13,7 @@ from asyncinfer.engine.device import (
     parse_device,
 )
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 needs_cpu_only = pytest.mark.skipif(torch.accelerator.is_available(),
                                     reason="checks the behaviour of a machine without an accelerator")

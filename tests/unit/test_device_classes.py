@@ -10,7 +10,7 @@ import torch
 
 from asyncinfer.engine.device import Device, DeviceSpec, _stream_classes
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 
 class _NpuStream:

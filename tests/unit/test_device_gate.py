@@ -8,7 +8,7 @@ import pytest
 
 from asyncinfer.engine.gate import DeviceGate
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 
 def test_an_alone_batch_waits_for_the_device_to_empty_and_holds_it_alone() -> None:

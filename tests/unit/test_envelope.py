@@ -15,8 +15,6 @@ import pytest
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message, uuid4_text
 
-pytestmark = pytest.mark.unit
-
 NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 

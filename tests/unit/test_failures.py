@@ -14,8 +14,6 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.ops.cli_io import with_datatype_hint as _with_datatype_hint
 from asyncinfer.worker.launch import WorkerCannotStart, check_device, check_models
 
-pytestmark = pytest.mark.unit
-
 
 def test_a_broker_url_that_is_no_url_is_named_as_such() -> None:
     with pytest.raises(ValueError) as caught:

@@ -7,12 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.gateway.service import GatewayError, Service
-
-pytestmark = pytest.mark.unit
 
 
 class _Catalogue:

@@ -27,7 +27,7 @@ from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
+pytestmark = pytest.mark.timeout(10)
 
 METADATA = {"name": "echo", "versions": ["1"], "platform": "pytorch",
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],

@@ -8,7 +8,7 @@ import pytest
 
 from asyncinfer.worker.intake.holdings import held_at_most
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(30)
 
 
 def _runner(max_batch_size: int, instances: int, batch_s: float | None = None) -> SimpleNamespace:

@@ -9,7 +9,6 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.unit
 def test_the_banner_names_the_fast_consumers_queues_bound_and_true_urls() -> None:
     from asyncinfer.worker.banner import truthful
 

@@ -14,8 +14,6 @@ import pytest
 
 from asyncinfer.wire import json_text
 
-pytestmark = pytest.mark.unit
-
 TEXTS = [
     '{"a": NaN, "b": Infinity, "c": -Infinity}',
     "[1e400]",

@@ -5,11 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 from asyncinfer import keys
-
-pytestmark = pytest.mark.unit
 
 PACKAGE = Path(keys.__file__).parent
 #: How the names in keys.py begin (or are); a string literal elsewhere that begins so spells a key.

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 PACKAGE = Path(__file__).resolve().parents[2] / "asyncinfer"
 FORBIDDEN_LIBRARIES = {"celery", "kombu", "redis"}
 FORBIDDEN_LAYERS = ("asyncinfer.worker", "asyncinfer.client", "asyncinfer.ops", "asyncinfer.tasks",

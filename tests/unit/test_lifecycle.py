@@ -40,8 +40,6 @@ from asyncinfer.worker.lifecycle import (
     already_answered,
 )
 
-pytestmark = pytest.mark.unit
-
 
 def _iso(delta_s: float) -> str:
     return (datetime.now(timezone.utc) + timedelta(seconds=delta_s)).isoformat()

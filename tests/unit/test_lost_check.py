@@ -15,8 +15,6 @@ from asyncinfer.client.publisher import PUBLISHED, Publisher
 from asyncinfer.errors import AsyncInferError, RequestLost
 from asyncinfer.keys import CLAIM_PREFIX
 
-pytestmark = pytest.mark.unit
-
 
 class Clock:
     def __init__(self) -> None:

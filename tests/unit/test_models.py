@@ -21,7 +21,7 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.wire.protocol import Request, decode_request
 from tests.support.models import Tripwire, tiny_linear_module
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.unit,
+pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
 
 #: The built-ins: identity and mlp always, minilm when its extra is installed.

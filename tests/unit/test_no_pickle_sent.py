@@ -9,8 +9,6 @@ import pytest
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 
-pytestmark = pytest.mark.unit
-
 
 class _Producer:
     """Records what Celery would publish (no broker)."""

@@ -10,7 +10,6 @@ from asyncinfer.worker.metrics import _Ring
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.unit
 def test_throughput_ring_counts_the_last_seconds() -> None:
     ring = _Ring(10)
     for second in range(100, 110):

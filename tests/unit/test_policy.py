@@ -9,7 +9,6 @@ import json
 import random
 import threading
 
-import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -22,7 +21,6 @@ from asyncinfer.wire.envelope import Delivery, parse_envelope, retry_message, se
 # -- retry options --------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_retry_policy_retries_only_transient_failures_within_max_retries() -> None:
     policy = RetryPolicy(max_retries=2)
     transient = TransientModelError("request r: out of memory")
@@ -34,7 +32,6 @@ def test_retry_policy_retries_only_transient_failures_within_max_retries() -> No
     assert not RetryPolicy(autoretry_for=()).should_retry(transient, 0)
 
 
-@pytest.mark.unit
 def test_device_out_of_memory_is_transient() -> None:
     import torch
 
@@ -45,7 +42,6 @@ def test_device_out_of_memory_is_transient() -> None:
     assert not is_transient(RuntimeError("shape mismatch"))
 
 
-@pytest.mark.unit
 def test_backoff_is_exponential_capped_and_jittered() -> None:
     fixed = RetryPolicy(backoff_s=0.5, backoff_max_s=3.0, jitter=False)
     assert [fixed.countdown_s(n) for n in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
@@ -58,7 +54,6 @@ def test_backoff_is_exponential_capped_and_jittered() -> None:
     assert RetryPolicy(backoff_s=0).countdown_s(3) == 0.0
 
 
-@pytest.mark.unit
 def test_retry_policy_reads_celery_task_options() -> None:
     class Options:
         autoretry_for = (TransientError,)
@@ -75,7 +70,6 @@ def test_retry_policy_reads_celery_task_options() -> None:
 # -- retry message ----------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_retry_message_is_the_same_request_one_retry_later() -> None:
     raw = task_message("asyncinfer.infer", "rid-1", {"model": "m", "inputs": []}, "infer.m")
     d = Delivery(raw=raw.encode(), queue="infer.m", received_at=0.0)
@@ -96,7 +90,6 @@ def test_retry_message_is_the_same_request_one_retry_later() -> None:
 # -- time limits ------------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_time_limits_come_from_the_message_then_the_task_then_the_config() -> None:
     class Task:
         time_limit = 30.0
@@ -112,7 +105,6 @@ def test_time_limits_come_from_the_message_then_the_task_then_the_config() -> No
     assert not time_limits_of(None, None, None)
 
 
-@pytest.mark.unit
 def test_timer_calls_in_time_order() -> None:
     timer = Timer()
     calls: list[str] = []

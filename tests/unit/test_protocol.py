@@ -26,7 +26,7 @@ from asyncinfer.wire.protocol import (
     to_input_payload,
 )
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(60)
 
 NAN, INF = float("nan"), float("inf")
 TORCH = {

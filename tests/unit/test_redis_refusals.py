@@ -18,8 +18,6 @@ from asyncinfer.redis_refusals import (
     retrying_refusals,
 )
 
-pytestmark = pytest.mark.unit
-
 AOF_FULL = "MISCONF Errors writing to the AOF file: No space left on device"
 
 

@@ -21,8 +21,6 @@ from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
 from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
 
-pytestmark = pytest.mark.unit
-
 CHANNEL = REPLY_CHANNEL_PREFIX + "c0ffee"
 
 

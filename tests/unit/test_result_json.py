@@ -12,8 +12,6 @@ from celery import Celery
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import decode_meta, decode_result, encode_meta
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module")
 def backend() -> Any:

@@ -22,7 +22,7 @@ from asyncinfer.models.builtin import Identity
 from asyncinfer.wire.protocol import Request, decode_request
 from tests.support.models import Poison
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
+pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0
 

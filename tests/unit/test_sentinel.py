@@ -23,7 +23,6 @@ from asyncinfer.worker.intake.step import uses_fast_consumer
 # -- URL parsing, settings and Celery's configuration (no server) ---------------------------------
 
 
-@pytest.mark.unit
 def test_a_sentinel_url_names_every_sentinel_and_the_masters_database_and_password() -> None:
     parsed = parse_sentinel_url("sentinel://:s%40cret@10.0.0.1:26379;sentinel://10.0.0.2;"
                                 "sentinel://h3:26380/2")
@@ -42,13 +41,11 @@ def test_a_sentinel_url_names_every_sentinel_and_the_masters_database_and_passwo
     ("sentinel://:pw@", "names no host"),
     (";", "at least one Sentinel"),
 ])
-@pytest.mark.unit
 def test_a_malformed_sentinel_url_is_refused_naming_the_rule(url: str, rule: str) -> None:
     with pytest.raises(ValueError, match=rule):
         parse_sentinel_url(url)
 
 
-@pytest.mark.unit
 def test_the_database_and_password_of_any_entry_reach_every_entry() -> None:
     # Celery and kombu read them from the first entry only: the contract form puts the db last.
     assert (normalized_url("sentinel://:pw@a:1;sentinel://b:2/3")
@@ -56,7 +53,6 @@ def test_the_database_and_password_of_any_entry_reach_every_entry() -> None:
     assert normalized_url("redis://h:1/4") == "redis://h:1/4"
 
 
-@pytest.mark.unit
 def test_redis_urls_are_recognised_by_scheme() -> None:
     for url in ("redis://h", "rediss://h", "unix:///tmp/r.sock", "sentinel://h:1;sentinel://g:2",
                 "SENTINEL://h"):
@@ -68,7 +64,6 @@ def test_redis_urls_are_recognised_by_scheme() -> None:
     assert settings.resolved_result_backend() == "sentinel://h:1"
 
 
-@pytest.mark.unit
 def test_celery_gets_the_master_name_and_sentinel_password_for_broker_and_backend() -> None:
     settings = Settings(broker_url="sentinel://a:1;sentinel://b:2/3", sentinel_master="cache",
                         sentinel_password="sp")
@@ -82,7 +77,6 @@ def test_celery_gets_the_master_name_and_sentinel_password_for_broker_and_backen
     assert "master_name" not in plain["broker_transport_options"]
 
 
-@pytest.mark.unit
 def test_sentinel_settings_come_from_the_environment_and_are_checked() -> None:
     settings = Settings.from_env({"ASYNCINFER_SENTINEL_MASTER": "m2",
                                   "ASYNCINFER_SENTINEL_PASSWORD": "pw",
@@ -97,7 +91,6 @@ def test_sentinel_settings_come_from_the_environment_and_are_checked() -> None:
         Settings(submit_replicas=1, submit_replicas_timeout_s=0)
 
 
-@pytest.mark.unit
 def test_a_sentinel_client_asks_for_the_named_master_with_its_credentials() -> None:
     settings = Settings(sentinel_master="cache", sentinel_password="sp", connect_timeout_s=2.0)
     client = redis_client("sentinel://:mp@a:1;sentinel://b:2/5", settings, health_check_interval=30)
@@ -118,7 +111,6 @@ def test_a_sentinel_client_asks_for_the_named_master_with_its_credentials() -> N
     plain.close()
 
 
-@pytest.mark.unit
 def test_wait_replicas_refuses_a_wait_that_would_never_end() -> None:
     with pytest.raises(ValueError, match="would wait forever"):
         wait_replicas(redis.Redis(), 1, 0)

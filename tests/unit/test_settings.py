@@ -38,7 +38,6 @@ def default(name: str) -> object:
     return next(f.default for f in dataclasses.fields(Settings) if f.name == name)
 
 
-@pytest.mark.unit
 def test_defaults_with_an_empty_environ() -> None:
     s = Settings.from_env({})
     assert s == Settings()
@@ -47,7 +46,6 @@ def test_defaults_with_an_empty_environ() -> None:
     assert s.models == () and s.task_serializer == "json" and s.device == "auto"
 
 
-@pytest.mark.unit
 def test_from_env_parses_ints_floats_and_comma_tuples() -> None:
     env = {
         "ASYNCINFER_CONCURRENCY": "3",
@@ -73,13 +71,11 @@ def test_from_env_parses_ints_floats_and_comma_tuples() -> None:
     assert s.redis_port == default("redis_port") and s.result_serializer == "json"
 
 
-@pytest.mark.unit
 def test_empty_variables_are_treated_as_unset() -> None:
     s = Settings.from_env({"ASYNCINFER_CONCURRENCY": "", "ASYNCINFER_MODELS": ""})
     assert s.concurrency == default("concurrency") and s.models == ()
 
 
-@pytest.mark.unit
 def test_overrides_win_over_env_and_none_overrides_are_ignored() -> None:
     env = {"ASYNCINFER_CONCURRENCY": "3", "ASYNCINFER_DEVICE": "cpu", "ASYNCINFER_PREFETCH_MULTIPLIER": "7"}
     s = Settings.from_env(env, concurrency=9, device=None, prefetch_multiplier=None, models=("mlp",))
@@ -95,7 +91,6 @@ def test_overrides_win_over_env_and_none_overrides_are_ignored() -> None:
     ("ASYNCINFER_VISIBILITY_TIMEOUT_S", "soon"),
     ("ASYNCINFER_REDIS_PORT", "x"),
 ])
-@pytest.mark.unit
 def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
     with pytest.raises(ValueError, match=var) as info:
         Settings.from_env({var: raw})
@@ -117,20 +112,17 @@ def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
     ({"ASYNCINFER_MAX_WORKER_DEATHS": "-1"}, {}, "max_worker_deaths"),
     ({}, {"hold_batches": -2}, "hold_batches"),
 ])
-@pytest.mark.unit
 def test_invalid_values_name_the_field(env: dict[str, str], overrides: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         Settings.from_env(env, **overrides)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_non_finite_or_negative_durations_are_rejected(value: str) -> None:
     with pytest.raises(ValueError, match="visibility_timeout_s"):
         Settings.from_env({"ASYNCINFER_VISIBILITY_TIMEOUT_S": value})
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0])
 def test_non_finite_or_negative_delay_is_rejected(delay: float) -> None:
     from asyncinfer.config.model_options import ModelOptions
@@ -139,7 +131,6 @@ def test_non_finite_or_negative_delay_is_rejected(delay: float) -> None:
         ModelOptions(max_delay_ms=delay)
 
 
-@pytest.mark.unit
 def test_model_options_merge_defaults_star_and_model_entries() -> None:
     from asyncinfer.config.model_options import ModelOptions
 
@@ -161,7 +152,6 @@ def test_model_options_merge_defaults_star_and_model_entries() -> None:
 # -- broker and result backend -----------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_result_backend_falls_back_to_a_redis_broker(tmp_path: Path) -> None:
     s = Settings.from_env({}, broker_url="redis://h:1/2", state_dir=str(tmp_path))
     assert s.resolved_result_backend() == "redis://h:1/2"
@@ -169,14 +159,12 @@ def test_result_backend_falls_back_to_a_redis_broker(tmp_path: Path) -> None:
     assert s.resolved_result_backend() == "rediss://h:1/2"
 
 
-@pytest.mark.unit
 def test_explicit_result_backend_wins() -> None:
     s = Settings.from_env({"ASYNCINFER_BROKER_URL": "amqp://guest@h//",
                            "ASYNCINFER_RESULT_BACKEND": "redis://r:6379/1"})
     assert s.resolved_result_backend() == "redis://r:6379/1"
 
 
-@pytest.mark.unit
 def test_amqp_broker_without_a_backend_raises() -> None:
     s = Settings.from_env({"ASYNCINFER_BROKER_URL": "amqp://guest@h//"})
     with pytest.raises(ValueError, match="ASYNCINFER_RESULT_BACKEND") as info:
@@ -184,7 +172,6 @@ def test_amqp_broker_without_a_backend_raises() -> None:
     assert "amqp://guest@h//" in str(info.value)
 
 
-@pytest.mark.unit
 def test_explicit_broker_url_wins_over_a_published_one(tmp_path: Path) -> None:
     publish(tmp_path, "redis://127.0.0.1:7777/0", os.getpid())
     s = Settings.from_env({"ASYNCINFER_BROKER_URL": "redis://explicit:1/0",
@@ -192,7 +179,6 @@ def test_explicit_broker_url_wins_over_a_published_one(tmp_path: Path) -> None:
     assert s.resolved_broker_url() == "redis://explicit:1/0"
 
 
-@pytest.mark.unit
 def test_broker_url_published_by_a_live_server_is_used(tmp_path: Path) -> None:
     # Given: a state dir where a server whose PID is alive (this process) published its URL
     publish(tmp_path, "redis://127.0.0.1:7777/0", os.getpid())
@@ -204,7 +190,6 @@ def test_broker_url_published_by_a_live_server_is_used(tmp_path: Path) -> None:
     assert celery_config(s)["broker_url"] == "redis://127.0.0.1:7777/0"
 
 
-@pytest.mark.unit
 def test_default_broker_without_a_published_url(tmp_path: Path) -> None:
     s = Settings.from_env({"ASYNCINFER_STATE_DIR": str(tmp_path / "empty")})
     assert s.resolved_broker_url() == DEFAULT_BROKER_URL
@@ -218,7 +203,6 @@ def test_default_broker_without_a_published_url(tmp_path: Path) -> None:
     assert s.resolved_broker_url() == DEFAULT_BROKER_URL
 
 
-@pytest.mark.unit
 def test_state_path_uses_the_state_dir(tmp_path: Path) -> None:
     assert Settings(state_dir=str(tmp_path)).state_path == tmp_path
 
@@ -226,7 +210,6 @@ def test_state_path_uses_the_state_dir(tmp_path: Path) -> None:
 # -- settings_table ----------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_settings_table_has_one_row_per_field_with_every_variable() -> None:
     table = settings_table()
     lines = table.splitlines()
@@ -250,7 +233,6 @@ def test_settings_table_has_one_row_per_field_with_every_variable() -> None:
 # -- celery_config -----------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_celery_config_is_safe_and_follows_settings() -> None:
     env = {"ASYNCINFER_BROKER_URL": "redis://b:1/0", "ASYNCINFER_VISIBILITY_TIMEOUT_S": "123.5",
            "ASYNCINFER_RESULT_EXPIRES_S": "60", "ASYNCINFER_CONCURRENCY": "5",
@@ -271,7 +253,6 @@ def test_celery_config_is_safe_and_follows_settings() -> None:
     assert conf["broker_url"] == "redis://b:1/0" and conf["result_backend"] == "redis://b:1/0"
 
 
-@pytest.mark.unit
 def test_celery_config_lists_are_copies() -> None:
     # mutating one config must not leak pickle into the next
     s = Settings.from_env({"ASYNCINFER_BROKER_URL": "redis://b:1/0"})

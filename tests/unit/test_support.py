@@ -12,8 +12,6 @@ import pytest
 from tests.support.databases import RedisDatabases, db_of, url_with_db
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.unit
-
 TESTS = Path(__file__).resolve().parents[1]
 #: An import of the conftest module, in any of its spellings.
 CONFTEST_IMPORT = re.compile(r"^\s*(from\s+(tests\.)?conftest\s+import\b|import\s+(tests\.)?conftest\b)",

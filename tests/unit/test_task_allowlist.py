@@ -18,7 +18,6 @@ pytestmark = pytest.mark.timeout(180)
 
 # -- units ------------------------------------------------------------------------------------
 
-@pytest.mark.unit
 def test_policy_units() -> None:
     assert TaskPolicy.for_worker({"asyncinfer.cpu": "asyncinfer.cpu"}, ["mlp"]) is None
     policy = TaskPolicy.for_worker({"infer.mlp": "infer.mlp", "asyncinfer.cpu": "asyncinfer.cpu"}, ["mlp"])
@@ -36,7 +35,6 @@ def test_policy_units() -> None:
         "request r: task 'asyncinfer.infer' is refused: no task is served on queue asyncinfer.control")
 
 
-@pytest.mark.unit
 def test_a_model_with_a_preprocess_and_no_forward_inputs_serves_no_forward_stage() -> None:
     from asyncinfer.models.base import InputSpec, Model
 

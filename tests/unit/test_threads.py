@@ -6,8 +6,6 @@ import pytest
 
 from asyncinfer.engine.threads import cpu_cores, intra_op_threads
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(("configured", "instances", "on_cpu", "cores", "omp", "expected"), [
     (0, 1, True, 2, None, 2),      # one instance: every core, as torch itself would

@@ -39,7 +39,6 @@ class _Flaky:
         return lambda **_: 1  # the watch is this consumer's
 
 
-@pytest.mark.unit
 def test_a_watcher_survives_a_failed_unblock() -> None:
     # A watcher fires while Redis drops its connection: cutting the caller's block short fails,
     # and the wake-up stands; the thread (whose death ends a worker process) lives on

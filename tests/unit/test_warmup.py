@@ -15,8 +15,6 @@ from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.warmup import example_batch, warm_up, warmup_sizes
 from asyncinfer.models.base import Batch, InputSpec, Model
 
-pytestmark = pytest.mark.unit
-
 
 class Counting(Model):
     """Records the rows and shapes of every stage call."""
