@@ -32,9 +32,9 @@ TEST_PROCESSES ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
-# The fast tier: no Redis, no subprocess.
+# The fast tier: no Redis, no subprocess (tests/unit, whose tests conftest marks `unit`).
 test-unit: setup
-	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # The gRPC front's messages: asyncinfer/gateway/proto/inference_pb2.py(i), generated code that is
 # committed; rerun after editing inference.proto. -I. keeps the proto's name in protobuf's pool unique.

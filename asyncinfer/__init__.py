@@ -36,7 +36,7 @@ _default_app()
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that importing the package stays light (tests/test_client_light.py keeps it so).
+    # Lazy, so that importing the package stays light (tests/integration/test_client_light.py keeps it so).
     if name == "app":
         return _app()
     if name in ("Client", "InferFuture", "InferResponse"):

@@ -4,7 +4,7 @@ Every Celery consumer of the app on a Redis broker uses it: ``ASYNCINFER_CONSUME
 prefork pool, the ``asyncinfer.cpu`` stage workers, and the Celery consumer inside a device worker
 (its control queue, mingle, gossip, kombu's restore sweep); the app's connections pick it
 (:mod:`asyncinfer.kombu_connection`). It is kombu's own transport (``kombu.transport.redis``,
-whose own tests it passes: tests/test_kombu_upstream.py) with three things changed:
+whose own tests it passes: tests/integration/test_kombu_upstream.py) with three things changed:
 
 - **A queue is an open door.** Whatever is pushed on a queue (``LPUSH infer.mlp "{not json"``) is
   checked by the same rules as the fast consumer's (:func:`~asyncinfer.wire.envelope.parse_envelope`)

