@@ -7,12 +7,17 @@ worker replaces a wedged process). The defaults here do nothing, or fail the req
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.delivery import settle
 
-__all__ = ["LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_launch", "settle_wedged"]
+__all__ = ["DeviceHooks", "LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_launch",
+           "settle_wedged"]
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -32,3 +37,16 @@ def ignore_batch(model: str, device: str, rows: int, compute_s: float,
 def settle_wedged(item: WorkItem, exc: BaseException) -> None:
     """Default for a wedged device when no worker handles it: fail the request."""
     settle(item.future, exc=exc)
+
+
+@dataclass(frozen=True)
+class DeviceHooks:
+    """What the runners of a device tell whoever serves its requests, together: given at once
+    (:meth:`~asyncinfer.worker.runtime.WorkerRuntime.use`), never one by one."""
+
+    #: A request's hard time limit passed while its batch was on the device.
+    on_wedged: WedgedHandler = settle_wedged
+    #: What each batch's requests are settled inside (a result writer gathers them: one write).
+    settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+    #: A batch goes onto the device (the leases mark it, so a death counts against it).
+    on_launch: LaunchObserver = ignore_launch

@@ -6,20 +6,18 @@ Made inside the worker process (never in a parent that forks), once, by its
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.delivery import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
-from asyncinfer.engine.hooks import LaunchObserver, ignore_launch
+from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
@@ -58,15 +56,13 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
-        #: What happens when a request's hard time limit passes while its batch is on the device;
-        #: the fast consumer installs its own (which also sends the held requests back).
-        self.on_wedged: Callable[[WorkItem, BaseException], None] = _exit_wedged
-        #: What each batch's requests are settled inside (the fast consumer's result writer
-        #: gathers a batch's outcomes into one write).
-        self.settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
-        #: Who hears of each batch just before it goes onto the device (the fast consumer's
-        #: leases mark it, so that a death then counts against its requests).
-        self.on_launch: LaunchObserver = ignore_launch
+        #: What the runners tell whoever serves the requests (:meth:`use`); Celery's stock path
+        #: keeps these: a wedged device fails the request and the process leaves.
+        self.hooks = DeviceHooks(on_wedged=_exit_wedged)
+
+    def use(self, hooks: DeviceHooks) -> None:
+        """From now on the runners tell ``hooks`` (the fast consumer's, while it serves)."""
+        self.hooks = hooks
 
     def load(self, models: Iterable[str]) -> None:
         """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
@@ -100,10 +96,10 @@ class WorkerRuntime:
         instance = self.registry.create(model, request_id)
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
-                           on_wedged=lambda item, exc: self.on_wedged(item, exc),
+                           on_wedged=lambda item, exc: self.hooks.on_wedged(item, exc),
                            is_transient=is_transient, on_batch=self.metrics.record_batch,
-                           settling=lambda: self.settling(),
-                           on_launch=lambda items: self.on_launch(items))
+                           settling=lambda: self.hooks.settling(),
+                           on_launch=lambda items: self.hooks.on_launch(items))
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()

@@ -36,6 +36,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
 from asyncinfer.constants import priority_lists
 from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hooks import DeviceHooks, ignore_launch
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import (
     LEASE_DEVICE_KEY,
@@ -100,7 +101,9 @@ class FastConsumer:
         self.writer = ResultWriter(app, redis_client(app.conf.broker_url, settings,
                                                      health_check_interval=30,
                                                      single_connection_client=True),
-                                   worker=hostname)
+                                   worker=hostname,
+                                   before_write=lambda batch: self.outcomes.before_write(batch),
+                                   on_written=lambda batch: self.outcomes.written(batch))
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         #: Deaths on the device a request may see before it fails for good (0: not counted).
         self.max_worker_deaths = settings.max_worker_deaths
@@ -111,10 +114,11 @@ class FastConsumer:
             redis_client(app.conf.broker_url, settings, health_check_interval=30),
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
             count_deaths=self.max_worker_deaths > 0, held=self.holdings.tags)
-        runtime.on_wedged = self._wedged
-        runtime.settling = self.writer.gathering  # a batch's results: one write
-        if self.leases is not None and self.leases.count_deaths:
-            runtime.on_launch = self._on_launch
+        runtime.use(DeviceHooks(
+            on_wedged=self._wedged,
+            settling=self.writer.gathering,  # a batch's results: one write
+            on_launch=(self._on_launch if self.leases is not None and self.leases.count_deaths
+                       else ignore_launch)))
         self._wedge_lock = threading.Lock()
         self._wedged_already = False
         self._stopping = threading.Event()

@@ -45,8 +45,6 @@ class Outcomes:
         self.holdings = holdings
         #: ``response(request, completed, hostname)``: the v2 response of a finished request.
         self.response = response
-        writer.before_write = self.before_write
-        writer.on_written = self.written
 
     def succeed(self, d: Delivery, response: Any, embed: dict[str, Any] | None) -> None:
         self.settlement.succeeded(d, model_of(d), response)
@@ -111,8 +109,9 @@ class Outcomes:
         self.succeed(d, response, embed)
 
     def before_write(self, batch: list[Outcome]) -> None:
-        """Ask the fleet's retry budget for the retries in ``batch``: those granted are announced,
-        those refused fail now (their one failure line, their metric)."""
+        """(The writer's, before each write.) Ask the fleet's retry budget for the retries in
+        ``batch``: those granted are announced, those refused fail now (their one failure line,
+        their metric)."""
         retries = [o for o in batch if o.state == states.RETRY]
         if not retries:
             return
@@ -128,7 +127,8 @@ class Outcomes:
                 self.settlement.failed(d, model_of(d), refusal)
 
     def written(self, batch: list[Outcome]) -> None:
-        """``batch`` is stored and acknowledged: no longer held; its events go out."""
+        """(The writer's, after each write.) ``batch`` is stored and acknowledged: no longer
+        held; its events go out."""
         self.holdings.release([o.delivery for o in batch])
         if self.settlement.events is not None:
             self.settlement.events.flush()  # after the results are stored, as Celery's worker does

@@ -92,7 +92,8 @@ class ResultWriter:
 
     def __init__(self, app: Celery, broker: redis.Redis,
                  on_written: Callable[[list[Outcome]], None] | None = None, *,
-                 worker: str = "") -> None:
+                 worker: str = "",
+                 before_write: Callable[[list[Outcome]], None] | None = None) -> None:
         self.app = app
         #: The worker's name, which its dead letters give.
         self.worker = worker
@@ -115,7 +116,7 @@ class ResultWriter:
         self._for_take: StartedText | None = None
         #: Called with each batch before its first write (may change outcomes: the retry budget),
         #: and after it is written.
-        self.before_write: Callable[[list[Outcome]], None] = _nothing
+        self.before_write: Callable[[list[Outcome]], None] = before_write or _nothing
         self.on_written: Callable[[list[Outcome]], None] = on_written or _nothing
         self._queue: queue.SimpleQueue[Outcome | list[Outcome] | None] = queue.SimpleQueue()
         #: Outcomes a thread is gathering (:meth:`gathering`).
