@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.engine.delivery import settle
+from asyncinfer.engine.completion import settle
 
 __all__ = ["DeviceHooks", "LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_launch",
            "settle_wedged"]

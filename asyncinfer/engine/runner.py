@@ -28,7 +28,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.batcher import Batcher, WorkItem
 from asyncinfer.engine.compile import compile_model
-from asyncinfer.engine.delivery import Completed, deliver, rows_of, settle
+from asyncinfer.engine.completion import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.gate import DeviceGate

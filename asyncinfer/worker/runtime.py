@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.engine.delivery import Completed, settle
+from asyncinfer.engine.completion import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
 from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner

