@@ -13,7 +13,7 @@ The list holds at most ``dead_letter_max_entries`` (LTRIM) and expires ``dead_le
 after its newest entry (EXPIRE on every push). The fast consumer's writer adds the entry in the
 broker transaction that acknowledges the message — the one that stores the FAILURE too when results
 live on the broker's Redis, the default (:func:`add_failure`, called by
-worker/intake/result_writer.py for a final FAILURE); Celery's stock
+worker/output/result_writer.py for a final FAILURE); Celery's stock
 path adds it from the ``task_failure`` signal, just after Celery stored the FAILURE
 (:func:`add_stock_failure`; its message rebuilt from the task request, as Celery keeps no bytes).
 

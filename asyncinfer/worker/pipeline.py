@@ -52,8 +52,6 @@ from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings
-from asyncinfer.worker.intake.outcomes import Outcomes
-from asyncinfer.worker.intake.result_writer import ResultWriter
 from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken
 from asyncinfer.worker.lifecycle import (
     DELAY,
@@ -64,6 +62,8 @@ from asyncinfer.worker.lifecycle import (
     answered_before,
     count_started,
 )
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["Pipeline"]

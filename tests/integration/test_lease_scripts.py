@@ -24,8 +24,8 @@ from asyncinfer.keys import (
 )
 from asyncinfer.wire.envelope import task_message
 from asyncinfer.worker.intake.leases import Leases, holder_of, is_dead_here
-from asyncinfer.worker.intake.store import StoreScript
 from asyncinfer.worker.intake.take import Taker
+from asyncinfer.worker.output.store import StoreScript
 from tests.support.databases import RedisDatabase
 from tests.support.waiting import wait_for
 

@@ -28,7 +28,7 @@ from asyncinfer.worker.dead_letters import (
     options_of,
     push,
 )
-from asyncinfer.worker.intake.result_writer import Outcome, add_dead_letter
+from asyncinfer.worker.output.result_writer import Outcome, add_dead_letter
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,8 +27,6 @@ from asyncinfer.policy.retry_budget import BudgetDecision
 from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
 from asyncinfer.worker.intake.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
-from asyncinfer.worker.intake.outcomes import Outcomes
-from asyncinfer.worker.intake.result_writer import Outcome
 from asyncinfer.worker.lifecycle import (
     DELAY,
     EXPIRED,
@@ -39,6 +37,8 @@ from asyncinfer.worker.lifecycle import (
     admit,
     already_answered,
 )
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import Outcome
 
 
 def _iso(delta_s: float) -> str:

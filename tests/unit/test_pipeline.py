@@ -24,9 +24,9 @@ from asyncinfer.wire.envelope import task_message
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings
-from asyncinfer.worker.intake.outcomes import Outcomes
-from asyncinfer.worker.intake.result_writer import Outcome
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.pipeline import Pipeline
 
 pytestmark = pytest.mark.timeout(30)

@@ -19,7 +19,7 @@ from asyncinfer.errors import ModelError
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
-from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
 CHANNEL = REPLY_CHANNEL_PREFIX + "c0ffee"
 

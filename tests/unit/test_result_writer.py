@@ -22,7 +22,7 @@ from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
-from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
 URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakeredis
 

@@ -1,2 +1,2 @@
-"""Taking requests from the broker and writing their results: the fast consumer, the atomic take,
-the idle wait, the result writer and the glue to Celery's stock consumer."""
+"""Taking requests from the broker: the fast consumer (the Redis transport), the atomic take, the
+leases, the idle wait, the in-flight account, and the glue to Celery's stock consumer."""

@@ -52,11 +52,11 @@ from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import Holdings, held_at_most
 from asyncinfer.worker.intake.leases import Leases
-from asyncinfer.worker.intake.outcomes import Outcomes
-from asyncinfer.worker.intake.result_writer import ResultWriter
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 

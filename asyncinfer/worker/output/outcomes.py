@@ -22,8 +22,8 @@ from asyncinfer.wire.envelope import Delivery, printable, retry_message
 from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.intake.holdings import Holdings
-from asyncinfer.worker.intake.result_writer import Outcome, ResultWriter
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
 __all__ = ["Outcomes", "model_of"]
 

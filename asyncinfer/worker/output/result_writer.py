@@ -42,9 +42,9 @@ from asyncinfer.wire.envelope import Delivery, result_meta
 from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
-from asyncinfer.worker.intake.store import Entry, StoreScript, as_out_of_memory, error_texts
 from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.links import send_callbacks, send_errbacks
+from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 
