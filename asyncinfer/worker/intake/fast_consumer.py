@@ -226,9 +226,9 @@ class FastConsumer:
                            else None)
                 taken = self.taker.take(self._lists, room, started,
                                         self.leases.terms if self.leases is not None else None,
-                                        watcher=self.waker.token)
-                if self.taker.passed_watch:
-                    self.waker.watch_passed()
+                                        watcher=self.waker.token, watched=self.waker.passable())
+                if self.taker.passed:
+                    self.waker.watch_passed(self.taker.passed)
                 if taken:
                     self.pipeline.took(taken)
                 backoff.reset()

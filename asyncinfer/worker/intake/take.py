@@ -42,16 +42,18 @@ __all__ = ["MAX_ENVELOPE_DEPTH", "TAKE_SCRIPT", "LeaseTerms", "StartedText", "Ta
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
 MAX_ENVELOPE_DEPTH = 16
 
-# KEYS: unacked_index, unacked, leases, lease holders, the first list's watch, bell and count of
-# consumers waiting for the bell (wake.py), then the lists to take from, in order.
+# KEYS: unacked_index, unacked, leases, lease holders; then, for each list whose watch the take may
+# pass on (wake.py), that list's watch, bell and count of consumers waiting for the bell; then the
+# lists to take from, in order.
 # ARGV: most messages to take, now (seconds), deepest nesting allowed; then the STARTED states to
 # store ('' for none: result key prefix, the stored text before and after the JSON of the request
 # ID, seconds it lives or 0, the task whose requests start); then the lease (seconds, 0 for none),
 # the holder, and the prefix of the death counts ('' to read none); then the taker's watch token
-# ('' for none).
-# Returns a flat list: 1 if the taker gave the first list's watch up (else 0), then per message:
-# list name, message, 1 if recorded (else 0), 1 if its STARTED was stored (else 0), the worker
-# deaths counted against its request.
+# ('' for none), the number of watches given in KEYS, and each one's list as its position among
+# the lists (0 for the first).
+# Returns a flat list: the positions of the lists whose watch the taker gave up (a list, maybe
+# empty), then per message: list name, message, 1 if recorded (else 0), 1 if its STARTED was
+# stored (else 0), the worker deaths counted against its request.
 _TAKE = r"""
 local max_depth = tonumber(ARGV[3])
 
@@ -92,6 +94,8 @@ local started_prefix, text_head, text_tail = ARGV[4], ARGV[5], ARGV[6]
 local started_ttl, task_name = tonumber(ARGV[7]), ARGV[8]
 local lease_s, holder, deaths_prefix = tonumber(ARGV[9]), ARGV[10], ARGV[11]
 local watcher = ARGV[12]
+local watches = tonumber(ARGV[13])
+local first = 5 + 3 * watches  -- the first list's key
 local expiry = 0
 if lease_s > 0 then  -- Redis' clock, not the hosts'
   local t = redis.call('TIME')
@@ -128,7 +132,8 @@ end
 
 local out = {}
 local taken = 0
-for i = 8, #KEYS do
+local stop = #KEYS + 1  -- where the take stopped when its room ran out
+for i = first, #KEYS do
   local queue = KEYS[i]
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
@@ -164,25 +169,38 @@ for i = 8, #KEYS do
     out[#out + 1] = started
     out[#out + 1] = died
   end
-  if taken >= room then break end
+  if taken >= room then stop = i break end
 end
--- The watcher of the first list took what woke it: when other idle consumers wait for its bell
--- (or it is full now and will not watch), it gives the watch up, and rings the bell so that one
--- of them watches next; alone, it keeps the watch (no round trip to claim it again). A take that
--- filled its room and left messages rings the bell too (one more consumer wakes to take them),
--- never all of them.
-local passed = 0
-if watcher ~= '' and taken > 0 then
-  local mine = redis.call('GET', KEYS[5]) == watcher
-  local waiting = (tonumber(redis.call('GET', KEYS[7]) or '0') or 0) > 0
-  if mine and (waiting or taken >= room) then
-    redis.call('DEL', KEYS[5])
-    passed = 1
+-- A consumer whose take took something is busy for a while: of the lists it watched and is not
+-- blocked on now (those given in KEYS), it gives up the watch of each one for which other idle
+-- consumers wait (or of every one, when it is full now and will not watch), and rings one bell
+-- (the first such list's) so that one of them takes what came meanwhile and watches next; alone,
+-- it keeps its watches (no round trip to claim them again). A take that filled its room and left
+-- messages rings the first given list's bell too (one more consumer wakes to take them). At most
+-- one bell rings per take: never all idle consumers.
+local passed = {}
+if watcher ~= '' and taken > 0 and watches > 0 then
+  local ring = nil
+  for j = 0, watches - 1 do
+    local watch, bell, count = KEYS[5 + 3 * j], KEYS[6 + 3 * j], KEYS[7 + 3 * j]
+    if redis.call('GET', watch) == watcher then
+      local waiting = (tonumber(redis.call('GET', count) or '0') or 0) > 0
+      if waiting or taken >= room then
+        redis.call('DEL', watch)
+        passed[#passed + 1] = tonumber(ARGV[14 + j])
+        if waiting and not ring then ring = bell end
+      end
+    end
   end
-  if (passed == 1 and waiting) or (taken >= room and redis.call('LLEN', KEYS[8]) > 0) then
-    redis.call('LPUSH', KEYS[6], '1')
-    redis.call('LTRIM', KEYS[6], 0, 0)
-    redis.call('PEXPIRE', KEYS[6], 60000)
+  if not ring and taken >= room then
+    for i = stop, #KEYS do
+      if redis.call('LLEN', KEYS[i]) > 0 then ring = KEYS[6] break end
+    end
+  end
+  if ring then
+    redis.call('LPUSH', ring, '1')
+    redis.call('LTRIM', ring, 0, 0)
+    redis.call('PEXPIRE', ring, 60000)
   end
 end
 table.insert(out, 1, passed)
@@ -218,31 +236,37 @@ Taken = tuple[str, bytes, bool, bool, int]
 
 
 def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
-              unacked: str = UNACKED_KEY) -> list[str]:
-    """The take script's keys for ``lists`` (kombu's bookkeeping under the names given)."""
-    first = lists[0]
-    return [unacked_index, unacked, LEASES_KEY, LEASE_HOLDERS_KEY, WATCH_PREFIX + first,
-            BELL_PREFIX + first, BELL_PREFIX + first + WAITERS_SUFFIX, *lists]
+              unacked: str = UNACKED_KEY, watched: Sequence[int] = ()) -> list[str]:
+    """The take script's keys for ``lists`` (kombu's bookkeeping under the names given), with
+    the watch, bell and count of waiters of each list at a position in ``watched``."""
+    keys = [unacked_index, unacked, LEASES_KEY, LEASE_HOLDERS_KEY]
+    for position in watched:
+        bell = BELL_PREFIX + lists[position]
+        keys += (WATCH_PREFIX + lists[position], bell, bell + WAITERS_SUFFIX)
+    keys += lists
+    return keys
 
 
 def take_args(room: int, started: StartedText | None = None, lease: LeaseTerms | None = None,
-              watcher: str = "") -> list[Any]:
-    """The take script's arguments (see :meth:`Taker.take`)."""
+              watcher: str = "", watched: Sequence[int] = ()) -> list[Any]:
+    """The take script's arguments (see :meth:`Taker.take`); ``watched`` as given to
+    :func:`take_keys`."""
     extra: list[Any] = ["", "", "", 0, ""] if started is None else [
         started.key_prefix, started.head, started.tail, started.expires_s, started.task]
     terms: list[Any] = [0, "", ""] if lease is None else [
         lease.lease_s, lease.holder, lease.deaths_prefix]
-    return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher]
+    return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher, len(watched), *watched]
 
 
-def parse_taken(flat: Sequence[Any]) -> tuple[bool, list[Taken]]:
-    """The take script's reply: whether the taker gave its watch up, and what it took."""
+def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Taken]]:
+    """The take script's reply: the positions of the lists whose watch the taker gave up, and
+    what it took."""
     taken = []
     for i in range(1, len(flat), 5):
         key = flat[i]
         taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
                       bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
-    return bool(flat[0]) if flat else False, taken
+    return (tuple(int(p) for p in flat[0]) if flat else ()), taken
 
 
 #: The take script's text (kombu's channel sends it on its own connection: kombu_take.py).
@@ -254,11 +278,18 @@ class Taker:
 
     def __init__(self, client: Any) -> None:
         self._take = client.register_script(_TAKE)
-        #: Whether the last take gave the first list's watch up (the waker claims it again).
-        self.passed_watch = False
+        #: The positions (in the lists taken from) of the lists whose watch the last take gave
+        #: up (the waker claims them again: :meth:`~asyncinfer.worker.intake.wake.Waker.watch_passed`).
+        self.passed: tuple[int, ...] = ()
+
+    @property
+    def passed_watch(self) -> bool:
+        """Whether the last take gave the first list's watch up."""
+        return 0 in self.passed
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
-             lease: LeaseTerms | None = None, watcher: str = "") -> list[Taken]:
+             lease: LeaseTerms | None = None, watcher: str = "",
+             watched: Sequence[int] = (0,)) -> list[Taken]:
         """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
         started, deaths)``, oldest first per list; ``recorded`` is False for a malformed message
         (popped, not recorded as unacknowledged); ``started`` is True when the take stored its
@@ -266,9 +297,16 @@ class Taker:
         ``deaths`` the worker deaths counted against its request (``lease`` given). With
         ``lease``, each recorded message is leased to its holder in the same step. With
         ``watcher`` (the :class:`~asyncinfer.worker.intake.wake.Waker`'s token), a take that
-        took something passes the first list's watch on (wake.py)."""
+        took something passes on the watches of the lists at the positions in ``watched``
+        (:meth:`~asyncinfer.worker.intake.wake.Waker.passable`; the first list's bell is the one
+        rung for messages a full take left) when others wait for them (wake.py); :attr:`passed`
+        says which it gave up."""
+        self.passed = ()
         if room <= 0 or not lists:
             return []
-        self.passed_watch, taken = parse_taken(
-            self._take(keys=take_keys(lists), args=take_args(room, started, lease, watcher)))
+        if not watcher:
+            watched = ()
+        self.passed, taken = parse_taken(self._take(
+            keys=take_keys(lists, watched=watched), args=take_args(room, started, lease, watcher,
+                                                                    watched)))
         return taken
