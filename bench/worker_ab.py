@@ -2,10 +2,14 @@
 
     .venv/bin/python bench/worker_ab.py --old /path/to/old/tree --new /path/to/new/tree \\
         [--pairs 3] [--model sim-fast] (any bench workload) [--in-flight 256] [--requests 20000]
+    .venv/bin/python bench/worker_ab.py --tree a=/tree/a --tree b=/tree/b --tree c=/tree/c \\
+        --client own ...
 
-``--old`` and ``--new`` are source trees of asyncinfer (``git worktree add /tmp/old REV``); each
-run starts a fresh worker from one of them (first on its ``PYTHONPATH``) against one embedded
-Redis, and drives it with the same client (this tree's) in a process of its own. Each run prints
+``--old`` and ``--new`` (or ``--tree TAG=PATH``, two or more, taken in turn) are source trees of
+asyncinfer (``git worktree add /tmp/old REV``); each run starts a fresh worker from one of them
+(first on its ``PYTHONPATH``) against one embedded Redis, and drives it in a process of its own
+with this tree's client, or with the run's own tree's client (``--client own``: the whole serving
+path of each tree, side by side). Each run prints
 one JSON line: throughput, p50/p99, mean device batch, CPU ms per request of the worker, the
 client and Redis, and the worker's threads' CPU ms per request, largest first (named when py-spy
 is installed). A script, not a test: this machine is too noisy for timed assertions, so compare
@@ -97,9 +101,10 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
                                   env=worker_env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     try:
         wait_hosted(url, args.model, worker)
+        client_tree = tree if args.client == "own" else Path(__file__).resolve().parents[1]
         load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
                                  args.model, str(args.in_flight), str(args.requests)],
-                                env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                                env={**env, "PYTHONPATH": str(client_tree)},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert load.stdin is not None and load.stdout is not None
         load.stdout.readline()  # ready
@@ -125,13 +130,22 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--old", required=True, type=Path)
-    p.add_argument("--new", required=True, type=Path)
+    p.add_argument("--old", type=Path)
+    p.add_argument("--new", type=Path)
+    p.add_argument("--tree", action="append", default=[], metavar="TAG=PATH",
+                   help="a tree to run, in turn with the others (instead of --old and --new)")
+    p.add_argument("--client", choices=("this", "own"), default="this",
+                   help="the load's client: this tree's (default), or each run's own tree's")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--model", default="sim-fast", choices=sorted(WORKLOADS))
     p.add_argument("--in-flight", type=int, default=256)
     p.add_argument("--requests", type=int, default=20000)
     args = p.parse_args()
+    trees = [(tag, Path(path)) for tag, _, path in (t.partition("=") for t in args.tree)]
+    if not trees:
+        if args.old is None or args.new is None:
+            p.error("give --old and --new, or two or more --tree TAG=PATH")
+        trees = [("old", args.old), ("new", args.new)]
     from asyncinfer.ops.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,7 +155,7 @@ def main() -> int:
                "ASYNCINFER_BROKER_URL": server.url, "ASYNCINFER_LOG_LEVEL": "warning"}
         try:
             for _ in range(args.pairs):
-                for tag, tree in (("old", args.old), ("new", args.new)):
+                for tag, tree in trees:
                     _run(tag, tree.resolve(), server.url, server.process.pid, args, env, Path(tmp))
         finally:
             server.stop()
