@@ -1,28 +1,40 @@
-"""One policy object: every rule a device worker applies to ``asyncinfer.infer`` requests.
+"""The worker's policy: every rule a device worker applies to ``asyncinfer.infer`` requests, the
+list of its policies in one place, one module each.
 
 Built once per worker from its settings and the task's options (after ``task_annotations``), and
-passed explicitly to both consumers (the fast consumer, and Celery's stock path through the task
-and its signals):
+passed explicitly to both consumers (the fast consumer's pipeline, and Celery's stock path through
+the task and its signals):
 
-- **retries**: which failures are retried and after which backoff (:class:`RetryPolicy`), within
-  the fleet's retry budget (:class:`~asyncinfer.policy.retry_budget.RetryBudget`);
-- **time limits**: the soft and hard defaults (the task's, else ``task_*_time_limit``), which a
-  message's own ``timelimit`` overrides (:meth:`Policy.limits_for`);
-- **deadlines**: a message's ``expires`` (admission, :mod:`asyncinfer.worker.lifecycle`);
+- **expiry** (expiry.py): a request waits for its ``eta``, is revoked when revoked, expires past
+  its ``expires``;
+- **the allow-list** (task_policy.py): only ``asyncinfer.infer`` on an ``infer.*`` queue, the
+  stage tasks of hosted models on a stage queue, nothing on the control queue;
+- **deaths** (deaths.py): a request that saw a worker die on the device runs alone, and fails with
+  ``WorkerLost`` after ``ASYNCINFER_MAX_WORKER_DEATHS``;
+- **retries** (retries.py): which failures are retried and after which backoff, within the
+  fleet's retry budget (retry_budget.py), decided in one place (:class:`Retries`);
+- **time limits** (time_limits.py): the soft and hard defaults (the task's, else
+  ``task_*_time_limit``), which a message's own ``timelimit`` overrides (:meth:`Policy.limits_for`);
+  the engine enforces them, and a wedged device ends the process (engine/runner.py);
 - **backpressure**: at most ``max_in_flight`` requests taken and unanswered (concurrency ×
-  prefetch multiplier), bodies of at most ``max_payload_bytes``; the producers' side
-  (``max_queue_size``, ``submit_timeout_s``) is the client's.
+  prefetch multiplier; the consumer holds less when its device is slower:
+  worker/intake/holdings.py), bodies of at most ``max_payload_bytes``; the producers' side
+  (``max_queue_size``, ``submit_timeout_s``) is the client's;
+- **dead letters** (worker/dead_letters.py): where a model opts in, a request that failed for good
+  leaves an entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.policy.deaths import WorkerDeaths
+from asyncinfer.policy.expiry import Expiry
 from asyncinfer.policy.retries import Retries, RetryPolicy, retry_budget_for
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
 
@@ -40,6 +52,10 @@ class Policy:
     track_started: bool = True
     #: The fleet's retry budget (None: retries are not budgeted).
     budget: Any = None
+    #: Deadlines and revocation (policy/expiry.py).
+    expiry: Expiry = field(default_factory=Expiry)
+    #: Deaths on a device a request may see (policy/deaths.py; 0: not counted).
+    deaths: WorkerDeaths = field(default_factory=WorkerDeaths)
 
     @cached_property
     def retries(self) -> Retries:
@@ -56,7 +72,7 @@ class Policy:
                    max_in_flight=settings.concurrency * settings.prefetch_multiplier,
                    max_payload_bytes=settings.max_payload_bytes or None,
                    track_started=bool(app.conf.task_track_started),
-                   budget=retry_budget_for(app))
+                   budget=retry_budget_for(app), deaths=WorkerDeaths(settings.max_worker_deaths))
 
     def limits_for(self, timelimit: Any) -> TimeLimits:
         """The limits of a request whose message carries ``timelimit`` (``[hard, soft]``)."""

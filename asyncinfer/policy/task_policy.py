@@ -29,8 +29,10 @@ from asyncinfer.constants import (
     model_from_queue,
 )
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.policy.admission import REFUSED, Admission
 
-__all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy", "refused_on_infer_queue"]
+__all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy", "allow_infer_only",
+           "refused_on_infer_queue"]
 
 #: A model's CPU stages, served by a device worker on its stage queues for its own models.
 STAGE_TASKS = (PREPROCESS_TASK, POSTPROCESS_TASK)
@@ -40,6 +42,14 @@ def refused_on_infer_queue(request_id: str, task: object, queue: str) -> Invalid
     """The error of a task other than ``asyncinfer.infer`` sent to an ``infer.*`` queue."""
     return InvalidRequest(f"request {request_id}: task {task!r} is refused: only {TASK_NAME} is "
                           f"served on queue {queue}")
+
+
+def allow_infer_only(request_id: str, task: object, queue: str) -> Admission | None:
+    """The allow-list of an ``infer.*`` queue, as admission: REFUSED for any task but
+    ``asyncinfer.infer`` (no request makes a device worker run anything but inference)."""
+    if task == TASK_NAME:
+        return None
+    return Admission(REFUSED, error=refused_on_infer_queue(request_id, task, queue))
 
 
 class QueueKind(IntEnum):

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from celery import states
-from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.policy.admission import DELAY, EXPIRED, REFUSED, REVOKED, RUN, Admission
+from asyncinfer.policy.expiry import Expiry, is_revoked
 from asyncinfer.policy.policy import Policy
-from asyncinfer.policy.task_policy import refused_on_infer_queue
-from asyncinfer.wire.envelope import printable, seconds_until
+from asyncinfer.policy.task_policy import allow_infer_only
+from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker.metrics import WorkerMetrics
 
@@ -42,47 +42,14 @@ log = logging.getLogger(__name__)
 #: message. Both request paths log it once per failure, and nothing else logs that failure.
 FAILED_FORMAT = "request %s failed: model=%s worker=%s reason=%s: %s"
 
-RUN, DELAY, REFUSED, REVOKED, EXPIRED = "run", "delay", "refused", "revoked", "expired"
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What to do with a request now: its ``verdict``, and the delay or the error that goes with it."""
-
-    verdict: str
-    delay_s: float = 0.0
-    error: BaseException | None = None
-    #: For RUN: seconds left until the request's ``expires`` (None: no deadline).
-    expires_in_s: float | None = None
-
-
-_RUN = Admission(RUN)
-
-
-def is_revoked(request_id: str) -> bool:
-    """Whether this worker was told to revoke ``request_id`` (Celery's ``revoke``, kept by its
-    worker state, on both consumers)."""
-    return request_id in worker_state.revoked
-
-
 def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: Any = None,
           revoked: Callable[[str], bool] = is_revoked) -> Admission:
-    """The admission of one request (see the module documentation); ``eta`` only when it has not
-    been waited for yet."""
-    if eta:
-        delay_s = seconds_until(eta)
-        if delay_s is not None and delay_s > 0:
-            return Admission(DELAY, delay_s=delay_s)
-    if task != TASK_NAME:
-        return Admission(REFUSED, error=refused_on_infer_queue(request_id, task, queue))
-    if revoked(request_id):
-        return Admission(REVOKED, error=TaskRevokedError("revoked"))
-    left_s = seconds_until(expires)
-    if left_s is None:
-        return _RUN
-    if left_s <= 0:
-        return Admission(EXPIRED, error=TaskRevokedError("expired"))
-    return Admission(RUN, expires_in_s=left_s)
+    """The admission of one request by the policies both consumers share, in their order: its
+    ``eta`` (only when it has not been waited for yet: policy/expiry.py), the allow-list of an
+    ``infer.*`` queue (policy/task_policy.py), revocation and ``expires`` (policy/expiry.py)."""
+    expiry = Expiry(revoked)
+    return (expiry.delay(eta) or allow_infer_only(request_id, task, queue)
+            or expiry.judge(request_id, expires))
 
 
 def count_started(n: int = 1) -> None:

@@ -80,7 +80,7 @@ class Pipeline:
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, policy: Policy, *, hostname: str,
                  holdings: Holdings, outcomes: Outcomes, writer: ResultWriter, events: TaskEvents,
-                 max_worker_deaths: int, stopping: Callable[[], bool]) -> None:
+                 stopping: Callable[[], bool]) -> None:
         self.app = app
         self.runtime = runtime
         self.policy = policy
@@ -89,8 +89,6 @@ class Pipeline:
         self.outcomes = outcomes
         self.writer = writer
         self.events = events
-        #: Deaths on the device a request may see before it fails for good (0: not counted).
-        self.max_worker_deaths = max_worker_deaths
         self.stopping = stopping
         #: First attempts, counted towards the fleet's retry budget off the requests' path.
         self.first_attempts = FirstAttempts(policy.retries)
@@ -198,8 +196,12 @@ class Pipeline:
             log.error("dropped a message without a request ID on %s", d.queue)
             return
         headers = d.headers
+        policy = self.policy
+        # the shared admission (lifecycle.admit: eta, allow-list, revocation, expiry), then the
+        # fleet's rule on deaths
         admission = admit(d.request_id, headers.get("task"), d.queue,
-                          eta=None if waited else headers.get("eta"), expires=headers.get("expires"))
+                          eta=None if waited else headers.get("eta"), expires=headers.get("expires"),
+                          revoked=policy.expiry.revoked)
         if admission.verdict == DELAY:
             # Held, unacknowledged, outside the in-flight bound, until its eta (a retry's backoff).
             self.holdings.schedule(d)
@@ -215,11 +217,9 @@ class Pipeline:
         if admission.verdict == REFUSED:
             self.outcomes.fail(d, admission.error or InvalidRequest(d.request_id))
             return
-        if self.max_worker_deaths and d.deaths >= self.max_worker_deaths:
-            self.outcomes.fail(d, WorkerLost(
-                f"request {d.request_id}: worker processes died {d.deaths} times while this "
-                f"request was on their device (ASYNCINFER_MAX_WORKER_DEATHS={self.max_worker_deaths}"
-                f"); it may be what kills them, so it is not run again"), retry=False)
+        lost = policy.deaths.judge(d.request_id, d.deaths)
+        if lost is not None:
+            self.outcomes.fail(d, lost.error or WorkerLost(d.request_id), retry=False)
             return
         embed: dict[str, Any] | None = None
         try:
@@ -228,7 +228,7 @@ class Pipeline:
                 d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
-                alone=d.deaths > 0)  # a worker died with it on the device: no bystanders now
+                alone=policy.deaths.alone(d.deaths))
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)
             return

@@ -17,6 +17,7 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest, WorkerLost
+from asyncinfer.policy.deaths import WorkerDeaths
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.policy.time_limits import TimeLimits
@@ -104,14 +105,15 @@ def _message(request_id: str, task: str = TASK_NAME, *, model: str = "m",
 
 def _pipeline(stored: dict[str, Any] | None = None, max_worker_deaths: int = 2
               ) -> tuple[Pipeline, Writer, Runtime, Holdings]:
-    policy = Policy(retry=RetryPolicy(max_retries=0), time_limits=TimeLimits(), max_in_flight=64)
+    policy = Policy(retry=RetryPolicy(max_retries=0), time_limits=TimeLimits(), max_in_flight=64,
+                    deaths=WorkerDeaths(max_worker_deaths))
     writer, runtime, holdings = Writer(Results(stored)), Runtime(), Holdings(64)
     settlement = Settlement("w@h", "cpu", policy)
     outcomes = Outcomes(writer, settlement, holdings, response=lambda *a: {})  # type: ignore[arg-type]
     pipeline = Pipeline(APP, runtime, policy, hostname="w@h", holdings=holdings,  # type: ignore[arg-type]
                         outcomes=outcomes, writer=writer,  # type: ignore[arg-type]
                         events=TaskEvents(APP, "w@h", enabled=False),
-                        max_worker_deaths=max_worker_deaths, stopping=lambda: False)
+                        stopping=lambda: False)
     return pipeline, writer, runtime, holdings
 
 

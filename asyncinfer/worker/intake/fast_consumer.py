@@ -105,15 +105,13 @@ class FastConsumer:
                                    before_write=lambda batch: self.outcomes.before_write(batch),
                                    on_written=lambda batch: self.outcomes.written(batch))
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
-        #: Deaths on the device a request may see before it fails for good (0: not counted).
-        self.max_worker_deaths = settings.max_worker_deaths
         #: What this worker takes is leased to it, renewed while it lives (None: no leases).
         self.leases = None if not settings.lease_s else Leases(
             redis_client(app.conf.broker_url, settings, health_check_interval=30,
                          single_connection_client=True),
             redis_client(app.conf.broker_url, settings, health_check_interval=30),
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
-            count_deaths=self.max_worker_deaths > 0, held=self.holdings.tags)
+            count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags)
         runtime.use(DeviceHooks(
             on_wedged=self._wedged,
             settling=self.writer.gathering,  # a batch's results: one write
@@ -125,7 +123,6 @@ class FastConsumer:
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
-                                 max_worker_deaths=self.max_worker_deaths,
                                  stopping=self._stopping_now)
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
