@@ -16,10 +16,8 @@ the task and its signals):
 - **time limits** (time_limits.py): the soft and hard defaults (the task's, else
   ``task_*_time_limit``), which a message's own ``timelimit`` overrides (:meth:`Policy.limits_for`);
   the engine enforces them, and a wedged device ends the process (engine/runner.py);
-- **backpressure**: at most ``max_in_flight`` requests taken and unanswered (concurrency ×
-  prefetch multiplier; the consumer holds less when its device is slower:
-  worker/intake/holdings.py), bodies of at most ``max_payload_bytes``; the producers' side
-  (``max_queue_size``, ``submit_timeout_s``) is the client's;
+- **backpressure** (backpressure.py): at most ``max_in_flight`` requests taken and unanswered,
+  within that what the device starts soon, bodies of at most ``max_payload_bytes``;
 - **dead letters** (worker/dead_letters.py): where a model opts in, a request that failed for good
   leaves an entry.
 """
@@ -33,6 +31,7 @@ from typing import Any
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.policy.backpressure import Backpressure
 from asyncinfer.policy.deaths import WorkerDeaths
 from asyncinfer.policy.expiry import Expiry
 from asyncinfer.policy.retries import Retries, RetryPolicy, retry_budget_for
@@ -52,10 +51,20 @@ class Policy:
     track_started: bool = True
     #: The fleet's retry budget (None: retries are not budgeted).
     budget: Any = None
+    #: Device batches per instance a consumer holds at least, and seconds of device work it
+    #: holds (policy/backpressure.py).
+    hold_batches: int = 2
+    hold_s: float = 0.25
     #: Deadlines and revocation (policy/expiry.py).
     expiry: Expiry = field(default_factory=Expiry)
     #: Deaths on a device a request may see (policy/deaths.py; 0: not counted).
     deaths: WorkerDeaths = field(default_factory=WorkerDeaths)
+
+    @cached_property
+    def backpressure(self) -> Backpressure:
+        """How much the worker takes and holds."""
+        return Backpressure(self.max_in_flight, self.hold_batches, self.hold_s,
+                            self.max_payload_bytes)
 
     @cached_property
     def retries(self) -> Retries:
@@ -72,7 +81,8 @@ class Policy:
                    max_in_flight=settings.concurrency * settings.prefetch_multiplier,
                    max_payload_bytes=settings.max_payload_bytes or None,
                    track_started=bool(app.conf.task_track_started),
-                   budget=retry_budget_for(app), deaths=WorkerDeaths(settings.max_worker_deaths))
+                   budget=retry_budget_for(app), deaths=WorkerDeaths(settings.max_worker_deaths),
+                   hold_batches=settings.hold_batches, hold_s=settings.hold_s)
 
     def limits_for(self, timelimit: Any) -> TimeLimits:
         """The limits of a request whose message carries ``timelimit`` (``[hard, soft]``)."""

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncinfer.worker.intake.holdings import held_at_most
+from asyncinfer.policy.backpressure import held_at_most
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,3 +37,14 @@ def test_a_fast_device_holds_what_it_gets_through_in_the_hold_time_a_slow_one_it
     assert held_at_most(512, 2, 0.25, [_runner(32, 1, batch_s=0.05)]) == 160
     # a batch in 132 ms: under two batches in 0.25 s, so the floor of two
     assert held_at_most(512, 2, 0.25, [_runner(32, 1, batch_s=0.132)]) == 64
+
+
+def test_the_workers_policy_holds_by_its_own_hold_settings() -> None:
+    from asyncinfer.policy.policy import Policy
+    from asyncinfer.policy.retries import RetryPolicy
+    from asyncinfer.policy.time_limits import TimeLimits
+
+    policy = Policy(retry=RetryPolicy(), time_limits=TimeLimits(), max_in_flight=128,
+                    hold_batches=3, hold_s=0.5)
+    assert policy.backpressure.held_at_most([_runner(32, 1)]) == 96
+    assert policy.backpressure.held_at_most([_runner(32, 1, batch_s=0.05)]) == 128  # 320 by pace

@@ -50,7 +50,7 @@ from asyncinfer.policy.time_limits import EXIT_WEDGED
 from asyncinfer.wire.envelope import restored_message
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.intake.holdings import Holdings, held_at_most
+from asyncinfer.worker.intake.holdings import Holdings
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
@@ -92,8 +92,7 @@ class FastConsumer:
                                         **blocking),
                            self._lists, stopping=self._stopping_now)
         #: Everything taken and not yet answered: the one in-flight account.
-        self.holdings = Holdings(lambda: held_at_most(policy.max_in_flight, settings.hold_batches,
-                                                      settings.hold_s, runtime.runners()))
+        self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()))
         #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,

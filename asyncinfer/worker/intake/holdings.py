@@ -18,12 +18,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.wire.envelope import Delivery
 
-__all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED", "held_at_most"]
+__all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
 
 RESERVED, ACTIVE, SCHEDULED = "reserved", "active", "scheduled"
 
@@ -136,21 +135,3 @@ class Holdings:
     def find(self, request_id: str) -> Delivery | None:
         """The held message of ``request_id``, if any."""
         return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)
-
-
-def held_at_most(max_in_flight: int, hold_batches: int, hold_s: float, runners: Sequence[Any]) -> int:
-    """How many requests a consumer holds at most, within ``max_in_flight``: what the devices of
-    ``runners`` (loaded models) get through in ``hold_s`` seconds at full batches (by each
-    runner's ``batch_s``, once a batch ran), and never less than ``hold_batches`` device batches
-    per instance; ``max_in_flight`` alone when ``hold_batches`` is 0 or no model is loaded yet.
-
-    A worker that took 128 requests while its slow device starts 32 at a time hoarded: idle
-    workers beside it had nothing, batches shrank, and its death stranded all 128. A fast device
-    (a batch in milliseconds) needs more than two batches in hand, or it waits for each take.
-    """
-    floor = sum(hold_batches * r.max_batch_size * r.options.instances for r in runners)
-    if not floor:
-        return max_in_flight
-    by_time = sum(r.max_batch_size * r.options.instances * hold_s / r.batch_s
-                  for r in runners if r.batch_s)
-    return max(1, min(max_in_flight, max(floor, int(by_time))))
