@@ -21,14 +21,59 @@ The value, :class:`~asyncinfer.engine.timer.TimeLimits`, is the engine's, which 
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.timer import TimeLimits
 
-__all__ = ["TimeLimits", "time_limits_of", "EXIT_WEDGED", "NO_LIMITS"]
+__all__ = ["TimeLimits", "time_limits_of", "EXIT_WEDGED", "NO_LIMITS", "Wedge"]
+
+log = logging.getLogger(__name__)
 
 #: The exit status of a worker process that left because its device was wedged.
 EXIT_WEDGED = 75
+
+
+class Wedge:
+    """A request's hard time limit passed while its batch was still on the device: the device is
+    wedged. The request fails (``fail(item, exc)``: stored as its transport stores answers), what
+    the worker holds goes back (``give_back()``: the fast consumer's held requests to their
+    queues at once; on Celery's stock path kombu redelivers), and the process leaves with
+    :data:`EXIT_WEDGED`, after ``exit_after_s`` (time for a task thread to store the failure), so
+    that its supervisor starts a fresh one. Once per process, whichever request saw it first."""
+
+    def __init__(self, fail: Callable[[WorkItem, BaseException], None],
+                 give_back: Callable[[], None] = lambda: None, *, exit_after_s: float = 0.0,
+                 leave: Callable[[int], Any] = os._exit) -> None:
+        self.fail = fail
+        self.give_back = give_back
+        self.exit_after_s = exit_after_s
+        self.leave = leave
+        self._lock = threading.Lock()
+        self._seen = False
+
+    def __call__(self, item: WorkItem, exc: BaseException) -> None:
+        self.fail(item, exc)
+        with self._lock:
+            if self._seen:
+                return
+            self._seen = True
+        log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
+        self.give_back()
+        if self.exit_after_s > 0:
+            timer = threading.Timer(self.exit_after_s, self._leave)
+            timer.daemon = True
+            timer.start()
+        else:
+            self._leave()
+
+    def _leave(self) -> None:
+        logging.shutdown()
+        self.leave(EXIT_WEDGED)
 
 
 NO_LIMITS = TimeLimits()

@@ -7,14 +7,12 @@ Made inside the worker process (never in a parent that forks), once, by its
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from asyncinfer.config.settings import Settings
-from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.completion import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
 from asyncinfer.engine.hooks import DeviceHooks
@@ -24,7 +22,7 @@ from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
-from asyncinfer.policy.time_limits import EXIT_WEDGED, TimeLimits
+from asyncinfer.policy.time_limits import TimeLimits, Wedge
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import is_revoked
@@ -58,7 +56,8 @@ class WorkerRuntime:
         self.timer = Timer()
         #: What the runners tell whoever serves the requests (:meth:`use`); Celery's stock path
         #: keeps these: a wedged device fails the request and the process leaves.
-        self.hooks = DeviceHooks(on_wedged=_exit_wedged)
+        self.hooks = DeviceHooks(on_wedged=Wedge(lambda item, exc: settle(item.future, exc=exc),
+                                                 exit_after_s=2.0))
 
     def use(self, hooks: DeviceHooks) -> None:
         """From now on the runners tell ``hooks`` (the fast consumer's, while it serves)."""
@@ -174,13 +173,3 @@ class WorkerRuntime:
         for runner in runners:
             runner.close()
         self.timer.close()
-
-
-def _exit_wedged(item: WorkItem, exc: BaseException) -> None:
-    """Celery's stock path: fail the request (its task thread stores the failure), then leave so
-    the supervisor starts a fresh process; kombu redelivers the other unacknowledged requests."""
-    settle(item.future, exc=exc)
-    log.critical("the device is wedged; this worker process exits in 2 s to be replaced")
-    exit_timer = threading.Timer(2.0, os._exit, args=(EXIT_WEDGED,))
-    exit_timer.daemon = True
-    exit_timer.start()

@@ -23,7 +23,6 @@ serves RabbitMQ, ``ASYNCINFER_CONSUMER=celery`` and prefork.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
@@ -46,7 +45,7 @@ from asyncinfer.keys import (
     UNACKED_KEY,
 )
 from asyncinfer.policy.policy import Policy
-from asyncinfer.policy.time_limits import EXIT_WEDGED
+from asyncinfer.policy.time_limits import Wedge
 from asyncinfer.wire.envelope import restored_message
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
@@ -112,12 +111,10 @@ class FastConsumer:
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
             count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags)
         runtime.use(DeviceHooks(
-            on_wedged=self._wedged,
+            on_wedged=Wedge(self._fail_wedged, self._give_back_all),
             settling=self.writer.gathering,  # a batch's results: one write
             on_launch=(self._on_launch if self.leases is not None and self.leases.count_deaths
                        else ignore_launch)))
-        self._wedge_lock = threading.Lock()
-        self._wedged_already = False
         self._stopping = threading.Event()
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
@@ -186,25 +183,21 @@ class FastConsumer:
         assert self.leases is not None
         self.leases.on_device(self.holdings.tags_of(items))
 
-    def _wedged(self, item: WorkItem, exc: BaseException) -> None:
-        """A request's hard time limit passed while its batch was on the device: fail it, send
-        the other held requests back, and leave so that the supervisor starts a fresh process."""
+    def _fail_wedged(self, item: WorkItem, exc: BaseException) -> None:
+        """A wedged device's request fails (policy/time_limits.py's :class:`Wedge`)."""
         d = self.holdings.find(item.request.id)
         if d is not None and not item.future.done():
             self.outcomes.fail(d, as_celery(exc), None, retry=False)
             self.holdings.release([d])
-        with self._wedge_lock:
-            if self._wedged_already:
-                return
-            self._wedged_already = True
+
+    def _give_back_all(self) -> None:
+        """The device is wedged and the process leaves: take no more, write what is finished,
+        send every held request back to its queue at once."""
         self._stopping.set()
         self.waker.close()
-        log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
         self._thread.join(timeout=5)  # what its last take took is held, and sent back below
         self.writer.close()
         self._restore_held()
-        logging.shutdown()
-        os._exit(EXIT_WEDGED)
 
     # -- intake --------------------------------------------------------------------------------
 
