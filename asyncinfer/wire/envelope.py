@@ -24,9 +24,8 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import orjson
@@ -36,7 +35,7 @@ from asyncinfer.wire import json_text
 from asyncinfer.wire.reply import REPLY_TO, reply_rule_broken
 
 __all__ = [
-    "Delivery",
+    "Message",
     "parse_envelope",
     "decode_body",
     "protocol2_body",
@@ -68,41 +67,25 @@ _MSGPACK = ("application/x-msgpack", "application/msgpack")
 _NO_EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 
 
-@dataclass
-class Delivery:
-    """One message taken from a queue, until its result is stored and it is acknowledged."""
+class Message(Protocol):
+    """What these functions read and fill of a message a worker took (the worker's
+    :class:`~asyncinfer.worker.intake.taken.TakenMessage`)."""
 
-    raw: bytes
+    raw: Any
     queue: str
-    received_at: float
-    envelope: dict[str, Any] = field(default_factory=dict)
-    tag: str = ""
-    request_id: str = ""
-    #: The Redis list it came from: the queue's, or one of its priority lists.
-    key: str = ""
-    #: Whether its STARTED state is stored already (by the take).
-    started: bool = False
-    #: Worker deaths counted against its request while it was on a device (leases).
-    deaths: int = 0
+    key: str
+    envelope: dict[str, Any]
+    tag: str
+    request_id: str
 
     @property
-    def list_key(self) -> str:
-        """Where the message goes back to (a retry, a restore): the list it came from."""
-        return self.key or self.queue
+    def list_key(self) -> str: ...
 
     @property
-    def headers(self) -> dict[str, Any]:
-        headers = self.envelope.get("headers")
-        return headers if isinstance(headers, dict) else {}
-
-    @property
-    def unacked_entry(self) -> str:
-        """What kombu keeps in its ``unacked`` hash for this message."""
-        info = (self.envelope.get("properties") or {}).get("delivery_info") or {}
-        return json.dumps([self.envelope, info.get("exchange", ""), info.get("routing_key", self.queue)])
+    def headers(self) -> dict[str, Any]: ...
 
 
-def parse_envelope(delivery: Delivery, loads: Callable[[Any], Any] = json_text.loads) -> None:
+def parse_envelope(delivery: Message, loads: Callable[[Any], Any] = json_text.loads) -> None:
     """Fill the envelope, delivery tag and request ID of ``delivery``; ValueError if malformed.
     ``loads`` reads the JSON text (kombu's own reader, in the project's kombu channel).
 
@@ -173,7 +156,7 @@ def printable(text: object, limit: int = 200) -> str:
     return shown + ("..." if len(whole) > limit else "")
 
 
-def decode_body(delivery: Delivery, max_body_bytes: int | None = None
+def decode_body(delivery: Message, max_body_bytes: int | None = None
                 ) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
     """``(args, kwargs, embed)`` of a protocol-2 task message; InvalidRequest when refused.
 
@@ -259,7 +242,7 @@ def request_id_in(raw: bytes | str) -> str:
 MALFORMED_DROPPED = "dropped a malformed message on %s (%s: %s): %s"
 
 
-def malformed_error(delivery: Delivery, exc: BaseException) -> InvalidRequest | None:
+def malformed_error(delivery: Message, exc: BaseException) -> InvalidRequest | None:
     """What every consumer answers a message that is no valid kombu envelope with (``exc`` says
     which rule it broke): an InvalidRequest naming the request ID its text holds (then set on
     ``delivery``), or None when its text names none (it is logged, with :data:`MALFORMED_DROPPED`,
@@ -394,7 +377,7 @@ def uuid4_text() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None = None) -> str:
+def retry_message(delivery: Message, countdown_s: float, now: datetime | None = None) -> str:
     """The message that retries ``delivery`` in ``countdown_s`` seconds, as ``Task.retry`` sends
     it: the same body, ``retries`` one more, an ``eta``, a new delivery tag."""
     envelope = json.loads(delivery.raw)  # a fresh copy of the envelope
@@ -408,7 +391,7 @@ def retry_message(delivery: Delivery, countdown_s: float, now: datetime | None =
     return json.dumps(envelope)
 
 
-def restored_message(delivery: Delivery) -> str:
+def restored_message(delivery: Message) -> str:
     """``delivery`` as kombu puts an unacknowledged message back on its queue (``redelivered``)."""
     envelope = json.loads(delivery.raw)
     envelope.setdefault("headers", {})["redelivered"] = True

@@ -38,7 +38,8 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
 from asyncinfer.keys import dead_letter_key
-from asyncinfer.wire.envelope import Delivery, uuid4_text
+from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.worker.intake.taken import TakenMessage
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
@@ -159,7 +160,7 @@ def options_of(app: Celery, model: str) -> ModelOptions:
 
 # -- the worker's side ------------------------------------------------------------------------------
 
-def add_failure(pipe: Any, app: Celery, delivery: Delivery, exc: BaseException | Any, *,
+def add_failure(pipe: Any, app: Celery, delivery: TakenMessage, exc: BaseException | Any, *,
                 worker: str) -> None:
     """Add the dead letter of ``delivery``, which failed for good with ``exc`` on ``worker``, to
     ``pipe`` (the broker's write of that FAILURE) when its model opted in. Never raises: a dead

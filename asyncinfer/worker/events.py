@@ -29,7 +29,7 @@ from celery import Celery, states
 from celery.utils.saferepr import saferepr
 from celery.utils.time import utcoffset
 
-from asyncinfer.wire.envelope import Delivery
+from asyncinfer.worker.intake.taken import TakenMessage
 
 __all__ = ["TaskEvents"]
 
@@ -79,7 +79,7 @@ class TaskEvents:
                       clock=self._clock.forward(), timestamp=time.time(), type=type_)
         self._buffer.append(fields)
 
-    def received(self, d: Delivery) -> None:
+    def received(self, d: TakenMessage) -> None:
         """``task-received`` of a message the worker took."""
         if not self.enabled:
             return
@@ -89,12 +89,12 @@ class TaskEvents:
                    root_id=h.get("root_id"), parent_id=h.get("parent_id"),
                    retries=h.get("retries", 0), eta=h.get("eta"), expires=h.get("expires"))
 
-    def started(self, d: Delivery) -> None:
+    def started(self, d: TakenMessage) -> None:
         """``task-started`` of a request that went to its model."""
         if self.enabled:
             self._send("task-started", uuid=d.request_id)
 
-    def finished(self, d: Delivery, state: str, result: Any, expired: bool = False) -> None:
+    def finished(self, d: TakenMessage, state: str, result: Any, expired: bool = False) -> None:
         """``task-succeeded`` (with its runtime), ``task-failed``, ``task-revoked`` or
         ``task-retried``."""
         if not self.enabled or not d.request_id:

@@ -41,7 +41,6 @@ from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.envelope import (
     MALFORMED_DROPPED,
-    Delivery,
     decode_body,
     malformed_error,
     parse_envelope,
@@ -53,6 +52,7 @@ from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
 from asyncinfer.worker.intake.holdings import Holdings
 from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (
     DELAY,
     EXPIRED,
@@ -98,7 +98,7 @@ class Pipeline:
     def took(self, taken: list[Taken]) -> None:
         """Start what the take script popped and recorded; store the STARTED states it did not."""
         received_at = time.perf_counter()
-        deliveries: list[Delivery] = []
+        deliveries: list[TakenMessage] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
             deliveries += self._parse(queue_of_list(key), key,
                                       [(raw, rec, started, died)
@@ -112,10 +112,10 @@ class Pipeline:
         self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
 
     def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool, int]],
-               received_at: float) -> list[Delivery]:
+               received_at: float) -> list[TakenMessage]:
         deliveries = []
         for raw, recorded, started, died in raws:
-            d = Delivery(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
+            d = TakenMessage(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
                          deaths=died)
             try:
                 parse_envelope(d)
@@ -130,7 +130,7 @@ class Pipeline:
         self.holdings.add(*deliveries)  # one lock for the whole take
         return deliveries
 
-    def _malformed(self, d: Delivery, exc: Exception, recorded: bool) -> None:
+    def _malformed(self, d: TakenMessage, exc: Exception, recorded: bool) -> None:
         """Answer a message that is no kombu envelope as every consumer does
         (:func:`~asyncinfer.wire.envelope.malformed_error`): a FAILURE for the request ID its text
         names, if any; else a log line. Either way it is gone from the queue and from the
@@ -151,10 +151,10 @@ class Pipeline:
         self.outcomes.fail(d, error, retry=False)
 
     @staticmethod
-    def _should_start(d: Delivery) -> bool:
+    def _should_start(d: TakenMessage) -> bool:
         return bool(d.request_id) and d.headers.get("task") == TASK_NAME and not d.headers.get("eta")
 
-    def _skip_answered(self, deliveries: list[Delivery]) -> list[Delivery]:
+    def _skip_answered(self, deliveries: list[TakenMessage]) -> list[TakenMessage]:
         """Acknowledge, without running them again, redelivered requests whose result is already
         stored (a worker died between storing the result and the acknowledgement)."""
         again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
@@ -171,7 +171,7 @@ class Pipeline:
 
     # -- 4-6: admit, decode, batch -----------------------------------------------------------------
 
-    def _start_all(self, deliveries: list[Delivery]) -> None:
+    def _start_all(self, deliveries: list[TakenMessage]) -> None:
         runners = [r.batcher for r in self.runtime.runners()]
         for batcher in runners:  # batches forming now may wait for these requests
             batcher.hold()
@@ -184,13 +184,13 @@ class Pipeline:
                 batcher.release()
         self.events.flush()
 
-    def _resume(self, d: Delivery) -> None:
+    def _resume(self, d: TakenMessage) -> None:
         if self.stopping():  # left held: sent back to its queue at shutdown
             return
         self.holdings.resume(d)
         self._start(d, waited=True)
 
-    def _start(self, d: Delivery, waited: bool = False) -> None:
+    def _start(self, d: TakenMessage, waited: bool = False) -> None:
         if not d.request_id:
             self.outcomes.acknowledge(d)  # nothing to answer
             log.error("dropped a message without a request ID on %s", d.queue)

@@ -21,13 +21,14 @@ from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.keys import dead_letter_key
 from asyncinfer.ops.dead import requeue_message
-from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope, task_message
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
     entry_for,
     options_of,
     push,
 )
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, add_dead_letter
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,14 +41,14 @@ OPTIONS = json.dumps({"poison": {"dead_letter": True},
 
 # -- in-process: the entry, its bounds, which outcomes make one ----------------------------------
 
-def _delivery(model: str = "poison", retries: int = 0, key: str = "") -> Delivery:
+def _delivery(model: str = "poison", retries: int = 0, key: str = "") -> TakenMessage:
     request_id = str(uuid.uuid4())
     raw = task_message("asyncinfer.infer", request_id, {"model": model, "inputs": []}, f"infer.{model}")
     envelope = json.loads(raw)
     envelope["headers"]["retries"] = retries
     envelope["headers"]["eta"] = "2020-01-01T00:00:00+00:00"
     envelope["headers"]["redelivered"] = True
-    d = Delivery(raw=json.dumps(envelope).encode(), queue=f"infer.{model}", received_at=time.time(),
+    d = TakenMessage(raw=json.dumps(envelope).encode(), queue=f"infer.{model}", received_at=time.time(),
                  key=key)
     parse_envelope(d)
     return d

@@ -13,7 +13,8 @@ import msgpack
 import pytest
 
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message, uuid4_text
+from asyncinfer.wire.envelope import parse_envelope, task_message, uuid4_text
+from asyncinfer.worker.intake.taken import TakenMessage
 
 NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -57,7 +58,7 @@ def test_msgpack_bodies_carry_the_same_parts() -> None:
 def test_the_envelope_parses_with_its_headers_and_time_limits(limits: tuple[Any, Any]) -> None:
     raw = task_message(TASK_NAME, "r-5", {"model": "m"}, "infer.m", time_limit_s=limits[0],
                        soft_time_limit_s=limits[1], reply_to="asyncinfer:reply:c")
-    delivery = Delivery(raw=raw.encode(), queue="infer.m", received_at=0.0)
+    delivery = TakenMessage(raw=raw.encode(), queue="infer.m", received_at=0.0)
     parse_envelope(delivery)
     assert delivery.request_id == "r-5" and delivery.headers["task"] == TASK_NAME
     assert json.loads(raw)["headers"]["timelimit"] == list(limits)

@@ -25,8 +25,9 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.policy.retry_budget import BudgetDecision
 from asyncinfer.policy.time_limits import TimeLimits
-from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope, task_message
 from asyncinfer.worker.intake.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (
     DELAY,
     EXPIRED,
@@ -84,11 +85,11 @@ def test_only_a_final_state_answers_a_redelivered_copy() -> None:
 # -- the one in-flight account --------------------------------------------------------------------
 
 
-def _delivery(request_id: str = "r1", task: str = TASK_NAME, retries: int = 0) -> Delivery:
+def _delivery(request_id: str = "r1", task: str = TASK_NAME, retries: int = 0) -> TakenMessage:
     raw = task_message(task, request_id, {"model": "m", "inputs": []}, "infer.m")
     envelope = json.loads(raw)
     envelope["headers"]["retries"] = retries
-    d = Delivery(raw=json.dumps(envelope).encode(), queue="infer.m", received_at=0.0, key="infer.m")
+    d = TakenMessage(raw=json.dumps(envelope).encode(), queue="infer.m", received_at=0.0, key="infer.m")
     parse_envelope(d)
     return d
 

@@ -16,7 +16,8 @@ from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import InvalidRequest, TransientError, TransientModelError
 from asyncinfer.policy.retries import RetryPolicy, is_transient
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
-from asyncinfer.wire.envelope import Delivery, parse_envelope, retry_message, seconds_until, task_message
+from asyncinfer.wire.envelope import parse_envelope, retry_message, seconds_until, task_message
+from asyncinfer.worker.intake.taken import TakenMessage
 
 # -- retry options --------------------------------------------------------------------------------
 
@@ -72,9 +73,9 @@ def test_retry_policy_reads_celery_task_options() -> None:
 
 def test_retry_message_is_the_same_request_one_retry_later() -> None:
     raw = task_message("asyncinfer.infer", "rid-1", {"model": "m", "inputs": []}, "infer.m")
-    d = Delivery(raw=raw.encode(), queue="infer.m", received_at=0.0)
+    d = TakenMessage(raw=raw.encode(), queue="infer.m", received_at=0.0)
     parse_envelope(d)
-    again = Delivery(raw=retry_message(d, 2.5).encode(), queue="infer.m", received_at=0.0)
+    again = TakenMessage(raw=retry_message(d, 2.5).encode(), queue="infer.m", received_at=0.0)
     parse_envelope(again)
     assert again.request_id == "rid-1"
     assert again.headers["retries"] == 1
@@ -82,7 +83,7 @@ def test_retry_message_is_the_same_request_one_retry_later() -> None:
     left = seconds_until(again.headers["eta"])
     assert left is not None and 0 < left <= 2.5
     assert json.loads(again.raw)["body"] == json.loads(raw)["body"]
-    third = Delivery(raw=retry_message(again, 0).encode(), queue="infer.m", received_at=0.0)
+    third = TakenMessage(raw=retry_message(again, 0).encode(), queue="infer.m", received_at=0.0)
     parse_envelope(third)
     assert third.headers["retries"] == 2
 

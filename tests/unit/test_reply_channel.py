@@ -17,8 +17,9 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
-from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope, task_message
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
 CHANNEL = REPLY_CHANNEL_PREFIX + "c0ffee"
@@ -37,7 +38,7 @@ def test_a_reply_channel_outside_the_rule_is_refused_naming_the_header(value: An
     # Given a message whose reply header breaks the rule
     raw = json.loads(task_message(TASK_NAME, "r-1", {"model": "m", "inputs": []}, "infer.m"))
     raw["headers"][REPLY_TO] = value
-    delivery = Delivery(raw=json.dumps(raw).encode(), queue="infer.m", received_at=0.0)
+    delivery = TakenMessage(raw=json.dumps(raw).encode(), queue="infer.m", received_at=0.0)
     # When the worker parses it, then it is refused with the header's name and the rule
     with pytest.raises(ValueError) as err:
         parse_envelope(delivery)
@@ -68,8 +69,8 @@ def writer() -> Iterator[tuple[ResultWriter, fakeredis.FakeRedis, threading.Even
         broker.flushall()
 
 
-def _delivery(request_id: str, reply_to: str | None) -> Delivery:
-    d = Delivery(raw=task_message(TASK_NAME, request_id, {"model": "m", "inputs": []}, "infer.m",
+def _delivery(request_id: str, reply_to: str | None) -> TakenMessage:
+    d = TakenMessage(raw=task_message(TASK_NAME, request_id, {"model": "m", "inputs": []}, "infer.m",
                                   reply_to=reply_to).encode(), queue="infer.m", received_at=0.0)
     parse_envelope(d)
     return d

@@ -21,7 +21,8 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.wire.envelope import Delivery, parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope, task_message
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
 URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakeredis
@@ -102,9 +103,9 @@ def writer(broker: _Refusing) -> Iterator[tuple[ResultWriter, list[list[Outcome]
         w.close()
 
 
-def _taken(broker: redis.Redis, request_id: str) -> Delivery:
+def _taken(broker: redis.Redis, request_id: str) -> TakenMessage:
     """A message as the take script leaves it: recorded as unacknowledged."""
-    d = Delivery(raw=task_message(TASK_NAME, request_id, {"model": "m", "inputs": []},
+    d = TakenMessage(raw=task_message(TASK_NAME, request_id, {"model": "m", "inputs": []},
                                   "infer.m").encode(), queue="infer.m", received_at=0.0, key="infer.m")
     parse_envelope(d)
     broker.hset(UNACKED_KEY, d.tag, d.unacked_entry)

@@ -16,7 +16,7 @@ import redis
 
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.policy.retries import Retries
-from asyncinfer.wire.envelope import Delivery
+from asyncinfer.worker.intake.taken import TakenMessage
 
 __all__ = ["FirstAttempts", "COUNT_INTERVAL_S"]
 
@@ -35,7 +35,7 @@ class FirstAttempts:
         self._uncounted = 0
         self._sent_at = 0.0
 
-    def add(self, deliveries: Iterable[Delivery]) -> None:
+    def add(self, deliveries: Iterable[TakenMessage]) -> None:
         """Count the first attempts of asyncinfer.infer among ``deliveries``; send if due."""
         self._uncounted += sum(1 for d in deliveries
                                if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.wire.envelope import Delivery
+from asyncinfer.worker.intake.taken import TakenMessage
 
 __all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
 
@@ -31,7 +31,7 @@ RESERVED, ACTIVE, SCHEDULED = "reserved", "active", "scheduled"
 class Holding:
     """One held message and where it stands."""
 
-    delivery: Delivery
+    delivery: TakenMessage
     state: str = RESERVED
     #: ``time.time()`` when it was handed to the device (Celery's ``time_start``).
     started_at: float | None = None
@@ -44,7 +44,7 @@ class Holdings:
         #: The bound: a number, or asked each time (it follows the device's pace).
         self._bound = max_in_flight if callable(max_in_flight) else (lambda: max_in_flight)
         self._held: dict[int, Holding] = {}
-        #: Delivery tags by request ID, for what goes onto the device (the leases' marks).
+        #: TakenMessage tags by request ID, for what goes onto the device (the leases' marks).
         self._tags: dict[str, str] = {}
         self._in_flight = 0
         self._cond = threading.Condition()
@@ -57,7 +57,7 @@ class Holdings:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def add(self, *deliveries: Delivery) -> None:
+    def add(self, *deliveries: TakenMessage) -> None:
         """Hold ``deliveries`` (taken); each counts towards the bound."""
         with self._cond:
             for d in deliveries:
@@ -67,22 +67,22 @@ class Holdings:
                     if d.tag and d.request_id:
                         self._tags[d.request_id] = d.tag
 
-    def start(self, d: Delivery) -> None:
+    def start(self, d: TakenMessage) -> None:
         """``d`` is handed to the device."""
         with self._cond:
             holding = self._held.get(id(d))
             if holding is not None:
                 holding.state, holding.started_at = ACTIVE, time.time()
 
-    def schedule(self, d: Delivery) -> None:
+    def schedule(self, d: TakenMessage) -> None:
         """``d`` waits for its ``eta``: still held, no longer counted."""
         self._move(d, SCHEDULED, -1)
 
-    def resume(self, d: Delivery) -> None:
+    def resume(self, d: TakenMessage) -> None:
         """``d``'s ``eta`` came: counted again."""
         self._move(d, RESERVED, +1)
 
-    def _move(self, d: Delivery, state: str, count: int) -> None:
+    def _move(self, d: TakenMessage, state: str, count: int) -> None:
         with self._cond:
             holding = self._held.get(id(d))
             if holding is None or (holding.state == SCHEDULED) == (state == SCHEDULED):
@@ -91,7 +91,7 @@ class Holdings:
             self._in_flight += count
             self._cond.notify_all()
 
-    def release(self, deliveries: list[Delivery]) -> None:
+    def release(self, deliveries: list[TakenMessage]) -> None:
         """``deliveries`` are answered and acknowledged: no longer held."""
         with self._cond:
             for d in deliveries:
@@ -132,6 +132,6 @@ class Holdings:
         tags = self._tags
         return [(tags[i.request.id], i.request.id, i) for i in items if i.request.id in tags]
 
-    def find(self, request_id: str) -> Delivery | None:
+    def find(self, request_id: str) -> TakenMessage | None:
         """The held message of ``request_id``, if any."""
         return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)

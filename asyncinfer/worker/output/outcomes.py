@@ -18,10 +18,11 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.constants import TASK_NAME, model_from_queue
 from asyncinfer.errors import ModelError, RequestExpired, RequestRevoked
-from asyncinfer.wire.envelope import Delivery, printable, retry_message
+from asyncinfer.wire.envelope import printable, retry_message
 from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
@@ -30,7 +31,7 @@ __all__ = ["Outcomes", "model_of"]
 log = logging.getLogger(__name__)
 
 
-def model_of(d: Delivery) -> str:
+def model_of(d: TakenMessage) -> str:
     """The model a message is for, by its queue (the queue's name when it is no ``infer.*``)."""
     return model_from_queue(d.queue) or d.queue
 
@@ -46,18 +47,18 @@ class Outcomes:
         #: ``response(request, completed, hostname)``: the v2 response of a finished request.
         self.response = response
 
-    def succeed(self, d: Delivery, response: Any, embed: dict[str, Any] | None) -> None:
+    def succeed(self, d: TakenMessage, response: Any, embed: dict[str, Any] | None) -> None:
         self.settlement.succeeded(d, model_of(d), response)
         self.writer.put(Outcome(d, states.SUCCESS, response, embed))
 
-    def revoke(self, d: Delivery, expired: bool, embed: dict[str, Any] | None = None,
+    def revoke(self, d: TakenMessage, expired: bool, embed: dict[str, Any] | None = None,
                reason: str | None = None) -> None:
         """``d`` was revoked (or ``expired``) before it ran; ``reason`` says where."""
         self.settlement.revoked(d, model_of(d), expired)
         error = TaskRevokedError(reason or ("expired" if expired else "revoked"))
         self.writer.put(Outcome(d, states.REVOKED, error, embed))
 
-    def fail(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None = None,
+    def fail(self, d: TakenMessage, exc: BaseException, embed: dict[str, Any] | None = None,
              retry: bool = True) -> None:
         """``d`` failed with ``exc``: retried when the task's options say so, else FAILURE."""
         if retry and self._retry(d, exc, embed):
@@ -65,11 +66,11 @@ class Outcomes:
         self.settlement.failed(d, model_of(d), exc)
         self.writer.put(Outcome(d, states.FAILURE, exc, embed))
 
-    def acknowledge(self, d: Delivery, state: str = states.FAILURE) -> None:
+    def acknowledge(self, d: TakenMessage, state: str = states.FAILURE) -> None:
         """Acknowledge ``d`` without storing a result (nothing to answer, or answered before)."""
         self.writer.put(Outcome(d, state, None, store=False))
 
-    def _retry(self, d: Delivery, exc: BaseException, embed: dict[str, Any] | None) -> bool:
+    def _retry(self, d: TakenMessage, exc: BaseException, embed: dict[str, Any] | None) -> bool:
         if not (d.tag and d.headers.get("task") == TASK_NAME):
             return False
         retries = int(d.headers.get("retries") or 0)
@@ -79,7 +80,7 @@ class Outcomes:
         self.writer.put(Outcome(d, states.RETRY, exc, embed, retry=retry_message(d, countdown_s)))
         return True
 
-    def settle(self, d: Delivery, request: Request, future: Future[Any],
+    def settle(self, d: TakenMessage, request: Request, future: Future[Any],
                embed: dict[str, Any] | None) -> None:
         """Settle ``d`` once its future is done (a done-callback: nothing may escape it, or the
         request would stay in flight unanswered)."""
@@ -92,7 +93,7 @@ class Outcomes:
                 f"request {d.request_id}: the worker could not settle it ({type(exc).__name__}: "
                 f"{exc})")))
 
-    def _settle(self, d: Delivery, request: Request, future: Future[Any],
+    def _settle(self, d: TakenMessage, request: Request, future: Future[Any],
                 embed: dict[str, Any] | None) -> None:
         exc = future.exception()
         if exc is not None:

@@ -38,11 +38,12 @@ from asyncinfer.connections import wait_replicas
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
-from asyncinfer.wire.envelope import Delivery, result_meta
+from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.take import StartedText
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
 
@@ -58,7 +59,7 @@ _MARK = "@request-id@"
 class Outcome:
     """How one request ended: a state and its result (a response, or an exception)."""
 
-    delivery: Delivery
+    delivery: TakenMessage
     state: str
     result: Any
     embed: dict[str, Any] | None = None
@@ -151,7 +152,7 @@ class ResultWriter:
             if gathered:
                 self._queue.put(gathered)
 
-    def started(self, pipe: Any, deliveries: list[Delivery], hostname: str) -> None:
+    def started(self, pipe: Any, deliveries: list[TakenMessage], hostname: str) -> None:
         """Add the STARTED states of ``deliveries`` to ``pipe`` (Celery's
         ``task_track_started``), a plain pipeline of :attr:`results`, as one store call."""
         prefix, suffix = self._started_text(hostname)
@@ -159,7 +160,7 @@ class ResultWriter:
                                  prefix + json.dumps(d.request_id) + suffix, "", "")
                                 for d in deliveries])
 
-    def store_started(self, deliveries: list[Delivery], hostname: str) -> None:
+    def store_started(self, deliveries: list[TakenMessage], hostname: str) -> None:
         """Store the STARTED states of ``deliveries`` now (those the take did not: a redelivered
         request not answered yet, a result backend other than the broker). A courtesy: the
         requests are safely recorded whatever Redis says."""
