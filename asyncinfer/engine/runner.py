@@ -12,14 +12,12 @@ request does not fail the others.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,23 +30,16 @@ from asyncinfer.engine.completion import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.gate import DeviceGate
-from asyncinfer.engine.hooks import (
-    LaunchObserver,
-    WedgedHandler,
-    ignore_batch,
-    ignore_launch,
-    settle_wedged,
-)
+from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
+from asyncinfer.engine.limits import LimitWatch
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
 from asyncinfer.errors import (
-    HardTimeLimit,
     InvalidRequest,
     ModelError,
     RequestExpired,
     RequestRevoked,
-    SoftTimeLimit,
     TransientModelError,
 )
 from asyncinfer.models.base import Batch, Model
@@ -77,10 +68,8 @@ class ModelRunner:
 
     def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
-                 on_wedged: WedgedHandler | None = None, is_transient: Transient = is_transient,
-                 on_batch: BatchObserver | None = None,
-                 settling: Callable[[], AbstractContextManager[Any]] | None = None,
-                 on_launch: LaunchObserver | None = None) -> None:
+                 is_transient: Transient = is_transient, on_batch: BatchObserver | None = None,
+                 hooks: DeviceHooks | Callable[[], DeviceHooks] | None = None) -> None:
         self.model = model
         self.device = device
         opts = options or model.options
@@ -90,19 +79,16 @@ class ModelRunner:
         self.max_batch_size = opts.max_batch_size
         self.is_revoked = is_revoked or (lambda request_id: False)
         self.timer = timer
-        self.on_wedged = on_wedged or settle_wedged
         #: Which model exceptions are worth retrying; who hears of each finished batch.
         self.is_transient = is_transient
         self.on_batch: BatchObserver = on_batch or ignore_batch
-        #: What a batch's requests are settled inside (the fast consumer's result writer gathers
-        #: their outcomes into one write).
-        self.settling = settling or contextlib.nullcontext
-        #: Who hears of each batch just before it goes onto the device (the worker's leases mark
-        #: what a death there would count against).
-        self.on_launch: LaunchObserver = on_launch or ignore_launch
-        #: Set once a batch overran its hard time limit on the device: the process is being
-        #: replaced, and the requests still waiting are left to be redelivered, not failed.
-        self.wedged = False
+        #: Whom the runner tells of a batch going onto the device, of settling a batch's requests,
+        #: of a wedged device (engine/hooks.py): fixed, or asked each time (the worker's runtime
+        #: hands over to whoever serves its requests).
+        fixed = hooks if isinstance(hooks, DeviceHooks) else DeviceHooks()
+        self._hooks: Callable[[], DeviceHooks] = hooks if callable(hooks) else (lambda: fixed)
+        #: The requests' time limits, on the timer.
+        self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged)
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
         #: Seconds a batch takes from forming to its results (a moving average; None until one
         #: ran): how fast this model gets through what a worker holds.
@@ -174,36 +160,9 @@ class ModelRunner:
         if expires_in_s is not None:
             item.deadline = item.received_at + expires_in_s
         if time_limits:
-            self._watch(item, time_limits)
+            self.limits.watch(item, time_limits)
         self.batcher.put(item)
         return item.future
-
-    def _watch(self, item: WorkItem, limits: TimeLimits) -> None:
-        if self.timer is None:
-            raise RuntimeError(f"model '{self.model.name}': time limits need the runner's timer")
-        elapsed_s = time.perf_counter() - item.received_at
-        if limits.soft_s is not None:
-            self.timer.call_later(limits.soft_s - elapsed_s, lambda: self._soft_limit(item, limits))
-        if limits.hard_s is not None:
-            self.timer.call_later(limits.hard_s - elapsed_s, lambda: self._hard_limit(item, limits))
-
-    def _soft_limit(self, item: WorkItem, limits: TimeLimits) -> None:
-        settle(item.future, exc=SoftTimeLimit(
-            f"request {item.request.id}: soft time limit ({limits.soft_s:g} s) exceeded on model "
-            f"'{self.model.name}' ({'on the device' if item.on_device else 'waiting for the device'})"))
-
-    def _hard_limit(self, item: WorkItem, limits: TimeLimits) -> None:
-        if not item.on_device and (item.future.done() or self.wedged):
-            return  # answered, or left unanswered for redelivery once the process is replaced
-        where = "its batch is still on the device" if item.on_device else "waiting for the device"
-        exc = HardTimeLimit(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
-                                f"exceeded on model '{self.model.name}' ({where})")
-        if item.on_device:  # the device has not come back in time: it is wedged
-            log.critical("model %s: %s; the device is wedged", self.model.name, exc)
-            self.wedged = True
-            self.on_wedged(item, exc)
-        else:
-            settle(item.future, exc=exc)
 
     def close(self) -> None:
         """Stop the threads; requests still queued fail with an error saying so."""
@@ -326,7 +285,7 @@ class ModelRunner:
         with self._gate.enter(alone):
             for item in job.items:
                 item.on_device = True
-            self.on_launch(job.items)
+            self._hooks().on_launch(job.items)
             with self.device.on_stream(stream), torch.inference_mode():
                 on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
                 outputs = self.model.forward(on_device)
@@ -407,7 +366,7 @@ class ModelRunner:
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
         took_s = time.perf_counter() - started
         self.batch_s = took_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * took_s
-        with self.settling():
+        with self._hooks().settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 
 

@@ -95,10 +95,8 @@ class WorkerRuntime:
         instance = self.registry.create(model, request_id)
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
-                           on_wedged=lambda item, exc: self.hooks.on_wedged(item, exc),
                            is_transient=is_transient, on_batch=self.metrics.record_batch,
-                           settling=lambda: self.hooks.settling(),
-                           on_launch=lambda items: self.hooks.on_launch(items))
+                           hooks=lambda: self.hooks)  # whoever serves its requests, now
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()

@@ -15,6 +15,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.completion import Completed
 from asyncinfer.engine.device import Device, DeviceSpec
+from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
 from asyncinfer.models.base import Batch, Model
@@ -433,7 +434,7 @@ def test_a_batchs_requests_are_settled_inside_one_settling_scope(pipelined: bool
 
     runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")),
                          ModelOptions(max_batch_size=16, max_delay_ms=200, pipelined=pipelined,
-                                      warmup=False), settling=settling)
+                                      warmup=False), hooks=DeviceHooks(settling=settling))
     requests = [scalar_request(f"r{i}", float(i), model="identity") for i in range(8)]
     seen: list[str] = []
     with started(runner):
