@@ -49,11 +49,11 @@ from asyncinfer.kombu_take import AtomicTake
 from asyncinfer.redis_refusals import REFUSED_CLASSES, refusal_reason, refusing_parser
 from asyncinfer.wire.envelope import (
     MALFORMED_DROPPED,
+    Message,
     malformed_error,
     parse_envelope,
     printable,
 )
-from asyncinfer.worker.intake.taken import TakenMessage
 
 __all__ = ["Transport", "SecureTransport", "Channel", "SentinelTransport", "SentinelChannel",
            "OnMalformed"]
@@ -252,7 +252,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
 
     def _checked(self, raw: Any, queue: str) -> dict[str, Any] | None:
         """The envelope of ``raw`` if it keeps the rules of a kombu message, else None (answered)."""
-        delivery = TakenMessage(raw=raw, queue=queue, received_at=0.0)
+        delivery = Message(raw=raw, queue=queue)
         try:
             parse_envelope(delivery, loads=_kombu_loads)  # kombu's reader, as kombu loads it
         except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, ...: this one only
@@ -284,8 +284,8 @@ class Channel(AtomicTake, kombu_redis.Channel):
                 if unrecorded:
                     self._unrecorded.popleft()
                 raise
-            delivery = TakenMessage(raw=raw if raw is not None else repr(envelope)[:4096].encode(),
-                                queue=queue, received_at=0.0, envelope=envelope)
+            delivery = Message(raw=raw if raw is not None else repr(envelope)[:4096].encode(),
+                               queue=queue, envelope=envelope)
             request_id = delivery.headers.get("id")
             delivery.request_id = request_id if isinstance(request_id, str) else ""
             self._malformed(delivery, InvalidRequest(f"request {delivery.request_id}: {exc}")
@@ -297,7 +297,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
             self._unrecorded.popleft()
         return True
 
-    def _malformed(self, delivery: TakenMessage, exc: BaseException) -> None:
+    def _malformed(self, delivery: Message, exc: BaseException) -> None:
         error = malformed_error(delivery, exc)
         if error is None:
             log.error(MALFORMED_DROPPED, delivery.queue, type(exc).__name__, printable(exc),

@@ -24,8 +24,9 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import orjson
@@ -67,22 +68,35 @@ _MSGPACK = ("application/x-msgpack", "application/msgpack")
 _NO_EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 
 
-class Message(Protocol):
-    """What these functions read and fill of a message a worker took (the worker's
+@dataclass
+class Message:
+    """A message as taken from a queue: its text and what :func:`parse_envelope` reads of it (the
+    worker's bookkeeping of a taken message is its own:
     :class:`~asyncinfer.worker.intake.taken.TakenMessage`)."""
 
-    raw: Any
+    raw: bytes
     queue: str
-    key: str
-    envelope: dict[str, Any]
-    tag: str
-    request_id: str
+    envelope: dict[str, Any] = field(default_factory=dict)
+    tag: str = ""
+    request_id: str = ""
+    #: The Redis list it came from: the queue's, or one of its priority lists.
+    key: str = ""
 
     @property
-    def list_key(self) -> str: ...
+    def list_key(self) -> str:
+        """Where the message goes back to (a retry, a restore): the list it came from."""
+        return self.key or self.queue
 
     @property
-    def headers(self) -> dict[str, Any]: ...
+    def headers(self) -> dict[str, Any]:
+        headers = self.envelope.get("headers")
+        return headers if isinstance(headers, dict) else {}
+
+    @property
+    def unacked_entry(self) -> str:
+        """What kombu keeps in its ``unacked`` hash for this message."""
+        info = (self.envelope.get("properties") or {}).get("delivery_info") or {}
+        return json.dumps([self.envelope, info.get("exchange", ""), info.get("routing_key", self.queue)])
 
 
 def parse_envelope(delivery: Message, loads: Callable[[Any], Any] = json_text.loads) -> None:
