@@ -23,6 +23,7 @@ from asyncinfer.ops.cli_io import (
     read_inputs,
     with_datatype_hint,
 )
+from asyncinfer.ops.subcommands import SubcommandParser
 
 __all__ = ["main"]
 
@@ -231,25 +232,6 @@ def cmd_dead(args: argparse.Namespace) -> int:
     return run_dead(args)
 
 
-class _DefaultsShown(argparse.HelpFormatter):
-    """Adds ``(default: X)`` to an option's help unless it names its default itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
-                and action.option_strings):
-            text += f" (default: {action.default})"
-        return text
-
-
-class _SubParser(argparse.ArgumentParser):
-    """A subcommand's parser: every option's help shows its default."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _DefaultsShown)
-        super().__init__(*args, **kwargs)
-
-
 def _output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretty", action="store_true", help="indented JSON instead of one line")
     p.add_argument("--output", choices=("json", "npy"), default="json",
@@ -262,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker-url", help="broker URL (default: ASYNCINFER_BROKER_URL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=_SubParser)
+                                parser_class=SubcommandParser)
 
     p = sub.add_parser("up", help="broker (embedded Redis if none configured) + a worker per device")
     p.add_argument("--devices", help="comma-separated devices (default: every accelerator, else cpu)")
