@@ -35,7 +35,7 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
-from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
 

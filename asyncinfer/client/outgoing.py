@@ -13,7 +13,8 @@ from typing import Any
 
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.envelope import check_request_id, printable, task_message
+from asyncinfer.wire.envelope import check_request_id, printable
+from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.payloads import to_input_payload
 from asyncinfer.wire.reply import REPLY_TO
 

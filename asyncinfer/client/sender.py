@@ -29,7 +29,7 @@ from asyncinfer.connections import broker_error, is_redis_url, redis_client
 from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Sender"]
 

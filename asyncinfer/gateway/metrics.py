@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from asyncinfer.constants import priority_lists, queue_for
 from asyncinfer.gateway.tensors import InferCall
-from asyncinfer.wire.envelope import SENT_AT
+from asyncinfer.wire.messages import SENT_AT
 
 __all__ = ["GatewayMetrics"]
 

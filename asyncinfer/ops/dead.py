@@ -19,7 +19,7 @@ from typing import Any
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for, queue_of_list
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
-from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.worker.dead_letters import DeadLetter
 
 __all__ = ["run_dead", "DeadLetters", "Requeued", "requeue_message"]

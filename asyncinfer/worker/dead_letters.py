@@ -38,7 +38,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
 from asyncinfer.keys import dead_letter_key
-from asyncinfer.wire.envelope import uuid4_text
+from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.worker.intake.taken import TakenMessage
 
 if TYPE_CHECKING:

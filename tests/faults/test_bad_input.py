@@ -23,7 +23,7 @@ import pytest
 
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest, UnknownModel
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from tests.support.processes import SESSION_MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,7 +24,7 @@ import redis
 from asyncinfer.client import Client
 from asyncinfer.constants import TASK_NAME, queue_for
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from tests.support.databases import RedisDatabases
 from tests.support.processes import SESSION_MAX_PAYLOAD_BYTES, WorkerProcess, start_worker
 from tests.support.waiting import wait_for

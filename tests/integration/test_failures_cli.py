@@ -60,7 +60,7 @@ def test_result_of_a_queued_request_names_its_queue_and_place(redis_db) -> None:
 def test_whereabouts_of_taken_running_and_unclaimed_queued_requests(redis_db) -> None:
     from asyncinfer.celery_app import create_app
     from asyncinfer.keys import UNACKED_KEY
-    from asyncinfer.wire.envelope import task_message
+    from asyncinfer.wire.messages import task_message
 
     app = create_app(Settings(broker_url=redis_db.url))
     backend, r = app.backend, redis_db.client

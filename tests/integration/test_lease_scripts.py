@@ -22,7 +22,7 @@ from asyncinfer.keys import (
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.intake.leases import Leases, holder_of, is_dead_here
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.output.store import StoreScript

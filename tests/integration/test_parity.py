@@ -23,7 +23,7 @@ from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
 from asyncinfer.models.builtin import MLP
 from asyncinfer.ops.redis_server import free_port
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.reply import REPLY_TO
 from tests.support.databases import RedisDatabases
 from tests.support.metrics import scrape, value

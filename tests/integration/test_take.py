@@ -13,7 +13,7 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.intake.take import StartedText, Taker
 from tests.support.databases import RedisDatabase
 

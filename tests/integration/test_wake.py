@@ -14,7 +14,7 @@ import redis
 
 from asyncinfer.constants import priority_lists
 from asyncinfer.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
 from tests.support.databases import RedisDatabase

@@ -21,7 +21,8 @@ from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.keys import dead_letter_key
 from asyncinfer.ops.dead import requeue_message
-from asyncinfer.wire.envelope import parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
     entry_for,

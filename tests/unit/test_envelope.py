@@ -1,4 +1,4 @@
-"""wire/envelope.task_message: the body and envelope it writes read back as what was sent (NaN
+"""wire/messages.task_message: the body and envelope it writes read back as what was sent (NaN
 data, callbacks, either serializer, odd time limits), and the request IDs it makes are UUID4s."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import msgpack
 import pytest
 
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.wire.envelope import parse_envelope, task_message, uuid4_text
+from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.messages import task_message, uuid4_text
 from asyncinfer.worker.intake.taken import TakenMessage
 
 NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}

@@ -25,7 +25,8 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.policy.retry_budget import BudgetDecision
 from asyncinfer.policy.time_limits import TimeLimits
-from asyncinfer.wire.envelope import parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.intake.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (

@@ -21,7 +21,7 @@ from asyncinfer.policy.deaths import WorkerDeaths
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.policy.time_limits import TimeLimits
-from asyncinfer.wire.envelope import task_message
+from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings

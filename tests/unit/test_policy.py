@@ -16,7 +16,8 @@ from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import InvalidRequest, TransientError, TransientModelError
 from asyncinfer.policy.retries import RetryPolicy, is_transient
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
-from asyncinfer.wire.envelope import parse_envelope, retry_message, seconds_until, task_message
+from asyncinfer.wire.envelope import parse_envelope, seconds_until
+from asyncinfer.wire.messages import retry_message, task_message
 from asyncinfer.worker.intake.taken import TakenMessage
 
 # -- retry options --------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
-from asyncinfer.wire.envelope import parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter

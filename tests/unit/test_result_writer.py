@@ -21,7 +21,8 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
-from asyncinfer.wire.envelope import parse_envelope, task_message
+from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 

@@ -46,7 +46,7 @@ from asyncinfer.keys import (
 )
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import Wedge
-from asyncinfer.wire.envelope import restored_message
+from asyncinfer.wire.messages import restored_message
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import Holdings

@@ -18,7 +18,8 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.constants import TASK_NAME, model_from_queue
 from asyncinfer.errors import ModelError, RequestExpired, RequestRevoked
-from asyncinfer.wire.envelope import printable, retry_message
+from asyncinfer.wire.envelope import printable
+from asyncinfer.wire.messages import retry_message
 from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.intake.holdings import Holdings
