@@ -116,6 +116,16 @@ class Batcher:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def withdraw(self, request_ids: set[str]) -> list[WorkItem]:
+        """Take the items of ``request_ids`` that still wait here out of the queue (they will not
+        run here: their requests went to another worker); those already in a batch stay."""
+        with self._cond:
+            gone = [item for item in self._pending if item.request.id in request_ids]
+            if gone:
+                self._pending = deque(item for item in self._pending
+                                      if item.request.id not in request_ids)
+            return gone
+
     def waiting_ids(self) -> set[str]:
         """The IDs of the requests waiting here for a batch (what ``inspect reserved`` shows)."""
         with self._cond:

@@ -50,7 +50,7 @@ from asyncinfer.wire.envelope import (
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
-from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings
 from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (
@@ -169,6 +169,26 @@ class Pipeline:
                 self.outcomes.acknowledge(d, answered[d.request_id])
         return [d for d in deliveries if d.request_id not in answered]
 
+    def forget(self, tags: list[str]) -> int:
+        """The messages of ``tags`` are leased to another worker now (this one renewed too late:
+        frozen, or cut off from Redis), and back on their queues or taken there: give up those
+        that have not started here — waiting for their eta, or in a batcher — so that they run
+        once, there. Those on the device run on (at least once). Nothing is written or
+        acknowledged for them here. How many were given up."""
+        lost = set(tags)
+        taken = [h for h in self.holdings.held() if h.delivery.tag in lost]
+        if not taken:
+            return 0
+        scheduled = [h.delivery for h in taken if h.state == SCHEDULED]
+        withdrawn = self.runtime.withdraw({h.delivery.request_id for h in taken
+                                           if h.state != SCHEDULED and h.delivery.request_id})
+        given_up = scheduled + [h.delivery for h in taken if h.delivery.request_id in withdrawn]
+        self.holdings.release(given_up)
+        if given_up:
+            log.warning("gave up %d of them that had not started here (they run where they went)",
+                        len(given_up))
+        return len(given_up)
+
     # -- 4-6: admit, decode, batch -----------------------------------------------------------------
 
     def _start_all(self, deliveries: list[TakenMessage]) -> None:
@@ -186,6 +206,8 @@ class Pipeline:
 
     def _resume(self, d: TakenMessage) -> None:
         if self.stopping():  # left held: sent back to its queue at shutdown
+            return
+        if not self.holdings.holds(d):  # given up meanwhile (forget)
             return
         self.holdings.resume(d)
         self._start(d, waited=True)

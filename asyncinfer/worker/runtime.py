@@ -121,6 +121,12 @@ class WorkerRuntime:
         """IDs of the requests waiting in the batchers (handed to a model, not yet on its device)."""
         return set().union(*(runner.batcher.waiting_ids() for runner in self.runners()))
 
+    def withdraw(self, request_ids: set[str]) -> set[str]:
+        """Take the requests of ``request_ids`` that still wait in a batcher out of it; the IDs
+        withdrawn (those already on the device run)."""
+        return {item.request.id for runner in self.runners()
+                for item in runner.batcher.withdraw(request_ids)}
+
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None,

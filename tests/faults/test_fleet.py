@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -145,6 +146,9 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
             os.kill(first.pid, signal.SIGCONT)
             link.heal()
             wait_for(lambda: "leased to another worker" in first.log(), 30, "the lost leases seen")
+            # (what it had not started it gives up, when its renewal comes before its next batch)
+            given_up = re.findall(r"gave up (\d+)", first.log())
+            print(f"{fault}: the woken worker gave up {given_up}")
             for i in range(12):
                 assert client.result(futures[i].id, timeout_s=30)["output"].tolist() == [[float(i)]]
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Hashable
+from types import SimpleNamespace
 
 import pytest
 
@@ -328,3 +329,14 @@ def test_an_item_marked_alone_forms_a_batch_of_its_own_and_is_never_taken_into_a
     batcher.put(suspect)
     batcher.put(item("d"))
     assert tags(batcher.next_batch()) == ["suspect"] and tags(batcher.next_batch()) == ["d"]
+
+
+def test_withdrawn_items_leave_the_queue_and_the_others_keep_their_order() -> None:
+    batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    items = [WorkItem(request=SimpleNamespace(id=f"r{i}"), rows=1, signature="s") for i in range(4)]
+    for item in items:
+        batcher.put(item)
+    gone = batcher.withdraw({"r1", "r3", "unknown"})
+    assert [i.request.id for i in gone] == ["r1", "r3"]
+    assert batcher.waiting_ids() == {"r0", "r2"}
+    assert [i.request.id for i in batcher.next_batch() or []] == ["r0", "r2"]

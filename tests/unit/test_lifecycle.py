@@ -223,11 +223,13 @@ def _done(result: Any = None, exc: BaseException | None = None) -> Future[Any]:
 
 
 def test_settling_maps_the_engines_errors_to_celerys_states() -> None:
-    outcomes, writer, _, _ = _outcomes(max_retries=0)
-    outcomes.settle(_delivery("ok"), "ok", _done("done"), None)  # type: ignore[arg-type]
-    outcomes.settle(_delivery("late"), "late", _done(exc=RequestExpired(  # type: ignore[arg-type]
+    outcomes, writer, holdings, _ = _outcomes(max_retries=0)
+    ok_d, late_d, slow_d = _delivery("ok"), _delivery("late"), _delivery("slow")
+    holdings.add(ok_d, late_d, slow_d)  # taken: held until answered
+    outcomes.settle(ok_d, "ok", _done("done"), None)  # type: ignore[arg-type]
+    outcomes.settle(late_d, "late", _done(exc=RequestExpired(  # type: ignore[arg-type]
         "request late: expired before it reached the device")), None)
-    outcomes.settle(_delivery("slow"), "slow", _done(exc=SoftTimeLimit(  # type: ignore[arg-type]
+    outcomes.settle(slow_d, "slow", _done(exc=SoftTimeLimit(  # type: ignore[arg-type]
         "request slow: soft time limit")), None)
     ok, late, slow = writer.put_outcomes
     assert (ok.state, ok.result) == (states.SUCCESS, {"id": "ok", "by": "w@h"})
@@ -245,9 +247,22 @@ def test_a_response_that_cannot_be_built_is_that_requests_failure() -> None:
 
     outcomes = Outcomes(writer, Settlement("w@h", "cpu", policy), holdings,  # type: ignore[arg-type]
                         response=broken)
-    outcomes.settle(_delivery("r"), "r", _done("done"), None)  # type: ignore[arg-type]
+    d = _delivery("r")
+    holdings.add(d)
+    outcomes.settle(d, "r", _done("done"), None)  # type: ignore[arg-type]
     [failed] = writer.put_outcomes
     assert failed.state == states.FAILURE and str(failed.result) == "cannot encode"
+
+
+def test_a_request_given_up_meanwhile_is_not_answered_here() -> None:
+    # its lease went to another worker, which runs it (pipeline.forget released it)
+    outcomes, writer, holdings, _ = _outcomes(max_retries=0)
+    d = _delivery("gone")
+    holdings.add(d)
+    holdings.release([d])
+    outcomes.settle(d, "gone", _done(exc=SoftTimeLimit("request gone: soft time limit")),  # type: ignore[arg-type]
+                    None)
+    assert writer.put_outcomes == []
 
 
 def test_written_outcomes_are_no_longer_held() -> None:

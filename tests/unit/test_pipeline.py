@@ -84,10 +84,18 @@ class Runtime:
 
     def __init__(self) -> None:
         self.submitted: dict[str, dict[str, Any]] = {}
+        self.on_device: set[str] = set()
         self.timer = Timer()
 
     def runners(self) -> list[Any]:
         return []
+
+    def withdraw(self, request_ids: set[str]) -> set[str]:
+        """Those submitted and not yet on the device (all of them, here), withdrawn."""
+        gone = {i for i in request_ids if i in self.submitted and i not in self.on_device}
+        for i in gone:
+            del self.submitted[i]
+        return gone
 
     def submit(self, request_id: str, kwargs: Any, **options: Any) -> tuple[Any, Future[Any]]:
         if kwargs.get("model") != "m":
@@ -161,3 +169,20 @@ def test_a_redelivered_request_already_answered_is_acknowledged_not_run() -> Non
     assert list(runtime.submitted) == ["again"]
     [ack] = writer.outcomes
     assert ack.delivery.request_id == "done" and ack.store is False and ack.state == states.SUCCESS
+
+
+def test_what_went_to_another_worker_is_given_up_unless_it_is_on_the_device() -> None:
+    later = (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat()
+    pipeline, writer, runtime, holdings = _pipeline()
+    pipeline.took(_take((_message("waiting"), 0), (_message("running"), 0),
+                        (_message("retrying", eta=later), 0), (_message("kept"), 0)))
+    runtime.on_device.add("running")
+    tags = {h.delivery.request_id: h.delivery.tag for h in holdings.held()}
+    # When the leases of all but "kept" are found with another worker
+    given_up = pipeline.forget([tags["waiting"], tags["running"], tags["retrying"]])
+    # Then what had not started is given up, unanswered; what is on the device runs on
+    assert given_up == 2
+    assert sorted(h.delivery.request_id for h in holdings.held()) == ["kept", "running"]
+    assert sorted(runtime.submitted) == ["kept", "running"]
+    assert writer.outcomes == []  # nothing written or acknowledged for them here
+    assert pipeline.forget([tags["waiting"]]) == 0  # once

@@ -109,7 +109,8 @@ class FastConsumer:
                          single_connection_client=True),
             redis_client(app.conf.broker_url, settings, health_check_interval=30),
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
-            count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags)
+            count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags,
+            on_lost=lambda tags: self.pipeline.forget(tags))
         runtime.use(DeviceHooks(
             on_wedged=Wedge(self._fail_wedged, self._give_back_all),
             settling=self.writer.gathering,  # a batch's results: one write

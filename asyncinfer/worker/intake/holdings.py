@@ -117,6 +117,10 @@ class Holdings:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             return self._in_flight
 
+    def holds(self, d: TakenMessage) -> bool:
+        """Whether ``d`` is held (taken, not yet answered nor given up)."""
+        return id(d) in self._held
+
     def held(self) -> list[Holding]:
         """A snapshot of what is held."""
         with self._cond:

@@ -195,7 +195,8 @@ class Leases:
 
     def __init__(self, client: redis.Redis, marks: redis.Redis, *, node: str, lease_s: float,
                  deaths_ttl_s: float, count_deaths: bool, held: Callable[[], Iterable[str]],
-                 sweep_every_s: float = 1.0) -> None:
+                 sweep_every_s: float = 1.0,
+                 on_lost: Callable[[list[str]], object] | None = None) -> None:
         self.client = client  # the lease thread's own connection
         self.marks = marks  # the device threads' (a pool)
         self.holder = holder_of_this_process(node)
@@ -205,6 +206,8 @@ class Leases:
         self.renew_every_s = lease_s / 3
         self.sweep_every_s = min(sweep_every_s, lease_s / 3)
         self._held = held
+        #: Told the tags of held messages found leased to another worker (what it need not run).
+        self.on_lost = on_lost
         self._renew = client.register_script(_RENEW)
         self._expired = client.register_script(_EXPIRED)
         self._reclaim = client.register_script(_RECLAIM)
@@ -282,6 +285,8 @@ class Leases:
             self.lost += len(lost)
             log.warning("%d held requests are leased to another worker now (this one renewed too "
                         "late: frozen, or cut off from Redis); they may run twice", len(lost))
+            if self.on_lost is not None:
+                self.on_lost(lost)
         return lost
 
     def sweep(self) -> int:

@@ -84,7 +84,10 @@ class Outcomes:
     def settle(self, d: TakenMessage, request: Request, future: Future[Any],
                embed: dict[str, Any] | None) -> None:
         """Settle ``d`` once its future is done (a done-callback: nothing may escape it, or the
-        request would stay in flight unanswered)."""
+        request would stay in flight unanswered). One given up meanwhile (its lease went to
+        another worker, which runs it) is not answered here."""
+        if not self.holdings.holds(d):
+            return
         try:
             self._settle(d, request, future, embed)
         except Exception as exc:  # noqa: BLE001 - the last resort: answer it all the same
