@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 FAILED_FORMAT = "request %s failed: model=%s worker=%s reason=%s: %s"
 
 def admit(request_id: str, task: Any, queue: str, *, eta: Any = None, expires: Any = None,
-          revoked: Callable[[str], bool] = is_revoked) -> Admission:
+          revoked: Callable[[str], bool] = is_revoked, expiry: Expiry | None = None) -> Admission:
     """The admission of one request by the policies both consumers share, in their order: its
     ``eta`` (only when it has not been waited for yet: policy/expiry.py), the allow-list of an
-    ``infer.*`` queue (policy/task_policy.py), revocation and ``expires`` (policy/expiry.py)."""
-    expiry = Expiry(revoked)
+    ``infer.*`` queue (policy/task_policy.py), revocation and ``expires`` (policy/expiry.py).
+    ``expiry``: the worker's (its policy's), else one asking ``revoked``."""
+    expiry = expiry or Expiry(revoked)
     return (expiry.delay(eta) or allow_infer_only(request_id, task, queue)
             or expiry.judge(request_id, expires))
 

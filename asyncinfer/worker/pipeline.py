@@ -223,7 +223,7 @@ class Pipeline:
         # fleet's rule on deaths
         admission = admit(d.request_id, headers.get("task"), d.queue,
                           eta=None if waited else headers.get("eta"), expires=headers.get("expires"),
-                          revoked=policy.expiry.revoked)
+                          expiry=policy.expiry)
         if admission.verdict == DELAY:
             # Held, unacknowledged, outside the in-flight bound, until its eta (a retry's backoff).
             self.holdings.schedule(d)
