@@ -100,9 +100,19 @@ class Pipeline:
         received_at = time.perf_counter()
         deliveries: list[TakenMessage] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
-            deliveries += self._parse(queue_of_list(key), key,
-                                      [(raw, rec, started, died)
-                                       for _, raw, rec, started, died in group], received_at)
+            queue = queue_of_list(key)
+            deliveries += self._parse([(TakenMessage(raw=raw, queue=queue, received_at=received_at,
+                                                     key=key, started=started, deaths=died), rec)
+                                       for _, raw, rec, started, died in group])
+        self._go(deliveries)
+
+    def received(self, messages: list[TakenMessage]) -> None:
+        """Start ``messages`` that a transport other than the take script received (kombu:
+        Celery's consumer on RabbitMQ, or with ``ASYNCINFER_CONSUMER=celery``), each holding its
+        text as a kombu envelope, recorded as unacknowledged by the transport itself."""
+        self._go(self._parse([(m, True) for m in messages]))
+
+    def _go(self, deliveries: list[TakenMessage]) -> None:
         # before STARTED is stored over the answer a redelivered request may already have
         deliveries = self._skip_answered(deliveries)
         if self.policy.track_started:  # those the take did not store: before they run
@@ -111,12 +121,11 @@ class Pipeline:
         self._start_all(deliveries)
         self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
 
-    def _parse(self, queue: str, key: str, raws: list[tuple[Any, bool, bool, int]],
-               received_at: float) -> list[TakenMessage]:
+    def _parse(self, taken: list[tuple[TakenMessage, bool]]) -> list[TakenMessage]:
+        """The messages of ``taken`` that are kombu envelopes, held; each other one answered
+        alone. ``recorded``: whether the transport recorded it as unacknowledged."""
         deliveries = []
-        for raw, recorded, started, died in raws:
-            d = TakenMessage(raw=raw, queue=queue, received_at=received_at, key=key, started=started,
-                         deaths=died)
+        for d, recorded in taken:
             try:
                 parse_envelope(d)
                 if not recorded:

@@ -37,7 +37,7 @@ from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
 
 if TYPE_CHECKING:
-    from asyncinfer.worker.intake.fast_consumer import FastConsumer
+    from asyncinfer.worker.intake.consumer import PipelineConsumer
 
 __all__ = ["Worker", "worker_of", "existing_worker", "attach"]
 
@@ -66,8 +66,8 @@ class Worker:
         self.metrics = WorkerMetrics()
         #: The ``infer.*`` queues its fast consumer takes (empty: none runs).
         self.fast_queues: list[str] = []
-        #: The fast consumer, once it runs.
-        self.consumer: FastConsumer | None = None
+        #: What feeds its pipeline, once it runs: the fast consumer, or the kombu intake.
+        self.consumer: PipelineConsumer | None = None
         self.announcer: Announcer | None = None
         self._runtime: WorkerRuntime | None = None
         self._policy: Policy | None = None
@@ -184,8 +184,8 @@ class Worker:
         if announcer is not None:
             announcer.stop()
 
-    def serving(self, consumer: FastConsumer) -> None:
-        """``consumer`` now takes this worker's ``infer.*`` queues."""
+    def serving(self, consumer: PipelineConsumer) -> None:
+        """``consumer`` now feeds this worker's pipeline."""
         self.consumer = consumer
         self.metrics.watch(in_flight=lambda: consumer.in_flight)
 

@@ -74,7 +74,10 @@ def target(request: pytest.FixtureRequest, redis_databases: RedisDatabases,
         r = redis.Redis.from_url(db.url)
         client = Client(broker_url=db.url)
         try:
-            assert ("fast consumer on" in proc.log()) == (consumer == "fast")
+            log = proc.log()
+            assert ("fast consumer on" in log) == (consumer == "fast")
+            assert ("the pipeline serves what Celery's consumer receives" in log) == (
+                consumer == "celery")
             yield Target(consumer, proc, client, r, port, prefix)
         finally:
             client.close()

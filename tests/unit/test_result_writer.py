@@ -310,3 +310,38 @@ def test_outcomes_gathered_are_handed_over_even_when_the_gathering_raises(
     with cond:
         assert cond.wait_for(lambda: written, 10), "written"
     assert _meta(broker, "raised")["status"] == states.SUCCESS
+
+
+def test_with_a_transport_that_acknowledges_results_are_stored_then_acked_by_it(
+        broker: _Refusing) -> None:
+    # Given a writer whose transport acknowledges (kombu: Celery's consumer feeds the pipeline)
+    app = create_app(Settings(broker_url=URL))
+    acked: list[list[str]] = []
+    seen_stored: list[bool] = []
+    done = threading.Event()
+
+    def acknowledge(batch: list[Outcome]) -> None:
+        seen_stored.append(all(_meta(broker, o.delivery.request_id) for o in batch if o.store))
+        acked.append([o.delivery.request_id for o in batch])
+        done.set()
+
+    w = ResultWriter(app, broker, acknowledge=acknowledge)
+    try:
+        ok, again, dup = _taken(broker, "k-ok"), _taken(broker, "k-again"), _taken(broker, "k-dup")
+        # When a success, a retry and an acknowledgement alone are written in one batch
+        with w.gathering():
+            w.put(Outcome(ok, states.SUCCESS, {"id": "k-ok", "outputs": []}))
+            w.put(Outcome(again, states.RETRY, ModelError("transient"), retry='{"retry": 1}'))
+            w.put(Outcome(dup, states.SUCCESS, None, store=False))
+        assert done.wait(10)
+    finally:
+        w.close()
+    # Then the transport acknowledges all three, once the results were stored
+    assert acked == [["k-ok", "k-again", "k-dup"]] and seen_stored == [True]
+    assert _meta(broker, "k-ok")["status"] == states.SUCCESS
+    assert _meta(broker, "k-again")["status"] == states.RETRY
+    assert _meta(broker, "k-dup") == {}
+    # and the writer neither pushed the retry (the transport publishes it) nor touched the Redis
+    # lists' own bookkeeping (kombu keeps its own)
+    assert broker.llen("infer.m") == 0
+    assert broker.hlen(UNACKED_KEY) == 3

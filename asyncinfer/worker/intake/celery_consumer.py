@@ -39,7 +39,10 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
+from asyncinfer.worker.intake.kombu_intake import KombuIntake
+from asyncinfer.worker.intake.step import is_prefork
 from asyncinfer.worker.lifecycle import FAILED_FORMAT, answered_before
+from asyncinfer.worker.worker import existing_worker
 
 __all__ = ["Consumer"]
 
@@ -129,8 +132,11 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         handle = super().create_task_handler(*args, **kwargs)
         settings = settings_of(self.app)
         limit = int(settings.max_payload_bytes) if settings is not None else 0
+        intake = self._intake()
 
         def on_task_received(message: Any) -> Any:
+            if intake is not None and _on_infer_queue(message):
+                return intake.took(message)  # the one pipeline, as on the fast consumer
             body = message.body
             size = len(body) if isinstance(body, (bytes, str)) else 0
             if limit and size > limit:
@@ -148,6 +154,23 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             return handle(message)
 
         return on_task_received
+
+    def _intake(self) -> KombuIntake | None:
+        """The pipeline's kombu transport for this device worker's ``infer.*`` messages, made
+        once (it outlives reconnections); None where Celery's stock path runs them: a prefork
+        pool (the models live in its children), a worker that is no device worker."""
+        device_worker = existing_worker(self.app)
+        if device_worker is None or is_prefork(getattr(self.controller, "pool_cls", "threads")):
+            return None
+        if device_worker.consumer is None:
+            consumer = self
+            device_worker.serving(KombuIntake(
+                self.app, device_worker.runtime, hostname=self.hostname,
+                policy=device_worker.policy,
+                send_events=bool(getattr(self.controller, "task_events", False)),
+                qos=lambda: getattr(consumer, "qos", None)).start())
+        intake = device_worker.consumer
+        return intake if isinstance(intake, KombuIntake) else None
 
     def _well_formed(self, message: Any) -> bool:
         """Whether a task message's body is what task protocol 2 says, ``[args, kwargs, embed]``
@@ -238,6 +261,12 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         self._refuse(message, exc)
         super().on_invalid_task(body, message, exc)
+
+
+def _on_infer_queue(message: Any) -> bool:
+    """Whether ``message`` came from an ``infer.*`` queue (the pipeline's, whatever its task)."""
+    info = message.delivery_info or {}
+    return model_from_queue(str(info.get("routing_key") or "")) is not None
 
 
 def _named_model(task: str, body: Any) -> str | None:

@@ -23,7 +23,6 @@ serves RabbitMQ, ``ASYNCINFER_CONSUMER=celery`` and prefork.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import redis
@@ -35,7 +34,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
 from asyncinfer.constants import priority_lists
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.engine.hooks import DeviceHooks, ignore_launch
+from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import (
     LEASE_DEVICE_KEY,
@@ -45,18 +44,11 @@ from asyncinfer.keys import (
     UNACKED_KEY,
 )
 from asyncinfer.policy.policy import Policy
-from asyncinfer.policy.time_limits import Wedge
 from asyncinfer.wire.messages import restored_message
-from asyncinfer.worker.celery_errors import as_celery
-from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.consumer import PipelineConsumer
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
-from asyncinfer.worker.lifecycle import Settlement
-from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import ResultWriter
-from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["FastConsumer"]
@@ -64,22 +56,22 @@ __all__ = ["FastConsumer"]
 log = logging.getLogger(__name__)
 
 
-class FastConsumer:
+class FastConsumer(PipelineConsumer):
     """Consumes ``queues`` for ``runtime`` until :meth:`stop`; at most ``max_in_flight`` at once."""
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
                  hostname: str, policy: Policy, send_events: bool = False) -> None:
-        self.app = app
-        self.runtime = runtime
+        settings = settings_of(app) or Settings.from_env()
+        # The result writer's own connection: a pool check-out per command costs a poll() and
+        # redis-py's argument checks (~8 % of the worker's CPU).
+        super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
+                         results=redis_client(app.conf.broker_url, settings,
+                                              health_check_interval=30,
+                                              single_connection_client=True))
         self.queues = list(queues)
         #: What it takes from: each queue's list and its priority lists, in kombu's order.
         self._lists = priority_lists(self.queues)
-        self.hostname = hostname
-        #: Retries and budget, time limits, the in-flight bound, the payload limit.
-        self.policy = policy
-        settings = settings_of(app) or Settings.from_env()
-        # The consumer thread's own connection, and the result writer's: a pool check-out per
-        # command costs a poll() and redis-py's argument checks (~8 % of the worker's CPU).
+        # The consumer thread's own connection, as the writer's.
         self.client = redis_client(app.conf.broker_url, settings, health_check_interval=30,
                                    single_connection_client=True)
         self.taker = Taker(self.client)
@@ -90,19 +82,6 @@ class FastConsumer:
                            redis_client(app.conf.broker_url, settings, single_connection_client=True,
                                         **blocking),
                            self._lists, stopping=self._stopping_now)
-        #: Everything taken and not yet answered: the one in-flight account.
-        self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()))
-        #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
-        self.events = TaskEvents(app, hostname, enabled=send_events)
-        self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
-                                     metrics=runtime.metrics)
-        self.writer = ResultWriter(app, redis_client(app.conf.broker_url, settings,
-                                                     health_check_interval=30,
-                                                     single_connection_client=True),
-                                   worker=hostname,
-                                   before_write=lambda batch: self.outcomes.before_write(batch),
-                                   on_written=lambda batch: self.outcomes.written(batch))
-        self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         #: What this worker takes is leased to it, renewed while it lives (None: no leases).
         self.leases = None if not settings.lease_s else Leases(
             redis_client(app.conf.broker_url, settings, health_check_interval=30,
@@ -111,28 +90,10 @@ class FastConsumer:
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
             count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags,
             on_lost=lambda tags: self.pipeline.forget(tags))
-        runtime.use(DeviceHooks(
-            on_wedged=Wedge(self._fail_wedged, self._give_back_all),
-            settling=self.writer.gathering,  # a batch's results: one write
-            on_launch=(self._on_launch if self.leases is not None and self.leases.count_deaths
-                       else ignore_launch)))
-        self._stopping = threading.Event()
-        #: What happens to each request taken, from the take to the write.
-        self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
-                                 outcomes=self.outcomes, writer=self.writer, events=self.events,
-                                 stopping=self._stopping_now)
+        self.use_device(self._give_back_all,
+                        on_launch=(self._on_launch if self.leases is not None
+                                   and self.leases.count_deaths else ignore_launch))
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.holdings.max_in_flight
-
-    @property
-    def in_flight(self) -> int:
-        return self.holdings.in_flight
-
-    def _stopping_now(self) -> bool:
-        return self._stopping.is_set()
 
     def start(self) -> FastConsumer:
         if self.leases is not None:  # what a dead predecessor on this host held comes back first
@@ -147,10 +108,8 @@ class FastConsumer:
         self._stopping.set()
         self.waker.close()
         self._thread.join(timeout=5)
-        self.pipeline.first_attempts.send(due_only=False)
         left = self.holdings.drain(grace_s)
-        self.writer.close()
-        self.events.close()
+        self._close_output()
         if left:
             log.warning("%d requests still in flight at shutdown go back to their queues", left)
             self._restore_held()
@@ -183,13 +142,6 @@ class FastConsumer:
         """A batch goes onto the device: a death from now on counts against its requests."""
         assert self.leases is not None
         self.leases.on_device(self.holdings.tags_of(items))
-
-    def _fail_wedged(self, item: WorkItem, exc: BaseException) -> None:
-        """A wedged device's request fails (policy/time_limits.py's :class:`Wedge`)."""
-        d = self.holdings.find(item.request.id)
-        if d is not None and not item.future.done():
-            self.outcomes.fail(d, as_celery(exc), None, retry=False)
-            self.holdings.release([d])
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished,

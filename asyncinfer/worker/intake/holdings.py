@@ -40,9 +40,13 @@ class Holding:
 class Holdings:
     """The one in-flight account of a consumer, safe to use from any thread."""
 
-    def __init__(self, max_in_flight: int | Callable[[], int]) -> None:
+    def __init__(self, max_in_flight: int | Callable[[], int],
+                 on_scheduled: Callable[[int], None] | None = None) -> None:
         #: The bound: a number, or asked each time (it follows the device's pace).
         self._bound = max_in_flight if callable(max_in_flight) else (lambda: max_in_flight)
+        #: Told ``+1`` when a held message starts waiting for its eta, ``-1`` when it no longer
+        #: does (kombu's prefetch window grows and shrinks with them, as Celery's does).
+        self._on_scheduled = on_scheduled
         self._held: dict[int, Holding] = {}
         #: TakenMessage tags by request ID, for what goes onto the device (the leases' marks).
         self._tags: dict[str, str] = {}
@@ -90,17 +94,24 @@ class Holdings:
             holding.state = state
             self._in_flight += count
             self._cond.notify_all()
+        if self._on_scheduled is not None:
+            self._on_scheduled(-count)
 
     def release(self, deliveries: list[TakenMessage]) -> None:
         """``deliveries`` are answered and acknowledged: no longer held."""
+        scheduled = 0
         with self._cond:
             for d in deliveries:
                 holding = self._held.pop(id(d), None)
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
+                elif holding is not None:
+                    scheduled += 1
                 if holding is not None and self._tags.get(d.request_id) == d.tag:
                     del self._tags[d.request_id]
             self._cond.notify_all()
+        if scheduled and self._on_scheduled is not None:
+            self._on_scheduled(-scheduled)
 
     def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
         """Wait until fewer than ``max_in_flight`` are in flight (or ``stopping()``); the room."""

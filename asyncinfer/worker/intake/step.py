@@ -74,11 +74,20 @@ class FastConsumerStep(bootsteps.StartStopStep):
     """Runs a fast consumer beside Celery's own consumer, on the worker's ``infer.*`` queues."""
 
     requires = ("celery.worker.components:Pool",)
+    #: Whether Celery's consumer keeps the infer queues and feeds the pipeline (kombu_intake.py).
+    kombu = False
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.consumer: Any = None
         self.queues: list[str] = self._take_queues(worker)
+        self.kombu = not self.queues and self._feeds_pipeline(worker)
         self._worker: Any = None
+
+    @staticmethod
+    def _feeds_pipeline(worker: Any) -> bool:
+        consumed = worker.app.amqp.queues.consume_from or {}
+        return not is_prefork(worker.pool_cls) and any(
+            model_from_queue(name) is not None for name in consumed)
 
     @staticmethod
     def _take_queues(worker: Any) -> list[str]:
@@ -99,9 +108,11 @@ class FastConsumerStep(bootsteps.StartStopStep):
         return taken
 
     def include_if(self, worker: Any) -> bool:
-        return bool(self.queues)
+        return bool(self.queues) or self.kombu
 
     def start(self, worker: Any) -> None:
+        if not self.queues:  # Celery's consumer makes the kombu intake as it starts
+            return
         # Started once the worker is ready (see the module documentation). A broker that cannot
         # be reached now ends the worker at once, non-zero (Celery's "Unrecoverable error"),
         # instead of a hundred reconnection attempts by Celery's consumer over an hour: a
@@ -158,3 +169,5 @@ class FastConsumerStep(bootsteps.StartStopStep):
         if self.consumer is not None:
             self.consumer.stop()
             self.consumer = None
+        elif self.kombu and device_worker is not None and device_worker.consumer is not None:
+            device_worker.consumer.stop()

@@ -94,15 +94,23 @@ class ResultWriter:
     def __init__(self, app: Celery, broker: redis.Redis,
                  on_written: Callable[[list[Outcome]], None] | None = None, *,
                  worker: str = "",
-                 before_write: Callable[[list[Outcome]], None] | None = None) -> None:
+                 before_write: Callable[[list[Outcome]], None] | None = None,
+                 acknowledge: Callable[[list[Outcome]], None] | None = None,
+                 shared: bool | None = None) -> None:
         self.app = app
         #: The worker's name, which its dead letters give.
         self.worker = worker
         self.backend = app.backend
+        #: The Redis of the acknowledgements, retries and dead letters (the broker's; with a
+        #: broker that is not Redis, the results').
         self.broker = broker
+        #: The transport's acknowledgement of a written batch, its retries sent first (kombu's:
+        #: worker/intake/kombu_intake.py); None: the store script acknowledges (the Redis lists).
+        self.acknowledge = acknowledge
         # Results go to the result backend's Redis; acks to the broker's. One pipeline when they
         # are the same server and database.
-        self.shared = str(app.conf.result_backend) == str(app.conf.broker_url)
+        self.shared = (str(app.conf.result_backend) == str(app.conf.broker_url) if shared is None
+                       else shared)
         self.results: redis.Redis = broker if self.shared else app.backend.client
         settings = settings_of(app)
         #: ASYNCINFER_SUBMIT_REPLICAS: after each write, wait until this many replicas hold it.
@@ -231,6 +239,8 @@ class ResultWriter:
     def _write(self, batch: list[Outcome]) -> None:
         self._store_all(batch)
         self._wait_replicas(batch)
+        if self.acknowledge is not None:
+            self.acknowledge(batch)
         self.on_written(batch)
         for outcome in batch:
             if outcome.embed:
@@ -274,14 +284,18 @@ class ResultWriter:
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
         entries = [self._add_safely(pushes, outcome) for outcome in part]
+        if self.acknowledge is not None:  # the transport acknowledges, once they are written
+            entries = [(k, v, r, "") for k, v, r, _ in entries if k]
         acks = entries
         if not self.shared:
             self._log_refusals(self.store([(k, v, r, "") for k, v, r, _ in entries], self.results))
             acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
         if not pushes.command_stack:
-            self._log_refusals(self.store(acks, self.broker))
+            if acks:
+                self._log_refusals(self.store(acks, self.broker))
             return
-        self.store(acks, pushes)
+        if acks:
+            self.store(acks, pushes)
         self._execute(pushes)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
@@ -336,7 +350,7 @@ class ResultWriter:
         """``outcome``'s entry for the store script; its retry message and dead letter, if any,
         on ``pushes`` (a broker transaction)."""
         d = outcome.delivery
-        if outcome.retry is not None:
+        if outcome.retry is not None and self.acknowledge is None:  # else the transport sends it
             pushes.lpush(d.list_key, outcome.retry)
         key, value, reply_to = "", "", ""
         if d.request_id and outcome.store:

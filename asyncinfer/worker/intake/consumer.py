@@ -1,0 +1,103 @@
+"""What every consumer of a device worker's ``infer.*`` queues is made of, whatever its transport:
+the one pipeline (worker/pipeline.py) and its output side — the in-flight account, task events,
+the settlement, the result writer and the outcomes — and the device's hooks into them.
+
+Two transports feed it: the Redis lists' take script (fast_consumer.py, the default on a Redis
+broker) and kombu, through Celery's own consumer (kombu_intake.py: RabbitMQ, or
+``ASYNCINFER_CONSUMER=celery``). They differ only in how a message is taken, leased,
+acknowledged and given back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import redis
+from celery import Celery
+
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
+from asyncinfer.policy.policy import Policy
+from asyncinfer.policy.time_limits import Wedge
+from asyncinfer.worker.celery_errors import as_celery
+from asyncinfer.worker.events import TaskEvents
+from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.pipeline import Pipeline
+from asyncinfer.worker.runtime import WorkerRuntime
+
+__all__ = ["PipelineConsumer"]
+
+
+class PipelineConsumer:
+    """The pipeline of ``runtime``'s requests on worker ``hostname``, and its output side.
+
+    ``results``: the writer's Redis (the broker's; with a broker that is not Redis, the results');
+    ``acknowledge``: the transport's acknowledgement of a written batch (None: the store script
+    acknowledges, on the Redis lists); ``shared``: whether the results live on ``results`` too
+    (None: when the result backend's URL is the broker's); ``on_scheduled(n)``: ``n`` more (or
+    fewer) held messages wait for their eta.
+    """
+
+    def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
+                 send_events: bool, results: redis.Redis,
+                 acknowledge: Callable[[list[Outcome]], None] | None = None,
+                 shared: bool | None = None,
+                 on_scheduled: Callable[[int], None] | None = None) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.hostname = hostname
+        #: Retries and budget, time limits, the in-flight bound, the payload limit.
+        self.policy = policy
+        #: Everything taken and not yet answered: the one in-flight account.
+        self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()),
+                                 on_scheduled=on_scheduled)
+        #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
+        self.events = TaskEvents(app, hostname, enabled=send_events)
+        self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
+                                     metrics=runtime.metrics)
+        self.writer = ResultWriter(app, results, worker=hostname,
+                                   before_write=lambda batch: self.outcomes.before_write(batch),
+                                   on_written=lambda batch: self.outcomes.written(batch),
+                                   acknowledge=acknowledge, shared=shared)
+        self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
+        self._stopping = threading.Event()
+        #: What happens to each request taken, from the take to the write.
+        self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
+                                 outcomes=self.outcomes, writer=self.writer, events=self.events,
+                                 stopping=self._stopping_now)
+
+    def use_device(self, give_back: Callable[[], None],
+                   on_launch: LaunchObserver = ignore_launch) -> None:
+        """Hook this consumer to the device: a wedged device's request fails and ``give_back()``
+        hands back what is held; a batch's results are written at once; ``on_launch`` sees each
+        batch go onto the device."""
+        self.runtime.use(DeviceHooks(on_wedged=Wedge(self._fail_wedged, give_back),
+                                     settling=self.writer.gathering, on_launch=on_launch))
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.holdings.max_in_flight
+
+    @property
+    def in_flight(self) -> int:
+        return self.holdings.in_flight
+
+    def _stopping_now(self) -> bool:
+        return self._stopping.is_set()
+
+    def _fail_wedged(self, item: WorkItem, exc: BaseException) -> None:
+        """A wedged device's request fails (policy/time_limits.py's :class:`Wedge`)."""
+        d = self.holdings.find(item.request.id)
+        if d is not None and not item.future.done():
+            self.outcomes.fail(d, as_celery(exc), None, retry=False)
+            self.holdings.release([d])
+
+    def _close_output(self) -> None:
+        """Send the first attempts' count, write what is finished, stop the events."""
+        self.pipeline.first_attempts.send(due_only=False)
+        self.writer.close()
+        self.events.close()

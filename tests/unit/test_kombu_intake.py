@@ -1,0 +1,130 @@
+"""The kombu transport of the pipeline, without a broker: a kombu message written as the envelope
+the Redis lists hold (so every rule reads it as on the fast consumer), and its acknowledgement
+after the write (a retry published first; one that cannot be published left unacknowledged)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import states
+
+from asyncinfer.constants import TASK_NAME
+from asyncinfer.errors import ModelError
+from asyncinfer.wire.envelope import decode_body, parse_envelope
+from asyncinfer.wire.messages import retry_message
+from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.kombu_intake import KombuIntake, KombuMessage, envelope_text
+from asyncinfer.worker.output.result_writer import Outcome
+
+pytestmark = pytest.mark.timeout(30)
+
+BODY = b'[[], {"model": "m", "inputs": []}, {"callbacks": null, "errbacks": null}]'
+
+
+class _Message:
+    """What kombu hands Celery's consumer: an amqp message (int delivery tag, bytes body)."""
+
+    def __init__(self, request_id: str, *, redelivered: bool = False, tag: Any = 7) -> None:
+        self.body = BODY
+        self.content_type, self.content_encoding = "application/json", "utf-8"
+        self.headers = {"task": TASK_NAME, "id": request_id, "retries": 0, "eta": None}
+        self.properties = {"correlation_id": request_id, "reply_to": "", "priority": 0,
+                           "delivery_tag": tag}
+        self.delivery_info = {"exchange": "infer.m", "routing_key": "infer.m",
+                              "redelivered": redelivered}
+        self.acknowledged = False
+        self.acks = 0
+
+    def ack(self) -> None:
+        self.acks += 1
+        self.acknowledged = True
+
+
+def _taken(message: _Message) -> KombuMessage:
+    d = KombuMessage(raw=envelope_text(message).encode(), queue="infer.m", message=message)
+    parse_envelope(d)
+    return d
+
+
+def test_a_kombu_message_reads_as_the_redis_lists_envelope() -> None:
+    d = _taken(_Message("req-1", redelivered=True))
+    assert d.request_id == "req-1" and d.tag  # a delivery tag of its own (amqp's is a number)
+    assert d.headers["task"] == TASK_NAME and d.headers["redelivered"] is True
+    args, kwargs, embed = decode_body(d, 10_000)
+    assert (args, kwargs["model"], embed["callbacks"]) == ([], "m", None)
+    info = d.envelope["properties"]["delivery_info"]
+    assert info == {"exchange": "infer.m", "routing_key": "infer.m"}
+    # over the payload limit, as on the fast consumer
+    with pytest.raises(Exception, match="req-1"):
+        decode_body(d, 10)
+    # kombu's Redis transport's string tag is kept; a first delivery is not marked redelivered
+    kept = _taken(_Message("req-2", tag="abc-tag"))
+    assert kept.tag == "abc-tag" and "redelivered" not in kept.headers
+
+
+class _Producer:
+    def __init__(self, fail_for: str = "") -> None:
+        self.fail_for, self.published = fail_for, []
+
+    def publish(self, body: bytes, **options: Any) -> None:
+        if options["headers"]["id"] == self.fail_for:
+            raise ConnectionError("the broker went away")
+        self.published.append((body, options))
+
+
+def _intake(producer: _Producer) -> Any:
+    """The intake's transport part alone (no worker, no broker)."""
+
+    @contextmanager
+    def producer_or_acquire() -> Any:
+        yield producer
+
+    intake = KombuIntake.__new__(KombuIntake)
+    intake.app = SimpleNamespace(producer_or_acquire=producer_or_acquire)
+    return intake
+
+
+def test_a_written_batch_is_acknowledged_its_retries_published_first() -> None:
+    producer = _Producer()
+    done, again = _taken(_Message("done")), _taken(_Message("again"))
+    retry = retry_message(again, 1.5)
+    _intake(producer)._acknowledge([Outcome(done, states.SUCCESS, {}),
+                                    Outcome(again, states.RETRY, ModelError("x"), retry=retry)])
+    assert done.message.acks == 1 and again.message.acks == 1
+    [(body, options)] = producer.published
+    assert body == BODY  # the same body, as Task.retry sends it
+    assert options["headers"]["retries"] == 1 and options["headers"]["eta"]
+    assert options["routing_key"] == "infer.m" and options["exchange"] == "infer.m"
+    assert options["content_type"] == "application/json"
+
+
+def test_a_retry_that_cannot_be_published_leaves_its_message_unacknowledged() -> None:
+    producer = _Producer(fail_for="lost")
+    lost, other = _taken(_Message("lost")), _taken(_Message("other"))
+    _intake(producer)._acknowledge([
+        Outcome(lost, states.RETRY, ModelError("x"), retry=retry_message(lost, 1.0)),
+        Outcome(other, states.FAILURE, ModelError("y"))])
+    assert lost.message.acks == 0  # the broker gives it back: at least once
+    assert other.message.acks == 1
+    # one already acknowledged is not acknowledged again
+    _intake(producer)._acknowledge([Outcome(other, states.FAILURE, ModelError("y"))])
+    assert other.message.acks == 1
+
+
+def test_what_waits_for_its_eta_widens_the_prefetch_window_while_it_waits() -> None:
+    told: list[int] = []
+    holdings = Holdings(8, on_scheduled=told.append)
+    a, b = _taken(_Message("a")), _taken(_Message("b"))
+    holdings.add(a, b)
+    holdings.schedule(a)
+    holdings.schedule(b)
+    holdings.schedule(b)  # already waiting: nothing more
+    holdings.resume(a)
+    holdings.release([a, b])  # b released while it waits
+    assert told == [1, 1, -1, -1]
+    assert holdings.in_flight == 0 and json.loads(a.raw)["body"] == base64.b64encode(BODY).decode()
