@@ -21,8 +21,7 @@ from asyncinfer.config.settings import Settings
 __all__ = ["app", "create_app", "configure"]
 
 #: The modules a worker of the app imports: the tasks, and the worker's start-up and signals.
-INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.worker.bootstrap",
-           "asyncinfer.worker.stock_path"]
+INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.worker.bootstrap"]
 
 
 class _App(Celery):  # type: ignore[misc]

@@ -2,8 +2,8 @@
 path that stores results through Celery's result backend.
 
 The fast consumer's result writer publishes on the reply channel in the transaction that stores
-the result. Everything else stores through the app's result backend: Celery's stock worker (its
-tracer, its revocations), the stock consumer's refusals, ``asyncinfer purge``. The app wraps each
+the result. Everything else stores through the app's result backend: Celery's tracer (the CPU
+stages), its revocations, Celery's consumer's refusals, ``asyncinfer purge``. The app wraps each
 Redis result backend it makes (:func:`announcing`) so that a final state stored for a request whose
 context names a reply channel is then published there, read back from the key in one script call,
 exactly as stored. An announcement that fails is logged at debug level: the client's look-ups of

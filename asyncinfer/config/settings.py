@@ -187,8 +187,9 @@ class Settings:
     consumer: str = _setting(
         "fast", "ASYNCINFER_CONSUMER",
         "How a device worker (`asyncinfer worker`, `celery -A asyncinfer worker -Q infer.M`) takes "
-        "requests on a Redis broker: `fast` (batched reads, results and acks) or `celery` (Celery's "
-        "stock per-task path).")
+        "requests on a Redis broker: `fast` (the take script: batched reads, leases, results and "
+        "acks in one write) or `celery` (Celery's consumer receives each message through kombu, "
+        "as on RabbitMQ). Either way the same pipeline runs them.")
     model_options: str = _setting(
         "", "ASYNCINFER_MODEL_OPTIONS",
         "JSON object of model → batching options overriding the model's defaults: "

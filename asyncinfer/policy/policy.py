@@ -2,8 +2,7 @@
 list of its policies in one place, one module each.
 
 Built once per worker from its settings and the task's options (after ``task_annotations``), and
-passed explicitly to both consumers (the fast consumer's pipeline, and Celery's stock path through
-the task and its signals):
+passed explicitly to its pipeline (worker/pipeline.py), whichever transport feeds it:
 
 - **expiry** (expiry.py): a request waits for its ``eta``, is revoked when revoked, expires past
   its ``expires``;

@@ -42,8 +42,8 @@ class Wedge:
     """A request's hard time limit passed while its batch was still on the device: the device is
     wedged. The request fails (``fail(item, exc)``: stored as its transport stores answers), what
     the worker holds goes back (``give_back()``: the fast consumer's held requests to their
-    queues at once; on Celery's stock path kombu redelivers), and the process leaves with
-    :data:`EXIT_WEDGED`, after ``exit_after_s`` (time for a task thread to store the failure), so
+    queues at once; kombu's, the broker redelivers), and the process leaves with
+    :data:`EXIT_WEDGED`, after ``exit_after_s`` (time for a writer to store the failure), so
     that its supervisor starts a fresh one. Once per process, whichever request saw it first."""
 
     def __init__(self, fail: Callable[[WorkItem, BaseException], None],

@@ -1,6 +1,7 @@
 """Celery's task messages, written: a new request's (what ``send_task`` would publish, without
 Celery's per-send machinery), a retry's (as ``Task.retry`` sends it), a restored one's (as kombu
-puts an unacknowledged message back). Reading them is :mod:`asyncinfer.wire.envelope`'s."""
+puts an unacknowledged message back), and one kombu delivered as the Redis lists hold it. Reading
+them is :mod:`asyncinfer.wire.envelope`'s."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from asyncinfer.wire import json_text
 from asyncinfer.wire.envelope import JSON_TYPE, MSGPACK_TYPES, Message, payload_too_large
 from asyncinfer.wire.reply import REPLY_TO
 
-__all__ = ["task_message", "retry_message", "restored_message", "uuid4_text", "SENT_AT"]
+__all__ = ["task_message", "retry_message", "restored_message", "envelope_text", "uuid4_text",
+           "SENT_AT"]
 
 #: A task body's embed with no callbacks, errbacks, chain or chord, as JSON text.
 _NO_EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
@@ -121,3 +123,28 @@ def restored_message(delivery: Message) -> str:
     info = envelope["properties"].setdefault("delivery_info", {})
     info["redelivered"] = True
     return json.dumps(envelope)
+
+
+def envelope_text(message: Any) -> str:
+    """kombu's envelope of ``message`` (a kombu message, of any transport) as the Redis lists hold
+    it, so that every rule reads it alike: its body (base64), content type and encoding, headers,
+    and properties with where it came from; ``redelivered`` in the headers when the broker says
+    so; a delivery tag of its own when the transport's is no text (AMQP's are numbers)."""
+    body = message.body
+    if isinstance(body, str):
+        body = body.encode(message.content_encoding or "utf-8")
+    info = message.delivery_info or {}
+    headers = dict(message.headers or {})
+    if info.get("redelivered"):
+        headers["redelivered"] = True
+    properties = {k: v for k, v in (message.properties or {}).items()
+                  if k not in ("delivery_info", "application_headers")}
+    tag = properties.get("delivery_tag")
+    properties.update(body_encoding="base64",
+                      delivery_tag=tag if isinstance(tag, str) and tag else uuid4_text(),
+                      delivery_info={"exchange": info.get("exchange") or "",
+                                     "routing_key": info.get("routing_key") or ""})
+    return json.dumps({"body": base64.b64encode(body or b"").decode(),
+                       "content-encoding": message.content_encoding or "utf-8",
+                       "content-type": message.content_type or "",
+                       "headers": headers, "properties": properties}, default=str)

@@ -1,11 +1,12 @@
 """Worker start-up: load the hosted models inside the process that owns the device.
 
 Connected to Celery's worker signals, so ``celery -A asyncinfer worker -Q infer.mlp`` and
-``asyncinfer worker`` behave the same. In a threads or solo pool the models load in the worker
-process before it consumes, and are announced in the model catalogue (announcer.py) right after,
+``asyncinfer worker`` behave the same. The models load in the worker process (its pool threads
+or solo) before it consumes, and are announced in the model catalogue (announcer.py) right after,
 in ``worker_init``, before any consumer starts: the first request a worker answers finds its
-model in the catalogue. In prefork they load in each child after the fork, never in the parent;
-a child announces before it runs anything.
+model in the catalogue. A pool that forks (prefork) runs no model: a device worker refuses to
+start with one (worker/intake/step.py), and any other worker of the app refuses
+``asyncinfer.infer`` (worker/intake/celery_consumer.py); its children run the CPU stages only.
 
 On a clean stop the models are withdrawn first (``worker_shutting_down``, before Celery's
 consumer and the fast consumer give their requests back), so no client is sent to a worker that
@@ -28,7 +29,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.worker import inspection  # noqa: F401 - registers the inspection commands
 from asyncinfer.worker.intake.step import is_prefork
 from asyncinfer.worker.supervisor import CANNOT_START
-from asyncinfer.worker.worker import Worker, existing_worker, worker_of
+from asyncinfer.worker.worker import Worker, worker_of
 
 __all__ = ["hosted_models", "take_atomically", "withdraw_when_stopping"]
 
@@ -58,8 +59,9 @@ def _load(worker: Worker) -> None:
 
 def _retry_result_writes(app: Celery) -> None:
     """A worker stores every result through a lost connection or a refusal of Redis (a full
-    disk, say), with Celery's backoff, instead of dropping it: on Celery's stock path a result that
-    was not stored is a request lost once its message is acknowledged."""
+    disk, say), with Celery's backoff, instead of dropping it: for a task Celery's tracer runs (the
+    CPU stages), a result that was not stored is a request lost once its message is
+    acknowledged."""
     app.conf.result_backend_always_retry = True
     app.backend.always_retry = True  # the backend already made (others read the setting)
 
@@ -102,18 +104,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if not is_prefork(sender.pool_cls):
         _load(worker)
         # Before the blueprint starts any consumer: nothing is taken before the models are in
-        # the catalogue. (A prefork child announces itself once loaded.)
+        # the catalogue.
         worker.announce()
-
-
-@signals.worker_process_init.connect
-def _on_worker_process_init(**_: Any) -> None:
-    from asyncinfer.celery_app import app
-
-    worker = worker_of(app)  # the parent's, copied by the fork: this child makes its own runtime
-    _retry_result_writes(app)
-    _load(worker)
-    worker.announce(f"{worker.name}/{os.getpid()}")
 
 
 @signals.worker_shutdown.connect
@@ -121,15 +113,6 @@ def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
     worker = getattr(sender, "asyncinfer", None)
     if worker is not None:
         worker.close()
-
-
-@signals.worker_process_shutdown.connect
-def _on_worker_process_shutdown(**_: Any) -> None:
-    from asyncinfer.celery_app import app
-
-    worker = existing_worker(app)
-    if worker is not None:
-        worker.withdraw()
 
 
 @inspect_command()  # type: ignore[misc]

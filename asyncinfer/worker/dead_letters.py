@@ -10,12 +10,11 @@ time. Bad input is kept too: a malformed or refused request needs a human as muc
 once the configuration is fixed. REVOKED requests (cancelled, expired) are not kept: nothing failed.
 
 The list holds at most ``dead_letter_max_entries`` (LTRIM) and expires ``dead_letter_ttl_s``
-after its newest entry (EXPIRE on every push). The fast consumer's writer adds the entry in the
-broker transaction that acknowledges the message — the one that stores the FAILURE too when results
-live on the broker's Redis, the default (:func:`add_failure`, called by
-worker/output/result_writer.py for a final FAILURE); Celery's stock
-path adds it from the ``task_failure`` signal, just after Celery stored the FAILURE
-(:func:`add_stock_failure`; its message rebuilt from the task request, as Celery keeps no bytes).
+after its newest entry (EXPIRE on every push). The result writer adds the entry in the broker
+transaction that writes the FAILURE — and acknowledges the message, on the Redis lists — when
+results live on the broker's Redis, the default (:func:`add_failure`, called by
+worker/output/result_writer.py for a final FAILURE). With a broker that is not Redis (RabbitMQ)
+the list is on the result backend's Redis.
 
 This module is the worker's write side: the entry and how it is pushed. The operator's side (list,
 show, requeue, purge: ``asyncinfer dead``) reads the same entries in ops/dead.py.
@@ -23,7 +22,6 @@ show, requeue, purge: ``asyncinfer dead``) reads the same entries in ops/dead.py
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import logging
@@ -31,20 +29,18 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 from celery import Celery
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.constants import model_from_queue, queue_for, queue_of_list
+from asyncinfer.constants import model_from_queue, queue_of_list
 from asyncinfer.keys import dead_letter_key
-from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.worker.intake.taken import TakenMessage
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings
 
-__all__ = ["DeadLetter", "entry_for", "push", "add_failure", "add_stock_failure", "options_of"]
+__all__ = ["DeadLetter", "entry_for", "push", "add_failure", "options_of"]
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +48,6 @@ log = logging.getLogger(__name__)
 _ACCEPTED = ("application/json", "application/x-msgpack", "application/msgpack")
 #: How much of a malformed message's text is kept.
 RAW_MAX_CHARS = 4096
-#: The message headers of Celery's task protocol 2 (what a stock-path entry is rebuilt from).
-_HEADERS = ("lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
-            "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
-            "replaced_task_nesting", "stamped_headers", "stamps")
-
 
 @dataclass(frozen=True)
 class DeadLetter:
@@ -186,47 +177,3 @@ def _int(value: Any) -> int:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
-
-
-def _stock_envelope(request: Any) -> str:
-    """The message Celery's stock path ran, rebuilt from its task request (the worker keeps the
-    headers, properties, arguments and embed; not the bytes)."""
-    headers = {k: getattr(request, k, None) for k in _HEADERS}
-    embed = {k: getattr(request, k, None) for k in ("callbacks", "errbacks", "chain", "chord")}
-    parts = [list(request.args or ()), dict(request.kwargs or {}), embed]
-    try:
-        body, content_type, encoding = json.dumps(parts).encode(), "application/json", "utf-8"
-    except (TypeError, ValueError):  # bytes in the request: as the client sent it, msgpack
-        body, content_type, encoding = msgpack.packb(parts, use_bin_type=True), _ACCEPTED[1], "binary"
-    info = getattr(request, "delivery_info", None) or {}
-    properties = dict(getattr(request, "properties", None) or {})
-    properties.update(body_encoding="base64",
-                      delivery_info={"exchange": info.get("exchange") or "",
-                                     "routing_key": info.get("routing_key") or ""})
-    properties.setdefault("delivery_tag", uuid4_text())
-    return json.dumps({"body": base64.b64encode(body).decode(), "content-encoding": encoding,
-                       "content-type": content_type, "headers": headers, "properties": properties})
-
-
-def add_stock_failure(task: Any, request_id: str, exc: BaseException, *, worker: str,
-                      broker: Any) -> None:
-    """Keep the dead letter of a request that failed on Celery's stock path (``task_failure``) of
-    ``worker``, when its model opted in, through ``broker`` (a Redis client). Never raises."""
-    try:
-        request = task.request
-        queue = str((getattr(request, "delivery_info", None) or {}).get("routing_key") or "")
-        kwargs = request.kwargs if isinstance(request.kwargs, dict) else {}
-        model = model_from_queue(queue_of_list(queue)) or kwargs.get("model")
-        if not request_id or not isinstance(model, str):
-            return
-        options = options_of(task.app, model)
-        if not options.dead_letter:
-            return
-        entry = entry_for(request_id, queue or queue_for(model), exc, raw=_stock_envelope(request),
-                          retries=_int(getattr(request, "retries", 0)),
-                          worker=str(getattr(request, "hostname", "") or worker), model=model)
-        pipe = broker.pipeline(transaction=True)
-        push(pipe, entry, options)
-        pipe.execute()
-    except Exception:  # noqa: BLE001 - see the docstring
-        log.exception("request %s: its dead letter could not be kept", request_id)

@@ -1,18 +1,14 @@
-"""One request lifecycle for both consumers: admission before a request runs, settlement after.
+"""A request's admission before it runs and its settlement after, as the pipeline asks them.
 
 **Admission** (:func:`admit`): a request taken from its queue is delayed until its ``eta``
 (a retry's backoff), refused when it is not ``asyncinfer.infer``, revoked when revoked or past its
 ``expires``, answered without running when a redelivered copy already has a final result stored
-(:func:`already_answered`), and otherwise run. The fast consumer asks for every message; Celery's
-stock path asks in the task before it runs (Celery has delayed, revoked and expired it already;
-what is left is the revocation that came after Celery accepted it, and a redelivered answer).
+(:func:`answered_before`), and otherwise run — the policies' rules, asked in their order.
 
-**Settlement** (:class:`Settlement`): how a request ended is announced once, the same way on both
-paths: the one failure log line, the metrics (success, failure by reason, revoked, retries), the
-task events when the worker sends them itself (the fast consumer; Celery's worker sends its own),
-while the retry decision is the policy's (:class:`~asyncinfer.policy.retries.Retries`: the task's
-retry options within the fleet's retry budget). The stock path reaches it through Celery's
-signals (``task_success``, ``task_failure``, ``task_revoked``, ``task_retry``), the fast path directly.
+**Settlement** (:class:`Settlement`): how a request ended is announced once: the one failure log
+line, the metrics (success, failure by reason, revoked, retries), the task events (Flower), while
+the retry decision is the policy's (:class:`~asyncinfer.policy.retries.Retries`: the task's retry
+options within the fleet's retry budget).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A request's life on a device worker, top to bottom: take → admit → decode → batch → run →
 settle → write.
 
-1. **take** — the transport (fast_consumer.py: the atomic take script, leases, the single wake)
-   hands over what it popped and recorded, list by list: :meth:`Pipeline.took`.
+1. **take** — the transport hands over what it took: the fast consumer (the atomic take script,
+   leases, the single wake) what it popped and recorded, list by list (:meth:`Pipeline.took`);
+   Celery's consumer, through kombu, each message it received (:meth:`Pipeline.received`).
 2. **parse** — each message must be a kombu envelope; one that is not fails alone
    (:func:`~asyncinfer.wire.envelope.malformed_error`: a FAILURE for the request ID its text
    names, else a log line) and the others go on.
@@ -20,9 +21,9 @@ settle → write.
 8. **write** — result_writer.py: results, acknowledgements, retries and dead letters in one round
    trip per batch; links and errbacks sent after.
 
-Celery's stock consumer (RabbitMQ, ``ASYNCINFER_CONSUMER=celery``, prefork) runs the same
-admission, settlement and runtime through Celery's own request and tracer (stock_path.py,
-tasks/infer.py); docs/architecture.md says what differs and why.
+Every consumer feeds it: the fast consumer (the Redis lists) and Celery's consumer through kombu
+(RabbitMQ, ``ASYNCINFER_CONSUMER=celery``, an ``asyncinfer.infer`` on a stage queue); what
+differs is only the transport (docs/architecture.md).
 """
 
 from __future__ import annotations

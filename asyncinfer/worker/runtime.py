@@ -54,8 +54,9 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
-        #: What the runners tell whoever serves the requests (:meth:`use`); Celery's stock path
-        #: keeps these: a wedged device fails the request and the process leaves.
+        #: What the runners tell whoever serves the requests (:meth:`use`); until a consumer
+        #: does (a call in this process: ``infer.apply()``), a wedged device fails the request
+        #: and the process leaves.
         self.hooks = DeviceHooks(on_wedged=Wedge(lambda item, exc: settle(item.future, exc=exc),
                                                  exit_after_s=2.0))
 

@@ -1,15 +1,15 @@
 """One device worker, as one object: its name, settings, policy, device runtime, metrics, its entry
-in the model catalogue, its fast consumer, and what Celery's inspection and stock path ask of it.
+in the model catalogue, what feeds its pipeline, and what Celery's inspection asks of it.
 
 Built once per worker: by ``asyncinfer worker`` (:func:`~asyncinfer.worker.launch.run_worker`),
 or, under ``celery -A asyncinfer worker``, when Celery's ``worker_init`` finds none
 (bootstrap.py). It is kept on the Celery app (``app.asyncinfer_worker``) and on Celery's worker
-(``controller.asyncinfer``), where Celery's signals, its remote-control commands and the stock
-task find it; everything else is given it. Nothing of a worker lives in module state, so two
+(``controller.asyncinfer``), where Celery's signals, its remote-control commands and Celery's
+consumer find it; everything else is given it. Nothing of a worker lives in module state, so two
 workers can live in one process (each with its own runtime, metrics and registry).
 
-The device runtime is made on first use, inside the process that owns the device: a prefork
-parent never makes one; each child makes its own after the fork.
+The device runtime is made on first use, inside the process that owns the device (a worker whose
+pool forks runs no model: worker/intake/step.py).
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from celery import Celery
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import redis_client
 from asyncinfer.constants import model_from_queue
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.policy import Policy
 from asyncinfer.worker.announcer import Announcer, announcer_for
-from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -71,10 +69,8 @@ class Worker:
         self.announcer: Announcer | None = None
         self._runtime: WorkerRuntime | None = None
         self._policy: Policy | None = None
-        self._settlement: Settlement | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
         self._cpu_models: dict[str, Model] = {}
-        self._broker: Any = None
         self._lock = threading.RLock()
 
     # -- what it is made of ----------------------------------------------------------------------
@@ -104,25 +100,6 @@ class Worker:
                 if self._policy is None:
                     self._policy = Policy.of_worker(self.app, self.settings)
         return self._policy
-
-    @property
-    def settlement(self) -> Settlement:
-        """How requests end on Celery's stock path (the fast consumer has its own, with events)."""
-        if self._settlement is None:
-            with self._lock:
-                if self._settlement is None:
-                    self._settlement = Settlement("?", self.runtime.device.label, self.policy,
-                                                  metrics=self.metrics)
-        return self._settlement
-
-    @property
-    def broker(self) -> Any:
-        """A Redis client of the broker, for the stock path's own writes (its dead letters)."""
-        if self._broker is None:
-            with self._lock:
-                if self._broker is None:
-                    self._broker = redis_client(str(self.app.conf.broker_url), self.settings)
-        return self._broker
 
     def cpu_model(self, name: str, request_id: str) -> Model:
         """``name``'s instance for the CPU stages in this process (loaded once, on the CPU)."""
@@ -190,7 +167,8 @@ class Worker:
         self.metrics.watch(in_flight=lambda: consumer.in_flight)
 
     def in_flight(self) -> int:
-        """Requests taken and not yet answered (Celery's stock path: its active requests)."""
+        """Requests taken and not yet answered (none feeds the pipeline yet: Celery's active
+        requests, its CPU stages)."""
         if self.consumer is not None:
             return self.consumer.in_flight
         from celery.worker import state as worker_state
@@ -205,8 +183,12 @@ class Worker:
                 "throughput_per_s": round(self.metrics.throughput_per_s(), 2)}
 
     def close(self) -> None:
-        """Withdraw, stop the runtime and the metrics server."""
+        """Withdraw, stop what feeds the pipeline (if no bootstep did), the runtime and the
+        metrics server."""
         self.withdraw()
+        consumer = self.consumer
+        if consumer is not None and not consumer.stopped:
+            consumer.stop()
         with self._lock:
             runtime, self._runtime = self._runtime, None
         if runtime is not None:

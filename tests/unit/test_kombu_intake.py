@@ -1,6 +1,7 @@
 """The kombu transport of the pipeline, without a broker: a kombu message written as the envelope
-the Redis lists hold (so every rule reads it as on the fast consumer), and its acknowledgement
-after the write (a retry published first; one that cannot be published left unacknowledged)."""
+the Redis lists hold (so every rule reads it as on the fast consumer), its acknowledgement after
+the write (a retry published first; one that cannot be published left unacknowledged), and the
+prefetch window widened while one waits for its eta."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from celery import states
 
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import decode_body, parse_envelope
-from asyncinfer.wire.messages import retry_message
+from asyncinfer.wire.messages import envelope_text, retry_message
 from asyncinfer.worker.intake.holdings import Holdings
-from asyncinfer.worker.intake.kombu_intake import KombuIntake, KombuMessage, envelope_text
-from asyncinfer.worker.output.result_writer import Outcome
+from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.output.kombu_acks import acknowledge
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,8 +44,8 @@ class _Message:
         self.acknowledged = True
 
 
-def _taken(message: _Message) -> KombuMessage:
-    d = KombuMessage(raw=envelope_text(message).encode(), queue="infer.m", message=message)
+def _taken(message: _Message) -> TakenMessage:
+    d = TakenMessage(raw=envelope_text(message).encode(), queue="infer.m", message=message)
     parse_envelope(d)
     return d
 
@@ -77,24 +76,21 @@ class _Producer:
         self.published.append((body, options))
 
 
-def _intake(producer: _Producer) -> Any:
-    """The intake's transport part alone (no worker, no broker)."""
+def _app(producer: _Producer) -> Any:
+    """An app whose producer is ``producer`` (no broker)."""
 
     @contextmanager
     def producer_or_acquire() -> Any:
         yield producer
 
-    intake = KombuIntake.__new__(KombuIntake)
-    intake.app = SimpleNamespace(producer_or_acquire=producer_or_acquire)
-    return intake
+    return SimpleNamespace(producer_or_acquire=producer_or_acquire)
 
 
 def test_a_written_batch_is_acknowledged_its_retries_published_first() -> None:
     producer = _Producer()
     done, again = _taken(_Message("done")), _taken(_Message("again"))
     retry = retry_message(again, 1.5)
-    _intake(producer)._acknowledge([Outcome(done, states.SUCCESS, {}),
-                                    Outcome(again, states.RETRY, ModelError("x"), retry=retry)])
+    acknowledge(_app(producer), [(done, None), (again, retry)])
     assert done.message.acks == 1 and again.message.acks == 1
     [(body, options)] = producer.published
     assert body == BODY  # the same body, as Task.retry sends it
@@ -106,13 +102,11 @@ def test_a_written_batch_is_acknowledged_its_retries_published_first() -> None:
 def test_a_retry_that_cannot_be_published_leaves_its_message_unacknowledged() -> None:
     producer = _Producer(fail_for="lost")
     lost, other = _taken(_Message("lost")), _taken(_Message("other"))
-    _intake(producer)._acknowledge([
-        Outcome(lost, states.RETRY, ModelError("x"), retry=retry_message(lost, 1.0)),
-        Outcome(other, states.FAILURE, ModelError("y"))])
+    acknowledge(_app(producer), [(lost, retry_message(lost, 1.0)), (other, None)])
     assert lost.message.acks == 0  # the broker gives it back: at least once
     assert other.message.acks == 1
     # one already acknowledged is not acknowledged again
-    _intake(producer)._acknowledge([Outcome(other, states.FAILURE, ModelError("y"))])
+    acknowledge(_app(producer), [(other, None)])
     assert other.message.acks == 1
 
 
@@ -127,4 +121,11 @@ def test_what_waits_for_its_eta_widens_the_prefetch_window_while_it_waits() -> N
     holdings.resume(a)
     holdings.release([a, b])  # b released while it waits
     assert told == [1, 1, -1, -1]
-    assert holdings.in_flight == 0 and json.loads(a.raw)["body"] == base64.b64encode(BODY).decode()
+    # the Redis lists' messages are none of kombu's window, nor its leases' business
+    lists = TakenMessage(raw=b"{}", queue="infer.m", tag="t-1", request_id="c")
+    holdings.add(lists)
+    holdings.schedule(lists)
+    assert told == [1, 1, -1, -1] and holdings.tags() == ["t-1"]
+    holdings.add(a)
+    assert holdings.tags() == ["t-1"]  # a kombu message is leased by no script
+    assert holdings.in_flight == 1 and json.loads(a.raw)["body"] == base64.b64encode(BODY).decode()

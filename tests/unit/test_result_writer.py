@@ -22,7 +22,7 @@ from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import parse_envelope
-from asyncinfer.wire.messages import task_message
+from asyncinfer.wire.messages import retry_message, task_message
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 
@@ -312,36 +312,65 @@ def test_outcomes_gathered_are_handed_over_even_when_the_gathering_raises(
     assert _meta(broker, "raised")["status"] == states.SUCCESS
 
 
-def test_with_a_transport_that_acknowledges_results_are_stored_then_acked_by_it(
-        broker: _Refusing) -> None:
-    # Given a writer whose transport acknowledges (kombu: Celery's consumer feeds the pipeline)
-    app = create_app(Settings(broker_url=URL))
-    acked: list[list[str]] = []
-    seen_stored: list[bool] = []
-    done = threading.Event()
+def test_kombus_messages_are_stored_then_acknowledged_through_kombu(
+        writer: Any, broker: _Refusing) -> None:
+    # Given three messages Celery's consumer received (kombu's, acknowledged through it) and one
+    # of the Redis lists
+    w, _ = writer
+    acked_with: list[bool] = []
 
-    def acknowledge(batch: list[Outcome]) -> None:
-        seen_stored.append(all(_meta(broker, o.delivery.request_id) for o in batch if o.store))
-        acked.append([o.delivery.request_id for o in batch])
-        done.set()
+    class _Message:
+        acknowledged = False
 
-    w = ResultWriter(app, broker, acknowledge=acknowledge)
-    try:
-        ok, again, dup = _taken(broker, "k-ok"), _taken(broker, "k-again"), _taken(broker, "k-dup")
-        # When a success, a retry and an acknowledgement alone are written in one batch
-        with w.gathering():
-            w.put(Outcome(ok, states.SUCCESS, {"id": "k-ok", "outputs": []}))
-            w.put(Outcome(again, states.RETRY, ModelError("transient"), retry='{"retry": 1}'))
-            w.put(Outcome(dup, states.SUCCESS, None, store=False))
-        assert done.wait(10)
-    finally:
-        w.close()
-    # Then the transport acknowledges all three, once the results were stored
-    assert acked == [["k-ok", "k-again", "k-dup"]] and seen_stored == [True]
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+
+        def ack(self) -> None:  # the result is stored before the acknowledgement
+            acked_with.append(bool(_meta(broker, self.request_id)) or self.request_id == "k-dup")
+            self.acknowledged = True
+
+    def kombu(request_id: str) -> TakenMessage:
+        d = _taken(broker, request_id)
+        d.message = _Message(request_id)
+        return d
+
+    ok, failed, dup, lists = kombu("k-ok"), kombu("k-bad"), kombu("k-dup"), _taken(broker, "l-ok")
+    # When their outcomes are written in one batch
+    _write(w, [Outcome(ok, states.SUCCESS, {"id": "k-ok", "outputs": []}),
+               Outcome(failed, states.FAILURE, ModelError("request k-bad: boom")),
+               Outcome(dup, states.SUCCESS, None, store=False),
+               Outcome(lists, states.SUCCESS, {"id": "l-ok", "outputs": []})])
+    # Then each result is stored, each of kombu's acknowledged through kombu after its result
+    assert acked_with == [True, True, True]
+    assert all(d.message.acknowledged for d in (ok, failed, dup))
     assert _meta(broker, "k-ok")["status"] == states.SUCCESS
+    assert _meta(broker, "k-bad")["status"] == states.FAILURE and _meta(broker, "k-dup") == {}
+    # and only the lists' message left the lists' bookkeeping (kombu keeps its own)
+    left = {json.loads(v)[0]["headers"]["id"] for v in broker.hvals(UNACKED_KEY)}
+    assert left == {"k-ok", "k-bad", "k-dup"}
+
+
+def test_a_retry_of_kombus_is_left_to_kombu_to_publish(writer: Any, broker: _Refusing) -> None:
+    w, _ = writer
+    d = _taken(broker, "k-again")
+    d.message = type("M", (), {"acknowledged": True})()  # acknowledged: nothing more to do
+    published: list[Any] = []
+    w.app = type("A", (), {"producer_or_acquire": lambda self: _Producing(published)})()
+    _write(w, [Outcome(d, states.RETRY, ModelError("transient"), retry=retry_message(d, 0.5))])
+    assert broker.llen("infer.m") == 0  # not pushed on the lists
+    assert [options["headers"]["retries"] for _, options in published] == [1]
     assert _meta(broker, "k-again")["status"] == states.RETRY
-    assert _meta(broker, "k-dup") == {}
-    # and the writer neither pushed the retry (the transport publishes it) nor touched the Redis
-    # lists' own bookkeeping (kombu keeps its own)
-    assert broker.llen("infer.m") == 0
-    assert broker.hlen(UNACKED_KEY) == 3
+
+
+class _Producing:
+    def __init__(self, published: list[Any]) -> None:
+        self.published = published
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def publish(self, body: bytes, **options: Any) -> None:
+        self.published.append((body, options))

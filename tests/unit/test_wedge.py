@@ -19,7 +19,7 @@ def test_the_first_wedge_gives_back_and_leaves_once_and_every_request_fails() ->
     assert happened == ["fail a", "give back", f"leave {EXIT_WEDGED}", "fail b"]
 
 
-def test_the_stock_path_leaves_after_a_delay_its_task_thread_stores_the_failure_in() -> None:
+def test_a_delayed_wedge_leaves_after_the_failure_had_time_to_be_stored() -> None:
     left = threading.Event()
     statuses: list[int] = []
 

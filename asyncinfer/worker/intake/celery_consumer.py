@@ -39,10 +39,11 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
+from asyncinfer.worker.intake.consumer import PipelineConsumer
 from asyncinfer.worker.intake.kombu_intake import KombuIntake
 from asyncinfer.worker.intake.step import is_prefork
-from asyncinfer.worker.lifecycle import FAILED_FORMAT, answered_before
-from asyncinfer.worker.worker import existing_worker
+from asyncinfer.worker.lifecycle import FAILED_FORMAT
+from asyncinfer.worker.worker import worker_of
 
 __all__ = ["Consumer"]
 
@@ -132,11 +133,21 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         handle = super().create_task_handler(*args, **kwargs)
         settings = settings_of(self.app)
         limit = int(settings.max_payload_bytes) if settings is not None else 0
-        intake = self._intake()
+        forks = is_prefork(getattr(self.controller, "pool_cls", "threads"))
+        consumed = self.app.amqp.queues.consume_from or {}
+        if not forks and any(model_from_queue(name) is not None for name in consumed):
+            self._pipeline()  # made now, not at the first request: it says so in the log
 
         def on_task_received(message: Any) -> Any:
-            if intake is not None and _on_infer_queue(message):
-                return intake.took(message)  # the one pipeline, as on the fast consumer
+            if _for_the_pipeline(message):
+                if forks:
+                    request_id = (message.headers or {}).get("id")
+                    self._answer_refused(message, request_id, InvalidRequest(
+                        f"request {printable(request_id)}: {TASK_NAME} is refused by a worker "
+                        f"whose pool forks (prefork): a model runs in the process that owns its "
+                        f"device — run the threads or solo pool (asyncinfer worker)"))
+                    return None
+                return self._pipeline().received(message)  # the one pipeline, whatever took it
             body = message.body
             size = len(body) if isinstance(body, (bytes, str)) else 0
             if limit and size > limit:
@@ -149,28 +160,25 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             policy = self._task_policy()
             if policy is not None and self._refused_by(policy, message):
                 return None
-            if self._answered_before(message):
-                return None
             return handle(message)
 
         return on_task_received
 
-    def _intake(self) -> KombuIntake | None:
-        """The pipeline's kombu transport for this device worker's ``infer.*`` messages, made
-        once (it outlives reconnections); None where Celery's stock path runs them: a prefork
-        pool (the models live in its children), a worker that is no device worker."""
-        device_worker = existing_worker(self.app)
-        if device_worker is None or is_prefork(getattr(self.controller, "pool_cls", "threads")):
-            return None
-        if device_worker.consumer is None:
-            consumer = self
-            device_worker.serving(KombuIntake(
-                self.app, device_worker.runtime, hostname=self.hostname,
-                policy=device_worker.policy,
-                send_events=bool(getattr(self.controller, "task_events", False)),
-                qos=lambda: getattr(consumer, "qos", None)).start())
-        intake = device_worker.consumer
-        return intake if isinstance(intake, KombuIntake) else None
+    def _pipeline(self) -> PipelineConsumer:
+        """The consumer of this worker's pipeline: its fast consumer (an ``asyncinfer.infer``
+        on a stage queue, say), else its kombu intake, made at the first request (it outlives
+        reconnections; worker/intake/step.py or the worker's close stops it)."""
+        device_worker = worker_of(self.app)
+        consumer = device_worker.consumer
+        if consumer is None:
+            consumer = KombuIntake(self.app, device_worker.runtime, hostname=self.hostname,
+                                   policy=device_worker.policy,
+                                   send_events=bool(getattr(self.controller, "task_events", False)))
+            device_worker.serving(consumer)
+        if consumer.kombu_qos is None:
+            celery_consumer = self
+            consumer.kombu_qos = lambda: getattr(celery_consumer, "qos", None)
+        return consumer
 
     def _well_formed(self, message: Any) -> bool:
         """Whether a task message's body is what task protocol 2 says, ``[args, kwargs, embed]``
@@ -187,21 +195,6 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - answered as Celery answers it, refused unrun
             self.on_decode_error(message, exc)
             return False
-        return True
-
-    def _answered_before(self, message: Any) -> bool:
-        """Acknowledge, without running it again, a redelivered request whose final result is
-        already stored (a worker died between storing it and the acknowledgement): the
-        lifecycle's admission, asked before Celery accepts the message (its tracer would overwrite
-        the stored result with STARTED). True when it was acknowledged."""
-        headers = message.headers or {}
-        request_id = headers.get("id")
-        if not (headers.get("redelivered") and headers.get("task") == TASK_NAME
-                and isinstance(request_id, str) and request_id):
-            return False
-        if request_id not in answered_before(self.app.backend, [request_id]):
-            return False
-        message.ack()
         return True
 
     def _answer_refused(self, message: Any, request_id: Any, error: InvalidRequest) -> None:
@@ -263,10 +256,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         super().on_invalid_task(body, message, exc)
 
 
-def _on_infer_queue(message: Any) -> bool:
-    """Whether ``message`` came from an ``infer.*`` queue (the pipeline's, whatever its task)."""
+def _for_the_pipeline(message: Any) -> bool:
+    """Whether ``message`` is the pipeline's: any message of an ``infer.*`` queue (the pipeline
+    refuses any task there but ``asyncinfer.infer``), and ``asyncinfer.infer`` from any queue."""
     info = message.delivery_info or {}
-    return model_from_queue(str(info.get("routing_key") or "")) is not None
+    if model_from_queue(str(info.get("routing_key") or "")) is not None:
+        return True
+    headers = message.headers
+    return isinstance(headers, Mapping) and headers.get("task") == TASK_NAME
 
 
 def _named_model(task: str, body: Any) -> str | None:

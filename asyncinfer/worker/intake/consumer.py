@@ -3,15 +3,20 @@ the one pipeline (worker/pipeline.py) and its output side — the in-flight acco
 the settlement, the result writer and the outcomes — and the device's hooks into them.
 
 Two transports feed it: the Redis lists' take script (fast_consumer.py, the default on a Redis
-broker) and kombu, through Celery's own consumer (kombu_intake.py: RabbitMQ, or
-``ASYNCINFER_CONSUMER=celery``). They differ only in how a message is taken, leased,
-acknowledged and given back.
+broker) and kombu, through Celery's own consumer (:meth:`PipelineConsumer.received`;
+kombu_intake.py when kombu alone feeds it: RabbitMQ, or ``ASYNCINFER_CONSUMER=celery``). They
+differ only in how a message is taken, leased, acknowledged and given back; each message carries
+which (:class:`~asyncinfer.worker.intake.taken.TakenMessage`'s ``message``), so one pipeline can
+be fed by both: a fast consumer's worker whose Celery consumer receives ``asyncinfer.infer`` on a
+stage queue.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from celery import Celery
@@ -20,12 +25,14 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import Wedge
+from asyncinfer.wire.messages import envelope_text
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -36,17 +43,12 @@ class PipelineConsumer:
     """The pipeline of ``runtime``'s requests on worker ``hostname``, and its output side.
 
     ``results``: the writer's Redis (the broker's; with a broker that is not Redis, the results');
-    ``acknowledge``: the transport's acknowledgement of a written batch (None: the store script
-    acknowledges, on the Redis lists); ``shared``: whether the results live on ``results`` too
-    (None: when the result backend's URL is the broker's); ``on_scheduled(n)``: ``n`` more (or
-    fewer) held messages wait for their eta.
+    ``shared``: whether the results live on ``results`` too (None: when the result backend's URL
+    is the broker's).
     """
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
-                 send_events: bool, results: redis.Redis,
-                 acknowledge: Callable[[list[Outcome]], None] | None = None,
-                 shared: bool | None = None,
-                 on_scheduled: Callable[[int], None] | None = None) -> None:
+                 send_events: bool, results: redis.Redis, shared: bool | None = None) -> None:
         self.app = app
         self.runtime = runtime
         self.hostname = hostname
@@ -54,7 +56,10 @@ class PipelineConsumer:
         self.policy = policy
         #: Everything taken and not yet answered: the one in-flight account.
         self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()),
-                                 on_scheduled=on_scheduled)
+                                 on_scheduled=self._on_scheduled)
+        #: ``qos()``: the prefetch window of the Celery consumer that hands over kombu's messages
+        #: (a new one after each reconnection); None until one does.
+        self.kombu_qos: Callable[[], Any] | None = None
         #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
@@ -62,13 +67,38 @@ class PipelineConsumer:
         self.writer = ResultWriter(app, results, worker=hostname,
                                    before_write=lambda batch: self.outcomes.before_write(batch),
                                    on_written=lambda batch: self.outcomes.written(batch),
-                                   acknowledge=acknowledge, shared=shared)
+                                   shared=shared)
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         self._stopping = threading.Event()
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
                                  stopping=self._stopping_now)
+
+    def received(self, message: Any) -> None:
+        """(Celery's consumer, for each message of this pipeline: worker/intake/celery_consumer.py.)
+        Start a message kombu delivered; one that comes while this consumer stops is left
+        unacknowledged, for the broker to give back."""
+        if self._stopping.is_set():
+            return
+        queue = str((message.delivery_info or {}).get("routing_key") or "")
+        try:
+            raw = envelope_text(message)
+        except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
+            raw = f"message of {queue}: {type(exc).__name__}: {exc}"
+        self.pipeline.received([TakenMessage(raw=raw.encode(), queue=queue, message=message,
+                                             received_at=time.perf_counter())])
+
+    def _on_scheduled(self, n: int) -> None:
+        """``n`` more (or fewer) of kombu's held messages wait for their eta: the prefetch window
+        widens (narrows) by as many, as Celery's consumer does for its ETA tasks."""
+        qos = self.kombu_qos() if self.kombu_qos is not None else None
+        if qos is None:
+            return
+        if n > 0:
+            qos.increment_eventually(n)
+        elif n < 0:
+            qos.decrement_eventually(-n)
 
     def use_device(self, give_back: Callable[[], None],
                    on_launch: LaunchObserver = ignore_launch) -> None:
@@ -77,6 +107,11 @@ class PipelineConsumer:
         batch go onto the device."""
         self.runtime.use(DeviceHooks(on_wedged=Wedge(self._fail_wedged, give_back),
                                      settling=self.writer.gathering, on_launch=on_launch))
+
+    @property
+    def stopped(self) -> bool:
+        """Whether it was told to stop (or gave everything back)."""
+        return self._stopping.is_set()
 
     @property
     def max_in_flight(self) -> int:

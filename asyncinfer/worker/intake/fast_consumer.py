@@ -16,8 +16,8 @@ bookkeeping, but works in batches:
 - the :class:`ResultWriter` stores results and acknowledges them in one round trip per batch;
 - a clean stop, or a wedged device, gives back at once what is still held.
 
-Used by ``asyncinfer worker`` on a Redis broker (the default consumer); Celery's stock consumer
-serves RabbitMQ, ``ASYNCINFER_CONSUMER=celery`` and prefork.
+Used by ``asyncinfer worker`` on a Redis broker (the default consumer); on RabbitMQ and with
+``ASYNCINFER_CONSUMER=celery`` Celery's consumer feeds the same pipeline (kombu_intake.py).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ class FastConsumer(PipelineConsumer):
         """Put every message still held back on its queue at once, as kombu restores an
         unacknowledged message (marked ``redelivered``), instead of leaving it for the visibility
         timeout. One transaction: each message is either back on its queue or still unacked."""
-        held = [h.delivery for h in self.holdings.held() if h.delivery.tag]
+        # kombu's (an asyncinfer.infer Celery's consumer received) go back through the broker
+        held = [h.delivery for h in self.holdings.held()
+                if h.delivery.tag and h.delivery.message is None]
         if not held:
             return
         try:

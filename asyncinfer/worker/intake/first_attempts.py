@@ -9,6 +9,7 @@ sends what is left within a second), not once per take.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -27,29 +28,34 @@ COUNT_INTERVAL_S = 0.1
 
 
 class FirstAttempts:
-    """First attempts taken and not yet counted in the budget of ``retries`` (used by one
-    thread)."""
+    """First attempts taken and not yet counted in the budget of ``retries`` (from any thread:
+    a fast consumer's take and its Celery consumer may both feed one pipeline)."""
 
     def __init__(self, retries: Retries) -> None:
         self.retries = retries
         self._uncounted = 0
         self._sent_at = 0.0
+        self._lock = threading.Lock()
 
     def add(self, deliveries: Iterable[TakenMessage]) -> None:
         """Count the first attempts of asyncinfer.infer among ``deliveries``; send if due."""
-        self._uncounted += sum(1 for d in deliveries
-                               if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
+        first = sum(1 for d in deliveries
+                    if d.headers.get("task") == TASK_NAME and not d.headers.get("retries"))
+        with self._lock:
+            self._uncounted += first
         self.send(due_only=True)
 
     def send(self, due_only: bool) -> None:
         """Send what is counted (``due_only``: only if ``COUNT_INTERVAL_S`` has passed)."""
         now = time.monotonic()
-        if not self._uncounted or (due_only and now - self._sent_at < COUNT_INTERVAL_S):
-            return
-        self._sent_at = now
+        with self._lock:
+            if not self._uncounted or (due_only and now - self._sent_at < COUNT_INTERVAL_S):
+                return
+            self._sent_at = now
+            count, self._uncounted = self._uncounted, 0
         try:
-            self.retries.count_first_attempts(self._uncounted)
-            self._uncounted = 0
+            self.retries.count_first_attempts(count)
         except redis.RedisError as exc:  # sent with the next ones
-            log.warning("could not count %d requests towards the retry budget (%s)",
-                        self._uncounted, exc)
+            with self._lock:
+                self._uncounted += count
+            log.warning("could not count %d requests towards the retry budget (%s)", count, exc)

@@ -44,8 +44,9 @@ class Holdings:
                  on_scheduled: Callable[[int], None] | None = None) -> None:
         #: The bound: a number, or asked each time (it follows the device's pace).
         self._bound = max_in_flight if callable(max_in_flight) else (lambda: max_in_flight)
-        #: Told ``+1`` when a held message starts waiting for its eta, ``-1`` when it no longer
-        #: does (kombu's prefetch window grows and shrinks with them, as Celery's does).
+        #: Told ``+1`` when a held message kombu delivered starts waiting for its eta, ``-1`` when
+        #: it no longer does (kombu's prefetch window grows and shrinks with them, as Celery's
+        #: does for its ETA tasks).
         self._on_scheduled = on_scheduled
         self._held: dict[int, Holding] = {}
         #: TakenMessage tags by request ID, for what goes onto the device (the leases' marks).
@@ -68,7 +69,7 @@ class Holdings:
                 if id(d) not in self._held:
                     self._held[id(d)] = Holding(d)
                     self._in_flight += 1
-                    if d.tag and d.request_id:
+                    if d.tag and d.request_id and d.message is None:  # the lists' bookkeeping
                         self._tags[d.request_id] = d.tag
 
     def start(self, d: TakenMessage) -> None:
@@ -94,7 +95,7 @@ class Holdings:
             holding.state = state
             self._in_flight += count
             self._cond.notify_all()
-        if self._on_scheduled is not None:
+        if self._on_scheduled is not None and d.message is not None:
             self._on_scheduled(-count)
 
     def release(self, deliveries: list[TakenMessage]) -> None:
@@ -105,7 +106,7 @@ class Holdings:
                 holding = self._held.pop(id(d), None)
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
-                elif holding is not None:
+                elif holding is not None and d.message is not None:
                     scheduled += 1
                 if holding is not None and self._tags.get(d.request_id) == d.tag:
                     del self._tags[d.request_id]
@@ -138,9 +139,10 @@ class Holdings:
             return list(self._held.values())
 
     def tags(self) -> list[str]:
-        """The delivery tags of everything held (what the leases renew)."""
+        """The delivery tags of everything held from the Redis lists (what the leases renew)."""
         with self._cond:
-            return [h.delivery.tag for h in self._held.values() if h.delivery.tag]
+            return [h.delivery.tag for h in self._held.values()
+                    if h.delivery.tag and h.delivery.message is None]
 
     def tags_of(self, items: Sequence[WorkItem]) -> list[tuple[str, str, WorkItem]]:
         """(delivery tag, request ID, item) of each of ``items`` whose request is held under a tag."""

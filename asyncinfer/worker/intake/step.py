@@ -1,4 +1,5 @@
-"""The worker bootstep that gives a device worker's ``infer.*`` queues to the fast consumer.
+"""The worker bootstep that decides what feeds a device worker's pipeline: the fast consumer, or
+Celery's own consumer through the kombu intake.
 
 Registered on the app, so it runs in ``asyncinfer worker`` and in ``celery -A asyncinfer worker
 -Q infer.mlp`` alike. When the broker is Redis, the consumer setting is ``fast``
@@ -6,8 +7,10 @@ Registered on the app, so it runs in ``asyncinfer worker`` and in ``celery -A as
 solo, not prefork), the ``infer.*`` queues the worker was told to consume move from Celery's
 consumer to the :class:`~asyncinfer.worker.intake.fast_consumer.FastConsumer`; Celery's consumer
 keeps the other queues, and the control queue (``asyncinfer.control``) so that it always has one,
-and goes on serving remote control, events and heartbeats. Otherwise (RabbitMQ, ``consumer=celery``
-as a debug switch, prefork) Celery's stock consumer serves everything.
+and goes on serving remote control, events and heartbeats. Otherwise (RabbitMQ,
+``consumer=celery``) Celery's consumer keeps them and hands each of their messages to the same
+pipeline (kombu_intake.py); this step stops that intake before Celery closes its connection. A
+device worker whose pool forks (prefork) refuses to start: its models would run in children.
 
 The fast consumer takes nothing before the worker's start-up is complete: it starts when Celery
 says the worker is ready (``worker_ready``: Celery's consumer connected, revocations synced with
@@ -18,6 +21,7 @@ loaded and announced in the catalogue (bootstrap.py).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,6 +37,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url
 from asyncinfer.constants import CONTROL_QUEUE, model_from_queue
 from asyncinfer.redis_refusals import refusal_reason
+from asyncinfer.worker.supervisor import CANNOT_START
 from asyncinfer.worker.worker import existing_worker, worker_of
 
 __all__ = ["FastConsumerStep", "is_prefork", "uses_fast_consumer"]
@@ -78,16 +83,31 @@ class FastConsumerStep(bootsteps.StartStopStep):
     kombu = False
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self._refuse_forking(worker)
         self.consumer: Any = None
         self.queues: list[str] = self._take_queues(worker)
         self.kombu = not self.queues and self._feeds_pipeline(worker)
         self._worker: Any = None
 
     @staticmethod
-    def _feeds_pipeline(worker: Any) -> bool:
+    def _refuse_forking(worker: Any) -> None:
+        """A device worker's models run in its own process: a pool that forks would run them in
+        children that own a device their parent may have touched, outside the pipeline."""
         consumed = worker.app.amqp.queues.consume_from or {}
-        return not is_prefork(worker.pool_cls) and any(
-            model_from_queue(name) is not None for name in consumed)
+        infer = [name for name in consumed if model_from_queue(name) is not None]
+        if infer and is_prefork(worker.pool_cls):
+            # one line, and the status a supervisor reads as "cannot start as configured"
+            print(f"asyncinfer worker: cannot start: a device worker (queues {', '.join(infer)}) "
+                  f"runs the threads or solo pool, not prefork: its models run in its own process, "
+                  f"the one that owns the device (asyncinfer worker); serve the CPU stages from a "
+                  f"prefork worker of their own", file=sys.stderr, flush=True)
+            raise SystemExit(CANNOT_START)
+
+    @staticmethod
+    def _feeds_pipeline(worker: Any) -> bool:
+        """Whether Celery's consumer may feed the pipeline (an ``asyncinfer.infer`` may come by
+        any queue): every worker of the app whose pool does not fork."""
+        return not is_prefork(worker.pool_cls)
 
     @staticmethod
     def _take_queues(worker: Any) -> list[str]:
@@ -169,5 +189,6 @@ class FastConsumerStep(bootsteps.StartStopStep):
         if self.consumer is not None:
             self.consumer.stop()
             self.consumer = None
-        elif self.kombu and device_worker is not None and device_worker.consumer is not None:
-            device_worker.consumer.stop()
+        elif device_worker is not None and device_worker.consumer is not None:
+            if not device_worker.consumer.stopped:  # the kombu intake: before the connection closes
+                device_worker.consumer.stop()

@@ -5,6 +5,7 @@ stored and it is acknowledged. The message itself (its text, its kombu envelope)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from asyncinfer.wire.envelope import Message
 
@@ -21,3 +22,7 @@ class TakenMessage(Message):
     started: bool = False
     #: Worker deaths counted against its request while it was on a device (leases).
     deaths: int = 0
+    #: kombu's message, when Celery's consumer received it: acknowledged through kombu
+    #: (output/kombu_acks.py). None: taken from the Redis lists by the take script, recorded in
+    #: their bookkeeping (acknowledged by the store script, leased, given back by the consumer).
+    message: Any = None

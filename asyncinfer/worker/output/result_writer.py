@@ -45,6 +45,7 @@ from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
+from asyncinfer.worker.output import kombu_acks
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
@@ -95,7 +96,6 @@ class ResultWriter:
                  on_written: Callable[[list[Outcome]], None] | None = None, *,
                  worker: str = "",
                  before_write: Callable[[list[Outcome]], None] | None = None,
-                 acknowledge: Callable[[list[Outcome]], None] | None = None,
                  shared: bool | None = None) -> None:
         self.app = app
         #: The worker's name, which its dead letters give.
@@ -104,9 +104,6 @@ class ResultWriter:
         #: The Redis of the acknowledgements, retries and dead letters (the broker's; with a
         #: broker that is not Redis, the results').
         self.broker = broker
-        #: The transport's acknowledgement of a written batch, its retries sent first (kombu's:
-        #: worker/intake/kombu_intake.py); None: the store script acknowledges (the Redis lists).
-        self.acknowledge = acknowledge
         # Results go to the result backend's Redis; acks to the broker's. One pipeline when they
         # are the same server and database.
         self.shared = (str(app.conf.result_backend) == str(app.conf.broker_url) if shared is None
@@ -239,8 +236,9 @@ class ResultWriter:
     def _write(self, batch: list[Outcome]) -> None:
         self._store_all(batch)
         self._wait_replicas(batch)
-        if self.acknowledge is not None:
-            self.acknowledge(batch)
+        delivered = [(o.delivery, o.retry) for o in batch if o.delivery.message is not None]
+        if delivered:  # kombu's messages: acknowledged through kombu, now they are stored
+            kombu_acks.acknowledge(self.app, delivered)
         self.on_written(batch)
         for outcome in batch:
             if outcome.embed:
@@ -283,12 +281,12 @@ class ResultWriter:
         first, when the result backend is another Redis than the broker; inside a transaction
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
-        entries = [self._add_safely(pushes, outcome) for outcome in part]
-        if self.acknowledge is not None:  # the transport acknowledges, once they are written
-            entries = [(k, v, r, "") for k, v, r, _ in entries if k]
+        entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
         acks = entries
         if not self.shared:
-            self._log_refusals(self.store([(k, v, r, "") for k, v, r, _ in entries], self.results))
+            results = [(k, v, r, "") for k, v, r, _ in entries if k]
+            if results:
+                self._log_refusals(self.store(results, self.results))
             acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
         if not pushes.command_stack:
             if acks:
@@ -350,7 +348,8 @@ class ResultWriter:
         """``outcome``'s entry for the store script; its retry message and dead letter, if any,
         on ``pushes`` (a broker transaction)."""
         d = outcome.delivery
-        if outcome.retry is not None and self.acknowledge is None:  # else the transport sends it
+        kombu = d.message is not None  # acknowledged (its retry sent) through kombu, after
+        if outcome.retry is not None and not kombu:
             pushes.lpush(d.list_key, outcome.retry)
         key, value, reply_to = "", "", ""
         if d.request_id and outcome.store:
@@ -364,7 +363,8 @@ class ResultWriter:
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
         add_dead_letter(pushes, self.app, outcome, self.worker)
-        return key, value, reply_to, d.tag or ""  # no tag: a malformed message never recorded
+        # no tag: a malformed message never recorded, or one of kombu's
+        return key, value, reply_to, "" if kombu else d.tag or ""
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""
