@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,12 +25,9 @@ from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker, gated_executions
-from tests.support.processes import ROOT, launch_worker, start_worker
+from tests.support.paced import index_input, kill_during_paced_stream
+from tests.support.processes import ROOT, start_worker
 from tests.support.waiting import wait_for
-
-
-def _index(i: int) -> dict[str, np.ndarray]:
-    return {"index": np.array([[float(i)]], np.float64)}
 
 
 @pytest.mark.timeout(120)
@@ -46,7 +42,7 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
     celery = Celery("producer", broker=url, backend=url)
     celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
     try:
-        assert client.infer("gated", _index(100), timeout_s=30)["output"].tolist() == [[100.0]]
+        assert client.infer("gated", index_input(100), timeout_s=30)["output"].tolist() == [[100.0]]
         # idle: blocked in Redis waiting for work on each of its lists (not between a result and
         # its next, empty take, whose script Redis could run after the first request below came)
         lists = len(priority_lists(["infer.gated"]))
@@ -54,7 +50,7 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
                  poll_s=0.02)
         os.kill(first.pid, signal.SIGSTOP)
         # When requests arrive from our client and from Celery's send_task (which rings nothing)
-        futures = [client.submit("gated", _index(i)) for i in range(4)]
+        futures = [client.submit("gated", index_input(i)) for i in range(4)]
         results = [celery.send_task("asyncinfer.infer", queue="infer.gated", kwargs={
             "model": "gated", "inputs": [{"name": "index", "shape": [1, 1], "datatype": "FP64",
                                           "data": [float(i)]}]}) for i in range(4, 8)]
@@ -92,60 +88,6 @@ def _blocked_waiting(r: redis.Redis) -> int:
     db = str(r.connection_pool.connection_kwargs.get("db", 0))
     return sum(1 for c in r.client_list() if "b" in c.get("flags", "")
                and c.get("cmd") in ("blmove", "brpoplpush") and c.get("db") == db)
-
-
-def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[str, str],
-                             log_dir: os.PathLike[str], *, rate_per_s: float, duration_s: float,
-                             kill_every_s: float) -> dict[str, int]:
-    """Send ``rate_per_s`` requests for ``duration_s`` while, every ``kill_every_s``, one of two
-    workers is killed with SIGKILL and replaced; return sent / answered / lost / ran twice."""
-    client = Client(broker_url=url)
-    workers = []
-    futures = []
-    done_sending = threading.Event()
-
-    def stream() -> None:
-        start = time.monotonic()
-        for i in range(int(rate_per_s * duration_s)):
-            pause = start + i / rate_per_s - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-            futures.append(client.submit("gated", _index(i)))
-        done_sending.set()
-
-    def launch(n: int):  # noqa: ANN202
-        return launch_worker(url, Path(log_dir) / f"w{n}.log", "--device", "cpu", "--models",
-                             "gated", "--hostname", f"paced{n}@%h", "--concurrency", "8", **env)
-
-    kills = 0
-    try:
-        workers += [launch(0).wait_ready(), launch(1).wait_ready()]
-        sender = threading.Thread(target=stream)
-        sender.start()
-        # The replacement starts in the background (a worker takes seconds to start on a loaded
-        # machine), so the kills keep their pace; a victim is always one that serves
-        while not done_sending.wait(kill_every_s):
-            victim = workers.pop(0).wait_ready()
-            victim.process.kill()
-            victim.process.wait()
-            kills += 1
-            workers.append(launch(len(workers) + kills))
-        sender.join()
-        deadline = time.monotonic() + 60
-        for f in futures:
-            try:
-                f.result(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - counted as lost below
-                pass
-        executions = gated_executions(r, prefix)
-        answered = sum(1 for i, f in enumerate(futures)
-                       if f.done() and not f.exception() and f.result()["output"].tolist() == [[i]])
-        return {"sent": len(futures), "answered": answered, "lost": len(futures) - answered,
-                "ran_twice": sum(1 for n in executions.values() if n > 1), "kills": kills}
-    finally:
-        client.close()
-        for w in workers:
-            w.stop()
 
 
 @pytest.mark.timeout(150)
@@ -245,12 +187,12 @@ def test_redis_frozen_mid_stream_loses_nothing_and_runs_nothing_twice(tmp_path) 
     client = Client(broker_url=server.url)
     r = redis.Redis.from_url(server.url)
     try:
-        futures = [client.submit("gated", _index(i)) for i in range(20)]
+        futures = [client.submit("gated", index_input(i)) for i in range(20)]
         # When Redis is frozen (SIGSTOP) for 3 s while more requests are being submitted
         os.kill(server.process.pid, signal.SIGSTOP)
         late: list = []
         sender = threading.Thread(target=lambda: late.extend(
-            client.submit("gated", _index(i)) for i in range(20, 30)))
+            client.submit("gated", index_input(i)) for i in range(20, 30)))
         sender.start()
         time.sleep(3)
         os.kill(server.process.pid, signal.SIGCONT)

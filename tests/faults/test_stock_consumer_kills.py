@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from asyncinfer.ops.redis_server import RedisServer
-from tests.faults.test_delivery import kill_during_paced_stream
 from tests.support.databases import gated_broker
+from tests.support.paced import kill_during_paced_stream
 
 RUNS = 5
 

@@ -8,7 +8,6 @@ this run's alone: no leftovers of earlier runs, no other run's worker; they are 
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 
@@ -18,12 +17,11 @@ import torch
 
 from asyncinfer.errors import ModelError
 from asyncinfer.models.builtin import MLP
+from tests.support.amqp import AMQP_HOST, AMQP_PORT, AMQP_URL, delete_queues, rabbitmq_listens
 from tests.support.processes import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.timeout(180)
 
-AMQP_HOST, AMQP_PORT = "127.0.0.1", 5672
-AMQP_URL = f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}//"
 RUN = uuid.uuid4().hex[:8]
 FACTORIES = {"identity": "asyncinfer.models.builtin:Identity", "mlp": "asyncinfer.models.builtin:MLP",
              "poison": "tests.support.models:Poison"}
@@ -31,35 +29,9 @@ MODEL = {m: f"{m}_{RUN}" for m in FACTORIES}
 MODELS = tuple(MODEL.values())
 
 
-def _rabbitmq_listens() -> bool:
-    try:
-        with socket.create_connection((AMQP_HOST, AMQP_PORT), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _delete_queues(queues: list[str]) -> None:
-    """Delete this run's queues and their exchanges (one never declared is skipped)."""
-    from kombu import Connection
-
-    with Connection(AMQP_URL, connect_timeout=5) as conn:
-        for name, delete in [(q, d) for q in queues for d in ("queue_delete", "exchange_delete")]:
-            channel = conn.channel()
-            try:
-                getattr(channel, delete)(name)
-            except conn.channel_errors:
-                pass  # NOT_FOUND: never declared; the channel is closed by the server
-            finally:
-                try:
-                    channel.close()
-                except Exception:  # noqa: BLE001 - already closed by the error above
-                    pass
-
-
 @pytest.fixture(scope="module")
 def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    if not _rabbitmq_listens():
+    if not rabbitmq_listens():
         pytest.skip(f"no RabbitMQ listening on {AMQP_HOST}:{AMQP_PORT}")
     factories = ",".join(f"{MODEL[m]}={path}" for m, path in FACTORIES.items())
     try:
@@ -72,7 +44,7 @@ def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         finally:
             proc.stop()
     finally:
-        _delete_queues([f"infer.{m}" for m in MODELS])
+        delete_queues([f"infer.{m}" for m in MODELS])
 
 
 @pytest.fixture()
