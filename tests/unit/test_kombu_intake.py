@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+from concurrent.futures import Future
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -14,11 +16,14 @@ from typing import Any
 import pytest
 
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import decode_body, parse_envelope
 from asyncinfer.wire.messages import envelope_text, retry_message
 from asyncinfer.worker.intake.holdings import Holdings
+from asyncinfer.worker.intake.kombu_intake import KombuIntake
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.kombu_acks import acknowledge
+from asyncinfer.worker.output.outcomes import Outcomes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,3 +134,28 @@ def test_what_waits_for_its_eta_widens_the_prefetch_window_while_it_waits() -> N
     holdings.add(a)
     assert holdings.tags() == ["t-1"]  # a kombu message is leased by no script
     assert holdings.in_flight == 1 and json.loads(a.raw)["body"] == base64.b64encode(BODY).decode()
+
+
+
+def test_what_is_still_held_at_a_stop_goes_back_and_is_settled_as_nothing_here() -> None:
+    # Given an intake holding a request its device never ran, whose drain at a stop runs out
+    written, failed = [], []
+    intake = KombuIntake.__new__(KombuIntake)
+    intake._stopping = threading.Event()
+    intake.holdings = Holdings(8)
+    intake._close_output = lambda: None  # the writer closed: nothing is written from now on
+    held = _taken(_Message("held"))
+    intake.holdings.add(held)
+    intake.stop(grace_s=0.0)
+    # Then it is no longer held, nor acknowledged: RabbitMQ gives it back when the connection
+    # closes
+    assert intake.holdings.held() == [] and intake.in_flight == 0 and held.message.acks == 0
+    # And when the runtime's shutdown then fails it ("worker shut down before model ... ran
+    # it"), nothing answers, logs or counts it as a FAILURE here: it runs elsewhere
+    settlement = SimpleNamespace(failed=lambda *a, **k: failed.append(a), hostname="w")
+    outcomes = Outcomes(SimpleNamespace(put=written.append), settlement, intake.holdings,
+                        lambda *a: None)
+    future: Future[Any] = Future()
+    future.set_exception(ModelError("request held: worker shut down before model 'm' ran it"))
+    outcomes.settle(held, SimpleNamespace(id="held"), future, None)
+    assert written == [] and failed == []

@@ -136,3 +136,10 @@ class PipelineConsumer:
         self.pipeline.first_attempts.send(due_only=False)
         self.writer.close()
         self.events.close()
+
+    def _let_go(self) -> None:
+        """(At a stop, the output closed.) What is still held goes back to its queue: it is no
+        longer this worker's, so nothing settles it here — the runtime's shutdown fails what it
+        never ran, which would otherwise be logged, counted and announced as a FAILURE of a
+        request that runs elsewhere."""
+        self.holdings.release([h.delivery for h in self.holdings.held()])

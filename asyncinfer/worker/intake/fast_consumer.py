@@ -113,6 +113,7 @@ class FastConsumer(PipelineConsumer):
         if left:
             log.warning("%d requests still in flight at shutdown go back to their queues", left)
             self._restore_held()
+        self._let_go()
         if self.leases is not None:
             self.leases.stop()
 

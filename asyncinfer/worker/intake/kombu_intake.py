@@ -68,6 +68,7 @@ class KombuIntake(PipelineConsumer):
         self._close_output()
         if left:
             log.warning("%d requests still in flight at shutdown go back to their queues", left)
+        self._let_go()
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished;
