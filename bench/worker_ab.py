@@ -4,6 +4,8 @@
         [--pairs 3] [--model sim-fast] (any bench workload) [--in-flight 256] [--requests 20000]
     .venv/bin/python bench/worker_ab.py --tree a=/tree/a --tree b=/tree/b --tree c=/tree/c \\
         --client own ...
+    .venv/bin/python bench/worker_ab.py --tree old=/tree/old --tree new=/tree/new \\
+        --consumer celery --consumer amqp ...
 
 ``--old`` and ``--new`` (or ``--tree TAG=PATH``, two or more, taken in turn) are source trees of
 asyncinfer (``git worktree add /tmp/old REV``); each run starts a fresh worker from one of them
@@ -12,8 +14,11 @@ with this tree's client, or with the run's own tree's client (``--client own``: 
 path of each tree, side by side). Each run prints
 one JSON line: throughput, p50/p99, mean device batch, CPU ms per request of the worker, the
 client and Redis, and the worker's threads' CPU ms per request, largest first (named when py-spy
-is installed). A script, not a test: this machine is too noisy for timed assertions, so compare
-only runs of the same sitting.
+is installed). ``--consumer`` (repeatable) picks what feeds the worker's pipeline: ``fast`` (the
+default: the take script on Redis), ``celery`` (Celery's consumer on Redis,
+``ASYNCINFER_CONSUMER=celery``) or ``amqp`` (a RabbitMQ broker, ``--amqp-url``, results on the
+embedded Redis); each tree runs with each. A script, not a test: this machine is too noisy for
+timed assertions, so compare only runs of the same sitting.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ from asyncinfer.bench.systems import process_cpu_s
 from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.constants import TASK_NAME, queue_for
 
-url, worker_pid, redis_pid, model, level, total = sys.argv[1:7]
+url, worker_pid, redis_pid, model, level, total, broker = sys.argv[1:8]
 worker_pid, redis_pid, level, total = int(worker_pid), int(redis_pid), int(level), int(total)
-client = Client(broker_url=url)
+client = Client(broker_url=broker, result_backend=url)
 payloads = [{"model": model, **WORKLOADS[model].payload(i)} for i in range(64)]
 submit = lambda i: client.send(TASK_NAME, queue_for(model), payloads[i % len(payloads)])
 for f in [submit(i) for i in range(300)]:
@@ -90,7 +95,10 @@ def _thread_names(pid: int) -> dict[int, str]:
 
 
 def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespace,
-         env: dict[str, str], log_dir: Path) -> None:
+         env: dict[str, str], log_dir: Path, consumer: str = "fast") -> None:
+    broker = args.amqp_url if consumer == "amqp" else url
+    env = {**env, "ASYNCINFER_BROKER_URL": broker, "ASYNCINFER_RESULT_BACKEND": url,
+           "ASYNCINFER_CONSUMER": "celery" if consumer == "celery" else "fast"}
     worker_env = {**env, "PYTHONPATH": str(tree)}
     factories = WORKLOADS[args.model].factories
     if factories:
@@ -103,7 +111,7 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
         wait_hosted(url, args.model, worker)
         client_tree = tree if args.client == "own" else Path(__file__).resolve().parents[1]
         load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
-                                 args.model, str(args.in_flight), str(args.requests)],
+                                 args.model, str(args.in_flight), str(args.requests), broker],
                                 env={**env, "PYTHONPATH": str(client_tree)},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert load.stdin is not None and load.stdout is not None
@@ -122,7 +130,7 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
                          for t in after)
         result["worker_threads_cpu_ms_per_request"] = {name: round(ms, 3)
                                                         for ms, name in reversed(threads) if ms >= 0.005}
-        print(json.dumps({"worker": tag, **result}), flush=True)
+        print(json.dumps({"worker": tag, "consumer": consumer, **result}), flush=True)
     finally:
         worker.terminate()
         worker.wait(30)
@@ -140,6 +148,10 @@ def main() -> int:
     p.add_argument("--model", default="sim-fast", choices=sorted(WORKLOADS))
     p.add_argument("--in-flight", type=int, default=256)
     p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--consumer", action="append", choices=("fast", "celery", "amqp"),
+                   help="what feeds the worker (repeatable; default: fast)")
+    p.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//",
+                   help="the RabbitMQ of --consumer amqp")
     args = p.parse_args()
     trees = [(tag, Path(path)) for tag, _, path in (t.partition("=") for t in args.tree)]
     if not trees:
@@ -155,8 +167,10 @@ def main() -> int:
                "ASYNCINFER_BROKER_URL": server.url, "ASYNCINFER_LOG_LEVEL": "warning"}
         try:
             for _ in range(args.pairs):
-                for tag, tree in trees:
-                    _run(tag, tree.resolve(), server.url, server.process.pid, args, env, Path(tmp))
+                for consumer in args.consumer or ["fast"]:
+                    for tag, tree in trees:
+                        _run(tag, tree.resolve(), server.url, server.process.pid, args, env,
+                             Path(tmp), consumer)
         finally:
             server.stop()
     return 0
