@@ -3,6 +3,10 @@
 Workers keep them (worker/dead_letters.py: the entry and how it is pushed). Here they are read,
 requeued — the message back on ``infer.<model>`` with ``retries`` 0, no ``eta`` and a new delivery
 tag, and its stored FAILURE removed, in one atomic step — and purged (:class:`DeadLetters`).
+
+On a broker that is not Redis (RabbitMQ) the workers keep them on the result backend's Redis, and
+a requeue takes the entry off the list (and its FAILURE) in one step, then publishes the message
+through kombu to the model's queue; a message that cannot be published puts its entry back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +57,28 @@ if KEYS[3] then redis.call('DEL', KEYS[3]) end
 redis.call('LPUSH', KEYS[2], ARGV[2])
 return 1
 """
+# KEYS: the dead-letter list, [the request's stored result]. ARGV: the entry as stored.
+# Removes the entry; only if it was there, deletes the stored FAILURE (the message is published
+# after, by kombu).
+_CLAIM = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+if KEYS[2] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+
+def _kombu_publisher(broker_url: str) -> Callable[[str, str], None]:
+    """Publish a kombu envelope (text) to a queue of the broker ``broker_url`` names."""
+
+    def publish(message: str, queue: str) -> None:
+        from kombu import Connection
+
+        from asyncinfer.worker.output.kombu_acks import publish_envelope
+
+        with Connection(broker_url, connect_timeout=10) as conn, conn.Producer() as producer:
+            publish_envelope(producer, json.loads(message), queue)
+
+    return publish
 
 
 @dataclass(frozen=True)
@@ -71,23 +97,31 @@ class DeadLetters:
     deletes the request's stored FAILURE (a client asking for the result waits for the new run).
     """
 
-    def __init__(self, client: Any, model: str, *, results_shared: bool = True) -> None:
+    def __init__(self, client: Any, model: str, *, results_shared: bool = True,
+                 publish: Callable[[str, str], None] | None = None) -> None:
         self.client = client
         self.model = model
         self.key = dead_letter_key(model)
         self.results_shared = results_shared
+        #: ``publish(message, queue)``: how a requeued message goes back when the broker is not
+        #: ``client``'s Redis (None: pushed on its list there, in the requeue's atomic step).
+        self.publish = publish
         self._requeue = client.register_script(_REQUEUE)
+        self._claim = client.register_script(_CLAIM)
 
     @classmethod
     def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
-        """The dead letters of ``model`` on the broker ``settings`` name (which must be Redis)."""
+        """The dead letters of ``model`` where the workers of ``settings`` keep them: on the
+        broker's Redis, or the result backend's when the broker is not Redis."""
         from asyncinfer.connections import is_redis_url, redis_client
 
         broker = settings.resolved_broker_url()
-        if not is_redis_url(broker):
-            raise ValueError(f"dead letters are kept on a Redis broker; the broker is {broker}")
-        client = redis_client(broker, settings, socket_connect_timeout=settings.connect_timeout_s)
-        return cls(client, model, results_shared=settings.resolved_result_backend() == broker)
+        if is_redis_url(broker):
+            client = redis_client(broker, settings, socket_connect_timeout=settings.connect_timeout_s)
+            return cls(client, model, results_shared=settings.resolved_result_backend() == broker)
+        results = settings.resolved_result_backend()
+        client = redis_client(results, settings, socket_connect_timeout=settings.connect_timeout_s)
+        return cls(client, model, results_shared=True, publish=_kombu_publisher(broker))
 
     def entries(self) -> list[tuple[bytes, DeadLetter]]:
         """Every entry, newest first, with its stored text; unreadable ones are skipped (logged)."""
@@ -123,15 +157,28 @@ class DeadLetters:
             except ValueError as exc:
                 refused[entry.request_id] = str(exc)
                 continue
-            keys = [self.key, self._queue_of(entry)]
-            if self.results_shared:
-                keys.append(RESULT_KEY_PREFIX + entry.request_id)
-            if int(self._requeue(keys=keys, args=[stored, message])):
+            if self._send_back(stored, entry, message):
                 done.append(entry.request_id)
                 for duplicate in older.get(entry.request_id, ()):
                     self.client.lrem(self.key, 1, duplicate)
         not_found = [i for i in wanted or () if i not in newest]
         return Requeued(done, not_found, refused)
+
+    def _send_back(self, stored: bytes, entry: DeadLetter, message: str) -> bool:
+        """Take ``stored`` off the list, delete the stored FAILURE (when results live here) and
+        send ``message`` to the model's queue; False when the entry was gone already."""
+        result_key = [RESULT_KEY_PREFIX + entry.request_id] if self.results_shared else []
+        if self.publish is None:
+            keys = [self.key, self._queue_of(entry), *result_key]
+            return bool(int(self._requeue(keys=keys, args=[stored, message])))
+        if not int(self._claim(keys=[self.key, *result_key], args=[stored])):
+            return False
+        try:
+            self.publish(message, queue_for(self.model))
+        except Exception:
+            self.client.rpush(self.key, stored)  # kept, as it was (oldest last)
+            raise
+        return True
 
     def purge(self) -> int:
         """Remove every entry; how many there were."""

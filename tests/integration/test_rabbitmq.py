@@ -8,6 +8,7 @@ this run's alone: no leftovers of earlier runs, no other run's worker; they are 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 
@@ -38,7 +39,8 @@ def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         proc = start_worker(redis_url, tmp_path_factory.mktemp("amqp") / "worker.log",
                             "--device", "cpu", "--models", ",".join(MODELS), "--concurrency", "8",
                             "--hostname", f"amqp-{RUN}@%h", ASYNCINFER_BROKER_URL=AMQP_URL,
-                            ASYNCINFER_RESULT_BACKEND=redis_url, ASYNCINFER_MODEL_FACTORIES=factories)
+                            ASYNCINFER_RESULT_BACKEND=redis_url, ASYNCINFER_MODEL_FACTORIES=factories,
+                            ASYNCINFER_MODEL_OPTIONS=json.dumps({MODEL["poison"]: {"dead_letter": True}}))
         try:
             yield proc
         finally:
@@ -102,3 +104,33 @@ def test_status_lists_the_worker_and_the_queue_depths(amqp_client, amqp_worker) 
     assert len(mine) == 1 and sorted(mine[0].models) == sorted(MODELS)
     assert set(MODELS) <= status.queue_depths.keys()
     assert all(depth >= 0 for depth in status.queue_depths.values())
+
+
+def test_a_failure_for_good_is_a_dead_letter_and_requeued_through_rabbitmq(
+        amqp_client, redis_url: str) -> None:
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.ops.dead import DeadLetters
+
+    # Given a request of a model that keeps dead letters, which fails for good
+    request_id = "amqp-dead-" + uuid.uuid4().hex
+    future = amqp_client.submit(MODEL["poison"], np.array([[-1.0]], np.float32), request_id=request_id)
+    with pytest.raises(ModelError):
+        future.result(timeout=60)
+    # Then its dead letter is on the result backend's Redis (the broker is RabbitMQ), where
+    # `asyncinfer dead` finds it
+    dead = DeadLetters.from_settings(Settings.from_env(broker_url=AMQP_URL, result_backend=redis_url),
+                                     MODEL["poison"])
+    entry = dead.find(request_id)
+    assert entry is not None and entry.reason_type == "ModelError" and entry.attempts == 1
+    assert entry.queue == f"infer.{MODEL['poison']}" and entry.requeueable == ""
+    # When it is requeued: off the list, its FAILURE deleted, published to its queue on RabbitMQ
+    done = dead.requeue([request_id])
+    assert done.requeued == [request_id] and done.not_found == [] and done.refused == {}
+    # Then the worker runs it again (it fails again, for good: a new entry, the same request)
+    again = amqp_client.future(request_id)
+    with pytest.raises(ModelError):
+        again.result(timeout=60)
+    entries = [e for _, e in dead.entries() if e.request_id == request_id]
+    assert len(entries) == 1 and entries[0].failed_at > entry.failed_at
+    assert dead.requeue(["no-such-request"]).not_found == ["no-such-request"]
+    dead.client.close()

@@ -16,7 +16,7 @@ from celery import Celery
 
 from asyncinfer.worker.intake.taken import TakenMessage
 
-__all__ = ["acknowledge"]
+__all__ = ["acknowledge", "publish_envelope"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _publish(app: Celery, retries: list[tuple[TakenMessage, str | None]]) -> set
     with app.producer_or_acquire() as producer:
         for d, retry in retries:
             try:
-                _publish_one(producer, d, json.loads(retry or "{}"))
+                publish_envelope(producer, json.loads(retry or "{}"), d.queue)
             except Exception:  # noqa: BLE001 - this one stays unacknowledged
                 log.exception("request %s: its retry could not be published; it is redelivered",
                               d.request_id or "?")
@@ -51,11 +51,14 @@ def _publish(app: Celery, retries: list[tuple[TakenMessage, str | None]]) -> set
     return unpublished
 
 
-def _publish_one(producer: Any, d: TakenMessage, envelope: dict[str, Any]) -> None:
+def publish_envelope(producer: Any, envelope: dict[str, Any], queue: str) -> None:
+    """Publish a kombu envelope as the Redis lists hold it (wire/messages.py) through ``producer``,
+    its body as it is (no second serialisation), to the exchange and routing key it names, else
+    to ``queue``."""
     properties = envelope.get("properties") or {}
     info = properties.get("delivery_info") or {}
     producer.publish(base64.b64decode(envelope["body"]), exchange=info.get("exchange") or "",
-                     routing_key=info.get("routing_key") or d.queue,
+                     routing_key=info.get("routing_key") or queue,
                      headers=envelope.get("headers") or {},
                      content_type=envelope.get("content-type"),
                      content_encoding=envelope.get("content-encoding"),
