@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 import threading
 import time
 from collections import Counter
@@ -176,12 +177,14 @@ def _rate(model: Model, batches: list[dict[str, Any]], rows: int, callers: int,
 
 
 def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
-                batch_sizes: tuple[int, ...], duration_s: float) -> dict[int, float]:
+                batch_sizes: tuple[int, ...], duration_s: float,
+                by_cost: bool = False) -> dict[int, float]:
     """Rows/s of the model called in-process (preprocess, forward, postprocess) per batch size,
     for the sizes the model's ``max_batch_size`` allows (and that size itself): a worker never
     runs a larger batch, so a larger one is no limit of it.
 
-    Batches are made of ``payloads`` in turn, as the load sends them. Each size is the better of
+    Batches are made of ``payloads`` in turn, as the load sends them (``by_cost``: sorted by
+    the cost of a row first). Each size is the better of
     two arrangements: one caller with torch's threads, and (for a model of several
     ``instances``) that many callers at once with the worker's share of threads each
     (:mod:`asyncinfer.engine.threads`), so the limit is never below what the worker's own
@@ -189,6 +192,9 @@ def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
     """
     payloads = payloads if isinstance(payloads, list) else [payloads]
     model.load(torch.device("cpu"))
+    if by_cost:  # batches of like cost (Model.row_cost): what length-aware batching can reach
+        payloads = sorted(payloads, key=lambda p: model.row_cost(decode_request(
+            "cost", {"model": model.name, "inputs": p["inputs"]})) or 0.0)
     largest = model.options.max_batch_size if model.batchable else 1
     sizes = sorted({s for s in batch_sizes if s <= largest} | {largest})
     instances = model.options.instances
@@ -196,7 +202,12 @@ def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
     default_threads = torch.get_num_threads()
     rates = {}
     for size in sizes:
-        batches = [_batch_of(model, payloads, size, k * size) for k in range(8)]
+        # every payload once at least; batches of like cost in a shuffled order, so that a run
+        # cut short by ``duration_s`` is not the cheap end of a sorted set
+        count = max(8, -(-len(payloads) // size))
+        batches = [_batch_of(model, payloads, size, k * size) for k in range(count)]
+        if by_cost:
+            random.Random(size).shuffle(batches)
         with torch.inference_mode():
             model.postprocess(model.forward(model.preprocess(batches[0])))  # warm up
         rates[size] = _rate(model, batches, size, 1, duration_s)

@@ -37,7 +37,7 @@ from asyncinfer.bench.systems import (
     process_cpu_s,
     start_system,
 )
-from asyncinfer.bench.workloads import WORKLOADS, Workload
+from asyncinfer.bench.workloads import MIXED_SENTENCES, WORKLOADS, Workload
 from asyncinfer.client import Client
 from asyncinfer.models.registry import Registry
 from asyncinfer.ops.redis_server import RedisServer
@@ -86,10 +86,16 @@ def _available(workload: Workload) -> bool:
     return workload.model in registry.names()
 
 
-def _limit(workload: Workload, duration_s: float) -> tuple[dict[int, float], float]:
+def _limit(workload: Workload, duration_s: float,
+           by_cost: bool = False) -> tuple[dict[int, float], float]:
+    """The model's in-process limit on the workload's payloads in the load's order; ``by_cost``:
+    sorted by the cost of a row first (batches of like length: what length-aware batching can
+    reach)."""
     registry = Registry.from_config([workload.factories] if workload.factories else [])
     model = registry.create(workload.model)
-    rates = model_limit(model, [workload.payload(i) for i in range(64)], (1, 8, 32, 64), duration_s)
+    count = MIXED_SENTENCES if workload.kind == "mixed-sentence" else 64
+    rates = model_limit(model, [workload.payload(i) for i in range(count)], (1, 8, 32, 64),
+                        duration_s, by_cost=by_cost)
     return rates, direct_call_ms(model, workload.payload(0))
 
 
@@ -239,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                     rates_by_size, direct = _limit(workload, min(args.duration_s, 2.0))
                     doc["limits"][workload.name] = {str(k): round(v, 1) for k, v in rates_by_size.items()}
                     doc["direct_call_ms"][workload.name] = round(direct, 4)
+                    if workload.kind == "mixed-sentence":  # and batched by length, in-process
+                        sorted_rates, _ = _limit(workload, min(args.duration_s, 2.0), by_cost=True)
+                        doc["limits"][f"{workload.name} (sorted by length)"] = {
+                            str(k): round(v, 1) for k, v in sorted_rates.items()}
                 bar.update(1)
                 for system in systems:
                     if system != "asyncinfer" and workload.name.startswith("pipeline3"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,30 @@ _SENTENCES = [
     "Celery workers consume tasks from Redis queues.",
     "She sells sea shells by the sea shore.",
 ]
+
+
+#: The mixed-length sentences: how many, and the share of long ones (issue's mix: 70 % of 6-14
+#: words, 30 % of 60-120, shuffled).
+MIXED_SENTENCES, MIXED_LONG_SHARE = 512, 0.3
+
+
+@functools.lru_cache(maxsize=1)
+def _mixed_sentences() -> tuple[str, ...]:
+    """512 sentences of mixed length, the same every run: words drawn from the short sentences'
+    vocabulary, 70 % of 6-14 words, 30 % of 60-120, in shuffled order."""
+    rng = np.random.default_rng(20261203)
+    words = " ".join(_SENTENCES).replace(".", "").split()
+    long_count = int(MIXED_SENTENCES * MIXED_LONG_SHARE)
+    lengths = [int(rng.integers(60, 121)) for _ in range(long_count)] + [
+        int(rng.integers(6, 15)) for _ in range(MIXED_SENTENCES - long_count)]
+    rng.shuffle(lengths)
+    return tuple(" ".join(rng.choice(words, n)) + "." for n in lengths)
+
+
+def mixed_sentence(i: int) -> str:
+    """Sentence ``i`` (cycling) of the mixed-length set."""
+    sentences = _mixed_sentences()
+    return sentences[i % len(sentences)]
 
 
 @dataclass(frozen=True)
@@ -43,9 +68,11 @@ class Workload:
             value = rng.random((1, 4), np.float32)
         elif self.kind == "sentence":
             value = np.array([_SENTENCES[i % len(_SENTENCES)]], dtype=object)
+        elif self.kind == "mixed-sentence":
+            value = np.array([mixed_sentence(i)], dtype=object)
         else:
             raise ValueError(f"unknown workload kind {self.kind!r}")
-        name = "text" if self.kind == "sentence" else "input"
+        name = "text" if self.kind in ("sentence", "mixed-sentence") else "input"
         return {"inputs": [to_input_payload(name, value)]}
 
 
@@ -55,6 +82,11 @@ WORKLOADS = {
     "identity": Workload("identity", "identity", "vector8"),
     "mlp": Workload("mlp", "mlp", "vector16"),
     "minilm": Workload("minilm", "minilm", "sentence"),
+    # sentences of mixed length: batched by length (the default for a model that declares a row's
+    # cost), and in arrival order, as every plain batcher does
+    "minilm-mixed": Workload("minilm-mixed", "minilm", "mixed-sentence"),
+    "minilm-mixed-fifo": Workload("minilm-mixed-fifo", "minilm", "mixed-sentence",
+                                  options={"group_by_cost": False}),
     "pipeline3-async": Workload("pipeline3-async", "pipeline3", "vector4", _SYNTHETIC,
                                 {"pipelined": True}),
     "pipeline3-sync": Workload("pipeline3-sync", "pipeline3", "vector4", _SYNTHETIC,

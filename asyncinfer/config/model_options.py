@@ -51,6 +51,13 @@ class ModelOptions:
     #: Compile the forward at load: "" (eager) or "torchscript" (traced, frozen, checked against
     #: eager; engine/compile.py). A model that cannot runs eager, and the worker says so.
     compile: str = ""
+    #: Fill each batch with the rows nearest in cost to its oldest, when the model says what a row
+    #: costs (``Model.row_cost``: MiniLM, its length), instead of in arrival order (a batch runs
+    #: padded to its longest row). False: arrival order.
+    group_by_cost: bool = True
+    #: ...a batch then takes only rows within this ratio of each other's cost (>= 1): a much
+    #: shorter row would run at the long one's cost.
+    max_cost_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -60,7 +67,11 @@ class ModelOptions:
             raise ValueError(f"max_delay_ms must be a finite number >= 0, got {self.max_delay_ms!r}")
         if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
-        for flag in ("dead_letter", "warmup", "pipelined"):
+        ratio = self.max_cost_ratio
+        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                and math.isfinite(ratio) and ratio >= 1):
+            raise ValueError(f"max_cost_ratio must be a finite number >= 1, got {ratio!r}")
+        for flag in ("dead_letter", "warmup", "pipelined", "group_by_cost"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         max_entries, ttl_s = self.dead_letter_max_entries, self.dead_letter_ttl_s

@@ -198,7 +198,10 @@ class Settings:
         "bound), `dead_letter` (keep requests that fail for good in `asyncinfer:dead:<model>`), "
         "`dead_letter_max_entries` (10000), `dead_letter_ttl_s` (7 days; 0: never expire), "
         "`warmup` (run one batch of each size before serving; default true), `compile` "
-        "(`\"torchscript\"`: trace the forward at load, checked against eager); key `\"*\"` "
+        "(`\"torchscript\"`: trace the forward at load, checked against eager), `group_by_cost` "
+        "(batch rows of like length together when the model says what a row costs, as MiniLM "
+        "does; default true), `max_cost_ratio` (2: rows in one such batch cost within this ratio "
+        "of each other); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

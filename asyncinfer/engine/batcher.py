@@ -4,6 +4,12 @@ A batch takes what is already waiting. It waits for more only while requests are
 decoded by task threads (they announce themselves with :meth:`Batcher.arriving`), and never past
 ``max_delay_ms`` after its first request was queued: a lone request on an idle device does not
 sit out a fixed delay, and at high load batches fill from what arrived while the device was busy.
+
+**Length-aware.** A batch runs padded to its longest row, so a few long sentences among short
+ones make every row cost a long one. When the model says what a row costs (``Model.row_cost``:
+MiniLM, its length) a batch is led by the oldest request waiting — no request waits behind
+younger ones for long — and filled with the waiting requests whose cost is nearest to it, rather
+than in arrival order (``group_by_cost``, on by default for such a model).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class WorkItem:
     on_device: bool = False
     #: Whether it runs in a device batch of its own (a worker died while it was on the device).
     alone: bool = False
+    #: What one of its rows costs the device (the model's ``row_cost``: MiniLM, its length);
+    #: None: rows cost alike.
+    cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:
@@ -55,7 +64,8 @@ class Batcher:
     """
 
     def __init__(self, max_batch_size: int, max_delay_ms: float,
-                 preferred_batch_sizes: tuple[int, ...] = ()) -> None:
+                 preferred_batch_sizes: tuple[int, ...] = (), group_by_cost: bool = True,
+                 max_cost_ratio: float = 2.0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if not (math.isfinite(max_delay_ms) and max_delay_ms >= 0):
@@ -63,6 +73,11 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
         self.preferred = tuple(sorted(set(preferred_batch_sizes)))
+        #: Fill a batch with the rows nearest in cost to its first, when items have a cost...
+        self.group_by_cost = group_by_cost
+        #: ...and only with rows within this ratio of each other's cost: a batch runs padded to its
+        #: longest row, so a short row beside a long one costs a long one.
+        self.max_cost_ratio = max_cost_ratio
         self._enough = self.preferred[-1] if self.preferred else max_batch_size
         self._pending: deque[WorkItem] = deque()
         self._arriving = 0
@@ -175,6 +190,8 @@ class Batcher:
             self._pending.appendleft(item)
 
     def _take_compatible(self, batch: list[WorkItem], rows: int) -> int:
+        if self.group_by_cost and batch[0].cost is not None:
+            return self._take_nearest(batch, rows)
         signature = batch[0].signature
         kept: deque[WorkItem] = deque()
         while self._pending:
@@ -186,4 +203,29 @@ class Batcher:
             else:
                 kept.append(item)
         self._pending = kept
+        return rows
+
+    def _take_nearest(self, batch: list[WorkItem], rows: int) -> int:
+        """Fill ``batch`` with the compatible items nearest in cost to its first (by ratio: a row
+        twice as long costs alike whether short or long), the older first among equals."""
+        first = batch[0]
+        target = math.log1p(max(0.0, first.cost or 0.0))
+        candidates = [item for item in self._pending
+                      if item.signature == first.signature and not item.alone]
+        candidates.sort(key=lambda item: abs(math.log1p(max(0.0, item.cost or 0.0)) - target))
+        low = high = max(1.0, *(item.cost or 1.0 for item in batch))
+        taken: set[int] = set()
+        for item in candidates:
+            cost = max(1.0, item.cost or 1.0)
+            if max(high, cost) > self.max_cost_ratio * min(low, cost):
+                continue  # it would run padded far past its own cost (or pad the others)
+            if rows + item.rows <= self.max_batch_size:
+                batch.append(item)
+                taken.add(id(item))
+                rows += item.rows
+                low, high = min(low, cost), max(high, cost)
+                if rows >= self.max_batch_size:
+                    break
+        if taken:
+            self._pending = deque(item for item in self._pending if id(item) not in taken)
         return rows

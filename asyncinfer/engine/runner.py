@@ -89,7 +89,9 @@ class ModelRunner:
         self._hooks: Callable[[], DeviceHooks] = hooks if callable(hooks) else (lambda: fixed)
         #: The requests' time limits, on the timer.
         self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged)
-        self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes)
+        self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
+                               group_by_cost=opts.group_by_cost,
+                               max_cost_ratio=opts.max_cost_ratio)
         #: Seconds a batch takes from forming to its results (a moving average; None until one
         #: ran): how fast this model gets through what a worker holds.
         self.batch_s: float | None = None
@@ -154,7 +156,8 @@ class ModelRunner:
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
                 f"of model '{self.model.name}'")
         item = WorkItem(request=request, rows=rows,
-                        signature=(forward_only, self.model.signature(request)), alone=alone)
+                        signature=(forward_only, self.model.signature(request)), alone=alone,
+                        cost=self.model.row_cost(request) if self.options.group_by_cost else None)
         if received_at is not None:
             item.received_at = received_at
         if expires_in_s is not None:

@@ -139,6 +139,13 @@ class Model:
         row shapes; a model that pads variable lengths can relax it)."""
         return tuple((t.name, t.datatype, t.shape[1:]) for t in request.inputs)
 
+    def row_cost(self, request: Request) -> float | None:
+        """What one row of ``request`` costs the device, in any unit of the model's (MiniLM: its
+        length), so that rows of similar cost share batches (a batch runs padded to its longest
+        row: ``ModelOptions.group_by_cost``). Called once per request, on the request's path:
+        keep it cheap. None (the default): rows cost alike; batches form in arrival order."""
+        return None
+
     def collate(self, name: str, values: list[Any]) -> Any:
         """Join the values of input ``name`` of several requests along the first dimension."""
         if isinstance(values[0], np.ndarray):

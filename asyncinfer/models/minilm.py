@@ -155,6 +155,17 @@ class MiniLM(Model):
                 raise InvalidRequest(f"request {request.id}: input '{t.name}': values must lie in "
                                      f"[{low}, {high}] (got {int(value.min())}..{int(value.max())})")
 
+    def row_cost(self, request: Request) -> float | None:
+        """Its length: a batch is tokenized and encoded padded to its longest row, so rows of
+        like length batch together (``group_by_cost``). The characters of its longest text (the
+        tokens follow them closely; counting tokens would tokenize twice), or its token count at
+        the forward stage."""
+        t = request.inputs[0]
+        if t.datatype != "BYTES":
+            return float(t.shape[1]) if len(t.shape) > 1 else None
+        return float(max((len(e) for e in np.asarray(t.value, dtype=object).reshape(-1)
+                          if isinstance(e, (bytes, str))), default=0))
+
     def preprocess(self, batch: Batch) -> Batch:
         if self.tokenizer is None:
             raise RuntimeError("model 'minilm' is not loaded")

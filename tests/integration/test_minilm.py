@@ -71,7 +71,9 @@ def embedding_of(done: Completed) -> np.ndarray:
 @pytest.fixture(scope="module")
 def runner() -> Iterator[ModelRunner]:
     model = MiniLM()
-    options = ModelOptions(max_batch_size=32, max_delay_ms=50.0)
+    # arrival order: requests of any length share a batch, padded to the longest (what these
+    # tests check); length-aware batching has its own test below
+    options = ModelOptions(max_batch_size=32, max_delay_ms=50.0, group_by_cost=False)
     runner = ModelRunner(model, Device(DeviceSpec("cpu")), options).start()
     try:
         yield runner
@@ -103,6 +105,25 @@ def test_batched_requests_match_sentence_transformers(runner: ModelRunner, refer
         assert got.dtype == np.float32 and got.shape == (len(group), 384)
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
         assert np.abs(got - expected[group]).max() <= TOL, group
+
+
+def test_by_length_long_and_short_requests_batch_apart_with_the_same_embeddings(
+        runner: ModelRunner) -> None:
+    # Given a runner that batches by length (the default), held until all are queued
+    by_length = ModelRunner(MiniLM(), Device(DeviceSpec("cpu")),
+                            ModelOptions(max_batch_size=32, max_delay_ms=50.0)).start()
+    try:
+        texts = ["short one", LONG, "short two", LONG + " again", "short three"]
+        with by_length.batcher.arriving():
+            futures = [by_length.submit(text_request(f"len-{i}", [t])) for i, t in enumerate(texts)]
+        done = [f.result(WAIT_S) for f in futures]
+    finally:
+        by_length.close()
+    # Then the short ones ran together and the long ones together (never a short row padded to a
+    # long one), with the embeddings they get in any batch
+    assert [d.batch_size for d in done] == [3, 2, 3, 2, 3]
+    alone = np.stack([run_alone(runner, f"apart-{i}", [t])[0] for i, t in enumerate(texts)])
+    assert np.abs(np.concatenate([embedding_of(d) for d in done]) - alone).max() <= TOL
 
 
 def test_padding_does_not_change_embeddings(runner: ModelRunner) -> None:

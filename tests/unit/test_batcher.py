@@ -340,3 +340,58 @@ def test_withdrawn_items_leave_the_queue_and_the_others_keep_their_order() -> No
     assert [i.request.id for i in gone] == ["r1", "r3"]
     assert batcher.waiting_ids() == {"r0", "r2"}
     assert [i.request.id for i in batcher.next_batch() or []] == ["r0", "r2"]
+
+
+def costly(tag: str, cost: float, rows: int = 1, signature: Hashable = "a") -> WorkItem:
+    return WorkItem(request=tag, rows=rows, signature=signature, cost=cost)
+
+
+def test_rows_of_like_cost_batch_together_led_by_the_oldest() -> None:
+    # Given short and long sentences waiting, mixed, the oldest a short one
+    b = Batcher(max_batch_size=3, max_delay_ms=0)
+    for tag, cost in [("s1", 40), ("l1", 600), ("s2", 50), ("l2", 550), ("s3", 45), ("l3", 700),
+                      ("s4", 60)]:
+        b.put(costly(tag, cost))
+    # Then each batch is led by the oldest left and filled with the nearest in cost
+    assert tags(b.next_batch()) == ["s1", "s3", "s2"]  # 45 and 50 nearest 40; s4 (60) waits
+    assert tags(b.next_batch()) == ["l1", "l2", "l3"]  # the oldest now a long one: the longs
+    assert tags(b.next_batch()) == ["s4"]
+    assert len(b) == 0
+
+
+def test_nearest_by_ratio_and_the_older_first_among_equals() -> None:
+    b = Batcher(max_batch_size=3, max_delay_ms=0)
+    for tag, cost in [("a", 100), ("twice", 200), ("same1", 100), ("far", 5000), ("same2", 100),
+                      ("same3", 100)]:
+        b.put(costly(tag, cost))
+    # three as near as can be (cost 100): the older two
+    assert tags(b.next_batch()) == ["a", "same1", "same2"]
+    # then the oldest left leads; 100 is nearer 200 than 5000 is, and 5000 is more than twice
+    # either: it would run padded (or pad them) far past its cost, so it waits for its own batch
+    assert tags(b.next_batch()) == ["twice", "same3"]
+    assert tags(b.next_batch()) == ["far"]
+
+
+def test_cost_grouping_keeps_the_other_rules() -> None:
+    # a request too large for what is left, another signature, one that runs alone: all wait
+    b = Batcher(max_batch_size=4, max_delay_ms=0)
+    b.put(costly("first", 10, rows=2))
+    b.put(costly("big", 10, rows=3))
+    b.put(costly("other", 10, signature="b"))
+    lone = costly("lone", 10)
+    lone.alone = True
+    b.put(lone)
+    b.put(costly("near", 11, rows=2))
+    assert tags(b.next_batch()) == ["first", "near"]
+    assert tags(b.next_batch()) == ["big"]
+    assert tags(b.next_batch()) == ["other"]
+    assert tags(b.next_batch()) == ["lone"]
+
+
+def test_without_costs_or_with_grouping_off_batches_form_in_arrival_order() -> None:
+    for batcher, make in [(Batcher(3, 0), lambda t, c: item(t)),
+                          (Batcher(3, 0, group_by_cost=False), costly)]:
+        for tag, cost in [("s1", 40), ("l1", 600), ("s2", 50), ("l2", 550)]:
+            batcher.put(make(tag, cost))
+        assert tags(batcher.next_batch()) == ["s1", "l1", "s2"]
+        assert tags(batcher.next_batch()) == ["l2"]

@@ -304,3 +304,22 @@ def test_identity_returns_its_inputs() -> None:
     x = torch.arange(4).reshape(2, 2)
     out = Identity().forward({"x": x})
     assert list(out) == ["x"] and out["x"] is x
+
+
+def test_a_row_costs_nothing_declared_unless_the_model_says_so_minilm_its_length() -> None:
+    # the built-ins cost alike: batches in arrival order
+    request = decode_request("r", {"model": "mlp", "inputs": [
+        {"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]})
+    assert MLP().row_cost(request) is None
+    if not _MINILM:
+        return
+    from asyncinfer.models.minilm import MiniLM
+
+    # MiniLM: the length of its longest text (no tokenizer needed: called on the request's path)
+    texts = decode_request("t", {"model": "minilm", "inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["short one", "x" * 300]}]})
+    assert MiniLM().row_cost(texts) == 300.0
+    # at the forward stage: its token count
+    tokens = decode_request("f", {"model": "minilm", "parameters": {"stage": "forward"}, "inputs": [
+        {"name": "input_ids", "datatype": "INT64", "shape": [1, 7], "data": [1] * 7}]})
+    assert MiniLM().row_cost(tokens) == 7.0
