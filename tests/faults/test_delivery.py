@@ -82,6 +82,45 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
         r.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_clean_stop_gives_back_at_once_a_request_waiting_for_its_eta(redis_db, tmp_path) -> None:
+    # Given a worker holding a request it took that waits for its eta (a countdown, as a retry's
+    # backoff waits), and nothing else
+    url = redis_db.url
+    prefix, r, env = gated_broker(url, "eta-stop")
+    first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
+                         "--hostname", "eta-first@%h", **env)
+    second = None
+    celery = Celery("producer", broker=url, backend=url)
+    celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    try:
+        waiting = celery.send_task("asyncinfer.infer", queue="infer.gated", countdown=4, kwargs={
+            "model": "gated", "inputs": [{"name": "index", "shape": [1, 1], "datatype": "FP64",
+                                          "data": [7.0]}]})
+        wait_for(lambda: r.llen("infer.gated") == 0 and r.hlen("unacked") == 1, 10,
+                 "the worker to take it")
+        # When the worker is stopped cleanly (SIGTERM) before the eta
+        stopped_at = time.monotonic()
+        first.stop()
+        # Then the request is back on its queue as soon as the worker is gone (not after its lease
+        # runs out), unacknowledged nowhere
+        assert first.process.returncode == 0
+        assert r.llen("infer.gated") == 1 and r.hlen("unacked") == 0, first.log()[-2000:]
+        assert "sent 1 held requests back to their queues" in first.log()
+        # And another worker runs it once, at its eta
+        second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "gated",
+                              "--hostname", "eta-second@%h", **env)
+        assert waiting.get(timeout=60)["outputs"][0]["data"] == [7.0]
+        assert time.monotonic() - stopped_at < 60
+        assert gated_executions(r, prefix) == {7: 1}
+    finally:
+        celery.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+        r.close()
+
+
 def _blocked_waiting(r: redis.Redis) -> int:
     """How many clients of ``r``'s database are blocked in an idle consumer's wait (BLMOVE, or
     BRPOPLPUSH before Redis 6.2)."""

@@ -112,6 +112,7 @@ class FastConsumer(PipelineConsumer):
         self._close_output()
         if left:
             log.warning("%d requests still in flight at shutdown go back to their queues", left)
+        if self.holdings.held():  # those in flight, and retries waiting for their eta
             self._restore_held()
         self._let_go()
         if self.leases is not None:
