@@ -36,7 +36,12 @@ from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
-__all__ = ["PipelineConsumer"]
+__all__ = ["PipelineConsumer", "STOP_GRACE_S"]
+
+#: What a clean stop waits for the requests in flight before it gives the rest back: under the 15 s
+#: after which ``asyncinfer up``'s supervisor kills a child that has not exited (a kill while a
+#: batch is on the device would count a death against its requests).
+STOP_GRACE_S = 10.0
 
 
 class PipelineConsumer:

@@ -45,7 +45,7 @@ from asyncinfer.keys import (
 )
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.messages import restored_message
-from asyncinfer.worker.intake.consumer import PipelineConsumer
+from asyncinfer.worker.intake.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.wake import Waker
@@ -103,7 +103,7 @@ class FastConsumer(PipelineConsumer):
         log.info("fast consumer on %s", ", ".join(self.queues))
         return self
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Take no more messages; wait up to ``grace_s`` for those in flight to finish."""
         self._stopping.set()
         self.waker.close()

@@ -30,7 +30,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import is_redis_url, redis_client
 from asyncinfer.policy.policy import Policy
-from asyncinfer.worker.intake.consumer import PipelineConsumer
+from asyncinfer.worker.intake.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["KombuIntake"]
@@ -58,7 +58,7 @@ class KombuIntake(PipelineConsumer):
         super().received(message)
         self.pipeline.first_attempts.send(due_only=True)  # no take loop to send them when idle
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Take no more; wait up to ``grace_s`` for what is in flight; what is left stays
         unacknowledged, for the broker to give back."""
         if self._stopping.is_set():
