@@ -213,7 +213,8 @@ class Batcher:
         candidates = [item for item in self._pending
                       if item.signature == first.signature and not item.alone]
         candidates.sort(key=lambda item: abs(math.log1p(max(0.0, item.cost or 0.0)) - target))
-        low = high = max(1.0, *(item.cost or 1.0 for item in batch))
+        costs = [max(1.0, item.cost or 1.0) for item in batch]
+        low, high = min(costs), max(costs)
         taken: set[int] = set()
         for item in candidates:
             cost = max(1.0, item.cost or 1.0)

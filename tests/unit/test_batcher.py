@@ -395,3 +395,14 @@ def test_without_costs_or_with_grouping_off_batches_form_in_arrival_order() -> N
             batcher.put(make(tag, cost))
         assert tags(batcher.next_batch()) == ["s1", "l1", "s2"]
         assert tags(batcher.next_batch()) == ["l2"]
+
+
+def test_a_batch_filled_in_steps_keeps_the_ratio_to_its_cheapest_row() -> None:
+    # a batch that already holds rows of cost 10 and 19 (taken in an earlier step, while more
+    # were arriving) takes no row of 30: more than twice its cheapest, though within twice 19
+    b = Batcher(max_batch_size=4, max_delay_ms=0)
+    b.put(costly("thirty", 30))
+    b.put(costly("fifteen", 15))
+    batch = [costly("ten", 10), costly("nineteen", 19)]
+    assert b._take_nearest(batch, 2) == 3
+    assert tags(batch) == ["ten", "nineteen", "fifteen"] and len(b) == 1
