@@ -153,7 +153,7 @@ class Pipeline:
         d.envelope = {}
         if error is None:
             log.error(MALFORMED_DROPPED, d.queue, type(exc).__name__, printable(exc), printable(d.raw))
-            if d.tag:
+            if d.tag or d.message is not None:  # recorded by its transport: acknowledged there
                 self.holdings.add(d)
                 self.outcomes.acknowledge(d)
             return

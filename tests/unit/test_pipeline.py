@@ -25,6 +25,7 @@ from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import Outcome
@@ -186,3 +187,17 @@ def test_what_went_to_another_worker_is_given_up_unless_it_is_on_the_device() ->
     assert sorted(runtime.submitted) == ["kept", "running"]
     assert writer.outcomes == []  # nothing written or acknowledged for them here
     assert pipeline.forget([tags["waiting"]]) == 0  # once
+
+
+def test_a_message_kombu_delivered_that_names_no_request_is_still_acknowledged() -> None:
+    # Given a message Celery's consumer received whose text is no envelope and names no request
+    # (it cannot be answered, but kombu holds it unacknowledged)
+    pipeline, writer, runtime, holdings = _pipeline()
+    kombu_message = object()
+    pipeline.received([TakenMessage(raw=b"message of infer.m: ValueError: no body", queue=QUEUE,
+                                    message=kombu_message)])
+    # Then it is acknowledged (through kombu, by the writer) with nothing stored, not left held by
+    # kombu for ever
+    [ack] = writer.outcomes
+    assert ack.delivery.message is kombu_message and ack.store is False
+    assert runtime.submitted == {}
