@@ -143,7 +143,8 @@ def test_what_is_still_held_at_a_stop_goes_back_and_is_settled_as_nothing_here()
     intake = KombuIntake.__new__(KombuIntake)
     intake._stopping = threading.Event()
     intake.holdings = Holdings(8)
-    intake._close_output = lambda: None  # the writer closed: nothing is written from now on
+    # the drain runs out (nothing finishes), the writer closed: nothing is written from now on
+    intake._drain = lambda grace_s: intake.holdings.drain(grace_s)
     held = _taken(_Message("held"))
     intake.holdings.add(held)
     intake.stop(grace_s=0.0)

@@ -13,6 +13,7 @@ stage queue.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["PipelineConsumer", "STOP_GRACE_S"]
+
+log = logging.getLogger(__name__)
 
 #: What a clean stop waits for the requests in flight before it gives the rest back: under the 15 s
 #: after which ``asyncinfer up``'s supervisor kills a child that has not exited (a kill while a
@@ -78,7 +81,7 @@ class PipelineConsumer:
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
-                                 stopping=self._stopping_now)
+                                 stopping=self._stopping.is_set)
 
     def received(self, message: Any) -> None:
         """(Celery's consumer, for each message of this pipeline: worker/intake/celery_consumer.py.)
@@ -126,9 +129,6 @@ class PipelineConsumer:
     def in_flight(self) -> int:
         return self.holdings.in_flight
 
-    def _stopping_now(self) -> bool:
-        return self._stopping.is_set()
-
     def _fail_wedged(self, item: WorkItem, exc: BaseException) -> None:
         """A wedged device's request fails (policy/time_limits.py's :class:`Wedge`)."""
         d = self.holdings.find(item.request.id)
@@ -136,11 +136,15 @@ class PipelineConsumer:
             self.outcomes.fail(d, as_celery(exc), None, retry=False)
             self.holdings.release([d])
 
-    def _close_output(self) -> None:
-        """Send the first attempts' count, write what is finished, stop the events."""
+    def _drain(self, grace_s: float) -> None:
+        """(A stop, taking no more.) Wait up to ``grace_s`` for what is in flight, then send the
+        first attempts' count, write what is finished and stop the events."""
+        left = self.holdings.drain(grace_s)
         self.pipeline.first_attempts.send(due_only=False)
         self.writer.close()
         self.events.close()
+        if left:
+            log.warning("%d requests still in flight at shutdown go back to their queues", left)
 
     def _let_go(self) -> None:
         """(At a stop, the output closed.) What is still held goes back to its queue: it is no

@@ -81,7 +81,7 @@ class FastConsumer(PipelineConsumer):
         self.waker = Waker(redis_client(app.conf.broker_url, settings, **blocking),
                            redis_client(app.conf.broker_url, settings, single_connection_client=True,
                                         **blocking),
-                           self._lists, stopping=self._stopping_now)
+                           self._lists, stopping=self._stopping.is_set)
         #: What this worker takes is leased to it, renewed while it lives (None: no leases).
         self.leases = None if not settings.lease_s else Leases(
             redis_client(app.conf.broker_url, settings, health_check_interval=30,
@@ -108,10 +108,7 @@ class FastConsumer(PipelineConsumer):
         self._stopping.set()
         self.waker.close()
         self._thread.join(timeout=5)
-        left = self.holdings.drain(grace_s)
-        self._close_output()
-        if left:
-            log.warning("%d requests still in flight at shutdown go back to their queues", left)
+        self._drain(grace_s)
         if self.holdings.held():  # those in flight, and retries waiting for their eta
             self._restore_held()
         self._let_go()
@@ -162,7 +159,7 @@ class FastConsumer(PipelineConsumer):
         backoff = Backoff()
         while not self._stopping.is_set():
             try:
-                room = self.holdings.room(self._stopping_now)
+                room = self.holdings.room(self._stopping.is_set)
                 if room <= 0:
                     continue
                 # Take atomically with the bookkeeping; once a take leaves the queues empty, wait

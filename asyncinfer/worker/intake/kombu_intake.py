@@ -54,20 +54,13 @@ class KombuIntake(PipelineConsumer):
         self.use_device(self._give_back_all)
         log.info("the pipeline serves what Celery's consumer receives on the infer queues")
 
-    def received(self, message: object) -> None:
-        super().received(message)
-        self.pipeline.first_attempts.send(due_only=True)  # no take loop to send them when idle
-
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Take no more; wait up to ``grace_s`` for what is in flight; what is left stays
         unacknowledged, for the broker to give back."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        left = self.holdings.drain(grace_s)
-        self._close_output()
-        if left:
-            log.warning("%d requests still in flight at shutdown go back to their queues", left)
+        self._drain(grace_s)
         self._let_go()
 
     def _give_back_all(self) -> None:
