@@ -17,7 +17,6 @@ import time
 import numpy as np
 import pytest
 import redis
-from celery import Celery
 
 from asyncinfer.client import Client
 from asyncinfer.constants import priority_lists
@@ -27,6 +26,7 @@ from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker, gated_executions
 from tests.support.paced import index_input, kill_during_paced_stream
 from tests.support.processes import ROOT, start_worker
+from tests.support.producer import json_producer
 from tests.support.waiting import wait_for
 
 
@@ -39,8 +39,7 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
                          "--hostname", "idle-first@%h", **env)
     second = None
     client = Client(broker_url=url)
-    celery = Celery("producer", broker=url, backend=url)
-    celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    celery = json_producer(url)
     try:
         assert client.infer("gated", index_input(100), timeout_s=30)["output"].tolist() == [[100.0]]
         # idle: blocked in Redis waiting for work on each of its lists (not between a result and
@@ -91,8 +90,7 @@ def test_a_clean_stop_gives_back_at_once_a_request_waiting_for_its_eta(redis_db,
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "gated",
                          "--hostname", "eta-first@%h", **env)
     second = None
-    celery = Celery("producer", broker=url, backend=url)
-    celery.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    celery = json_producer(url)
     try:
         waiting = celery.send_task("asyncinfer.infer", queue="infer.gated", countdown=4, kwargs={
             "model": "gated", "inputs": [{"name": "index", "shape": [1, 1], "datatype": "FP64",

@@ -1,5 +1,5 @@
 """Dead letters (``asyncinfer:dead:<model>``) with real workers on databases of the session Redis
-that are this module's own — the fast consumer and Celery's stock path — with requeue and purge
+that are this module's own — the fast consumer and Celery's consumer (kombu) — with requeue and purge
 through the real ``asyncinfer dead`` command. The entry format and its bounds, in process:
 tests/unit/test_dead_letters.py."""
 

@@ -1,6 +1,6 @@
-"""One request lifecycle, two consumers: every behaviour of the README's delivery and policy tables,
-run against a worker on the fast consumer and a worker on Celery's stock consumer
-(``ASYNCINFER_CONSUMER=celery``), with the same assertions — the state and error each request
+"""One pipeline, two transports: every behaviour of the README's delivery and policy tables, run
+against a worker on the fast consumer and a worker whose Celery consumer feeds the pipeline
+through kombu (``ASYNCINFER_CONSUMER=celery``), with the same assertions — the state and error each request
 ends with, how often the model ran it, the worker's metrics and its one failure line."""
 
 from __future__ import annotations

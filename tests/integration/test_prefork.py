@@ -11,13 +11,13 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from celery import Celery
 
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.worker.supervisor import CANNOT_START
 from tests.support.databases import RedisDatabases
 from tests.support.processes import ROOT, WorkerProcess, worker_env
+from tests.support.producer import json_producer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,8 +56,7 @@ def stage_worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_a_prefork_worker_refuses_inference_by_request_and_goes_on_serving(
         db_url: str, stage_worker: WorkerProcess) -> None:
-    app = Celery("producer", broker=db_url, backend=db_url, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"], result_accept_content=["json"])
+    app = json_producer(db_url)
     request_id = "prefork-" + uuid.uuid4().hex
     refused = app.send_task(TASK_NAME, task_id=request_id, queue=STAGE_QUEUE, kwargs={
         "model": "mlp", "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],

@@ -1,7 +1,7 @@
 """RabbitMQ as the broker (kombu ``amqp://``), Redis as the result backend.
 
 Runs against the RabbitMQ at 127.0.0.1:5672 (guest/guest, vhost ``/``) when one listens there, and
-skips otherwise. ``asyncinfer worker`` runs Celery's stock consumer on an amqp broker. The models are
+skips otherwise. On an amqp broker, ``asyncinfer worker``'s Celery consumer feeds its pipeline. The models are
 the built-ins and ``poison`` under names of this run (``identity_<run>``...), so their queues are
 this run's alone: no leftovers of earlier runs, no other run's worker; they are deleted at the end.
 """

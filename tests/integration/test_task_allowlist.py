@@ -26,6 +26,7 @@ from asyncinfer.policy.task_policy import CONTROL_QUEUE
 from asyncinfer.wire.protocol import FORWARD_STAGE, decode_request
 from tests.support.databases import RedisDatabases
 from tests.support.processes import WorkerProcess, start_worker, worker_env
+from tests.support.producer import json_producer
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,13 +69,6 @@ def affine3_request(name: str = "input", value: float = 1.0, stage: str | None =
     return request
 
 
-def bare_app(url: str, protocol: int = 2) -> Celery:
-    app = Celery("producer", broker=url, backend=url, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"], result_accept_content=["json"],
-                    task_protocol=protocol)
-    return app
-
-
 @pytest.fixture(scope="module")
 def db_url(redis_databases: RedisDatabases) -> Iterator[str]:
     """The database of this module's workers, so that the session worker takes none of their
@@ -85,7 +79,7 @@ def db_url(redis_databases: RedisDatabases) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def stock_worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """``asyncinfer worker`` on Celery's stock consumer (ASYNCINFER_CONSUMER=celery), hosting mlp."""
+    """``asyncinfer worker`` on Celery's consumer (ASYNCINFER_CONSUMER=celery), hosting mlp."""
     proc = start_worker(db_url, tmp_path_factory.mktemp("stock") / "stock.log", "--device", "cpu",
                         "--models", "mlp", "--hostname", "allowlist-stock@%h", ASYNCINFER_CONSUMER="celery")
     yield proc
@@ -183,7 +177,7 @@ def test_every_other_task_is_refused_unrun_on_every_queue(request: pytest.Fixtur
                                                          target: str) -> None:
     fixture, queue, model = TARGETS[target]
     url, proc = request.getfixturevalue(fixture)
-    app = bare_app(url)
+    app = json_producer(url)
     # Given every forbidden task sent to a queue the device worker reads, all before any answer
     sent = {name: app.send_task(name, args=args, kwargs=kwargs, queue=queue)
             for name, (args, kwargs) in FORBIDDEN.items()}
@@ -211,7 +205,7 @@ def test_the_log_check_sees_a_task_that_runs(celery_target: tuple[str, WorkerPro
     # A stage task of the model the worker hosts, on its stage queue, runs: the "received" line the
     # test above looks for appears, and its result is the prepared request
     url, proc = celery_target
-    result = bare_app(url).send_task(PREPROCESS_TASK, kwargs=affine3_request(value=2.0),
+    result = json_producer(url).send_task(PREPROCESS_TASK, kwargs=affine3_request(value=2.0),
                                      queue=STAGE_QUEUE)
     prepared = result.get(timeout=60)
     assert prepared["inputs"][0]["name"] == "prepared" and prepared["inputs"][0]["data"] == [3.0]
@@ -221,7 +215,7 @@ def test_the_log_check_sees_a_task_that_runs(celery_target: tuple[str, WorkerPro
 
 def test_a_protocol_1_message_is_refused_too(session_target: tuple[str, WorkerProcess]) -> None:
     url, proc = session_target
-    result = bare_app(url, protocol=1).send_task("celery.accumulate", args=(1, 2), queue=CONTROL_QUEUE)
+    result = json_producer(url, protocol=1).send_task("celery.accumulate", args=(1, 2), queue=CONTROL_QUEUE)
     assert_refused(result, "celery.accumulate", CONTROL_QUEUE)
     assert f"[{result.id}] received" not in proc.log()
 
@@ -231,7 +225,7 @@ def test_a_forged_routing_key_gets_the_strictest_rule(stock_target: tuple[str, W
     # queue (on Celery's stock consumer, kombu's Redis transport reads the routing key from the
     # message; the fast consumer names the list it took the message from)
     url, proc = stock_target
-    app = bare_app(url)
+    app = json_producer(url)
     result = app.send_task(PREPROCESS_TASK, kwargs=affine3_request(), queue="made.up")
     client = redis.Redis.from_url(url)
     try:
@@ -250,7 +244,7 @@ def test_a_stock_device_worker_loads_no_model_beyond_its_queues(
         celery_target: tuple[str, WorkerProcess]) -> None:
     # Given `celery -A asyncinfer worker -Q infer.affine3,...` (no ASYNCINFER_MODELS) asked for mlp
     url, proc = celery_target
-    result = bare_app(url).send_task(TASK_NAME, kwargs=mlp_request(), queue="infer.affine3")
+    result = json_producer(url).send_task(TASK_NAME, kwargs=mlp_request(), queue="infer.affine3")
     # Then it refuses, naming what it hosts, instead of loading mlp
     with pytest.raises(UnknownModel, match=rf"^request {result.id}: model 'mlp' is not hosted by this "
                                            r"worker \(it hosts: affine3\)"):
@@ -260,7 +254,7 @@ def test_a_stock_device_worker_loads_no_model_beyond_its_queues(
 
 def test_a_cpu_stage_worker_still_serves_celerys_builtins(db_url: str, cpu_worker: WorkerProcess) -> None:
     # Not a device worker: nothing is unregistered, Celery's canvas tasks run as ever
-    assert bare_app(db_url).send_task("celery.accumulate", args=(1, 2), queue=CPU_STAGE_QUEUE).get(
+    assert json_producer(db_url).send_task("celery.accumulate", args=(1, 2), queue=CPU_STAGE_QUEUE).get(
         timeout=60) == [1, 2]
 
 
@@ -269,7 +263,7 @@ def test_a_cpu_stage_worker_still_serves_celerys_builtins(db_url: str, cpu_worke
 @pytest.mark.parametrize("fixture", ["session_target", "stock_target"])
 def test_stage_forward_does_not_skip_validation(request: pytest.FixtureRequest, fixture: str) -> None:
     url, _ = request.getfixturevalue(fixture)
-    app = bare_app(url)
+    app = json_producer(url)
     # Given a NaN into mlp, which refuses NaN, marked as already prepared
     result = app.send_task(TASK_NAME, kwargs=mlp_request(float("nan"), stage=FORWARD_STAGE),
                            queue="infer.mlp")
@@ -291,7 +285,7 @@ def test_stage_forward_does_not_skip_validation(request: pytest.FixtureRequest, 
 def test_a_model_with_a_preprocess_checks_its_forward_inputs(
         session_target: tuple[str, WorkerProcess]) -> None:
     url, _ = session_target
-    app = bare_app(url)
+    app = json_producer(url)
     # affine3's forward takes 'prepared' (preprocess's output), finite
     cases = {"input": r"forward stage of model 'affine3' needs input\(s\) 'prepared'; got 'input'",
              "prepared-nan": r"input 'prepared': NaN and infinite values are not accepted"}
@@ -339,7 +333,7 @@ def test_errbacks_of_a_failed_request_are_sent_never_run_in_the_worker(
     # Celery's tracer would call in-process (registered, more than one argument)
     url, proc = stock_target
     seen = len(proc.log())
-    app = bare_app(url)
+    app = json_producer(url)
     errq = f"errbacks-{uuid.uuid4().hex[:6]}"
     cleanup = app.signature("celery.backend_cleanup")
     errback = (xmap(cleanup, [()], app=app) if errback_task == "celery.map"

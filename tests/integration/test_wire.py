@@ -76,7 +76,7 @@ class _Tripwire:
 
 @pytest.fixture(scope="module")
 def stock_worker(redis_url, worker, tmp_path_factory):
-    """A worker on Celery's stock per-task path (celery -A asyncinfer worker) for model ``echo``."""
+    """A worker started by ``celery -A asyncinfer worker`` for model ``echo``."""
     from tests.integration.test_cli import start_worker_with_celery
 
     proc = start_worker_with_celery(redis_url, tmp_path_factory.mktemp("stock"))
