@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "broker_error", "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
+           "require_replicas", "not_replicated", "broker_error", "DEFAULT_SENTINEL_PORT",
+           "MASTER_CHECK_S"]
 
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
 MASTER_CHECK_S = 1.0
@@ -185,12 +186,21 @@ def require_replicas(client: redis.Redis, replicas: int, timeout_ms: int, what: 
     e.g. ``"request <id>"``) when fewer than ``replicas`` confirmed in ``timeout_ms``. The writes are
     on the master either way. Returns the count."""
     confirmed = wait_replicas(client, replicas, timeout_ms)
-    if confirmed < replicas:
-        raise NotReplicated(
-            f"{what}: written on the Redis master, but {confirmed} of {replicas} replicas confirmed it "
-            f"within {timeout_ms} ms (ASYNCINFER_SUBMIT_REPLICAS); a failover now could lose it",
-            confirmed=confirmed, required=replicas)
+    error = not_replicated(what, confirmed, replicas, timeout_ms)
+    if error is not None:
+        raise error
     return confirmed
+
+
+def not_replicated(what: str, confirmed: int, replicas: int, timeout_ms: int) -> NotReplicated | None:
+    """The :class:`~asyncinfer.errors.NotReplicated` of ``what`` when ``confirmed`` (of a
+    :func:`wait_replicas` that waited ``timeout_ms``) is fewer than ``replicas``; else None."""
+    if confirmed >= replicas:
+        return None
+    return NotReplicated(
+        f"{what}: written on the Redis master, but {confirmed} of {replicas} replicas confirmed it "
+        f"within {timeout_ms} ms (ASYNCINFER_SUBMIT_REPLICAS); a failover now could lose it",
+        confirmed=confirmed, required=replicas)
 
 
 def broker_error(request_id: str, exc: redis.RedisError) -> AsyncInferError:

@@ -7,7 +7,8 @@ published by the loop itself, on a ``redis.asyncio`` connection of its own (:fun
 no thread hop); everything else (a large tensor to encode, a Sentinel broker, replica waits,
 another broker, an unknown-model check that must read the catalogue) runs in the loop's default
 executor, so a broker that is slow to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``)
-never blocks the loop.
+never blocks the loop. Either way ``asubmit`` returns once the request is on its queue, and raises
+what refused it (``QueueFull``, say).
 
 The functions take the client's :class:`~asyncinfer.client.sender.Sender` (``client.sender``), the
 core that the blocking :class:`~asyncinfer.client.client.Client` stands on too.
@@ -60,7 +61,7 @@ async def submit(sender: Sender, model: str, inputs: Any, options: dict[str, Any
     running loop, without blocking it: on the loop itself (:func:`send_on_loop`) when the inputs
     are small and the unknown-model check needs no catalogue read, else in the executor."""
     if nbytes(inputs) > ON_LOOP_BYTES or not sender.knows_now(model):
-        return await publish(sender, lambda: sender.submit(model, inputs, **options))
+        return await publish(sender, lambda: sender.submit(model, inputs, **options).sent())
     return await send_on_loop(sender, sender.submission(model, inputs, **options))
 
 
@@ -85,7 +86,7 @@ async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
     while the push is under way (it may have reached Redis), the request is revoked."""
     publisher = sender.loop_publishers.for_running_loop()
     if publisher is None:
-        return await publish(sender, lambda: sender.send_watched(outgoing))
+        return await publish(sender, lambda: sender.send_watched(outgoing).sent())
     message = outgoing.message(sender.watcher.channel, sender.settings.max_payload_bytes)
     future = sender.watched(outgoing)
     try:
@@ -132,7 +133,8 @@ async def wait_response(future: asyncio.Future[InferResponse], timeout_s: float 
 
 async def amap(sender: Sender, model: str, inputs: Iterable[Any], timeout_s: float | None,
                options: dict[str, Any]) -> AsyncIterator[InferResponse]:
-    """Send every request (one executor call), then yield the responses in input order."""
+    """Send every request (one executor call: they go out in groups), then yield the responses
+    in input order; a request refused (``QueueFull``, say) raises its error at its turn."""
     sent: list[InferFuture] = await publish(
         sender, lambda: [sender.submit(model, one, **options) for one in inputs])
     loop = asyncio.get_running_loop()

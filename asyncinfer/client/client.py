@@ -107,7 +107,14 @@ class Client:
                expires: float | None = None, timeout_s: float | None = None,
                soft_time_limit_s: float | None = None,
                time_limit_s: float | None = None, priority: int | None = None) -> InferFuture:
-        """Send one request and return its future at once.
+        """Send one request and return its future at once, before the request is on its queue.
+
+        On a Redis broker the client's publisher thread sends every request handed to it while
+        its last round trip was out in one group (client/grouped.py): a producer far from Redis
+        keeps many requests in flight from one thread. ``future.sent()`` waits until this one is
+        on its queue, and raises what refused it — the blocking form of a submit:
+        ``client.submit(...).sent()``. A refusal is the future's outcome too (``result()`` raises
+        it). Bad input, an unknown model or a payload over its limit raise here, at once.
 
         Args:
             model: a registered model; the request goes to queue ``infer.<model>``.
@@ -129,7 +136,12 @@ class Client:
 
         A ``request_id`` that was already sent is not sent again: the future is that request's.
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
-        (see :meth:`check_model`).
+        (see :meth:`check_model`). Refusals, through the future (``sent()``, ``result()``):
+        :class:`~asyncinfer.errors.QueueFull` (the queue stayed at its ``max_queue_size`` for
+        ``timeout_s``), :class:`~asyncinfer.errors.BrokerUnavailable` and
+        :class:`~asyncinfer.errors.BrokerRefused` (Redis unreachable or refusing the write),
+        :class:`~asyncinfer.errors.InvalidRequest` (``request_id`` already sent to another
+        model), :class:`~asyncinfer.errors.NotReplicated` (``ASYNCINFER_SUBMIT_REPLICAS``).
         """
         return self.sender.send_watched(self.submission(
             model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
@@ -211,7 +223,8 @@ class Client:
 
     def map(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
             **options: Any) -> Iterator[InferResponse]:
-        """Send every request at once; yield the responses in input order."""
+        """Send every request at once (in groups); yield the responses in input order. A request
+        refused (``QueueFull``, say) raises its error at its turn."""
         futures = [self.submit(model, one, **options) for one in inputs]
         try:
             for future in futures:

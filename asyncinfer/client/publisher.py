@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -41,38 +42,65 @@ from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.redis_urls import is_sentinel_url
 
-__all__ = ["Publisher", "AsyncPublisher", "LoopPublishers", "PUBLISHED", "DUPLICATE"]
+__all__ = ["Publisher", "AsyncPublisher", "LoopPublishers", "PUBLISHED", "DUPLICATE",
+           "script_arguments"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
-# KEYS: the list to push on, claim key, result key, then every list of the queue (its priority lists).
-# ARGV: message, max queue size (0: none), claim TTL (0: none), queue name, trace TTL (0: none; the
-# claim key written without the duplicate check, for a generated ID).
-# Returns {1} published, {0} already sent to this queue, {-1, queue length} when the queue is full,
-# {-2, other queue} when the ID was sent to another queue.
+# One or more pushes onto one queue, in order, atomically: the same rules for each push.
+# KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
+# on, its claim key, its result key.
+# ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
+# message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
+# check, for a generated ID), and 1 when a full queue should stop the pushes here (this push waits
+# for room; those after it must not pass it), else 0.
+# Returns per push attempted a status and a detail: {1, ''} published, {0, ''} already sent to
+# this queue, {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another
+# queue. A full queue where a push waits ends the reply there: the pushes after it were not tried.
 _PUBLISH = """
-local claim_ttl = tonumber(ARGV[3])
-if claim_ttl > 0 then
-  local claimed = redis.call('GET', KEYS[2])
-  if claimed then
-    if claimed ~= ARGV[4] and claimed ~= '1' then return {-2, claimed} end
-    return {0}
+local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local depth = nil
+local out = {}
+for i = 0, (#ARGV - 3) / 4 - 1 do
+  local k, a = lists + 3 * i, 4 + 4 * i
+  local claim_ttl = tonumber(ARGV[a + 1])
+  local status, detail = nil, ''
+  if claim_ttl > 0 then
+    local claimed = redis.call('GET', KEYS[k + 2])
+    if claimed then
+      if claimed ~= queue and claimed ~= '1' then status, detail = -2, claimed else status = 0 end
+    elseif redis.call('EXISTS', KEYS[k + 3]) == 1 then
+      status = 0
+    end
   end
-  if redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+  if not status and bound > 0 then
+    if not depth then
+      depth = 0
+      for j = 1, lists do depth = depth + redis.call('LLEN', KEYS[j]) end
+    end
+    if depth >= bound then
+      status, detail = -1, depth
+      if ARGV[a + 3] == '1' then
+        out[#out + 1] = status
+        out[#out + 1] = detail
+        return out
+      end
+    end
+  end
+  if not status then
+    if claim_ttl > 0 then
+      redis.call('SET', KEYS[k + 2], queue, 'EX', claim_ttl)
+    elseif tonumber(ARGV[a + 2]) > 0 then
+      redis.call('SET', KEYS[k + 2], queue, 'EX', ARGV[a + 2])
+    end
+    redis.call('LPUSH', KEYS[k + 1], ARGV[a])
+    if depth then depth = depth + 1 end
+    status = 1
+  end
+  out[#out + 1] = status
+  out[#out + 1] = detail
 end
-local bound = tonumber(ARGV[2])
-if bound > 0 then
-  local depth = 0
-  for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-  if depth >= bound then return {-1, depth} end
-end
-if claim_ttl > 0 then
-  redis.call('SET', KEYS[2], ARGV[4], 'EX', claim_ttl)
-elseif tonumber(ARGV[5]) > 0 then
-  redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
-end
-redis.call('LPUSH', KEYS[1], ARGV[1])
-return {1}
+return out
 """
 
 
@@ -149,16 +177,17 @@ class Publisher:
         and the request ID was already sent (or its result is stored under ``result_key``).
         Raises QueueFull when the queue (all its priority lists) stays at ``max_queue_size`` for
         ``timeout_s``. ``priority`` (0-9) picks the list as kombu's Redis transport does."""
-        push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority)
+        push = self.prepare(queue, request_id, message, claim=claim, result_key=result_key,
+                            max_queue_size=max_queue_size, timeout_s=timeout_s, priority=priority)
         while True:
             if push.trace_only:  # on the own connection: no pool check-out per request
-                reply = self._trace(keys=push.keys[:2], args=push.trace_args,
+                reply = self._trace(keys=[push.list_key, push.claim_key], args=push.trace_args,
                                     client=self._connection())
             elif push.scripted:
-                reply = self._publish(keys=push.keys, args=push.args, client=self._connection())
+                keys, args = script_arguments([push])
+                reply = self._publish(keys=keys, args=args, client=self._connection())
             else:  # nothing to check: the script would only push
-                self._connection().lpush(push.keys[0], message)
+                self._connection().lpush(push.list_key, message)
                 reply = [PUBLISHED]
             status = push.status(reply)
             if status is not None:
@@ -167,6 +196,14 @@ class Publisher:
                                      f"request {request_id}")
                 return status
             time.sleep(push.pause_s())
+
+
+    def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
+                result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
+                priority: int = 0) -> _Push:
+        """:meth:`publish`'s request, not yet sent: what a group of them (grouped.py) takes."""
+        return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
+                     timeout_s, priority)
 
 
 class AsyncPublisher:
@@ -190,16 +227,31 @@ class AsyncPublisher:
                      timeout_s, priority)
         while True:
             if push.trace_only:
-                reply = await self._trace(keys=push.keys[:2], args=push.trace_args)
+                reply = await self._trace(keys=[push.list_key, push.claim_key],
+                                          args=push.trace_args)
             elif push.scripted:
-                reply = await self._publish(keys=push.keys, args=push.args)
+                keys, args = script_arguments([push])
+                reply = await self._publish(keys=keys, args=args)
             else:
-                await self.client.lpush(push.keys[0], message)
+                await self.client.lpush(push.list_key, message)
                 reply = [PUBLISHED]
             status = push.status(reply)
             if status is not None:
                 return status
             await asyncio.sleep(push.pause_s())
+
+
+def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of the publish script for ``pushes``, in order, all onto one queue with one
+    ``max_queue_size``."""
+    first = pushes[0]
+    lists = priority_lists([first.queue])
+    keys: list[str] = list(lists)
+    args: list[Any] = [len(lists), first.max_queue_size, first.queue]
+    for push in pushes:
+        keys += [push.list_key, push.claim_key, push.result_key]
+        args += [push.message, push.claim_ttl_s, push.mark_ttl_s, 1 if push.waits() else 0]
+    return keys, args
 
 
 def _ttl_s(seconds: float) -> int:
@@ -209,24 +261,29 @@ def _ttl_s(seconds: float) -> int:
 
 class _Push:
     """One publish's keys, arguments and the reading of the script's reply, shared by both
-    publishers."""
+    publishers and the grouped one (grouped.py)."""
 
     def __init__(self, publisher: Publisher | AsyncPublisher, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
                  timeout_s: float, priority: int) -> None:
-        self.queue, self.request_id, self.max_queue_size = queue, request_id, max_queue_size
+        self.queue, self.request_id, self.message = queue, request_id, message
+        self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
-        claim_key = CLAIM_PREFIX + request_id
-        self.keys = [priority_list(queue, priority), claim_key, result_key or claim_key,
-                     *priority_lists([queue])]
-        self.args = [message, max(0, int(max_queue_size)),
-                     publisher.claim_ttl_s if claim else 0, queue, publisher.mark_ttl_s]
-        self.scripted = claim or max_queue_size > 0 or publisher.mark_ttl_s > 0
+        self.list_key = priority_list(queue, priority)
+        self.claim_key = CLAIM_PREFIX + request_id
+        self.result_key = result_key or self.claim_key
+        self.claim_ttl_s = publisher.claim_ttl_s if claim else 0
+        self.mark_ttl_s = publisher.mark_ttl_s
+        self.scripted = claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
         #: Nothing to check, only the trace to write with the push.
-        self.trace_only = not claim and max_queue_size <= 0 and publisher.mark_ttl_s > 0
+        self.trace_only = not claim and self.max_queue_size <= 0 and publisher.mark_ttl_s > 0
         self.trace_args = [message, queue, publisher.mark_ttl_s]
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
+
+    def waits(self) -> bool:
+        """Whether a full queue makes this push wait for room (its deadline is not reached)."""
+        return self.timeout_s > 0 and time.monotonic() < self.deadline
 
     def status(self, reply: Any) -> int | None:
         """PUBLISHED or DUPLICATE; None to look again after :meth:`pause_s` (the queue is full

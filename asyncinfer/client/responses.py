@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -67,13 +68,49 @@ class InferResponse:
 
 
 class InferFuture(concurrent.futures.Future[InferResponse]):
-    """A ``concurrent.futures.Future`` for one request; ``cancel()`` revokes it in Celery."""
+    """A ``concurrent.futures.Future`` for one request; ``cancel()`` revokes it in Celery.
+
+    A request the client sends in a group (client/grouped.py) may still be on its way to the
+    queue when ``submit()`` returns: :meth:`sent` waits until it is there, or raises why it is
+    not (the same error :meth:`result` raises then)."""
 
     def __init__(self, request_id: str, app: Celery, watcher: ResultWatcher) -> None:
         super().__init__()
         self.id = request_id
         self._app = app
         self._watcher = watcher
+        self._sending: threading.Event | None = None  # None: sent (or sent by someone else)
+        self._send_error: BaseException | None = None
+
+    def sent(self, timeout_s: float | None = None) -> InferFuture:
+        """Wait until the request is on its queue; return this future. Raises what refused it:
+        :class:`~asyncinfer.errors.QueueFull`, :class:`~asyncinfer.errors.BrokerUnavailable`,
+        :class:`~asyncinfer.errors.BrokerRefused`, :class:`~asyncinfer.errors.InvalidRequest`
+        (an ID already sent to another queue), :class:`~asyncinfer.errors.NotReplicated`; or
+        :class:`~asyncinfer.errors.RequestTimeout` when it is not sent within ``timeout_s``."""
+        sending = self._sending
+        if sending is not None and not sending.wait(timeout_s):
+            raise RequestTimeout(f"request {self.id}: not on its queue within {timeout_s:g} s "
+                                 f"(waiting for room in a full queue, or for the broker)")
+        if self._send_error is not None:
+            raise self._send_error
+        return self
+
+    def _sending_in_group(self) -> None:
+        """The request is handed to a group publisher: :meth:`sent` waits for :meth:`_sent`."""
+        self._sending = threading.Event()
+
+    def _sent(self, error: BaseException | None) -> None:
+        """The request is on its queue (``error`` None), or ``error`` says why not: that is then
+        this future's outcome too."""
+        self._send_error = error
+        if self._sending is not None:
+            self._sending.set()
+        if error is not None:
+            try:
+                self.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                pass
 
     @property
     def async_result(self) -> AsyncResult:

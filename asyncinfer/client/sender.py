@@ -10,6 +10,7 @@ it: :class:`~asyncinfer.client.client.Client` (the blocking API) and the asyncio
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing
@@ -64,6 +66,10 @@ class Sender:
                                      replicas_timeout_s=self.settings.submit_replicas_timeout_s,
                                      mark_ttl_s=trace_s)
                            if self.broker is not None else None)
+        #: Sends the requests of every thread, those that arrived while the last round trip
+        #: was out in the next (grouped.py): a producer far from Redis does not wait one per request.
+        self.grouped = (GroupedPublisher(self._publisher, self._publish_error)
+                        if self._publisher is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
         self._bounds: dict[str, int] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
@@ -120,14 +126,45 @@ class Sender:
         return self.send_watched(self.submission(model, inputs, **options))
 
     def send_watched(self, outgoing: Outgoing) -> InferFuture:
-        """Watch ``outgoing``'s request, then send it; its future."""
+        """Watch ``outgoing``'s request, then send it; its future.
+
+        On a Redis broker the request goes out in the next group (:attr:`grouped`): this returns
+        before it is on its queue, and a refusal (the queue full past its timeout, the broker
+        unreachable, ...) ends the future with that error; ``future.sent()`` waits for the push
+        and raises it. On another broker it is sent before this returns (errors raised here)."""
+        if self.grouped is None:
+            future = self.watched(outgoing)
+            try:
+                self._send(outgoing)
+            except BaseException:
+                self.watcher.unwatch(outgoing.request_id)  # nothing waits for a request not sent
+                raise
+            return future
+        assert self._publisher is not None
+        push = self._publisher.prepare(
+            message=outgoing.message(self.watcher.channel, self.settings.max_payload_bytes),
+            **self.publish_options(outgoing))
         future = self.watched(outgoing)
+        future._sending_in_group()
         try:
-            self._send(outgoing)
+            self.grouped.put(push, functools.partial(self._group_sent, outgoing, future))
         except BaseException:
-            self.watcher.unwatch(outgoing.request_id)  # nothing is left waiting for a request not sent
+            self.watcher.unwatch(outgoing.request_id)
             raise
         return future
+
+    def _group_sent(self, outgoing: Outgoing, future: InferFuture, status: int | None,
+                    error: BaseException | None) -> None:
+        """What the group publisher tells of ``outgoing``'s request."""
+        if error is None:
+            assert status is not None
+            self.sent(outgoing, status)
+        else:
+            self.watcher.unwatch(outgoing.request_id)
+        future._sent(error)
+
+    def _publish_error(self, request_id: str, exc: redis.RedisError) -> AsyncInferError:
+        return self.broker_error(broker_error(request_id, exc))
 
     def watched(self, outgoing: Outgoing) -> InferFuture:
         """The future of ``outgoing``'s request, watched on this sender's reply channel (before
@@ -141,22 +178,13 @@ class Sender:
         return InferFuture(request_id, self.app, self.watcher)
 
     def _send(self, outgoing: Outgoing) -> None:
+        """Send with Celery's ``send_task`` (a broker other than Redis)."""
         request_id = outgoing.request_id
-        reply_to = self.watcher.channel
-        if self.broker is None:
-            if outgoing.claim and not self._claim(request_id):
-                # already sent, perhaps by another producer: wait on its own channel
-                self.watcher.watch_own_channel(request_id)
-                return
-            self.app.send_task(outgoing.task, **outgoing.send_task_options(reply_to))
+        if outgoing.claim and not self._claim(request_id):
+            # already sent, perhaps by another producer: wait on its own channel
+            self.watcher.watch_own_channel(request_id)
             return
-        message = outgoing.message(reply_to, self.settings.max_payload_bytes)
-        assert self._publisher is not None
-        try:
-            status = self._publisher.publish(message=message, **self.publish_options(outgoing))
-        except redis.RedisError as exc:
-            raise self.broker_error(broker_error(request_id, exc)) from exc
-        self.sent(outgoing, status)
+        self.app.send_task(outgoing.task, **outgoing.send_task_options(self.watcher.channel))
 
     def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
         """The publisher's arguments for ``outgoing`` (all but its message)."""
@@ -202,7 +230,10 @@ class Sender:
         return bool(client.set(CLAIM_PREFIX + request_id, "1", nx=True, ex=ttl_s))
 
     def close(self) -> None:
-        """Stop the result watcher and close the broker's connections."""
+        """Send what is still pending, stop the result watcher and close the broker's
+        connections."""
+        if self.grouped is not None:
+            self.grouped.close()
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None

@@ -106,7 +106,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         inputs, parameters = read_inputs(args.input, args.datatype,
                                           declared_inputs(client, args.model))
         future = client.submit(args.model, inputs, parameters=parameters,
-                               request_id=args.request_id)
+                               request_id=args.request_id).sent()  # queued, or say why not
         print(future.id)
     return 0
 
