@@ -21,7 +21,10 @@ def markdown(doc: dict[str, Any]) -> str:
     columns = list(_CPU)
     if any(run.get(_GATEWAY_CPU[1]) is not None for run in doc["runs"]):
         columns.append(_GATEWAY_CPU)
-    lines = ["| workload | system | in flight | req/s | share of limit | p50 ms | p95 ms | p99 ms | "
+    rtt = (doc.get("meta") or {}).get("redis_rtt")
+    lines = [f"Redis {rtt['measured_ms']:.2f} ms away (PING through the delay proxy; "
+             f"{rtt['loopback_ms']:.2f} ms direct) from the {rtt['for']}.", ""] if rtt else []
+    lines += ["| workload | system | in flight | req/s | share of limit | p50 ms | p95 ms | p99 ms | "
              "mean batch | CPU ms/req: " + " | ".join(h for h, _ in columns) + " |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(columns)]
     limits = {name: max(rates.values()) for name, rates in (doc.get("limits") or {}).items() if rates}

@@ -8,6 +8,8 @@ and ``triton`` and ``ray``: the peers, driven the same way (closed loop only), w
 scripts of a source checkout (``--peers-dir``, default ``./bench/peers``) run from a venv of their
 own (``--peers-venv``, default ``./.venv-peers``: ``make peers``). Writes JSON, Markdown and a PNG
 plot under ``--out`` (``./bench-results``; the project's own figures are ``--out bench/results``).
+``--redis-rtt-ms 2`` puts Redis a 2 ms round trip away from the producers (a delay proxy,
+asyncinfer/bench/latency_proxy.py): a producer in another zone than its Redis; the workers stay near it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from asyncinfer.bench.latency_proxy import LatencyProxy, ping_ms
 from asyncinfer.bench.measure import Run, closed_loop, direct_call_ms, model_limit, open_loop
 from asyncinfer.bench.peers import PEERS, PEERS_DIR_ENV, PEERS_VENV_ENV, Peers
 from asyncinfer.bench.report import markdown, write_report
@@ -58,6 +61,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="worker threads / requests in flight")
     p.add_argument("--device", default="cpu")
     p.add_argument("--broker-url", help="an existing Redis (default: an embedded one)")
+    p.add_argument("--redis-rtt-ms", type=float, default=0.0,
+                   help="put Redis this round trip away (a delay proxy, half each way) from the "
+                        "producers (the bench's Client, the gateway); 0: loopback")
+    p.add_argument("--redis-rtt-for", choices=("producers", "all"), default="producers",
+                   help="who talks to Redis through the delay proxy: the producers alone, or the "
+                        "workers too")
     p.add_argument("--out", default="bench-results",
                    help="folder for bench.{json,md,png} (default ./bench-results; the project's "
                         "committed figures: bench/results)")
@@ -237,7 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             tqdm(total=steps + len(workloads), desc="bench", unit="run") as bar:
         redis = None if args.broker_url else RedisServer(Path(tmp) / "redis", appendonly=False).start()
         broker = args.broker_url or (redis.url if redis else "")
-        client = Client(broker_url=broker)
+        proxy = LatencyProxy(broker, args.redis_rtt_ms).start() if args.redis_rtt_ms > 0 else None
+        producers = proxy.url if proxy is not None else broker
+        if proxy is not None:
+            doc["meta"]["redis_rtt"] = {"asked_ms": args.redis_rtt_ms, "for": args.redis_rtt_for,
+                                        "measured_ms": round(ping_ms(producers), 3),
+                                        "loopback_ms": round(ping_ms(broker), 3)}
+            if args.redis_rtt_for == "all":
+                broker = producers
+        client = Client(broker_url=producers)
         try:
             for workload in workloads:
                 bar.set_postfix_str(f"{workload.name}: in-process limit")
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         worker.wait_ready(client.app)
                         if is_gateway(system):  # closed loop only, as the peers
-                            runs = measure_gateway_runs(system, workload, worker, broker, levels,
+                            runs = measure_gateway_runs(system, workload, worker, producers, levels,
                                                         args.duration_s, Path(tmp), redis_pid)
                             doc["runs"] += [r.summary() for r in runs]
                             bar.update(len(levels) + len(rates))
@@ -279,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(0.5)
         finally:
             client.close()
+            if proxy is not None:
+                proxy.stop()
             if redis is not None:
                 redis.stop()
     doc["targets"] = _targets(doc)
