@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["LatencyProxy", "ping_ms", "main"]
@@ -51,7 +53,8 @@ class LatencyProxy:
             [sys.executable, "-m", "asyncinfer.bench.latency_proxy",
              "--target-host", target.hostname or "127.0.0.1",
              "--target-port", str(target.port or 6379), "--delay-ms", str(self.rtt_ms / 2)],
-            stdout=subprocess.PIPE, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # this module's tree
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line.strip().isdigit():
