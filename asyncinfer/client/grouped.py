@@ -10,10 +10,11 @@ single request costs what it did (one round trip); a thousand cost about one too
 
 Each request keeps the rules of a publish of its own (publisher.py): the claim of a
 caller-chosen ID, the queue bound, the trace, the replica wait. The script runs each request's
-rules in turn, atomically; where a request must wait for room in a full queue, the script stops
-there, so the requests behind it on that queue do not pass it: they wait with it (a pause that
-doubles, as one publish's does) and go out in order once there is room. A duplicate in one group
-finds the claim its first wrote. One WAIT after the group covers every request in it.
+rules in turn, atomically, so a queue found full stays full for the rest of the call: where a
+request must wait for room, the requests behind it on that queue (none of them pushed) wait with
+it (a pause that doubles, as one publish's does) and go out in order once there is room. A
+duplicate in one group finds the claim its first wrote. One WAIT after the group covers every
+request in it.
 
 What each request came to is handed to its ``done`` callback, in the order of the group: the
 status (PUBLISHED or DUPLICATE), or the error — QueueFull, InvalidRequest (an ID sent to another
@@ -185,12 +186,10 @@ class GroupedPublisher:
 
     def _read(self, entries: list[_Entry], reply: list[Any]) -> list[tuple[_Entry, int]]:
         """The script's reply, request by request: those sent; the refused told; a request
-        waiting for room put back, with those behind it."""
+        waiting for room put back, with those behind it (the queue full, none of them was
+        pushed)."""
         sent = []
         for i, entry in enumerate(entries):
-            if 2 * i >= len(reply):  # the script stopped before it: never tried
-                self._put_back(entries[i:], pause_s=0.0)
-                break
             try:
                 status = entry.push.status(reply[2 * i:2 * i + 2])
             except Exception as exc:  # noqa: BLE001 - QueueFull, InvalidRequest: this request's

@@ -52,17 +52,16 @@ PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 # on, its claim key, its result key.
 # ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 # message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
-# check, for a generated ID), and 1 when a full queue should stop the pushes here (this push waits
-# for room; those after it must not pass it), else 0.
-# Returns per push attempted a status and a detail: {1, ''} published, {0, ''} already sent to
-# this queue, {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another
-# queue. A full queue where a push waits ends the reply there: the pushes after it were not tried.
+# check, for a generated ID).
+# Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue,
+# {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another queue. Once
+# the queue is found full, no push after it in the same call passes it: the queue stays full.
 _PUBLISH = """
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local depth = nil
 local out = {}
-for i = 0, (#ARGV - 3) / 4 - 1 do
-  local k, a = lists + 3 * i, 4 + 4 * i
+for i = 0, (#ARGV - 3) / 3 - 1 do
+  local k, a = lists + 3 * i, 4 + 3 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
@@ -78,14 +77,7 @@ for i = 0, (#ARGV - 3) / 4 - 1 do
       depth = 0
       for j = 1, lists do depth = depth + redis.call('LLEN', KEYS[j]) end
     end
-    if depth >= bound then
-      status, detail = -1, depth
-      if ARGV[a + 3] == '1' then
-        out[#out + 1] = status
-        out[#out + 1] = detail
-        return out
-      end
-    end
+    if depth >= bound then status, detail = -1, depth end
   end
   if not status then
     if claim_ttl > 0 then
@@ -250,7 +242,7 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     args: list[Any] = [len(lists), first.max_queue_size, first.queue]
     for push in pushes:
         keys += [push.list_key, push.claim_key, push.result_key]
-        args += [push.message, push.claim_ttl_s, push.mark_ttl_s, 1 if push.waits() else 0]
+        args += [push.message, push.claim_ttl_s, push.mark_ttl_s]
     return keys, args
 
 
@@ -280,10 +272,6 @@ class _Push:
         self.trace_args = [message, queue, publisher.mark_ttl_s]
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
-
-    def waits(self) -> bool:
-        """Whether a full queue makes this push wait for room (its deadline is not reached)."""
-        return self.timeout_s > 0 and time.monotonic() < self.deadline
 
     def status(self, reply: Any) -> int | None:
         """PUBLISHED or DUPLICATE; None to look again after :meth:`pause_s` (the queue is full

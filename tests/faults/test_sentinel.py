@@ -99,7 +99,8 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
     def send(index: int, phase: str) -> tuple[str, str, object]:
         request_id = f"{phase}-{index}-{uuid.uuid4().hex[:8]}"
         try:
-            return phase, request_id, client.submit("sleep", _row(BATCH_S), request_id=request_id)
+            return phase, request_id, client.submit("sleep", _row(BATCH_S),
+                                                    request_id=request_id).sent()
         except (BrokerUnavailable, NotReplicated) as exc:
             return phase, request_id, exc
 

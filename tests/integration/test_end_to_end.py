@@ -270,10 +270,13 @@ def test_an_unreachable_broker_is_reported_at_once() -> None:
 
     # Given a broker URL where nothing listens
     with Client(broker_url=f"redis://127.0.0.1:{free_port()}/0") as nowhere:
-        # When a request is submitted, Then submit itself fails (no future left hanging) with an
-        # error naming the request and the cause
+        # When a request is submitted, Then its send fails (the future ends, nothing left
+        # hanging) with an error naming the request and the cause
+        future = nowhere.submit("identity", np.ones((1, 2), np.float32))
         with pytest.raises(BrokerUnavailable, match=r"request .*: broker unreachable: .*refused"):
-            nowhere.submit("identity", np.ones((1, 2), np.float32))
+            future.sent(timeout_s=30)
+        with pytest.raises(BrokerUnavailable, match=rf"request {future.id}: broker unreachable"):
+            future.result(timeout=1)
 
 
 def test_requests_sent_with_a_celery_priority_are_served(client, redis_client) -> None:

@@ -88,7 +88,7 @@ def test_burst_of_ten_times_the_bound_completes_or_is_refused(
         for i in range(10 * bound):
             try:
                 accepted.append((i, client.submit("sleep", np.array([[0.02 + i / 1e6]], np.float32),
-                                                  timeout_s=0)))
+                                                  timeout_s=0).sent()))
             except QueueFull as exc:
                 assert f"queue infer.sleep holds {bound} requests" in str(exc)
                 refused.append(i)

@@ -78,7 +78,7 @@ def test_wrong_password_fails_at_submit_naming_the_request(secured: RedisServer,
     with Client(broker_url=url) as client:
         with pytest.raises(BrokerUnavailable, match=r"request wrong-pw-1: broker refused the "
                                                     r"credentials in the broker URL: .*"):
-            client.submit("identity", np.ones((1, 2), np.float32), request_id="wrong-pw-1")
+            client.submit("identity", np.ones((1, 2), np.float32), request_id="wrong-pw-1").sent()
 
 
 def _tls_binary() -> str | None:
@@ -118,6 +118,6 @@ def test_tls_round_trip(tmp_path: Path) -> None:
         untrusting = server.url.split("&ssl_ca_certs=")[0]
         with Client(broker_url=untrusting) as client, pytest.raises(BrokerUnavailable,
                                                                     match="request tls-1: .*certificate"):
-            client.submit("identity", np.ones((1, 2), np.float32), request_id="tls-1")
+            client.submit("identity", np.ones((1, 2), np.float32), request_id="tls-1").sent()
     finally:
         server.stop()
