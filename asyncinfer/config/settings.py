@@ -64,7 +64,7 @@ class Settings:
     submit_replicas: int = _setting(
         0, "ASYNCINFER_SUBMIT_REPLICAS",
         "Replicas that must confirm a submit, and the result write that acknowledges a request, "
-        "before either counts as done (Redis `WAIT`); fewer in time: the submit raises "
+        "before either counts as done (Redis `WAIT`); fewer in time: the submit's future ends with "
         "`NotReplicated`, the worker logs it. 0: do not wait (a failover may lose the last writes).")
     submit_replicas_timeout_s: float = _setting(
         1.0, "ASYNCINFER_SUBMIT_REPLICAS_TIMEOUT_S",
@@ -129,8 +129,8 @@ class Settings:
         10.0, "ASYNCINFER_RETRY_BUDGET_WINDOW_S", "Length of one retry budget window.")
     submit_timeout_s: float = _setting(
         0.0, "ASYNCINFER_SUBMIT_TIMEOUT_S",
-        "How long `submit()` waits for room in a full queue (`max_queue_size`) before it raises "
-        "`QueueFull`; 0: raise at once.")
+        "How long a submitted request waits for room in a full queue (`max_queue_size`) before its "
+        "future ends with `QueueFull` (`future.sent()` raises it); 0: refused at once.")
     lost_after_s: float = _setting(
         30.0, "ASYNCINFER_LOST_AFTER_S",
         "A client ends the future of a request the broker lost (Redis restarted without its last "
