@@ -171,7 +171,7 @@ class GroupedPublisher:
                     _tell(entry, None, self.describe_error(entry.push.request_id, exc))
             return
         sent: list[tuple[_Entry, int]] = []
-        for (scripted, entries), reply in zip(calls, replies):
+        for (scripted, entries), reply in zip(calls, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts
                 publisher.client.script_load(_PUBLISH)
                 self._put_back(entries, pause_s=0.0)
