@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
+from asyncinfer.engine import runner as runner_module
 from asyncinfer.engine.device import Device, parse_device
 from asyncinfer.engine.graphs import (
     CapturedGraph,
@@ -47,8 +49,11 @@ class Doubler:
         self.inputs, self.outputs = inputs, outputs
         self.seen: list[torch.Tensor] = []
 
+        self.threads: list[str] = []
+
     def replay(self) -> None:
         self.seen.append(self.inputs["x"].clone())
+        self.threads.append(threading.current_thread().name)
         torch.mul(self.inputs["x"], 2, out=self.outputs["y"])
 
 
@@ -170,3 +175,48 @@ def test_a_model_that_runs_rows_one_by_one_gets_a_graph_of_one_row() -> None:
     options: Any = ModelOptions(max_batch_size=8, graph_batch_sizes=(2, 4))
     assert ModelRunner(Single(), cpu(), options).options.graph_batch_sizes == (1,)
     assert ModelRunner(Single(), cpu(), ModelOptions()).options.graph_batch_sizes == ()
+
+
+class Twice(Model):
+    """``x`` FP32 [n, 3] → ``y`` = 2x; counts its eager forwards."""
+
+    name = "twice"
+    inputs = {"x": InputSpec(("FP32",), (3,))}
+
+    def __init__(self) -> None:
+        self.eager_rows: list[int] = []
+
+    def forward(self, batch: Batch) -> Batch:
+        self.eager_rows.append(len(batch["x"]))
+        return {"y": batch["x"] * 2}
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_each_instance_replays_its_own_graphs_and_larger_batches_run_eager(
+        monkeypatch: pytest.MonkeyPatch, pipelined: bool) -> None:
+    # Given: two instances, each with its own stand-in graphs of 2 and 4 rows
+    sets = [doubler_set(2, 4) for _ in range(2)]
+    monkeypatch.setattr(runner_module, "capture_graphs", lambda *_: [s for s, _ in sets])
+    model = Twice()
+    options = ModelOptions(max_batch_size=8, instances=2, pipelined=pipelined, warmup=False)
+    runner = ModelRunner(model, cpu(), options).start()
+    try:
+        # When: requests run one at a time (each its own batch)
+        for i, rows in enumerate([3, 1, 6, 4]):
+            x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + i
+            request = decode_request(f"r{i}", {"model": "twice", "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [rows, 3],
+                 "data": x.reshape(-1).tolist()}]})
+            [output] = runner.submit(request).result(timeout=30).outputs
+            torch.testing.assert_close(output.value, x * 2)  # its own rows, none of the padding
+    finally:
+        runner.close()
+    # Then: 3, 1 and 4 rows replayed a graph (4, 2 and 4), 6 rows ran eager
+    assert model.eager_rows == [6]
+    replayed = sorted(len(seen) for _, doublers in sets for d in doublers.values()
+                      for seen in d.seen)
+    assert replayed == [2, 4, 4]
+    # each set replayed only by its own instance's thread
+    stage = "device" if pipelined else "serial"
+    for i, (_, doublers) in enumerate(sets):
+        assert {t for d in doublers.values() for t in d.threads} <= {f"{stage}-twice-{i}"}
