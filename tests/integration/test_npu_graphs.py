@@ -149,12 +149,19 @@ def test_requests_at_once_are_answered_as_eager_for_every_row(graph_worker) -> N
     client, folder, _ = graph_worker
     rng = np.random.default_rng(11)
     already = len(_batches(read_log(folder), MLP_THREADS))
-    inputs = [rng.standard_normal((1 + i % 3, MLP.in_features)).astype(np.float32)
-              for i in range(64)]
-    futures: list[Future[Any]] = [client.submit("mlp", x) for x in inputs]
-    for x, future in zip(inputs, futures, strict=True):
-        response = future.result(timeout=60)
-        np.testing.assert_allclose(response.as_numpy(), _eager(x), rtol=1e-5, atol=1e-6)
+    # Given: pairs of one-row requests (each pair fits a graph, whichever instance takes it),
+    # then 48 requests of 1-3 rows at once (batches of every size up to 8)
+    pairs = [[rng.standard_normal((1, MLP.in_features)).astype(np.float32) for _ in range(2)]
+             for _ in range(8)]
+    burst = [rng.standard_normal((1 + i % 3, MLP.in_features)).astype(np.float32)
+             for i in range(48)]
+    inputs: list[np.ndarray] = []
+    for group in [*pairs, burst]:
+        futures: list[Future[Any]] = [client.submit("mlp", x) for x in group]
+        for x, future in zip(group, futures, strict=True):
+            response = future.result(timeout=60)
+            np.testing.assert_allclose(response.as_numpy(), _eager(x), rtol=1e-5, atol=1e-6)
+        inputs += group
     log = read_log(folder)
     graphs = _captures(log)
     batches = _batches(log, MLP_THREADS)[already:]

@@ -14,6 +14,7 @@ recorded as a step of the graph, and a copy between host and device is refused.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -88,14 +89,15 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
             return same if same is not None else _wrap(x)
         return x
 
-    if _is_view(op):  # PyTorch ties a view to its base: of a normal tensor it is a normal one
+    view = _is_view(op)
+    if view:  # PyTorch ties a view to its base: of a normal tensor it is a normal one
         with torch.inference_mode(False):
             result = pytree.tree_map(wrap, out)
     else:
         result = pytree.tree_map(wrap, out)
     capture = SIM.capturing()
     if capture is not None:
-        capture.step(op, args, kwargs, result, view=_is_view(op))
+        capture.step(op, args, kwargs, result, view=view)
     return result
 
 
@@ -157,7 +159,7 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         _launch("h2d")
         pinned = is_pinned(src)
         into = host_of(dst)  # the whole storage: a view of its first rows writes into its base
-        row = max(1, into[0].numel()) if into.dim() and len(into) else 1
+        row = max(1, math.prod(into.shape[1:]))
         SIM.record("h2d", stream=stream_id, non_blocking=non_blocking, pinned=pinned,
                    shape=list(src.shape), physical=SIM.physical(SIM.current_index()),
                    dst_storage=storage_of(dst),
