@@ -9,6 +9,9 @@ checked when a client submits); ``pipelined`` runs preprocess, device and postpr
 of successive batches in parallel (False: one after another in one thread).
 ``warmup`` (default true) runs a batch of each size before the worker serves (Triton's
 ``model_warmup``); ``compile`` ``"torchscript"`` traces the forward at load (engine/compile.py).
+``graph_batch_sizes`` (vLLM's ``cudagraph_capture_sizes``; default none) captures one CUDA or NPU
+graph of the forward per size at load and runs each batch padded to the nearest size
+(engine/graphs.py).
 ``dead_letter`` keeps each request of the model that fails for good in
 ``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
@@ -58,6 +61,10 @@ class ModelOptions:
     #: ...a batch then takes only rows within this ratio of each other's cost (>= 1): a much
     #: shorter row would run at the long one's cost.
     max_cost_ratio: float = 2.0
+    #: Capture one CUDA / NPU graph of the forward per batch size at load (vLLM's
+    #: ``cudagraph_capture_sizes``); a batch replays the smallest size that holds its rows,
+    #: padded, and a larger batch runs eager (engine/graphs.py). Empty: eager only; ignored on CPU.
+    graph_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -84,10 +91,16 @@ class ModelOptions:
             raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"instances must be an integer >= 1, got {self.instances!r}")
-        for size in self.preferred_batch_sizes:
-            if not isinstance(size, int) or not 1 <= size <= self.max_batch_size:
-                raise ValueError(f"preferred_batch_sizes must be integers in 1..max_batch_size "
-                                 f"({self.max_batch_size}), got {list(self.preferred_batch_sizes)!r}")
+        for name in ("preferred_batch_sizes", "graph_batch_sizes"):
+            sizes = getattr(self, name)
+            if isinstance(sizes, list):
+                sizes = tuple(sizes)
+                object.__setattr__(self, name, sizes)  # a list from a caller: the tuple it means
+            if not isinstance(sizes, tuple) or not all(
+                    isinstance(size, int) and not isinstance(size, bool)
+                    and 1 <= size <= self.max_batch_size for size in sizes):
+                raise ValueError(f"{name} must be integers in 1..max_batch_size "
+                                 f"({self.max_batch_size}), got {_listed(sizes)!r}")
 
     def merged(self, overrides: dict[str, Any]) -> ModelOptions:
         """These options with ``overrides`` applied (unknown keys raise ValueError)."""
@@ -96,9 +109,25 @@ class ModelOptions:
         if unknown:
             raise ValueError(f"unknown model option(s) {sorted(unknown)}; known: {sorted(known)}")
         values = dict(overrides)
-        if "preferred_batch_sizes" in values:
-            values["preferred_batch_sizes"] = tuple(sorted(values["preferred_batch_sizes"]))
+        for name in ("preferred_batch_sizes", "graph_batch_sizes"):
+            if name in values:
+                values[name] = _sorted_sizes(values[name])
         return dataclasses.replace(self, **values)
+
+
+def _sorted_sizes(sizes: Any) -> Any:
+    """Sizes from configuration, sorted, without repeats; what cannot be sorted is left as it is
+    for the checks to name."""
+    if not isinstance(sizes, (list, tuple)):
+        return sizes
+    try:
+        return tuple(sorted(set(sizes)))
+    except TypeError:  # not numbers
+        return sizes
+
+
+def _listed(sizes: Any) -> Any:
+    return list(sizes) if isinstance(sizes, tuple) else sizes
 
 
 def parse_model_options(text: str) -> dict[str, dict[str, Any]]:

@@ -201,7 +201,9 @@ class Settings:
         "(`\"torchscript\"`: trace the forward at load, checked against eager), `group_by_cost` "
         "(batch rows of like length together when the model says what a row costs, as MiniLM "
         "does; default true), `max_cost_ratio` (2: rows in one such batch cost within this ratio "
-        "of each other); key `\"*\"` "
+        "of each other), `graph_batch_sizes` (capture one CUDA / NPU graph of the forward per "
+        "size at load and run each batch padded to the nearest; larger batches eager; ignored on "
+        "CPU; default none); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

@@ -118,6 +118,14 @@ class Device:
             return value
         return value.pin_memory().to(self.torch_device, non_blocking=True)
 
+    def copy_into(self, dst: Any, value: Any) -> None:
+        """Copy host tensor ``value`` into device tensor ``dst`` (of its shape): pinned and
+        non-blocking on accelerators, on the current stream."""
+        if self.is_accelerator:
+            dst.copy_(value.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(value)
+
     def to_host(self, value: Any) -> Any:
         """Start the copy of a device tensor back to the host (complete after the stream's event)."""
         import torch

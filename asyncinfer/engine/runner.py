@@ -5,9 +5,10 @@ through three stages, each in its own thread so that successive batches overlap:
 (joins the rows, :meth:`Model.preprocess`), a device stage per model instance (pinned,
 non-blocking copy to the device, forward on the instance's own stream, copy back, record an event)
 and a completion stage (blocks on the event — never spins — runs :meth:`Model.postprocess`, gives
-each request exactly its own rows). With ``pipelined=False`` one thread runs the three stages of
-a batch one after another. When a batch raises, each of its requests runs alone, so one bad
-request does not fail the others.
+each request exactly its own rows). With ``graph_batch_sizes`` each instance replays its own
+captured graphs instead of the eager forward (engine/graphs.py). With ``pipelined=False`` one
+thread runs the three stages of a batch one after another. When a batch raises, each of its
+requests runs alone (eager), so one bad request does not fail the others.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from asyncinfer.engine.completion import Completed, deliver, rows_of, settle
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
 from asyncinfer.engine.gate import DeviceGate
+from asyncinfer.engine.graphs import GraphSet, capture_graphs
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
 from asyncinfer.engine.limits import LimitWatch
 from asyncinfer.engine.timer import TimeLimits, Timer
@@ -73,8 +75,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         opts = options or model.options
-        if not model.batchable:
-            opts = opts.merged({"max_batch_size": 1, "max_delay_ms": 0.0, "preferred_batch_sizes": ()})
+        if not model.batchable:  # batches of one row: a graph, if asked for, of that size only
+            opts = opts.merged({"max_batch_size": 1, "max_delay_ms": 0.0, "preferred_batch_sizes": (),
+                                "graph_batch_sizes": (1,) if opts.graph_batch_sizes else ()})
         self.options = opts
         self.max_batch_size = opts.max_batch_size
         self.is_revoked = is_revoked or (lambda request_id: False)
@@ -105,6 +108,9 @@ class ModelRunner:
         self._closing = False
         self._to_device: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
         self._to_complete: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
+        #: Each instance's captured graphs (``graph_batch_sizes``), captured at :meth:`start`;
+        #: empty: every batch runs eager.
+        self.graphs: list[GraphSet] = []
         name = model.name
         # A stage gets its own thread only when it has work to overlap: a model's own
         # preprocess, its own postprocess or an accelerator's event to wait on. Otherwise the
@@ -115,13 +121,13 @@ class ModelRunner:
         self._prep_thread = opts.pipelined and _overrides(model, "preprocess")
         self._post_always = _overrides(model, "postprocess") or device.is_accelerator
         if opts.pipelined:
-            self._threads = [vital_thread(self._device_loop, f"device-{name}-{i}")
+            self._threads = [vital_thread(self._device_loop, f"device-{name}-{i}", i)
                              for i in range(opts.instances)]
             if self._prep_thread:
                 self._threads.append(vital_thread(self._prep_loop, f"prep-{name}"))
             self._threads.append(vital_thread(self._complete_loop, f"post-{name}"))
         else:
-            self._threads = [vital_thread(self._serial_loop, f"serial-{name}-{i}")
+            self._threads = [vital_thread(self._serial_loop, f"serial-{name}-{i}", i)
                              for i in range(opts.instances)]
 
     def start(self) -> ModelRunner:
@@ -130,6 +136,7 @@ class ModelRunner:
         self.model.load(self.device.torch_device)
         compile_model(self.model, self.device.torch_device, self.options)
         warm_up(self.model, self.device, self.options)
+        self.graphs = capture_graphs(self.model, self.device, self.options)
         for t in self._threads:
             t.start()
         return self
@@ -230,9 +237,10 @@ class ModelRunner:
                 return job
             self._slots.release()
 
-    def _device_loop(self) -> None:
+    def _device_loop(self, instance: int) -> None:
         self.device.bind_thread()
         stream = self.device.new_stream()
+        graphs = self.graphs[instance] if self.graphs else None
         while (job := self._next_prepared()) is not None:
             if self._closing:  # prepared but never on the device
                 for item in job.items:
@@ -240,7 +248,7 @@ class ModelRunner:
                 self._slots.release()
             elif not self._drop_revoked(job.items):  # revoked while it was being prepared
                 self._slots.release()
-            elif not self._run_stage(job, lambda j: self._launch(j, stream)):
+            elif not self._run_stage(job, lambda j: self._launch(j, stream, graphs)):
                 self._slots.release()
             elif self._post_always or len(self.batcher) or not self._to_device.empty():
                 self._to_complete.put(job)
@@ -261,11 +269,12 @@ class ModelRunner:
             # prepared while this one is postprocessed.
             self._run_stage(job, lambda j: self._finish(j, on_host=self._slots.release))
 
-    def _serial_loop(self) -> None:
+    def _serial_loop(self, instance: int) -> None:
         self.device.bind_thread()
         stream = self.device.new_stream()
+        graphs = self.graphs[instance] if self.graphs else None
         while (job := self._next_job()) is not None:
-            self._run_stage(job, lambda j: self._whole(j, stream))
+            self._run_stage(job, lambda j: self._whole(j, stream, graphs))
 
     def _run_stage(self, job: _Job, stage: Callable[[_Job], None]) -> bool:
         """Run one stage; on error, run the batch's requests one by one. True to go on."""
@@ -283,15 +292,17 @@ class ModelRunner:
         batch = self._concat(job.items)
         job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
-    def _launch(self, job: _Job, stream: Any) -> None:
+    def _launch(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
         alone = any(item.alone for item in job.items)
         with self._gate.enter(alone):
             for item in job.items:
                 item.on_device = True
             self._hooks().on_launch(job.items)
             with self.device.on_stream(stream), torch.inference_mode():
-                on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
-                outputs = self.model.forward(on_device)
+                outputs = graphs.run(job.data) if graphs is not None else None
+                if outputs is None:  # eager: no graphs, or none for this batch
+                    on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
+                    outputs = self.model.forward(on_device)
                 job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
                 job.event = self.device.record_event(stream)
             if job.event is None:  # no event to wait on (CPU): the device is done with it
@@ -311,9 +322,9 @@ class ModelRunner:
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
         self._deliver_batch(job.items, outputs, job.started)
 
-    def _whole(self, job: _Job, stream: Any) -> None:
+    def _whole(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
         self._prepare(job)
-        self._launch(job, stream)
+        self._launch(job, stream, graphs)
         self._finish(job)
 
     def _isolate(self, items: Sequence[WorkItem], exc: Exception) -> None:

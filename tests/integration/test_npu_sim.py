@@ -210,3 +210,10 @@ def test_before_serving_mlp_was_warmed_up_on_the_device_at_each_batch_size(
     first_batch = next(i for i, e in enumerate(log) if e["thread"] in DEVICE_THREADS
                        and e["what"] == "h2d")
     assert all(log.index(e) < first_batch for e in warm)
+
+
+def test_without_graph_batch_sizes_no_graph_is_captured_or_replayed(served: dict[str, Any]) -> None:
+    # The option is off for every model of this worker: every batch ran the eager forward
+    log = served["log"]
+    assert _of(log, "graph_capture") == [] and _of(log, "graph_replay") == []
+    assert len(_of(log, "d2h")) > 0

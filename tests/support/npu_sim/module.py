@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.support.npu_sim import runtime
+from tests.support.npu_sim import graphs, runtime
 from tests.support.npu_sim.runtime import SIM
 
 __all__ = ["NpuModule"]
@@ -15,6 +15,9 @@ class NpuModule:
 
     Stream = runtime.SimStream
     Event = runtime.SimEvent
+    NPUGraph = graphs.SimGraph
+    graph = graphs.graph
+    graph_pool_handle = staticmethod(graphs.graph_pool_handle)
 
     @staticmethod
     def is_available() -> bool:

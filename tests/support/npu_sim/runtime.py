@@ -137,6 +137,20 @@ class Simulator:
     def pop_stream(self) -> None:
         self._local.streams.pop()
 
+    # -- graph capture (tests/support/npu_sim/graphs.py) -------------------------------------
+
+    def capturing(self) -> Any:
+        """The graph capture under way in the calling thread, or None."""
+        return getattr(self._local, "capture", None)
+
+    def set_capture(self, capture: Any) -> None:
+        self._local.capture = capture
+
+    def refuse_in_capture(self, what: str) -> None:
+        """Raise as the runtime does for a host synchronisation while a graph is captured."""
+        if self.capturing() is not None:
+            raise RuntimeError(f"simulated npu: {what} is not allowed while a graph is captured")
+
     def complete_later(self, writes: list[Write]) -> _Completion:
         """Queue ``writes``; the device thread applies them after the simulated delay."""
         self._start_device_thread()
@@ -229,6 +243,7 @@ class SimStream(torch.Stream):
         return completion
 
     def synchronize(self) -> None:
+        SIM.refuse_in_capture("Stream.synchronize")
         SIM.record("stream_sync", stream=self.sim_id)
         self.take_work().done.wait()
 
@@ -278,6 +293,7 @@ class SimEvent(torch.Event):
         return self.completion is None or self.completion.done.is_set()
 
     def synchronize(self) -> None:
+        SIM.refuse_in_capture("Event.synchronize")
         SIM.record("event_sync", stream=self.stream_id)
         if self.completion is not None:
             self.completion.done.wait()  # blocks without the GIL, like aclrtSynchronizeEvent
@@ -299,6 +315,7 @@ def current_device_index() -> int:
 
 def synchronize(device: Any = None) -> None:
     """Wait for every queued completion."""
+    SIM.refuse_in_capture("synchronize")
     SIM.record("device_sync")
     done = SIM.complete_later([])
     done.done.wait()

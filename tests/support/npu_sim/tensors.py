@@ -7,11 +7,14 @@ A device tensor comes from ``torch._C._acc.create_empty_tensor`` (contiguous, re
 a shallow copy such as ``param.data = t`` or an alias shares. Copies between host and device are
 the ``_copy_from`` kernel, which records each one; every other op runs on CPU through one
 fallback, and what it returns becomes a new device tensor (a view is a copy there: writes through
-a view do not reach its base).
+a view do not reach its base, except a view of contiguous rows, whose CPU values are the base's).
+While a graph is captured in the calling thread (graphs.py), every op on device tensors is also
+recorded as a step of the graph, and a copy between host and device is refused.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from tests.support.npu_sim.runtime import SIM
 
-__all__ = ["register_kernels", "host_of", "pin_memory", "is_pinned"]
+__all__ = ["register_kernels", "host_of", "storage_of", "rerun", "pin_memory", "is_pinned"]
 
 #: storage (StorageImpl address) → (the storage, kept alive, and its CPU tensor)
 _HOSTS: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
@@ -57,6 +60,11 @@ def host_of(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def storage_of(t: torch.Tensor) -> int:
+    """Where device tensor ``t``'s values live (shared by a view of contiguous rows and its base)."""
+    return host_of(t).untyped_storage().data_ptr()
+
+
 def _is_npu(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "npu"
 
@@ -68,8 +76,34 @@ def _launch(op: str) -> None:
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Any other op: run it on the CPU values, wrap what it returns."""
+    """Any other op: run it on the CPU values, wrap what it returns (a step of the graph being
+    captured, if one is)."""
     _launch(str(op))
+    if op is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(): waits for the device
+        SIM.refuse_in_capture("reading a device value on the host")
+    out, hosts = _on_host(op, args, kwargs)
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            same = hosts.get(id(x))
+            return same if same is not None else _wrap(x)
+        return x
+
+    view = _is_view(op)
+    if view:  # PyTorch ties a view to its base: of a normal tensor it is a normal one
+        with torch.inference_mode(False):
+            result = pytree.tree_map(wrap, out)
+    else:
+        result = pytree.tree_map(wrap, out)
+    capture = SIM.capturing()
+    if capture is not None:
+        capture.step(op, args, kwargs, result, view=view)
+    return result
+
+
+def _on_host(op: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.Tensor]]:
+    """Run ``op`` on the CPU values of its device tensors; what it returned, and each CPU value
+    (by id) → the device tensor it is the value of."""
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "npu":
         kwargs = {**kwargs, "device": torch.device("cpu")}
@@ -84,18 +118,23 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
             return h
         return x
 
-    out = op(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+    return op(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs)), hosts
 
-    def wrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            same = hosts.get(id(x))
-            return same if same is not None else _wrap(x)
-        return x
 
-    if _is_view(op):  # PyTorch ties a view to its base: of a normal tensor it is a normal one
-        with torch.inference_mode(False):
-            return pytree.tree_map(wrap, out)
-    return pytree.tree_map(wrap, out)
+def rerun(op: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+    """Run a captured step again on the device tensors it was captured with, writing what it
+    returns into the device tensors it returned then (a graph's fixed addresses)."""
+    fresh, _ = _on_host(op, args, kwargs)
+    for old, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fresh), strict=True):
+        if _is_npu(old) and isinstance(new, torch.Tensor):
+            dst = host_of(old)
+            if dst.data_ptr() != new.data_ptr() or dst.shape != new.shape:
+                dst.copy_(new)
+
+
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A copy between device tensors, on their CPU values (a graph step when captured)."""
+    return dst.copy_(src)
 
 
 def _is_view(op: Any) -> bool:
@@ -111,12 +150,20 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     if _is_npu(src) and _is_npu(dst):
         _launch("d2d")
         host_of(dst).copy_(host_of(src))
+        capture = SIM.capturing()
+        if capture is not None:
+            capture.step(_host_copy, (dst, src), {}, dst, view=False)
         return dst
+    SIM.refuse_in_capture("a copy between host and device")
     if _is_npu(dst):  # host to device
         _launch("h2d")
         pinned = is_pinned(src)
+        into = host_of(dst)  # the whole storage: a view of its first rows writes into its base
+        row = max(1, math.prod(into.shape[1:]))
         SIM.record("h2d", stream=stream_id, non_blocking=non_blocking, pinned=pinned,
-                   shape=list(src.shape), physical=SIM.physical(SIM.current_index()))
+                   shape=list(src.shape), physical=SIM.physical(SIM.current_index()),
+                   dst_storage=storage_of(dst),
+                   dst_rows=into.untyped_storage().nbytes() // into.element_size() // row)
         if non_blocking and not pinned and stream is not None:
             stream.synchronize()  # torch_npu: from pageable memory the whole stream waits
         host_of(dst).copy_(src)
@@ -144,7 +191,6 @@ def _to_copy(t: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: 
     if not _is_npu(t):  # host to device (the device argument brought the call here)
         out = _wrap(torch.empty(t.shape, dtype=dtype or t.dtype))
         return _copy_from(t.to(dtype=dtype or t.dtype), out, non_blocking=non_blocking)
-    host = host_of(t)
     if device is not None and torch.device(device).type == "cpu":
         out = torch.empty(t.shape, dtype=dtype or t.dtype)
         if non_blocking:
@@ -152,8 +198,7 @@ def _to_copy(t: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: 
         if out.dtype != t.dtype:
             return _copy_from(t, out, non_blocking=False)
         return _copy_from(t, out, non_blocking=non_blocking)
-    _launch("to")
-    return _wrap(host.to(dtype=dtype or t.dtype, copy=True))
+    return _fallback(torch.ops.aten._to_copy.default, t, dtype=dtype or t.dtype)
 
 
 def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
