@@ -154,26 +154,33 @@ def _batch_of(model: Model, payloads: list[dict[str, Any]], rows: int, first: in
 
 def _rate(model: Model, batches: list[dict[str, Any]], rows: int, callers: int,
           duration_s: float) -> float:
-    """Rows/s of ``callers`` threads each calling the three stages on ``batches`` in turn."""
-    counts = [0] * callers
-    stop = threading.Event()
-
-    def call(k: int) -> None:
-        with torch.inference_mode():
-            while not stop.is_set():
-                batch = batches[counts[k] % len(batches)]
-                model.postprocess(model.forward(model.preprocess(batch)))
-                counts[k] += 1
-
-    threads = [threading.Thread(target=call, args=(k,), daemon=True) for k in range(callers)]
+    """Rows/s of ``callers`` threads calling the three stages on ``batches`` in turn, over whole
+    passes of ``batches``: at least ``duration_s``, then to the end of the pass. Batches of rows
+    of unlike cost (short and long sentences) cost unlike times, so a run cut off mid-pass would
+    be the rate of whichever batches it happened to reach."""
+    taken = 0
+    lock = threading.Lock()
     began = time.perf_counter()
+
+    def next_batch() -> dict[str, Any] | None:
+        nonlocal taken
+        with lock:
+            if taken % len(batches) == 0 and taken and time.perf_counter() - began >= duration_s:
+                return None
+            taken += 1
+            return batches[(taken - 1) % len(batches)]
+
+    def call() -> None:
+        with torch.inference_mode():
+            while (batch := next_batch()) is not None:
+                model.postprocess(model.forward(model.preprocess(batch)))
+
+    threads = [threading.Thread(target=call, daemon=True) for _ in range(callers)]
     for t in threads:
         t.start()
-    stop.wait(duration_s)
-    stop.set()
     for t in threads:
         t.join()
-    return sum(counts) * rows / (time.perf_counter() - began)
+    return taken * rows / (time.perf_counter() - began)
 
 
 def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
@@ -202,8 +209,8 @@ def model_limit(model: Model, payloads: dict[str, Any] | list[dict[str, Any]],
     default_threads = torch.get_num_threads()
     rates = {}
     for size in sizes:
-        # every payload once at least; batches of like cost in a shuffled order, so that a run
-        # cut short by ``duration_s`` is not the cheap end of a sorted set
+        # every payload once a pass (the rate is of whole passes); batches of like cost in a
+        # shuffled order, as they would come to a worker
         count = max(8, -(-len(payloads) // size))
         batches = [_batch_of(model, payloads, size, k * size) for k in range(count)]
         if by_cost:

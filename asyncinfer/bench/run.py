@@ -40,7 +40,7 @@ from asyncinfer.bench.systems import (
     process_cpu_s,
     start_system,
 )
-from asyncinfer.bench.workloads import MIXED_SENTENCES, WORKLOADS, Workload
+from asyncinfer.bench.workloads import WORKLOADS, Workload
 from asyncinfer.client import Client
 from asyncinfer.models.registry import Registry
 from asyncinfer.ops.redis_server import RedisServer
@@ -102,8 +102,8 @@ def _limit(workload: Workload, duration_s: float,
     reach)."""
     registry = Registry.from_config([workload.factories] if workload.factories else [])
     model = registry.create(workload.model)
-    count = MIXED_SENTENCES if workload.kind == "mixed-sentence" else 64
-    rates = model_limit(model, [workload.payload(i) for i in range(count)], (1, 8, 32, 64),
+    rates = model_limit(model, [workload.payload(i) for i in range(workload.distinct_payloads)],
+                        (1, 8, 32, 64),
                         duration_s, by_cost=by_cost)
     return rates, direct_call_ms(model, workload.payload(0))
 

@@ -66,10 +66,12 @@ def model_options(workload_name: str) -> ModelOptions:
     return registry.create(workload.model).options
 
 
-def request_rows(workload_name: str, count: int) -> tuple[str, str, list[np.ndarray]]:
+def request_rows(workload_name: str, count: int | None = None) -> tuple[str, str, list[np.ndarray]]:
     """The input name, its v2 datatype and ``count`` one-row numpy values of the workload's
-    requests (BYTES as UTF-8 ``bytes``): the same requests the bench sends asyncinfer."""
+    requests (BYTES as UTF-8 ``bytes``; default: as many as the load cycles through): the same
+    requests the bench sends asyncinfer."""
     workload = _workload(workload_name)
+    count = workload.distinct_payloads if count is None else count
     rows, name, datatype = [], "", ""
     for i in range(count):
         request = decode_request(f"load-{i}", {"model": workload.model, **workload.payload(i)})
@@ -91,7 +93,7 @@ async def grpc_connector(port: int, workload: str, *, rows_as_columns: bool,
     import tritonclient.grpc.aio as grpcclient
 
     model = WORKLOADS[workload].model
-    name, datatype, rows = request_rows(workload, 64)
+    name, datatype, rows = request_rows(workload)
     if rows_as_columns:
         rows = [r.reshape(1, 1) if datatype == "BYTES" else r for r in rows]
     client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
@@ -121,7 +123,7 @@ async def _gateway_http(port: int, workload: str) -> tuple[Call, Callable[[], Aw
     import tritonclient.http.aio as httpclient
 
     model = WORKLOADS[workload].model
-    name, datatype, rows = request_rows(workload, 64)
+    name, datatype, rows = request_rows(workload)
     # no limit below the bench's levels: one connection per request in flight
     client = httpclient.InferenceServerClient(url=f"127.0.0.1:{port}", conn_limit=1024)
 

@@ -58,6 +58,12 @@ class Workload:
     factories: str = ""
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def distinct_payloads(self) -> int:
+        """How many different requests a load cycles through (every load, peers' too, sends the
+        same ones): the whole mixed-length set, else 64."""
+        return MIXED_SENTENCES if self.kind == "mixed-sentence" else 64
+
     def payload(self, i: int) -> dict[str, Any]:
         rng = np.random.default_rng(i)
         if self.kind == "vector8":

@@ -23,7 +23,7 @@ async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitabl
 async def _ray(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
     import aiohttp
 
-    _, datatype, rows = request_rows(workload, 64)
+    _, datatype, rows = request_rows(workload)
     bodies = [json.dumps({"row": r[0].decode() if datatype == "BYTES" else r[0].tolist()}) for r in rows]
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                     headers={"Content-Type": "application/json"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncinfer.bench.measure import Run, model_limit
+from asyncinfer.bench.measure import Run, _rate, model_limit
 from asyncinfer.bench.report import markdown
 from asyncinfer.bench.run import SYSTEMS, added_latency_targets, parse_systems
 from asyncinfer.bench.synthetic import SimDevice, sim_fast, sim_prep, sim_slow
@@ -31,6 +31,37 @@ def test_the_in_process_limit_never_uses_a_batch_the_model_would_not_run() -> No
     rates = model_limit(model, WORKLOADS["sim-fast"].payload(0), (1, 8, 64), 0.02)
     assert sorted(rates) == [1, 8, 32]  # 64 is over max_batch_size 32; 32 itself is measured
     assert rates[32] > rates[1] > 0
+
+
+class _Counting:
+    """Three stages that record which batch each call was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def preprocess(self, batch: dict[str, int]) -> dict[str, int]:
+        self.seen.append(batch["k"])
+        return batch
+
+    def forward(self, batch: dict[str, int]) -> dict[str, int]:
+        return batch
+
+    def postprocess(self, batch: dict[str, int]) -> dict[str, int]:
+        return batch
+
+
+@pytest.mark.parametrize("callers", [1, 3])
+def test_the_in_process_limit_is_measured_over_whole_passes(callers: int) -> None:
+    # batches of unlike cost: a run cut off mid-pass would be the rate of those it reached
+    model = _Counting()
+    batches = [{"k": k} for k in range(7)]
+    rate = _rate(model, batches, rows=4, callers=callers, duration_s=0.0)  # type: ignore[arg-type]
+    assert sorted(model.seen) == list(range(7))  # one whole pass, each batch once
+    model.seen.clear()
+    _rate(model, batches, rows=4, callers=callers, duration_s=0.05)  # type: ignore[arg-type]
+    assert len(model.seen) % 7 == 0 and len(model.seen) >= 7
+    assert sorted(model.seen) == sorted(list(range(7)) * (len(model.seen) // 7))
+    assert rate > 0
 
 
 @pytest.mark.parametrize("name", ["sim-slow", "sim-fast", "sim-prep"])
