@@ -25,8 +25,8 @@ from asyncinfer.models.builtin import MLP
 from asyncinfer.worker.supervisor import CANNOT_START
 from tests.integration.test_failures_cli import asyncinfer, error_lines
 from tests.support.databases import RedisDatabases
-from tests.support.npu_sim.hook import read_log, sim_env
-from tests.support.processes import ROOT, start_worker, worker_env
+from tests.support.npu_sim.hook import read_log, sim_worker
+from tests.support.processes import worker_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,16 +43,9 @@ Log = list[dict[str, Any]]
 def graph_worker(redis_databases: RedisDatabases, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[Client, Path, Any]]:
     folder = tmp_path_factory.mktemp("npu_graphs")
-    with redis_databases.take("test_npu_graphs worker") as db:
-        proc = start_worker(db.url, folder / "worker.log", "--device", "npu:0", "--models",
-                            "mlp,identity,affine3", "--hostname", "npu-graphs@%h",
-                            ASYNCINFER_MODEL_OPTIONS=OPTIONS, **sim_env(folder, ROOT))
-        client = Client(broker_url=db.url)
-        try:
-            yield client, folder, proc
-        finally:
-            client.close()
-            proc.stop()
+    with redis_databases.take("test_npu_graphs worker") as db, sim_worker(
+            db.url, folder, "npu:0", "mlp,identity,affine3", "npu-graphs@%h", OPTIONS) as (client, proc):
+        yield client, folder, proc
 
 
 def _eager(x: np.ndarray) -> np.ndarray:

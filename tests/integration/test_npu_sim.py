@@ -26,8 +26,8 @@ from asyncinfer.client import Client
 from asyncinfer.models.builtin import MLP
 from tests.support.databases import RedisDatabases
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks
-from tests.support.npu_sim.hook import read_log, sim_env
-from tests.support.processes import ROOT, start_worker, worker_env
+from tests.support.npu_sim.hook import read_log, sim_env, sim_worker
+from tests.support.processes import ROOT, worker_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,17 +39,10 @@ DEVICE_THREADS = {f"device-{m}-{i}" for m in ("identity", "mlp") for i in (0, 1)
 def npu_worker(redis_databases: RedisDatabases, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[tuple[Client, str, Path]]:
     folder = tmp_path_factory.mktemp("npu_sim")
-    with redis_databases.take("test_npu_sim worker") as db:
-        proc = start_worker(db.url, folder / "worker.log", "--device", "npu:1", "--models",
-                            "identity,mlp,poison", "--hostname", "npu-sim@%h",
-                            ASYNCINFER_MODEL_OPTIONS=OPTIONS, **sim_env(folder, ROOT),
-                            **{FORWARD_MARKS_ENV: db.url})
-        client = Client(broker_url=db.url)
-        try:
-            yield client, db.url, folder
-        finally:
-            client.close()
-            proc.stop()
+    with redis_databases.take("test_npu_sim worker") as db, sim_worker(
+            db.url, folder, "npu:1", "identity,mlp,poison", "npu-sim@%h", OPTIONS,
+            **{FORWARD_MARKS_ENV: db.url}) as (client, _):
+        yield client, db.url, folder
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["sim_env", "read_log"]
+__all__ = ["sim_env", "read_log", "sim_worker"]
 
 _SITECUSTOMIZE = "from tests.support.npu_sim import install\n\ninstall()\n"
 
@@ -28,3 +31,22 @@ def read_log(folder: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@contextlib.contextmanager
+def sim_worker(redis_url: str, folder: Path, device: str, models: str, hostname: str,
+               model_options: str, **env: str) -> Iterator[tuple[Any, Any]]:
+    """A worker on the simulated NPU ``device`` (logging in ``folder``) serving ``models`` with
+    ``model_options``, and a client of it; both stopped on exit (the worker by its PID)."""
+    from asyncinfer.client import Client
+    from tests.support.processes import ROOT, start_worker
+
+    proc = start_worker(redis_url, folder / "worker.log", "--device", device, "--models", models,
+                        "--hostname", hostname, ASYNCINFER_MODEL_OPTIONS=model_options,
+                        **sim_env(folder, ROOT), **env)
+    client = Client(broker_url=redis_url)
+    try:
+        yield client, proc
+    finally:
+        client.close()
+        proc.stop()
