@@ -1,13 +1,16 @@
 """Where one Redis stops: a fleet of simulated-device workers and several producers on one Redis.
 
-    .venv/bin/python bench/fleet_sim.py [--quick] [--workers 1,2,4,8] [--producers 1,2,4]
-        [--batches 1,8,32] [--seconds 5] [--appendonly] [--out bench/results/fleet_sim_DATE.json]
+    .venv/bin/python bench/fleet_sim.py                  # the whole sweep: ~6 min on 2 quiet cores
+    .venv/bin/python bench/fleet_sim.py --quick          # ~1 min
+        [--workers 1,2,4,8] [--producers 1,2,4] [--batches 1,8,32] [--seconds 4]
+        [--device sim-slow|sim-fast] [--appendonly] [--env VAR=VALUE] [--out FILE]
 
 One real ``redis-server`` (the embedded one, as ``asyncinfer bench`` starts it), ``asyncinfer
-worker`` processes serving the bench's ``sim-fast`` device (4 ms + 0.1 ms per row, the GIL
-released: a worker costs the host its serving path only) with ``max_batch_size`` set to each
-batch size in turn, and producer processes, each one ``Client`` keeping its share of the requests
-in flight (closed loop, the bench's own :func:`~asyncinfer.bench.measure.closed_loop`).
+worker`` processes serving one of the bench's simulated devices (``sim-slow`` by default: 20 ms
++ 1 ms per row with the GIL released, so a worker costs the host its serving path only and its
+batches fill) with ``max_batch_size`` set to each batch size in turn, and producer processes,
+each one ``Client`` keeping its share of the requests in flight (closed loop, the bench's own
+:func:`~asyncinfer.bench.measure.closed_loop`).
 
 For each batch size one Redis is started, with one worker; workers are added (1, 2, 4, 8) and at
 each count the fleet is first measured idle (what Redis spends on workers that wait), then under
@@ -18,7 +21,9 @@ command (``INFO commandstats`` deltas: a script's inner commands are counted und
 names too, and its time includes theirs), bytes in and out per request, the workers' and
 producers' CPU per request (/proc), the CPU that processes outside the simulation took meanwhile
 and the host's load average. From Redis' main-thread CPU per request follows what one Redis core
-carries: ``1 / cpu per request`` requests/s.
+carries: ``1 / cpu per request`` requests/s; a line ``a + b / rows per batch`` through every
+point splits it into what each request and each device batch costs. One more point per batch
+size logs every command (bench/fleet_meter.py) to say which script Redis' time goes to.
 
 The throughput of a point is what this host's cores allow (workers, producers and Redis share
 them); the CPU per request is the figure that carries over to a bigger host. Every process is
@@ -47,15 +52,17 @@ from fleet_meter import CommandLog, Meter
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "fleet_sim_2026-12-03.json"
-WORKLOAD = "sim-fast"
+#: The bench workloads whose simulated device the workers serve (asyncinfer.bench.synthetic).
+DEVICES = ("sim-slow", "sim-fast")
 
 
 class Producer:
     """A producer process (this script with ``--producer``): one ``Client``, told when to load."""
 
-    def __init__(self, url: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, url: str, workload: str, env: dict[str, str], log_path: Path) -> None:
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, __file__, "--producer", url], env=env,
+        self.process = subprocess.Popen([sys.executable, __file__, "--producer", url, "--device",
+                                         workload], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self._log, text=True)
 
@@ -90,7 +97,7 @@ class Producer:
         self._log.close()
 
 
-def produce(url: str) -> int:
+def produce(url: str, name: str) -> int:
     """The producer process: warm up, say ready, then per line ``IN_FLIGHT SECONDS`` on stdin run
     a closed loop and print its outcome as one JSON line."""
     from asyncinfer import Client
@@ -99,7 +106,7 @@ def produce(url: str) -> int:
     from asyncinfer.bench.workloads import WORKLOADS
     from asyncinfer.constants import TASK_NAME, queue_for
 
-    workload = WORKLOADS[WORKLOAD]
+    workload = WORKLOADS[name]
     payloads = [payload_kwargs(workload, i) for i in range(64)]
     queue = queue_for(workload.model)
     with Client(broker_url=url) as client:
@@ -112,7 +119,7 @@ def produce(url: str) -> int:
         for line in sys.stdin:
             in_flight, seconds = line.split()
             cpu0 = time.process_time()
-            run = closed_loop(Run("asyncinfer", WORKLOAD, "closed", int(in_flight)), submit,
+            run = closed_loop(Run("asyncinfer", name, "closed", int(in_flight)), submit,
                               int(in_flight), float(seconds))
             print(json.dumps({"answered": len(run.latencies_ms), "failures": run.failures,
                               "elapsed_s": run.elapsed_s, "p50_ms": run.summary()["p50_ms"],
@@ -121,13 +128,13 @@ def produce(url: str) -> int:
     return 0
 
 
-def _env(url: str, batch: int, extra: list[str]) -> dict[str, str]:
+def _env(url: str, name: str, batch: int, extra: list[str]) -> dict[str, str]:
     """The workers' and producers' environment: the broker, the device's max batch, ``extra``
     (``VAR=VALUE`` each), and this checkout first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
     from asyncinfer.bench.workloads import WORKLOADS
 
-    workload = WORKLOADS[WORKLOAD]
+    workload = WORKLOADS[name]
     env.update(ASYNCINFER_BROKER_URL=url, ASYNCINFER_LOG_LEVEL="warning",
                ASYNCINFER_MODEL_FACTORIES=workload.factories,
                ASYNCINFER_MODEL_OPTIONS=json.dumps({workload.model: {"max_batch_size": batch}}),
@@ -171,13 +178,13 @@ def _load_point(producers: list[Producer], meter_args: tuple[Any, ...], in_fligh
             **figures}
 
 
-def _start_worker(i: int, env: dict[str, str], log_dir: Path) -> Any:
+def _start_worker(i: int, name: str, env: dict[str, str], log_dir: Path) -> Any:
     from asyncinfer.bench.systems import WorkerUnderTest
     from asyncinfer.bench.workloads import WORKLOADS
     from asyncinfer.constants import TASK_NAME, queue_for
 
     hostname = f"fleet{i}@{socket.gethostname()}"
-    model = WORKLOADS[WORKLOAD].model
+    model = WORKLOADS[name].model
     argv = [sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu", "--models", model,
             "--hostname", hostname]
     return WorkerUnderTest("asyncinfer", argv, env, log_dir / f"worker{i}.log", hostname, TASK_NAME,
@@ -212,17 +219,17 @@ def _fleet(batch: int, args: argparse.Namespace,
     producers: list[Producer] = []
     try:
         assert server.process is not None
-        env = _env(server.url, batch, args.env)
+        env = _env(server.url, args.device, batch, args.env)
         info = redis.Redis.from_url(server.url)
         version = info.info("server")["redis_version"]
         with Client(broker_url=server.url) as control:
             for n in args.workers:
-                started = [_start_worker(i, env, log_dir) for i in range(len(workers), n)]
+                started = [_start_worker(i, args.device, env, log_dir) for i in range(len(workers), n)]
                 workers += started
                 for w in started:
                     w.wait_ready(control.app)
                 if not producers:
-                    producers = [Producer(server.url, env, log_dir / f"producer{i}-{batch}.log")
+                    producers = [Producer(server.url, args.device, env, log_dir / f"producer{i}-{batch}.log")
                                  for i in range(max(args.producers))]
                     for p in producers:
                         p.wait_ready()
@@ -343,6 +350,14 @@ def _fits(points: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _device_text(name: str) -> str:
+    from asyncinfer.bench import synthetic
+
+    device = getattr(synthetic, name.replace("-", "_"))()
+    return (f"{name}: {device.a_s * 1e3:g} ms + {device.b_s * 1e3:g} ms per row, the GIL released "
+            f"(asyncinfer.bench.synthetic)")
+
+
 def _host() -> dict[str, Any]:
     model = next((line.split(":", 1)[1].strip() for line in
                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
@@ -362,6 +377,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=1.0)
     p.add_argument("--max-in-flight", type=int, default=1024,
                    help="requests in flight at most (else 4 x batch x workers, at least 64)")
+    p.add_argument("--device", choices=DEVICES, default=DEVICES[0],
+                   help="the simulated device: sim-slow (20 ms + 1 ms per row: batches fill) or "
+                        "sim-fast (4 ms + 0.1 ms per row: the host's CPU decides the batch)")
     p.add_argument("--appendonly", action="store_true",
                    help="Redis with its append-only file (asyncinfer up's embedded broker)")
     p.add_argument("--system-redis", action="store_true", help="the system's redis-server binary")
@@ -383,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     sys.path.insert(0, str(ROOT))  # this checkout's package, whatever the venv has installed
     if args.producer:
-        return produce(args.producer)
+        return produce(args.producer, args.device)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop everything
     host, began = _host(), time.monotonic()
     points: list[dict[str, Any]] = []
@@ -393,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             fleet_points, where = _fleet(batch, args, Path(tmp))
             points += fleet_points
             attribution.append(where)
-    doc: dict[str, Any] = {"script": "bench/fleet_sim.py", "argv": sys.argv[1:], "workload": WORKLOAD,
-           "device": "4 ms + 0.1 ms per row, GIL released (asyncinfer.bench.synthetic.sim_fast)",
+    doc: dict[str, Any] = {"script": "bench/fleet_sim.py", "argv": sys.argv[1:], "workload": args.device,
+           "device": _device_text(args.device),
            "host": host, "host_loadavg_end": [round(x, 2) for x in os.getloadavg()],
            "wall_s": round(time.monotonic() - began, 1), "derived": derive(points),
            "attribution": attribution, "points": points}
