@@ -158,11 +158,11 @@ class CommandLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.client.config_set("slowlog-log-slower-than", self._saved["slowlog-log-slower-than"])
         self._stop.set()
         self._thread.join()
-        for key, value in self._saved.items():
-            self.client.config_set(key, value)
-        self._drain()
+        self._drain()  # before the length goes back: a shorter log drops what it holds
+        self.client.config_set("slowlog-max-len", self._saved["slowlog-max-len"])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
