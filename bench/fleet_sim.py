@@ -192,14 +192,23 @@ def _start_worker(i: int, name: str, env: dict[str, str], log_dir: Path) -> Any:
 
 
 def _attribution(producers: list[Producer], meter_args: tuple[Any, ...], in_flight: int,
-                 seconds: float) -> dict[str, Any]:
-    """One more point with every command logged (bench/redis_meter.py): Redis' time per request
-    by script and command. The log's own cost makes it no CPU figure."""
+                 seconds: float, idle_s: float) -> dict[str, Any]:
+    """Every command logged (bench/fleet_meter.py) through one more point, and through an idle
+    spell after it: Redis' time per request, and per second of an idle fleet, by script and
+    command. The log's own cost makes these no CPU figures."""
     with CommandLog(meter_args[0]) as log:
         row = _load_point(producers, meter_args, in_flight, seconds)
+    time.sleep(1.0)  # the fleet idle again
+    with CommandLog(meter_args[0]) as idle_log:
+        time.sleep(idle_s)
+    idle = idle_log.per_request(1)
     return {"requests_per_s": row["requests_per_s"], "mean_rows_per_batch": row["mean_rows_per_batch"],
             "redis_cpu_ms_per_request_while_logged": row["redis_cpu_ms_per_request"],
-            **log.per_request(row["answered"])}
+            **log.per_request(row["answered"]),
+            "idle_per_s": {"executed_usec": round(idle["executed_usec"] / idle_s, 1),
+                           "sent_by_clients": {k: {"calls": round(v["calls"] / idle_s, 2),
+                                                   "usec": round(v["usec"] / idle_s, 1)}
+                                               for k, v in idle["sent_by_clients"].items()}}}
 
 
 def _fleet(batch: int, args: argparse.Namespace,
@@ -248,7 +257,7 @@ def _fleet(batch: int, args: argparse.Namespace,
                     row = _load_point(producers[:p], meter_args, in_flight, args.seconds)
                     points.append({**base, "producers": p, "idle": False, **row})
                     _print(points[-1])
-            attribution = _attribution(producers, meter_args, in_flight, args.seconds)
+            attribution = _attribution(producers, meter_args, in_flight, args.seconds, args.idle_s)
             attribution.update(max_batch=batch, workers=n, producers=len(producers))
         info.close()
     finally:
