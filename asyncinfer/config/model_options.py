@@ -29,6 +29,8 @@ __all__ = ["ModelOptions", "parse_model_options", "COMPILE_MODES"]
 
 #: What the ``compile`` option takes ("": eager).
 COMPILE_MODES = ("", "torchscript")
+#: ``max_cost_ratio`` by default on a CPU and on an accelerator (ModelOptions.cost_ratio).
+CPU_COST_RATIO, ACCELERATOR_COST_RATIO = 1.25, 2.0
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class ModelOptions:
     #: padded to its longest row). False: arrival order.
     group_by_cost: bool = True
     #: ...a batch then takes only rows within this ratio of each other's cost (>= 1): a much
-    #: shorter row would run at the long one's cost.
-    max_cost_ratio: float = 2.0
+    #: shorter row would run at the long one's cost. None: by the device (:meth:`cost_ratio`).
+    max_cost_ratio: float | None = None
     #: Capture one CUDA / NPU graph of the forward per batch size at load (vLLM's
     #: ``cudagraph_capture_sizes``); a batch replays the smallest size that holds its rows,
     #: padded, and a larger batch runs eager (engine/graphs.py). Empty: eager only; ignored on CPU.
@@ -75,7 +77,7 @@ class ModelOptions:
         if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an integer >= 0, got {self.max_queue_size!r}")
         ratio = self.max_cost_ratio
-        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+        if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
                 and math.isfinite(ratio) and ratio >= 1):
             raise ValueError(f"max_cost_ratio must be a finite number >= 1, got {ratio!r}")
         for flag in ("dead_letter", "warmup", "pipelined", "group_by_cost"):
@@ -101,6 +103,15 @@ class ModelOptions:
                     and 1 <= size <= self.max_batch_size for size in sizes):
                 raise ValueError(f"{name} must be integers in 1..max_batch_size "
                                  f"({self.max_batch_size}), got {_listed(sizes)!r}")
+
+    def cost_ratio(self, accelerator: bool) -> float:
+        """The ``max_cost_ratio`` a batch keeps to on a device: the option, or by default 1.25 on
+        a CPU (its time follows the padded tokens, and a batch past a few rows gains little) and
+        2 on an accelerator (a batch's time hardly moves with its rows or their padding until the
+        device is full, so fuller batches beat tighter ones)."""
+        if self.max_cost_ratio is not None:
+            return float(self.max_cost_ratio)
+        return ACCELERATOR_COST_RATIO if accelerator else CPU_COST_RATIO
 
     def merged(self, overrides: dict[str, Any]) -> ModelOptions:
         """These options with ``overrides`` applied (unknown keys raise ValueError)."""

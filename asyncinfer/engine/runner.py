@@ -94,7 +94,7 @@ class ModelRunner:
         self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged)
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
-                               max_cost_ratio=opts.max_cost_ratio)
+                               max_cost_ratio=opts.cost_ratio(device.is_accelerator))
         #: Seconds a batch takes from forming to its results (a moving average; None until one
         #: ran): how fast this model gets through what a worker holds.
         self.batch_s: float | None = None

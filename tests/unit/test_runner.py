@@ -451,3 +451,10 @@ def test_a_batchs_requests_are_settled_inside_one_settling_scope(pipelined: bool
     # Then the batch's eight requests were all settled inside one scope
     assert sorted(seen) == sorted(r.id for r in requests)
     assert [sorted(s) for s in scopes if s] == [sorted(r.id for r in requests)]
+
+
+def test_the_batcher_keeps_to_the_devices_cost_ratio() -> None:
+    on_cpu = ModelRunner(Identity(), Device(DeviceSpec("cpu")), ModelOptions())
+    assert on_cpu.batcher.max_cost_ratio == 1.25
+    chosen = ModelRunner(Identity(), Device(DeviceSpec("cpu")), ModelOptions(max_cost_ratio=1.6))
+    assert chosen.batcher.max_cost_ratio == 1.6

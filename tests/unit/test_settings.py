@@ -259,3 +259,17 @@ def test_celery_config_lists_are_copies() -> None:
     first = celery_config(s)
     first["accept_content"].append("pickle")
     assert "pickle" not in celery_config(s)["accept_content"]
+
+
+def test_the_cost_ratio_follows_the_device_unless_set() -> None:
+    from asyncinfer.config.model_options import ModelOptions
+
+    default = ModelOptions()
+    assert default.max_cost_ratio is None
+    assert (default.cost_ratio(accelerator=False), default.cost_ratio(accelerator=True)) == (1.25, 2.0)
+    mine = Settings.from_env({"ASYNCINFER_MODEL_OPTIONS": '{"minilm": {"max_cost_ratio": 3}}'}
+                             ).options_for("minilm", default)
+    assert (mine.cost_ratio(accelerator=False), mine.cost_ratio(accelerator=True)) == (3.0, 3.0)
+    for bad in (0.5, "2", True, float("nan")):
+        with pytest.raises(ValueError, match="max_cost_ratio must be a finite number >= 1"):
+            ModelOptions(max_cost_ratio=bad)  # type: ignore[arg-type]
