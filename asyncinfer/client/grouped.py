@@ -239,7 +239,7 @@ class GroupedPublisher:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._pid = 0
-        self._script_lost = False
+        self._script_lost = True  # the first group loads the script (EVAL)
 
     def put(self, push: _Push, done: Done) -> None:
         """Send ``push`` in the next group; ``done`` hears what it came to (on the group's

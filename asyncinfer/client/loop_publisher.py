@@ -48,7 +48,7 @@ class AsyncPublisher:
         self._pending = Pending()
         self._arrived = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
-        self._script_lost = False
+        self._script_lost = True  # the first group loads the script (EVAL)
 
     async def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
                       result_key: str | None = None, max_queue_size: int = 0,
