@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "not_replicated", "broker_error", "DEFAULT_SENTINEL_PORT",
-           "MASTER_CHECK_S"]
+           "require_replicas", "not_replicated", "broker_error", "never_resend",
+           "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
 
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
 MASTER_CHECK_S = 1.0
@@ -131,6 +131,26 @@ class _FollowingConnection(SentinelManagedConnection):
                 self.disconnect()
                 raise redis.ConnectionError(f"the master is now a replica ({exc})") from exc
             raise
+
+
+def never_resend(*, asyncio: bool = False) -> Any:
+    """A redis-py ``retry`` for connections that must not send a command twice: none.
+
+    redis-py retries a command (a whole pipeline) on a new connection when the old one fails,
+    whether or not Redis ran it first; for a group of pushes (client/grouped.py) a reply lost on
+    the way back would push every request again. Since redis-py's defaults have changed between
+    versions, the producers' connections say so themselves. ``asyncio``: the ``redis.asyncio``
+    form.
+    """
+    from redis.backoff import NoBackoff
+
+    if asyncio:
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        return AsyncRetry(NoBackoff(), 0)
+    from redis.retry import Retry
+
+    return Retry(NoBackoff(), 0)
 
 
 def redis_client(url: str, settings: Settings | None = None, **kwargs: Any) -> redis.Redis:

@@ -30,14 +30,16 @@ __all__ = ["LatencyProxy", "ping_ms", "main"]
 
 class LatencyProxy:
     """``python -m asyncinfer.bench.latency_proxy`` in front of the Redis at ``url``, adding
-    ``rtt_ms / 2`` each way; :attr:`url` is the same Redis through it. Stopped by its PID."""
+    ``rtt_ms / 2`` each way; :attr:`url` is the same Redis through it. Stopped by its PID.
+    ``port``: where it listens (0: a free port; a proxy started again on the port of one stopped
+    takes the place of a link that broke)."""
 
-    def __init__(self, url: str, rtt_ms: float) -> None:
+    def __init__(self, url: str, rtt_ms: float, *, port: int = 0) -> None:
         if not rtt_ms >= 0:
             raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms!r}")
         self.target_url, self.rtt_ms = url, rtt_ms
         self.process: subprocess.Popen[str] | None = None
-        self.port = 0
+        self.port = port
 
     @property
     def url(self) -> str:
@@ -52,7 +54,8 @@ class LatencyProxy:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "asyncinfer.bench.latency_proxy",
              "--target-host", target.hostname or "127.0.0.1",
-             "--target-port", str(target.port or 6379), "--delay-ms", str(self.rtt_ms / 2)],
+             "--target-port", str(target.port or 6379), "--delay-ms", str(self.rtt_ms / 2),
+             "--port", str(self.port)],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # this module's tree
         assert self.process.stdout is not None

@@ -4,11 +4,13 @@ Nothing here polls. A request's :class:`~asyncinfer.client.responses.InferFuture
 result watcher thread; ``asyncio.wrap_future`` hands that to the event loop through
 ``call_soon_threadsafe``. Nothing blocks the loop: a small request on a plain Redis broker is
 published by the loop itself, on a ``redis.asyncio`` connection of its own (:func:`send_on_loop`:
-no thread hop); everything else (a large tensor to encode, a Sentinel broker, replica waits,
-another broker, an unknown-model check that must read the catalogue) runs in the loop's default
-executor, so a broker that is slow to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``)
-never blocks the loop. Either way ``asubmit`` returns once the request is on its queue, and raises
-what refused it (``QueueFull``, say).
+no thread hop), in the loop's next group — every request the loop's coroutines sent while the
+last group's round trip was out goes in one pipeline (client/loop_publisher.py); everything else
+(a large tensor to encode, a Sentinel broker, replica waits, another broker, an unknown-model
+check that must read the catalogue) runs in the loop's default executor, so a broker that is slow
+to answer (or down, until ``ASYNCINFER_CONNECT_TIMEOUT_S``) never blocks the loop. Either way
+``asubmit`` returns once the request is on its queue, and raises what refused it (``QueueFull``,
+say).
 
 The functions take the client's :class:`~asyncinfer.client.sender.Sender` (``client.sender``), the
 core that the blocking :class:`~asyncinfer.client.client.Client` stands on too.
@@ -21,12 +23,9 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, TypeVar, Union
 
-import redis
-
 from asyncinfer.client.outgoing import Outgoing
 from asyncinfer.client.responses import InferFuture, InferResponse
 from asyncinfer.client.sender import Sender
-from asyncinfer.connections import broker_error
 from asyncinfer.errors import RequestTimeout
 
 __all__ = ["publish", "submit", "send_on_loop", "wait_response", "amap", "as_completed"]
@@ -80,10 +79,12 @@ def nbytes(inputs: Any) -> int:
 
 
 async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
-    """Send ``outgoing`` from the running loop and return its future: published by the loop
-    itself where it can (:class:`LoopPublishers`), else by :meth:`Sender.send_watched` in the
-    executor. The request is watched before it is published. If the awaiting task is cancelled
-    while the push is under way (it may have reached Redis), the request is revoked."""
+    """Send ``outgoing`` from the running loop and return its future once the request is on its
+    queue (raising what refused it): published by the loop itself, in its next group, where it
+    can (:class:`~asyncinfer.client.loop_publisher.LoopPublishers`), else by
+    :meth:`Sender.send_watched` in the executor. The request is watched before it is published.
+    If the awaiting task is cancelled while the push is under way (it may reach Redis), the
+    request is revoked."""
     publisher = sender.loop_publishers.for_running_loop()
     if publisher is None:
         return await publish(sender, lambda: sender.send_watched(outgoing).sent())
@@ -95,9 +96,6 @@ async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
         sender.watcher.unwatch(outgoing.request_id)
         asyncio.get_running_loop().run_in_executor(None, future.cancel)  # a revoke: a broadcast
         raise
-    except redis.RedisError as exc:
-        sender.watcher.unwatch(outgoing.request_id)
-        raise sender.broker_error(broker_error(outgoing.request_id, exc)) from exc
     except BaseException:
         sender.watcher.unwatch(outgoing.request_id)
         raise

@@ -19,9 +19,9 @@ from asyncinfer.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.celery_app import create_app
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.pinger import Pinger
-from asyncinfer.client.publisher import LoopPublishers
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender

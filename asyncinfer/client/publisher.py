@@ -24,26 +24,21 @@ plain LPUSH.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import redis
-import redis.asyncio
 
 from asyncinfer.connections import require_replicas
 from asyncinfer.constants import priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.redis_urls import is_sentinel_url
 
-__all__ = ["Publisher", "AsyncPublisher", "LoopPublishers", "PUBLISHED", "DUPLICATE",
-           "script_arguments"]
+__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "script_arguments"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
 
@@ -198,41 +193,6 @@ class Publisher:
                      timeout_s, priority)
 
 
-class AsyncPublisher:
-    """:class:`Publisher` for an event loop: the same script and rules, on a ``redis.asyncio``
-    client, so a coroutine publishes without a thread hop. Waits for replicas are not done here
-    (a client that needs them publishes through :class:`Publisher`)."""
-
-    def __init__(self, client: Any, *, claim_ttl_s: float, mark_ttl_s: float = 0.0) -> None:
-        self.client = client
-        self.mark_ttl_s = _ttl_s(mark_ttl_s)
-        self.replicas = 0
-        self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
-        self._publish = client.register_script(_PUBLISH)
-        self._trace = client.register_script(_TRACE)
-
-    async def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
-                      result_key: str | None = None, max_queue_size: int = 0,
-                      timeout_s: float = 0.0, priority: int = 0) -> int:
-        """:meth:`Publisher.publish`, awaited."""
-        push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority)
-        while True:
-            if push.trace_only:
-                reply = await self._trace(keys=[push.list_key, push.claim_key],
-                                          args=push.trace_args)
-            elif push.scripted:
-                keys, args = script_arguments([push])
-                reply = await self._publish(keys=keys, args=args)
-            else:
-                await self.client.lpush(push.list_key, message)
-                reply = [PUBLISHED]
-            status = push.status(reply)
-            if status is not None:
-                return status
-            await asyncio.sleep(push.pause_s())
-
-
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of the publish script for ``pushes``, in order, all onto one queue with one
     ``max_queue_size``."""
@@ -252,10 +212,11 @@ def _ttl_s(seconds: float) -> int:
 
 
 class _Push:
-    """One publish's keys, arguments and the reading of the script's reply, shared by both
-    publishers and the grouped one (grouped.py)."""
+    """One publish's keys, arguments and the reading of the script's reply, shared by the
+    publisher and the grouped ones (grouped.py, loop_publisher.py). ``publisher``: where its TTLs
+    come from (``claim_ttl_s``, ``mark_ttl_s``)."""
 
-    def __init__(self, publisher: Publisher | AsyncPublisher, queue: str, request_id: str,
+    def __init__(self, publisher: Any, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
                  timeout_s: float, priority: int) -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
@@ -297,38 +258,3 @@ class _Push:
         pause_s = min(self._pause_s, max(0.0, self.deadline - time.monotonic()))
         self._pause_s = min(self._pause_s * 2, Publisher.poll_s[1])
         return pause_s
-
-
-class LoopPublishers:
-    """A client's publishers for event loops: one ``redis.asyncio`` connection pool per loop
-    (their connections belong to the loop that made them). None where the loop cannot publish
-    itself: a broker other than plain Redis, a Sentinel group, or replica waits."""
-
-    def __init__(self, broker_url: str, *, claim_ttl_s: float, replicas: int,
-                 connect_timeout_s: float, mark_ttl_s: float = 0.0) -> None:
-        self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
-                       and not is_sentinel_url(broker_url) and not replicas)
-        self.broker_url = broker_url
-        self.claim_ttl_s = claim_ttl_s
-        self.mark_ttl_s = mark_ttl_s
-        self.connect_timeout_s = connect_timeout_s
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPublisher] = (
-            weakref.WeakKeyDictionary())
-
-    def for_running_loop(self) -> AsyncPublisher | None:
-        if not self.usable:
-            return None
-        loop = asyncio.get_running_loop()
-        publisher = self._by_loop.get(loop)
-        if publisher is None:
-            client = redis.asyncio.Redis.from_url(
-                self.broker_url, socket_connect_timeout=self.connect_timeout_s)
-            publisher = self._by_loop[loop] = AsyncPublisher(client, claim_ttl_s=self.claim_ttl_s,
-                                                            mark_ttl_s=self.mark_ttl_s)
-        return publisher
-
-    async def aclose(self) -> None:
-        """Close the running loop's connections."""
-        publisher = self._by_loop.pop(asyncio.get_running_loop(), None)
-        if publisher is not None:
-            await publisher.client.aclose()

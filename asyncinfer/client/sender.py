@@ -20,14 +20,15 @@ from celery import Celery
 
 from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing
-from asyncinfer.client.publisher import DUPLICATE, LoopPublishers, Publisher
+from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
-from asyncinfer.connections import broker_error, is_redis_url, redis_client
+from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
 from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable
 from asyncinfer.keys import CLAIM_PREFIX
@@ -58,7 +59,8 @@ class Sender:
         broker_url = str(self.app.conf.broker_url)
         #: The Redis client of the broker (None on another broker).
         self.broker: redis.Redis | None = (
-            redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s)
+            redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s,
+                         retry=never_resend())  # a group lost on its way back is not sent again
             if is_redis_url(broker_url) else None)
         trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
         self._publisher = (Publisher(self.broker, claim_ttl_s=self.settings.result_expires_s,
@@ -76,8 +78,9 @@ class Sender:
         self._broker_guessed = self.settings.broker_url_origin() == "default"
         #: Where coroutines publish small requests themselves (aio.send_on_loop).
         self.loop_publishers = LoopPublishers(
-            broker_url if self.broker is not None else "", claim_ttl_s=self.settings.result_expires_s,
-            replicas=self.settings.submit_replicas, connect_timeout_s=self.settings.connect_timeout_s,
+            broker_url if self.broker is not None else "", self._publish_error,
+            claim_ttl_s=self.settings.result_expires_s, replicas=self.settings.submit_replicas,
+            connect_timeout_s=self.settings.connect_timeout_s,
             mark_ttl_s=trace_s if self.broker is not None else 0.0)
 
     @property

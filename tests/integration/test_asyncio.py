@@ -209,7 +209,7 @@ def test_a_coroutine_waiting_for_room_in_a_full_queue_does_not_block_the_loop(re
     c = Client(settings=settings)
     x = np.zeros((1, 16), np.float32)
     try:
-        c.submit("mlp", x)
+        c.submit("mlp", x).sent(timeout_s=30)  # on the queue before the coroutine's
 
         async def main() -> tuple[float, int, BaseException | None, bool]:
             ticks = 0

@@ -23,7 +23,7 @@ def test_a_request_id_reused_for_another_model_is_refused(client) -> None:
     # When the same ID is sent to another model
     with pytest.raises(InvalidRequest, match=rf"request {rid}: this request ID was already sent to "
                                              r"queue infer.identity.*cannot be sent to infer.mlp"):
-        client.submit("mlp", np.ones((1, 16), np.float32), request_id=rid)
+        client.submit("mlp", np.ones((1, 16), np.float32), request_id=rid).sent(timeout_s=30)
     # Then nothing waits for it, and the same model still gets the first request's answer
     assert list(client.watcher._callbacks).count(rid) == 0
     again = client.submit("identity", {"x": np.zeros((1, 2), np.float32)}, request_id=rid)
