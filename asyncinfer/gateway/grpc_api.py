@@ -278,16 +278,19 @@ def make_handler(service: Service) -> grpc.GenericRpcHandler:
 
 
 async def start_grpc(service: Service, host: str, port: int, *,
-                     max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+                     max_message_bytes: int = MAX_MESSAGE_BYTES,
+                     reuse_port: bool = False) -> grpc.aio.Server:
     """Serve the gRPC front on ``host:port``; stop with ``await server.stop(grace_s)``.
+    ``reuse_port``: share the port with other processes that set it (``SO_REUSEPORT``).
 
     Raises:
         OSError: ``host:port`` cannot be bound (grpc itself raises RuntimeError).
     """
-    # gRPC sets SO_REUSEPORT by default: a second gateway on a taken port would share it silently.
+    # gRPC sets SO_REUSEPORT by default: a second gateway on a taken port would share it silently,
+    # so it is off unless asked for (gateway --processes).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", max_message_bytes),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", int(reuse_port))])
     server.add_generic_rpc_handlers((make_handler(service),))
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -203,14 +203,15 @@ KEEPALIVE_S = 75.0
 
 
 async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int,
-                     shutdown_timeout_s: float = 5.0) -> web.AppRunner:
+                     shutdown_timeout_s: float = 5.0, reuse_port: bool = False) -> web.AppRunner:
     """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()`` (calls still
     running get ``shutdown_timeout_s``, then are cut off). Request bodies reach the handlers as
-    sent (``auto_decompress=False``): the infer route inflates them, bounded."""
+    sent (``auto_decompress=False``): the infer route inflates them, bounded. ``reuse_port``:
+    share the port with other processes that set it (``SO_REUSEPORT``)."""
     runner = web.AppRunner(make_app(service, max_body_bytes=max_body_bytes), handler_cancellation=True,
                            access_log=None, shutdown_timeout=shutdown_timeout_s,
                            auto_decompress=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     return runner
 

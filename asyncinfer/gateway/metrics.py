@@ -98,13 +98,19 @@ class GatewayMetrics:
         self._duration = Histogram("asyncinfer_gateway_request_duration_seconds",
                                    "Infer call received → answered.", ["model", "protocol"],
                                    buckets=_BUCKETS_S, registry=self.registry)
+        #: (model, protocol) → its duration histogram (a label lookup per call costs more).
+        self._durations: dict[tuple[str, str], Any] = {}
         self._in_flight = _InFlight(in_flight)
         self.registry.register(self._in_flight)
         self.registry.register(_Queues(broker, models))
 
     def record(self, call: InferCall, status: int, seconds: float) -> None:
         self._requests.labels(call.model, call.protocol, str(status)).inc()
-        self._duration.labels(call.model, call.protocol).observe(seconds)
+        key = (call.model, call.protocol)
+        duration = self._durations.get(key)
+        if duration is None:
+            duration = self._durations[key] = self._duration.labels(*key)
+        duration.observe(seconds)
 
     def serve(self, host: str, port: int) -> Any:
         """Serve ``/metrics`` on ``host:port`` (a thread of prometheus_client's)."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -49,17 +51,21 @@ class Ports:
                    settings.gateway_metrics_port)
 
 
-def run_gateway(settings: Settings, ports: Ports | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; the exit status (``CANNOT_START`` when a port cannot be bound)."""
+def run_gateway(settings: Settings, ports: Ports | None = None, *, reuse_port: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status (``CANNOT_START`` when a port cannot be bound).
+
+    ``reuse_port``: bind the HTTP and gRPC ports with ``SO_REUSEPORT``, shared with the other
+    processes of ``gateway --processes`` (processes.py); without it a port another process holds
+    is an error."""
     ports = ports or Ports.of(settings)
     try:
-        return asyncio.run(_serve(settings, ports))
+        return asyncio.run(_serve(settings, ports, reuse_port))
     except OSError as exc:
         print(f"asyncinfer gateway: cannot start: {exc}", file=sys.stderr, flush=True)
         return CANNOT_START
 
 
-async def _serve(settings: Settings, ports: Ports) -> int:
+async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
         EXECUTOR_THREADS, thread_name_prefix="asyncinfer-gateway"))
@@ -76,17 +82,23 @@ async def _serve(settings: Settings, ports: Ports) -> int:
         if ports.http:
             fronts.append(await start_http(service, ports.host, ports.http,
                                            max_body_bytes=settings.max_payload_bytes,
-                                           shutdown_timeout_s=GRACE_S / 2))  # aiohttp waits twice
+                                           shutdown_timeout_s=GRACE_S / 2,  # aiohttp waits twice
+                                           reuse_port=reuse_port))
         grpc_server = None
         if ports.grpc:
-
             grpc_server = await start_grpc(service, ports.host, ports.grpc,
-                                             max_message_bytes=settings.max_payload_bytes)
+                                           max_message_bytes=settings.max_payload_bytes,
+                                           reuse_port=reuse_port)
         metrics_server = metrics.serve(ports.host, ports.metrics) if ports.metrics else None
         where = [f"HTTP on http://{ports.host}:{ports.http}" if ports.http else "",
                  f"gRPC on {ports.host}:{ports.grpc}" if ports.grpc else "",
                  f"metrics on http://{ports.host}:{ports.metrics}/metrics" if ports.metrics else ""]
-        print(f"asyncinfer gateway ready: {', '.join(w for w in where if w)}", flush=True)
+        # What startup made (modules, the client, the servers) lives as long as the process: the
+        # collector need not walk it again on each full collection under load.
+        gc.freeze()
+        gc.set_threshold(20_000, 10, 10)
+        print(f"asyncinfer gateway ready: {', '.join(w for w in where if w)} (pid {os.getpid()})",
+              flush=True)
         await stop.wait()
         log.info("gateway stopping")
         service.stopping = True

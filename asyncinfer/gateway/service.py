@@ -23,6 +23,7 @@ from asyncinfer import errors
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
+from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
@@ -117,6 +118,7 @@ class Service:
         self._miss_read_at = -1e9
         self._broker_ok = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._handover: Handover | None = None
         #: Called with (call, HTTP status, seconds) after every infer call (the metrics).
         self.on_infer: Callable[[InferCall, int, float], None] = lambda call, status, seconds: None
         self.in_flight = 0
@@ -286,9 +288,10 @@ class Service:
         sent = await aio.submit(self.client.sender, call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
-        waiting = asyncio.wrap_future(sent)
+        if self._handover is None:  # the loop's, made on its first call
+            self._handover = Handover(asyncio.get_running_loop())
         try:
-            response = await asyncio.shield(waiting)
+            response = await self._handover.wait(sent)
         except TaskRevokedError as exc:  # the worker's answer for a revoked or expired request
             if "expired" in str(exc):
                 raise GatewayError(504, f"request {sent.id}: expired before a worker ran it "

@@ -210,7 +210,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                   *(settings_value if flag is None else flag for flag, settings_value in (
                       (args.http_port, settings.http_port), (args.grpc_port, settings.grpc_port),
                       (args.metrics_port, settings.gateway_metrics_port))))
-    return run_gateway(settings, ports)
+    if args.processes is not None:
+        from asyncinfer.gateway.processes import run_gateway_processes
+
+        return run_gateway_processes(settings, ports, args.processes)
+    return run_gateway(settings, ports, reuse_port=args.reuse_port)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -236,6 +240,17 @@ def _output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretty", action="store_true", help="indented JSON instead of one line")
     p.add_argument("--output", choices=("json", "npy"), default="json",
                    help="json: the v2 response; npy: the outputs as an .npz archive on stdout")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="v2 gRPC port (default ASYNCINFER_GRPC_PORT or 8001; 0: off)")
     p.add_argument("--metrics-port", type=int,
                    help="Prometheus port (default ASYNCINFER_GATEWAY_METRICS_PORT or 8002; 0: off)")
+    p.add_argument("--processes", type=_positive, metavar="N",
+                   help="serve from N supervised processes sharing the HTTP and gRPC ports "
+                        "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on "
+                        "the metrics port + i). Default: one process, and a port another process "
+                        "holds is an error")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # --processes' children
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("cancel", help="revoke requests: one not yet on the device never runs")
