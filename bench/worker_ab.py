@@ -46,10 +46,12 @@ from asyncinfer.bench.systems import process_cpu_s
 from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.constants import TASK_NAME, queue_for
 
-url, worker_pid, redis_pid, model, level, total, broker = sys.argv[1:8]
+url, worker_pid, redis_pid, workload, level, total, broker = sys.argv[1:8]
 worker_pid, redis_pid, level, total = int(worker_pid), int(redis_pid), int(level), int(total)
 client = Client(broker_url=broker, result_backend=url)
-payloads = [{"model": model, **WORKLOADS[model].payload(i)} for i in range(64)]
+model = WORKLOADS[workload].model
+payloads = [{"model": model, **WORKLOADS[workload].payload(i)}
+            for i in range(WORKLOADS[workload].distinct_payloads)]
 submit = lambda i: client.send(TASK_NAME, queue_for(model), payloads[i % len(payloads)])
 for f in [submit(i) for i in range(300)]:
     f.result(timeout=60)
@@ -100,15 +102,17 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
     env = {**env, "ASYNCINFER_BROKER_URL": broker, "ASYNCINFER_RESULT_BACKEND": url,
            "ASYNCINFER_CONSUMER": "celery" if consumer == "celery" else "fast"}
     worker_env = {**env, "PYTHONPATH": str(tree)}
-    factories = WORKLOADS[args.model].factories
-    if factories:
-        worker_env["ASYNCINFER_MODEL_FACTORIES"] = factories
+    workload = WORKLOADS[args.model]
+    if workload.factories:
+        worker_env["ASYNCINFER_MODEL_FACTORIES"] = workload.factories
+    if workload.options:
+        worker_env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({workload.model: workload.options})
     with open(log_dir / f"worker-{tag}.log", "ab") as log:
         worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",
-                                   "--models", args.model, "--hostname", f"ab-{tag}@%h"],
+                                   "--models", workload.model, "--hostname", f"ab-{tag}@%h"],
                                   env=worker_env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     try:
-        wait_hosted(url, args.model, worker)
+        wait_hosted(url, workload.model, worker)
         client_tree = tree if args.client == "own" else Path(__file__).resolve().parents[1]
         load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
                                  args.model, str(args.in_flight), str(args.requests), broker],
