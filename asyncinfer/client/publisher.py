@@ -1,6 +1,7 @@
-"""Putting a request on a Redis queue: idempotency and the queue bound, in one round trip.
+"""Putting requests on a Redis queue: idempotency and the queue bound, in one round trip.
 
-One Lua script per request, run by Redis atomically:
+One Lua script call per queue of a group (client/grouped.py sends the groups), each request's
+rules run in turn, by Redis atomically:
 
 - idempotency: a request sent with a caller-chosen ID claims ``asyncinfer:request:<id>`` (TTL: the
   result expiry; the claim holds the queue it went to). A second submit of the same ID to the same
@@ -9,8 +10,9 @@ One Lua script per request, run by Redis atomically:
   InvalidRequest: its answer would be the first model's. Generated IDs (UUID4) cannot collide and
   claim nothing;
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
-  more; :meth:`Publisher.publish` waits up to ``timeout_s`` for room, then raises QueueFull.
-  Nothing is dropped: a request is either on the queue or refused at submit;
+  more; a request waits up to its ``timeout_s`` for room (its group puts it back, with those
+  behind it), then ends with QueueFull. Nothing is dropped: a request is either on the queue or
+  refused;
 - the trace: with ``mark_ttl_s`` (``ASYNCINFER_LOST_AFTER_S`` > 0), a generated ID also gets the
   claim key, written in the same script as the push. Redis keeps a script's writes together (its
   append-only file and its replicas get them as one MULTI), so after a crash or a failover the key
@@ -24,16 +26,10 @@ plain LPUSH.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import redis
-
-from asyncinfer.connections import require_replicas
 from asyncinfer.constants import priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
@@ -91,15 +87,6 @@ return out
 """
 
 
-# The trace alone (a generated ID, no bound): KEYS: the list, the claim key. ARGV: message, queue
-# name, trace TTL. A third of the arguments of the script above, for the common case.
-_TRACE = """
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-redis.call('LPUSH', KEYS[1], ARGV[1])
-return {1}
-"""
-
-
 class Publisher:
     """Publishes task messages on the Redis broker ``client``."""
 
@@ -116,79 +103,15 @@ class Publisher:
         self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
-        self._trace = client.register_script(_TRACE)
-        # This process's own connection for plain pushes: a pool check-out per command (a poll()
-        # and redis-py's argument checks) was ~20 % of a send's CPU. Threads take turns on it
-        # (one command each); a forked child opens its own.
-        self._own: Any = None
-        self._own_pid = 0
-        self._own_lock = threading.Lock()
-
-    def _connection(self) -> Any:
-        """A client on this process's own connection from ``client``'s pool, checked as the
-        pool checks a connection it hands out: one with something to read (the server closed it,
-        say on a restart) is opened again before the push, not found dead after it (~2 µs)."""
-        if not isinstance(self.client, redis.Redis):  # a stand-in: it decides its connections
-            return self.client
-        own = self._own
-        if own is None or self._own_pid != os.getpid():
-            with self._own_lock:
-                if self._own is None or self._own_pid != os.getpid():
-                    self._own = type(self.client)(connection_pool=self.client.connection_pool,
-                                                  single_connection_client=True)
-                    self._own_pid = os.getpid()
-                own = self._own
-        connection = own.connection
-        if connection is not None and getattr(connection, "_sock", None) is not None:
-            # not while another thread waits for a reply (redis-py 5.0 has no such lock)
-            with getattr(own, "single_connection_lock", None) or contextlib.nullcontext():
-                try:
-                    stale = connection.can_read()
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    stale = True
-                if stale:
-                    connection.disconnect()
-        return own
-
-    def close(self) -> None:
-        """Give the own connection back to the pool."""
-        with self._own_lock:
-            own, self._own = self._own, None
-        if own is not None and self._own_pid == os.getpid():
-            own.close()
-
-    def publish(self, queue: str, request_id: str, message: str, *, claim: bool,
-                result_key: str | None = None, max_queue_size: int = 0,
-                timeout_s: float = 0.0, priority: int = 0) -> int:
-        """LPUSH ``message`` on ``queue``. Returns PUBLISHED, or DUPLICATE when ``claim`` is set
-        and the request ID was already sent (or its result is stored under ``result_key``).
-        Raises QueueFull when the queue (all its priority lists) stays at ``max_queue_size`` for
-        ``timeout_s``. ``priority`` (0-9) picks the list as kombu's Redis transport does."""
-        push = self.prepare(queue, request_id, message, claim=claim, result_key=result_key,
-                            max_queue_size=max_queue_size, timeout_s=timeout_s, priority=priority)
-        while True:
-            if push.trace_only:  # on the own connection: no pool check-out per request
-                reply = self._trace(keys=[push.list_key, push.claim_key], args=push.trace_args,
-                                    client=self._connection())
-            elif push.scripted:
-                keys, args = script_arguments([push])
-                reply = self._publish(keys=keys, args=args, client=self._connection())
-            else:  # nothing to check: the script would only push
-                self._connection().lpush(push.list_key, message)
-                reply = [PUBLISHED]
-            status = push.status(reply)
-            if status is not None:
-                if self.replicas:  # also for DUPLICATE: the first send may not be replicated yet
-                    require_replicas(self.client, self.replicas, self.replicas_timeout_ms,
-                                     f"request {request_id}")
-                return status
-            time.sleep(push.pause_s())
-
 
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
                 priority: int = 0) -> _Push:
-        """:meth:`publish`'s request, not yet sent: what a group of them (grouped.py) takes."""
+        """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
+        ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
+        under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
+        ``timeout_s`` to wait for room; ``priority`` (0-9) picks the list as kombu's Redis
+        transport does."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
 
@@ -229,8 +152,6 @@ class _Push:
         self.mark_ttl_s = publisher.mark_ttl_s
         self.scripted = claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
         #: Nothing to check, only the trace to write with the push.
-        self.trace_only = not claim and self.max_queue_size <= 0 and publisher.mark_ttl_s > 0
-        self.trace_args = [message, queue, publisher.mark_ttl_s]
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
 

@@ -240,8 +240,6 @@ class Sender:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
-        if self._publisher is not None:
-            self._publisher.close()
         if self.broker is not None:
             self.broker.close()
 

@@ -1,18 +1,16 @@
-"""Policy building blocks on a real Redis: the retry budget, and the publisher (its queue bound and
-idempotency). The rest of the building blocks, in process: tests/unit/test_policy.py."""
+"""Policy building blocks on a real Redis: the retry budget, and the publisher's idempotency. The
+rest of the building blocks, in process: tests/unit/test_policy.py."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 import redis
 
+from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
-from asyncinfer.constants import priority_list
-from asyncinfer.errors import QueueFull
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.policy.retry_budget import RetryBudget
 from tests.support.databases import RedisDatabase
@@ -71,83 +69,31 @@ def test_budget_rejects_nonsense_settings(scratch: redis.Redis) -> None:
         RetryBudget(scratch, ratio=0.1, minimum=0, window_s=0)
 
 
-# -- publisher: queue bound and idempotency ------------------------------------------------------
+# -- publisher: idempotency (the queue bound, order and faults: test_grouped_publish.py) ---------
 
 
-def test_publisher_refuses_past_the_bound_and_names_the_request(scratch: redis.Redis) -> None:
-    publisher = Publisher(scratch, claim_ttl_s=60)
-    for i in range(3):
-        assert publisher.publish("infer.q", f"r{i}", f"m{i}", claim=False, max_queue_size=3) == PUBLISHED
-    with pytest.raises(QueueFull, match=r"request r3: queue infer.q holds 3 requests.*max_queue_size 3"):
-        publisher.publish("infer.q", "r3", "m3", claim=False, max_queue_size=3)
-    assert scratch.llen("infer.q") == 3
-    assert not scratch.exists(CLAIM_PREFIX + "r3")
-
-
-def test_with_no_claim_and_no_bound_a_publish_is_one_push_onto_its_priority_list(
-        scratch: redis.Redis) -> None:
-    scripts: list[str] = []
-    publisher = Publisher(scratch, claim_ttl_s=60)
-    publisher._publish = lambda **kw: scripts.append(kw) or [PUBLISHED]  # type: ignore[assignment]
-    assert publisher.publish("infer.q", "r1", "m1", claim=False) == PUBLISHED
-    assert publisher.publish("infer.q", "r2", "m2", claim=False, priority=9) == PUBLISHED
-    assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
-    assert scratch.lrange(priority_list("infer.q", 9), 0, -1) == [b"m2"]
-    assert scripts == [] and not scratch.exists(CLAIM_PREFIX + "r1")
-    # a claim or a bound still goes through the script
-    publisher.publish("infer.q", "r3", "m3", claim=True)
-    publisher.publish("infer.q", "r4", "m4", claim=False, max_queue_size=10)
-    assert len(scripts) == 2
-
-
-class _RefusalsSeen:
-    """A Redis client whose publish script reports each refusal (queue full) on ``refused``."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-        self.refused = threading.Event()
-
-    def register_script(self, text: str) -> Callable[..., Any]:
-        script = self.client.register_script(text)
-
-        def run(**kwargs: Any) -> Any:
-            reply = script(**kwargs)
-            if int(reply[0]) < 0:
-                self.refused.set()
-            return reply
-
-        return run
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-def test_publisher_waits_for_room_up_to_its_timeout(scratch: redis.Redis) -> None:
-    watched = _RefusalsSeen(scratch)
-    publisher = Publisher(watched, claim_ttl_s=60)
-    publisher.publish("infer.q", "a", "m", claim=False, max_queue_size=1)
-    drained = threading.Event()
-
-    def drain() -> None:
-        watched.refused.wait(30)  # the publisher found the queue full and waits for room
-        scratch.rpop("infer.q")
-        drained.set()
-
-    threading.Thread(target=drain).start()
-    assert publisher.publish("infer.q", "b", "m2", claim=False, max_queue_size=1,
-                             timeout_s=30) == PUBLISHED
-    assert drained.is_set()
-    assert scratch.lrange("infer.q", 0, -1) == [b"m2"]
+def _publish(publisher: Publisher, queue: str, request_id: str, message: str, **options: Any) -> int:
+    """One request sent as a client sends it (in a group of its own): its status, or its error
+    raised."""
+    outcome: Future[int] = Future()
+    grouped = GroupedPublisher(publisher, lambda request_id, exc: exc)  # type: ignore[arg-type,return-value]
+    grouped.put(publisher.prepare(queue, request_id, message, **options),
+                lambda status, error: outcome.set_exception(error) if error
+                else outcome.set_result(status))  # type: ignore[arg-type]
+    try:
+        return outcome.result(timeout=30)
+    finally:
+        grouped.close()
 
 
 def test_publisher_sends_a_claimed_id_once(scratch: redis.Redis) -> None:
     publisher = Publisher(scratch, claim_ttl_s=120)
-    assert publisher.publish("infer.q", "same", "m1", claim=True) == PUBLISHED
-    assert publisher.publish("infer.q", "same", "m2", claim=True) == DUPLICATE
+    assert _publish(publisher, "infer.q", "same", "m1", claim=True) == PUBLISHED
+    assert _publish(publisher, "infer.q", "same", "m2", claim=True) == DUPLICATE
     assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
     assert 0 < scratch.ttl(CLAIM_PREFIX + "same") <= 120
     # A stored result counts as sent too (a request sent by another producer).
     scratch.set("celery-task-meta-done", "{}")
-    assert publisher.publish("infer.q", "done", "m3", claim=True,
-                             result_key="celery-task-meta-done") == DUPLICATE
+    assert _publish(publisher, "infer.q", "done", "m3", claim=True,
+                    result_key="celery-task-meta-done") == DUPLICATE
     assert scratch.llen("infer.q") == 1

@@ -10,6 +10,7 @@ import pytest
 
 from asyncinfer.client.grouped import Entry, Group, Pending
 from asyncinfer.client.publisher import _PUBLISH, PUBLISHED, Publisher
+from asyncinfer.constants import priority_list
 from asyncinfer.errors import BrokerRefused, QueueFull
 
 Told = list[tuple[str, int | None, BaseException | None]]
@@ -105,3 +106,37 @@ def test_an_error_reply_ends_every_request_of_that_call(publisher: Publisher) ->
         assert status is None and isinstance(error, BrokerRefused)
         assert str(error).startswith(f"request {request_id}: refused (")
         assert "WRONGTYPE" in str(error) or "wrong kind" in str(error).lower()
+
+
+class _Recording:
+    """A pipeline that records the commands queued on it."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[Any, ...]] = []
+
+    def lpush(self, key: str, *values: str) -> None:
+        self.commands.append(("LPUSH", key, *values))
+
+    def evalsha(self, *args: Any) -> None:
+        self.commands.append(("EVALSHA", *args[:2]))
+
+    def eval(self, *args: Any) -> None:
+        self.commands.append(("EVAL", args[1]))
+
+
+def test_with_nothing_to_check_a_group_is_one_push_per_priority_list(publisher: Publisher) -> None:
+    def push(request_id: str, **options: Any) -> Entry:
+        return Entry(publisher.prepare("infer.q", request_id, f"m-{request_id}", **options),
+                     lambda status, error: None)
+
+    plain = [push("r1", claim=False), push("r2", claim=False, priority=9),
+             push("r3", claim=False)]
+    pipe = _Recording()
+    Group([plain], publisher, _refused).fill(pipe)
+    assert pipe.commands == [("LPUSH", "infer.q", "m-r1", "m-r3"),
+                             ("LPUSH", priority_list("infer.q", 9), "m-r2")]
+    # a claim or a bound goes through the script, one call for the queue's requests
+    checked = [push("r4", claim=True), push("r5", claim=False, max_queue_size=10)]
+    pipe = _Recording()
+    Group([checked], publisher, _refused).fill(pipe)
+    assert [c[0] for c in pipe.commands] == ["EVALSHA"]
