@@ -71,7 +71,9 @@ class _Stream:
         while not self._stop.is_set():
             x = np.full((1, ROW), float(i), np.float32)
             try:
-                self.accepted.append((i, time.monotonic(), self.client.submit("identity", {"x": x})))
+                future = self.client.submit("identity", {"x": x})
+                future.sent()  # on the queue, or the refusal raised
+                self.accepted.append((i, time.monotonic(), future))
             except Exception as exc:  # noqa: BLE001 - counted, and its message checked
                 self.refused.append(exc)
             i += 1

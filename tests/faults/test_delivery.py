@@ -173,7 +173,7 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path, c
         # And a submit is refused with an asyncinfer error naming the request and the cause,
         # leaving nothing registered in the result watcher
         with pytest.raises(BrokerRefused, match=r"request oom-1: broker is out of memory") as err:
-            client.submit("identity", {"x": big}, request_id="oom-1")
+            client.submit("identity", {"x": big}, request_id="oom-1").sent()
         assert "oom-1" not in client.watcher._callbacks, err.value
         # When memory is freed (the old results deleted)
         for key in r.scan_iter("celery-task-meta-*", count=1000):

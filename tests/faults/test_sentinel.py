@@ -223,7 +223,7 @@ def test_submit_replicas_makes_submits_and_result_writes_wait_for_a_replica(
         os.kill(replica, signal.SIGSTOP)
         try:
             with pytest.raises(NotReplicated, match=r"request r-stopped: .* 0 of 1 replicas"):
-                client.submit("identity", _row(2), request_id="r-stopped")
+                client.submit("identity", _row(2), request_id="r-stopped").sent()
             # Then the submit said so; the request is on the master all the same, and the worker
             # answers it, logging that its result write was not confirmed either
             stored = AsyncResult("r-stopped", app=client.app).get(timeout=30)

@@ -76,6 +76,7 @@ def test_live_workers_show_and_a_killed_ones_lapse(redis_db, tmp_path) -> None:
                            "the killed worker's entry lapsed")
         assert [h.worker.split("@")[0] for h in entries["identity"].hosts] == ["kept"]
         future = client.submit("mlp", np.zeros((1, 16), np.float32))  # queued, not refused
+        future.sent()
         assert redis_db.client.llen("infer.mlp") == 1
         future.cancel()
         # And a worker that stops withdraws its entry at once

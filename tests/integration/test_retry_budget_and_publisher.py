@@ -3,17 +3,14 @@ rest of the building blocks, in process: tests/unit/test_policy.py."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any
-
 import pytest
 import redis
 
-from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.policy.retry_budget import RetryBudget
 from tests.support.databases import RedisDatabase
+from tests.support.publishing import publish_one
 
 
 @pytest.fixture()
@@ -72,28 +69,14 @@ def test_budget_rejects_nonsense_settings(scratch: redis.Redis) -> None:
 # -- publisher: idempotency (the queue bound, order and faults: test_grouped_publish.py) ---------
 
 
-def _publish(publisher: Publisher, queue: str, request_id: str, message: str, **options: Any) -> int:
-    """One request sent as a client sends it (in a group of its own): its status, or its error
-    raised."""
-    outcome: Future[int] = Future()
-    grouped = GroupedPublisher(publisher, lambda request_id, exc: exc)  # type: ignore[arg-type,return-value]
-    grouped.put(publisher.prepare(queue, request_id, message, **options),
-                lambda status, error: outcome.set_exception(error) if error
-                else outcome.set_result(status))  # type: ignore[arg-type]
-    try:
-        return outcome.result(timeout=30)
-    finally:
-        grouped.close()
-
-
 def test_publisher_sends_a_claimed_id_once(scratch: redis.Redis) -> None:
     publisher = Publisher(scratch, claim_ttl_s=120)
-    assert _publish(publisher, "infer.q", "same", "m1", claim=True) == PUBLISHED
-    assert _publish(publisher, "infer.q", "same", "m2", claim=True) == DUPLICATE
+    assert publish_one(publisher, "infer.q", "same", "m1", claim=True) == PUBLISHED
+    assert publish_one(publisher, "infer.q", "same", "m2", claim=True) == DUPLICATE
     assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
     assert 0 < scratch.ttl(CLAIM_PREFIX + "same") <= 120
     # A stored result counts as sent too (a request sent by another producer).
     scratch.set("celery-task-meta-done", "{}")
-    assert _publish(publisher, "infer.q", "done", "m3", claim=True,
+    assert publish_one(publisher, "infer.q", "done", "m3", claim=True,
                     result_key="celery-task-meta-done") == DUPLICATE
     assert scratch.llen("infer.q") == 1

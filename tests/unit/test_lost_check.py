@@ -14,6 +14,7 @@ from asyncinfer.client.lost_check import LostCheck, lost_error, trace_ttl_s
 from asyncinfer.client.publisher import PUBLISHED, Publisher
 from asyncinfer.errors import AsyncInferError, RequestLost
 from asyncinfer.keys import CLAIM_PREFIX
+from tests.support.publishing import publish_one
 
 
 class Clock:
@@ -157,19 +158,19 @@ def test_the_trace_lives_as_long_as_a_result() -> None:
 def test_the_publisher_writes_the_trace_with_the_push(r: redis.Redis) -> None:
     # Given a publisher that traces (the lost check on) and a generated request ID
     publisher = Publisher(r, claim_ttl_s=3600, mark_ttl_s=120)
-    assert publisher.publish("infer.m", "gen-1", "msg", claim=False) == PUBLISHED
+    assert publish_one(publisher, "infer.m", "gen-1", "msg", claim=False) == PUBLISHED
     # Then the trace is there beside the message, with its own TTL
     assert r.get(CLAIM_PREFIX + "gen-1") == b"infer.m"
     assert 0 < r.ttl(CLAIM_PREFIX + "gen-1") <= 120
     assert r.lrange("infer.m", 0, -1) == [b"msg"]
     # and a caller-chosen ID keeps its claim's TTL (the result's expiry)
-    assert publisher.publish("infer.m", "mine", "msg2", claim=True) == PUBLISHED
+    assert publish_one(publisher, "infer.m", "mine", "msg2", claim=True) == PUBLISHED
     assert r.ttl(CLAIM_PREFIX + "mine") > 120
 
 
 def test_without_the_check_a_generated_id_is_a_plain_push(r: redis.Redis) -> None:
     publisher = Publisher(r, claim_ttl_s=3600)
-    assert publisher.publish("infer.m", "gen-1", "msg", claim=False) == PUBLISHED
+    assert publish_one(publisher, "infer.m", "gen-1", "msg", claim=False) == PUBLISHED
     assert r.get(CLAIM_PREFIX + "gen-1") is None and r.llen("infer.m") == 1
 
 
