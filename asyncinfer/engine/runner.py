@@ -63,6 +63,9 @@ class _Job:
     started: float
     data: Batch = field(default_factory=dict)
     event: Any = None
+    #: When it went onto the device, and how long the device took with it.
+    launched: float = 0.0
+    device_s: float | None = None
 
 
 class ModelRunner:
@@ -95,8 +98,10 @@ class ModelRunner:
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
                                max_cost_ratio=opts.cost_ratio(device.is_accelerator))
-        #: Seconds a batch takes from forming to its results (a moving average; None until one
-        #: ran): how fast this model gets through what a worker holds.
+        #: Seconds the device takes with a batch, from its launch to its results on the host (a
+        #: moving average; None until one ran): how fast this model gets through what a worker
+        #: holds. Not from the batch's forming: a batch formed while another is on the device
+        #: waits for it, and a pace with that wait in it would count each batch twice.
         self.batch_s: float | None = None
         #: A batch that must run alone has the device to itself (no other instance's batch).
         self._gate = DeviceGate()
@@ -298,6 +303,7 @@ class ModelRunner:
             for item in job.items:
                 item.on_device = True
             self._hooks().on_launch(job.items)
+            job.launched = time.perf_counter()
             with self.device.on_stream(stream), torch.inference_mode():
                 outputs = graphs.run(job.data) if graphs is not None else None
                 if outputs is None:  # eager: no graphs, or none for this batch
@@ -306,6 +312,7 @@ class ModelRunner:
                 job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
                 job.event = self.device.record_event(stream)
             if job.event is None:  # no event to wait on (CPU): the device is done with it
+                job.device_s = time.perf_counter() - job.launched
                 _off_device(job.items)
             elif alone:  # alone until the device is done with it
                 job.event.synchronize()
@@ -314,13 +321,14 @@ class ModelRunner:
         try:
             if job.event is not None:
                 job.event.synchronize()
+                job.device_s = time.perf_counter() - job.launched
         finally:
             _off_device(job.items)
             if on_host is not None:
                 on_host()
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
-        self._deliver_batch(job.items, outputs, job.started)
+        self._deliver_batch(job.items, outputs, job.started, job.device_s)
 
     def _whole(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
         self._prepare(job)
@@ -377,9 +385,10 @@ class ModelRunner:
         return {t.name: self.model.collate(t.name, [item.request.inputs[i].value for item in items])
                 for i, t in enumerate(first)}
 
-    def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float) -> None:
-        took_s = time.perf_counter() - started
-        self.batch_s = took_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * took_s
+    def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float,
+                       device_s: float | None) -> None:
+        if device_s is not None:
+            self.batch_s = device_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * device_s
         with self._hooks().settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
 

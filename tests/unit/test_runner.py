@@ -458,3 +458,25 @@ def test_the_batcher_keeps_to_the_devices_cost_ratio() -> None:
     assert on_cpu.batcher.max_cost_ratio == 1.25
     chosen = ModelRunner(Identity(), Device(DeviceSpec("cpu")), ModelOptions(max_cost_ratio=1.6))
     assert chosen.batcher.max_cost_ratio == 1.6
+
+
+class _LongHostStages(Staged):
+    """Preprocess and postprocess take three times what the device takes."""
+
+    def _stage(self, name: str) -> None:
+        self.threads[name].add(threading.current_thread().name)
+        time.sleep(self.stage_s if name == "forward" else 3 * self.stage_s)
+
+
+def test_the_pace_a_runner_reports_is_its_devices_not_its_batches_whole_way() -> None:
+    # Given a model whose device stage takes 50 ms and its host stages 150 ms each, batches of one
+    model = _LongHostStages()
+    options = ModelOptions(max_batch_size=1, max_delay_ms=0, warmup=False)
+    runner = ModelRunner(model, Device(DeviceSpec("cpu")), options)
+    with started(runner):
+        futures = [runner.submit(scalar_request(f"p{i}", float(i), model="staged")) for i in range(4)]
+        for f in futures:
+            f.result(WAIT_S)
+        # Then the pace that sizes what a worker holds (policy/backpressure.py) is the device's
+        # time with a batch, not the 300 ms and more from its forming to its results
+        assert runner.batch_s is not None and Staged.stage_s <= runner.batch_s < 3 * Staged.stage_s
