@@ -121,6 +121,11 @@ class PipelineConsumer:
         """Whether it was told to stop (or gave everything back)."""
         return self._stopping.is_set()
 
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Take no more, let what is in flight finish within ``grace_s``, give the rest back:
+        each transport its own way."""
+        raise NotImplementedError
+
     @property
     def max_in_flight(self) -> int:
         return self.holdings.max_in_flight

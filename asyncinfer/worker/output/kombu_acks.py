@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
@@ -37,7 +38,7 @@ def acknowledge(app: Celery, done: list[tuple[TakenMessage, str | None]]) -> Non
                         d.request_id or "?", type(exc).__name__, exc)
 
 
-def _publish(app: Celery, retries: list[tuple[TakenMessage, str | None]]) -> set[int]:
+def _publish(app: Celery, retries: Sequence[tuple[TakenMessage, str | None]]) -> set[int]:
     """Publish each retry message; the ids of the deliveries whose retry could not be."""
     unpublished: set[int] = set()
     with app.producer_or_acquire() as producer:
