@@ -163,6 +163,8 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path, c
         # When Redis is full of those results (maxmemory below what it uses) while requests wait
         os.kill(worker.pid, signal.SIGSTOP)
         waiting = [client.submit("identity", {"x": big + i}) for i in range(10)]
+        for f in waiting:
+            f.sent()  # on the queue before Redis fills
         r.config_set("maxmemory-policy", "noeviction")
         r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - 2 * 1024 * 1024)
         os.kill(worker.pid, signal.SIGCONT)
