@@ -34,6 +34,7 @@ __all__ = [
     "Message",
     "JSON_TYPE",
     "MSGPACK_TYPES",
+    "ACCEPTED_TYPES",
     "parse_envelope",
     "decode_body",
     "protocol2_body",
@@ -57,6 +58,8 @@ __all__ = [
 #: The content types of a task body a worker reads: JSON, and msgpack (by either name).
 JSON_TYPE = "application/json"
 MSGPACK_TYPES = ("application/x-msgpack", "application/msgpack")
+#: Every content type a worker reads, and the only ones the project sends (never pickle).
+ACCEPTED_TYPES = (JSON_TYPE, *MSGPACK_TYPES)
 
 
 @dataclass

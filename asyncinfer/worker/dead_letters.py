@@ -35,6 +35,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_of_list
 from asyncinfer.keys import dead_letter_key
+from asyncinfer.wire.envelope import ACCEPTED_TYPES
 from asyncinfer.worker.intake.taken import TakenMessage
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ __all__ = ["DeadLetter", "entry_for", "push", "add_failure", "options_of"]
 
 log = logging.getLogger(__name__)
 
-#: Content types a worker accepts; the body of any other (pickle, say) is not kept.
-_ACCEPTED = ("application/json", "application/x-msgpack", "application/msgpack")
 #: How much of a malformed message's text is kept.
 RAW_MAX_CHARS = 4096
 
@@ -87,7 +86,7 @@ class DeadLetter:
         """Why the entry cannot run again as it was, or "" when it can."""
         if not isinstance(self.envelope, dict) or not isinstance(self.envelope.get("properties"), dict):
             return "its message was not a kombu envelope"
-        if self.envelope.get("content-type") not in _ACCEPTED or self.envelope.get("body") is None:
+        if self.envelope.get("content-type") not in ACCEPTED_TYPES or self.envelope.get("body") is None:
             return f"its content type {self.envelope.get('content-type')!r} is refused"
         return ""
 
@@ -98,7 +97,7 @@ def _now_iso() -> str:
 
 def _kept_envelope(envelope: dict[str, Any]) -> dict[str, Any]:
     """``envelope`` without the body of a refused content type: never keep what no worker decodes."""
-    if envelope.get("content-type") not in _ACCEPTED:
+    if envelope.get("content-type") not in ACCEPTED_TYPES:
         return {**envelope, "body": None}
     return envelope
 

@@ -374,3 +374,27 @@ class _Producing:
 
     def publish(self, body: bytes, **options: Any) -> None:
         self.published.append((body, options))
+
+
+class _RecordingProducer:
+    """A kombu producer that records what it would publish."""
+
+    def __init__(self) -> None:
+        self.published: list[dict[str, Any]] = []
+
+    def publish(self, body: bytes, **options: Any) -> None:
+        self.published.append({"body": body, **options})
+
+
+@pytest.mark.parametrize("content_type", ["application/x-python-serialize", None, "text/plain"])
+def test_an_envelope_of_any_other_content_type_is_never_published(content_type: str | None) -> None:
+    from asyncinfer.worker.output.kombu_acks import publish_envelope
+
+    envelope = json.loads(task_message(TASK_NAME, "req-9", {"model": "m", "inputs": []}, "infer.m"))
+    producer = _RecordingProducer()
+    publish_envelope(producer, envelope, "infer.m")  # json: published as it is
+    assert producer.published[0]["content_type"] == "application/json"
+    envelope["content-type"] = content_type
+    with pytest.raises(ValueError, match=r"request req-9: content type .* is never sent"):
+        publish_envelope(producer, envelope, "infer.m")
+    assert len(producer.published) == 1

@@ -15,6 +15,7 @@ from typing import Any
 
 from celery import Celery
 
+from asyncinfer.wire.envelope import ACCEPTED_TYPES
 from asyncinfer.worker.intake.taken import TakenMessage
 
 __all__ = ["acknowledge", "publish_envelope"]
@@ -55,13 +56,19 @@ def _publish(app: Celery, retries: Sequence[tuple[TakenMessage, str | None]]) ->
 def publish_envelope(producer: Any, envelope: dict[str, Any], queue: str) -> None:
     """Publish a kombu envelope as the Redis lists hold it (wire/messages.py) through ``producer``,
     its body as it is (no second serialisation), to the exchange and routing key it names, else
-    to ``queue``."""
+    to ``queue``. A body of any content type but json's or msgpack's (pickle, say) is never sent:
+    ValueError naming the request."""
+    content_type = envelope.get("content-type")
+    if content_type not in ACCEPTED_TYPES:
+        request_id = (envelope.get("headers") or {}).get("id")
+        raise ValueError(f"request {request_id}: content type {content_type!r} is never sent "
+                         f"(only {', '.join(ACCEPTED_TYPES)})")
     properties = envelope.get("properties") or {}
     info = properties.get("delivery_info") or {}
     producer.publish(base64.b64decode(envelope["body"]), exchange=info.get("exchange") or "",
                      routing_key=info.get("routing_key") or queue,
                      headers=envelope.get("headers") or {},
-                     content_type=envelope.get("content-type"),
+                     content_type=content_type,
                      content_encoding=envelope.get("content-encoding"),
                      correlation_id=properties.get("correlation_id"),
                      reply_to=properties.get("reply_to") or None,
