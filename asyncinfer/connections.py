@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
            "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "not_replicated", "broker_error", "never_resend",
+           "require_replicas", "not_replicated", "broker_error", "never_resend", "bounded_client",
            "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
 
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
@@ -180,6 +180,15 @@ def redis_client(url: str, settings: Settings | None = None, **kwargs: Any) -> r
     if single_connection:
         client = _SentinelMaster(connection_pool=client.connection_pool, single_connection_client=True)
     return client
+
+
+def bounded_client(url: str, settings: Settings) -> redis.Redis:
+    """A client of ``url`` that waits at most ``connect_timeout_s`` (at least 1 s) for a connect
+    or a reply: for short reads and writes (the catalogue) that must not hang on a Redis that
+    accepts connections and answers nothing (frozen, or its host gone mid-stream)."""
+    timeout_s = max(settings.connect_timeout_s, 1.0)
+    return redis_client(url, settings, socket_connect_timeout=settings.connect_timeout_s,
+                        socket_timeout=timeout_s)
 
 
 def wait_replicas(client: redis.Redis, replicas: int, timeout_ms: int) -> int:

@@ -26,7 +26,7 @@ from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import broker_error, is_redis_url
+from asyncinfer.connections import bounded_client, broker_error, is_redis_url
 from asyncinfer.constants import (
     CPU_QUEUE,
     POSTPROCESS_TASK,
@@ -56,7 +56,11 @@ class Client:
             broker_url=broker_url, result_backend=result_backend, task_serializer=serializer)
         self.app: Celery = create_app(self.settings)
         backend_url = str(self.app.conf.result_backend)
-        self._catalogue = (Catalogue(self.app.backend.client, ttl_s=self.settings.catalogue_ttl_s,
+        # A connection of its own, bounded by connect_timeout_s: Celery's backend client waits
+        # 120 s on a Redis that accepts connections and answers nothing (frozen, or its host gone
+        # mid-stream), and the unknown-model check reads the catalogue on a submit.
+        self._catalogue = (Catalogue(bounded_client(backend_url, self.settings),
+                                     ttl_s=self.settings.catalogue_ttl_s,
                                      retention_s=self.settings.model_retention_s)
                            if is_redis_url(backend_url) else None)
         self._known = (KnownModels(self._catalogue, self.settings.model_retention_s)

@@ -45,16 +45,19 @@ class KnownModels:
         """Raise UnknownModel for a model not known. A catalogue that cannot be read now (a
         failover under way, a Redis that is down, an ACL that refuses its keys) leaves nothing
         to judge by: the model passes, the submit itself says whether the broker answers, and
-        the catalogue is not tried again for ``KNOWN_FOR_S``."""
+        the catalogue is not tried again for ``KNOWN_FOR_S``, or three times as long as the
+        failed read waited."""
         if not self.retention_s:
             return
         if self.fresh(model):
             return
-        now = time.monotonic()
+        began = time.monotonic()
         try:
             known = frozenset(self.catalogue.read())
         except redis.RedisError:
-            self._unreadable_until = now + self.KNOWN_FOR_S
+            # A read that waited out its timeout (a frozen Redis) is not waited on again soon.
+            now = time.monotonic()
+            self._unreadable_until = now + max(self.KNOWN_FOR_S, 3 * (now - began))
             return
         self._known = (time.monotonic(), known)
         if known and model not in known:

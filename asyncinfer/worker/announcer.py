@@ -25,7 +25,7 @@ import redis
 from asyncinfer.backoff import Backoff
 from asyncinfer.catalogue import Catalogue
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import is_redis_url, redis_client
+from asyncinfer.connections import bounded_client, is_redis_url
 
 __all__ = ["Announcer", "announcer_for"]
 
@@ -101,8 +101,6 @@ def announcer_for(settings: Settings, worker: str, device: str,
     if not is_redis_url(backend):
         log.info("model catalogue: the result backend is not Redis; nothing is announced")
         return None
-    client = redis_client(backend, settings, socket_connect_timeout=settings.connect_timeout_s,
-                          socket_timeout=max(settings.connect_timeout_s, 1.0))
-    catalogue = Catalogue(client, ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
+    catalogue = Catalogue(bounded_client(backend, settings), ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
     return Announcer(catalogue, worker, models, device=device).start(
         unreachable_for_s=settings.connect_timeout_s)

@@ -21,7 +21,8 @@ import redis
 from asyncinfer.client import Client
 from asyncinfer.constants import priority_lists
 from asyncinfer.engine.vital import EXIT_THREAD_DIED
-from asyncinfer.errors import BrokerRefused
+from asyncinfer.catalogue import Catalogue
+from asyncinfer.errors import BrokerRefused, BrokerUnavailable
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker, gated_executions
 from tests.support.paced import index_input, kill_during_paced_stream
@@ -214,6 +215,32 @@ def test_a_vital_thread_that_dies_takes_the_process_down_non_zero() -> None:
     # Then it exits at once with EXIT_THREAD_DIED, saying which thread died and why
     assert proc.returncode == EXIT_THREAD_DIED
     assert "thread asyncinfer-results died (RuntimeError: a bug nobody caught)" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_redis_frozen_before_a_submit_the_submit_fails_within_the_connect_timeout(tmp_path) -> None:
+    # Given a Redis of its own whose catalogue knows the model, and a client with the defaults
+    # (the unknown-model check on, connect_timeout_s 5 s)
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    r = redis.Redis.from_url(server.url)
+    Catalogue(r).announce("parked@nowhere", [{"name": "gated"}])
+    client = Client(broker_url=server.url)
+    try:
+        # When Redis is frozen (SIGSTOP: it accepts connections and answers nothing) before the
+        # client's first submit, which must read the catalogue
+        os.kill(server.process.pid, signal.SIGSTOP)
+        future = client.submit("gated", index_input(0), request_id="frozen-first")
+        # Then the submit returns and its future fails with BrokerUnavailable naming the request,
+        # within the connect timeout's bounds (Celery's backend client waited 120 s here)
+        with pytest.raises(BrokerUnavailable, match="frozen-first"):
+            future.result(timeout=40)
+        # And the catalogue is not read again at once: the next submit does not wait on it
+        assert client.knows_now("gated")
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        client.close()
+        r.close()
+        server.stop()
 
 
 @pytest.mark.timeout(120)
