@@ -101,6 +101,7 @@ def announcer_for(settings: Settings, worker: str, device: str,
     if not is_redis_url(backend):
         log.info("model catalogue: the result backend is not Redis; nothing is announced")
         return None
-    catalogue = Catalogue(bounded_client(backend, settings), ttl_s=settings.catalogue_ttl_s, retention_s=settings.model_retention_s)
+    catalogue = Catalogue(bounded_client(backend, settings), ttl_s=settings.catalogue_ttl_s,
+                          retention_s=settings.model_retention_s)
     return Announcer(catalogue, worker, models, device=device).start(
         unreachable_for_s=settings.connect_timeout_s)

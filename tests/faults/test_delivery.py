@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import redis
 
+from asyncinfer.catalogue import Catalogue
 from asyncinfer.client import Client
 from asyncinfer.constants import priority_lists
 from asyncinfer.engine.vital import EXIT_THREAD_DIED
-from asyncinfer.catalogue import Catalogue
 from asyncinfer.errors import BrokerRefused, BrokerUnavailable
 from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker, gated_executions
