@@ -62,10 +62,12 @@ DescribeError = Callable[[str, redis.RedisError], BaseException]
 
 @dataclass
 class Entry:
-    """A request waiting for its group, and who hears what it came to."""
+    """A request waiting for its group, and who hears what it came to. ``withdrawn``: whether
+    its sender stopped waiting for it (a cancelled coroutine): one not sent yet never is."""
 
     push: _Push
     done: Done
+    withdrawn: Callable[[], bool] | None = None
 
 
 #: A queue and its bound: the requests one script call takes.
@@ -105,6 +107,8 @@ class Pending:
             taken: list[Entry] = []
             while entries and count < self.max_requests and size < self.max_bytes:
                 entry = entries.popleft()
+                if entry.withdrawn is not None and entry.withdrawn():
+                    continue
                 taken.append(entry)
                 count, size = count + 1, size + len(entry.push.message)
             if taken:

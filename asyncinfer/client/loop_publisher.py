@@ -58,7 +58,10 @@ class AsyncPublisher:
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority)
         outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending.add(Entry(push, lambda status, error: _settle(outcome, status, error)))
+        # A coroutine cancelled before its group goes (a gateway call its client gave up on,
+        # a request waiting for room in its queue) withdraws its request: it is never sent.
+        self._pending.add(Entry(push, lambda status, error: _settle(outcome, status, error),
+                                withdrawn=outcome.cancelled))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run(), name="asyncinfer-publish")
         else:
