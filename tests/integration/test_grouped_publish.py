@@ -285,33 +285,34 @@ def test_a_group_whose_reply_is_lost_is_not_sent_again(redis_db: RedisDatabase,
             client.close()
 
 
-def test_a_cancelled_coroutine_waiting_for_room_withdraws_its_request(
+def test_a_coroutine_cancelled_before_its_group_goes_withdraws_its_request(
         redis_db: RedisDatabase, far: LatencyProxy) -> None:
-    # Given a bound of 1 on model m, the queue full, and a coroutine waiting for room (60 s)
-    client = _client(far.url, model_options='{"m": {"max_queue_size": 1}}')
+    # Given a loop whose first group is out (a round trip of RTT_MS)
+    client = _client(far.url)
 
-    async def main() -> tuple[list[str], str]:
-        first = await aio.send_on_loop(client.sender, client.submission("m", X))
-        gone = client.submission("m", X, timeout_s=60)
+    async def main() -> list[str]:
+        first = client.submission("m", X)
+        sending = asyncio.create_task(aio.send_on_loop(client.sender, first))
+        await asyncio.sleep(RTT_MS / 4000)  # the first group is on its way
+        assert not sending.done()
+        # When a coroutine hands its request over, then is cancelled (its caller gave up)
+        # before the next group goes
+        gone = client.submission("m", X)
         waiting = asyncio.create_task(aio.send_on_loop(client.sender, gone))
-        await asyncio.sleep(3 * RTT_MS / 1000)  # its group went and came back: queue full
-        assert not waiting.done()
-        # When that coroutine is cancelled (its caller gave up), then the queue has room and
-        # another request follows it
+        await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert _id_of(redis_db.client.rpop("infer.m")) == first.id
-        after = client.submission("m", X, timeout_s=60)
+        await sending
+        after = client.submission("m", X)
         await aio.send_on_loop(client.sender, after)
         await client.loop_publishers.aclose()
-        return _queued_ids(redis_db, "infer.m"), gone.request_id + " " + after.request_id
+        return [first.request_id, gone.request_id, after.request_id]
 
     try:
-        queued, ids = asyncio.run(main())
-        gone_id, after_id = ids.split()
-        # Then the cancelled request never reached its queue; the one after it did
-        assert queued == [after_id]
-        assert gone_id not in queued
+        first_id, gone_id, after_id = asyncio.run(main())
+        # Then the cancelled request never reached its queue; those around it did, in order
+        assert _queued_ids(redis_db, "infer.m") == [first_id, after_id]
+        assert gone_id not in _queued_ids(redis_db, "infer.m")
     finally:
         client.close()
