@@ -238,6 +238,12 @@ class Settings:
         "Port of the gateway's Prometheus metrics at `/metrics` (0: not served).")
     gateway: bool = _setting(
         True, "ASYNCINFER_GATEWAY", "Whether `asyncinfer up` starts a gateway (`up --no-gateway`).")
+    gateway_processes: int = _setting(
+        0, "ASYNCINFER_GATEWAY_PROCESSES",
+        "Processes the gateway serves from (`asyncinfer gateway --processes`, `asyncinfer up "
+        "--gateway-processes`): N supervised processes share the HTTP and gRPC ports "
+        "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on the metrics port "
+        "+ i). 0: one process, and a port another process holds is an error.")
     send_events: bool = _setting(
         True, "ASYNCINFER_SEND_EVENTS",
         "Workers send Celery task events (Celery's `worker_send_task_events`, `-E`), so Flower and "
@@ -295,6 +301,9 @@ class Settings:
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if self.gateway_processes < 0:
+            raise ValueError(f"gateway_processes must be >= 0 (0: one process, no shared ports), "
+                             f"got {self.gateway_processes!r}")
 
     def options_for(self, model: str, defaults: ModelOptions) -> ModelOptions:
         """Batching options of ``model``: its defaults, then ``"*"``, then its own entry."""

@@ -76,7 +76,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _gateway_flags(args: argparse.Namespace) -> dict[str, Any]:
     """``up``'s gateway flags as settings overrides (None: the environment's or the default)."""
     return {"gateway": False if args.no_gateway else None, "http_port": args.http_port,
-            "grpc_port": args.grpc_port, "gateway_metrics_port": args.gateway_metrics_port}
+            "grpc_port": args.grpc_port, "gateway_metrics_port": args.gateway_metrics_port,
+            "gateway_processes": args.gateway_processes}
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -210,10 +211,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                   *(settings_value if flag is None else flag for flag, settings_value in (
                       (args.http_port, settings.http_port), (args.grpc_port, settings.grpc_port),
                       (args.metrics_port, settings.gateway_metrics_port))))
-    if args.processes is not None:
+    processes = args.processes if args.processes is not None else settings.gateway_processes
+    if processes:
         from asyncinfer.gateway.processes import run_gateway_processes
 
-        return run_gateway_processes(settings, ports, args.processes)
+        return run_gateway_processes(settings, ports, processes)
     return run_gateway(settings, ports, reuse_port=args.reuse_port)
 
 
@@ -273,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, help="gateway's v2 gRPC port (default 8001; 0: off)")
     p.add_argument("--gateway-metrics-port", type=int,
                    help="gateway's Prometheus port (default 8002; 0: off)")
+    p.add_argument("--gateway-processes", type=_positive, metavar="N",
+                   help="serve the gateway from N processes sharing its ports (default "
+                        "ASYNCINFER_GATEWAY_PROCESSES, else one)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the 'asyncinfer up' running in the background")
@@ -333,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=_positive, metavar="N",
                    help="serve from N supervised processes sharing the HTTP and gRPC ports "
                         "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on "
-                        "the metrics port + i). Default: one process, and a port another process "
-                        "holds is an error")
+                        "the metrics port + i). Default ASYNCINFER_GATEWAY_PROCESSES, else one "
+                        "process, and a port another process holds is an error")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # --processes' children
     p.set_defaults(func=cmd_gateway)
 

@@ -56,6 +56,8 @@ def gateway_child(settings: Settings, env: dict[str, str]) -> Child:
     argv = [sys.executable, "-m", "asyncinfer", "gateway", "--host", settings.gateway_host,
             "--http-port", str(settings.http_port), "--grpc-port", str(settings.grpc_port),
             "--metrics-port", str(settings.gateway_metrics_port)]
+    if settings.gateway_processes:
+        argv += ["--processes", str(settings.gateway_processes)]
     return Child(name="gateway", argv=argv, env=env)
 
 
@@ -66,7 +68,9 @@ def gateway_line(settings: Settings) -> str:
              f"gRPC {host}:{settings.grpc_port}" if settings.grpc_port else "",
              f"metrics http://{host}:{settings.gateway_metrics_port}/metrics"
              if settings.gateway_metrics_port else ""]
-    return "gateway: " + ", ".join(p for p in parts if p)
+    processes = (f" ({settings.gateway_processes} processes)"
+                 if settings.gateway_processes > 1 else "")
+    return "gateway" + processes + ": " + ", ".join(p for p in parts if p)
 
 
 def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: Sequence[str] = (),
