@@ -7,6 +7,9 @@ __all__ = [
     "PREPROCESS_TASK",
     "POSTPROCESS_TASK",
     "CPU_QUEUE",
+    "CONTROL_QUEUE",
+    "PIDBOX_SUFFIX",
+    "serves_no_task",
     "QUEUE_PREFIX",
     "queue_for",
     "model_from_queue",
@@ -27,6 +30,15 @@ CPU_QUEUE = "asyncinfer.cpu"
 #: What Celery's own consumer listens on in a worker whose fast consumer takes the infer.* queues
 #: (remote control, events and the worker's heartbeat go through Celery's consumer).
 CONTROL_QUEUE = "asyncinfer.control"
+#: How the queues of Celery's remote control (pidbox) end: replies and commands, never a task.
+PIDBOX_SUFFIX = ".celery.pidbox"
+
+
+def serves_no_task(queue: str) -> bool:
+    """Whether ``queue`` is one where a worker serves no task: the control queue, or a queue of
+    Celery's remote control (its commands and their replies)."""
+    return queue == CONTROL_QUEUE or queue.endswith(PIDBOX_SUFFIX)
+
 
 #: Requests for model ``M`` go to the Celery queue ``infer.M``.
 QUEUE_PREFIX = "infer."

@@ -16,7 +16,11 @@ connection on one list only: the wait is on the channel's first list (its first 
 list), for at most :attr:`AtomicTake.take_wait_s`, after which it takes from every list again — a
 message on another list (a priority list, a second queue) of an idle channel waits up to that long.
 An idle channel so wakes about ten times a second: 0.55 % of a core for an idle stock worker here,
-against 0.15 % with BRPOP's one-second wait.
+against 0.15 % with BRPOP's one-second wait. A channel that reads only queues where no task is served
+(the control queue of Celery's consumer beside the fast consumer, a remote-control reply queue)
+waits :attr:`AtomicTake.control_wait_s` instead, BRPOP's second, and its leases do not sweep (the
+fast consumer's do, for the worker): their takes and sweeps were half of what an idle device
+worker cost Redis.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kombu.transport.virtual import base as virtual
 from kombu.utils.encoding import bytes_to_str
 from redis import exceptions
 
+from asyncinfer.constants import serves_no_task
 from asyncinfer.wire.envelope import tag_in
 
 __all__ = ["AtomicTake"]
@@ -44,6 +49,8 @@ class AtomicTake:
     #: Longest wait of an idle channel on its first list before it takes from all again (seconds;
     #: transport option ``take_wait_s``).
     take_wait_s = 0.1
+    #: The same, for a channel that reads only queues where no task is served.
+    control_wait_s = 1.0
     #: Lease what it takes for this long (seconds, Redis' clock; 0: no leases), to a holder named
     #: after this worker (transport options ``lease_s`` and ``lease_node``): the channel renews
     #: the leases of what it holds and sweeps expired ones (worker/intake/leases.py).
@@ -74,28 +81,32 @@ class AtomicTake:
         if not queues:
             return
         lists = [ch._q_for_pri(q, pri) for pri in ch.priority_steps for q in queues]
+        control_only = all(serves_no_task(q) for q in queues)
         if not self._take_sha:
             self._take_sha = ch.client.script_load(TAKE_SCRIPT)
         if self._take_next == _WAIT:
             first = lists[0]
+            wait_s = self.control_wait_s if control_only else self.take_wait_s
             if self._wait_command == _WAIT:
-                args: tuple[Any, ...] = (_WAIT, first, first, "RIGHT", "RIGHT", self.take_wait_s)
+                args: tuple[Any, ...] = (_WAIT, first, first, "RIGHT", "RIGHT", wait_s)
             else:
-                args = ("BRPOPLPUSH", first, first, max(1, math.ceil(self.take_wait_s)))
+                args = ("BRPOPLPUSH", first, first, max(1, math.ceil(wait_s)))
         else:
             room = ch.qos.can_consume_max_estimate() or 1
             keys = take_keys(lists, ch.unacked_index_key, ch.unacked_key)
             args = (_TAKE, self._take_sha, len(keys), *keys,
-                    *take_args(room, lease=self._lease_terms()))
+                    *take_args(room, lease=self._lease_terms(control_only)))
         connection = ch.client.connection
         ch._in_poll = connection
         ch._brpop_sent_at = time.monotonic()
         self._take_sent = args[0]
         connection.send_command(*args)
 
-    def _lease_terms(self) -> Any:
+    def _lease_terms(self, control_only: bool) -> Any:
         """The lease terms of this channel's takes (its leases started on first use); None
-        without leases. Deaths are not counted on this path (no device batches to mark)."""
+        without leases. Deaths are not counted on this path (no device batches to mark). A
+        channel that reads only queues where no task is served (beside a fast consumer, whose
+        leases sweep for the worker) renews what it holds and does not sweep."""
         if not self.lease_s:
             return None
         if self._leases is None:
@@ -105,7 +116,8 @@ class AtomicTake:
             self._leases = Leases(ch._create_client(), ch._create_client(),
                                   node=self.lease_node or "celery", lease_s=float(self.lease_s),
                                   deaths_ttl_s=86400, count_deaths=False,
-                                  held=lambda: list(ch.qos._delivered.copy())).start()
+                                  held=lambda: list(ch.qos._delivered.copy()),
+                                  sweep_every_s=0.0 if control_only else 1.0).start()
         return self._leases.terms
 
     def _stop_leases(self) -> None:

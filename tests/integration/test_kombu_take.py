@@ -129,3 +129,40 @@ def test_a_message_the_script_records_but_the_rules_refuse_leaves_the_bookkeepin
         assert r.llen("take.a") == 0
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("queue, waits_s, sweeps", [
+    ("asyncinfer.control", 1.0, False), ("take.a", 0.1, True)])
+def test_a_channel_where_no_task_is_served_waits_a_second_and_leaves_the_sweep_to_the_worker(
+        server, queue: str, waits_s: float, sweeps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a worker's channel on the control queue (Celery's consumer beside the fast consumer)
+    # or on a queue of tasks
+    app = _worker_app(server.url)
+    r = redis.Redis.from_url(server.url)
+    waits: list[float] = []
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            q = Queue(queue, EXCHANGE, routing_key=queue)
+            q(channel).declare()
+            sent = redis.connection.Connection.send_command
+
+            def send_command(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if args and args[0] == "BLMOVE":
+                    waits.append(float(args[-1]))
+                return sent(self, *args, **kwargs)
+
+            monkeypatch.setattr(redis.connection.Connection, "send_command", send_command)
+            # When it idles (nothing on its lists)
+            with Consumer(channel, [q], callbacks=[], accept=["json"]):
+                for _ in range(3):
+                    try:
+                        conn.drain_events(timeout=0.5)
+                    except TimeoutError:
+                        pass
+            # Then it waits BRPOP's second on the control queue, 0.1 s on a queue of tasks, and
+            # only the latter's leases sweep (a device worker's fast consumer sweeps for it)
+            assert waits and set(waits) == {waits_s}
+            assert bool(channel._leases.sweep_every_s) is sweeps
+    finally:
+        r.close()

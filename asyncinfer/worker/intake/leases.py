@@ -204,6 +204,7 @@ class Leases:
         self.deaths_ttl_s = max(1, int(deaths_ttl_s))
         self.count_deaths = count_deaths
         self.renew_every_s = lease_s / 3
+        #: 0: this one does not sweep (another of the process does: one sweeper per worker).
         self.sweep_every_s = min(sweep_every_s, lease_s / 3)
         self._held = held
         #: Told the tags of held messages found leased to another worker (what it need not run).
@@ -339,12 +340,12 @@ class Leases:
     def _run(self) -> None:
         next_renewal = time.monotonic() + self.renew_every_s
         backoff = Backoff()
-        while not self._stopped.wait(self.sweep_every_s):
+        while not self._stopped.wait(self.sweep_every_s or self.renew_every_s):
             try:
                 if time.monotonic() >= next_renewal:
                     next_renewal = time.monotonic() + self.renew_every_s
                     self.renew()
-                while self.sweep() >= self.sweep_batch:
+                while self.sweep_every_s and self.sweep() >= self.sweep_batch:
                     pass
                 backoff.reset()
             except redis.RedisError as exc:
