@@ -4,6 +4,7 @@
   call counts under the HTTP status its code maps from; 499 = the client went away);
 - ``asyncinfer_gateway_request_duration_seconds{model, protocol}``: call received → answered;
 - ``asyncinfer_gateway_in_flight``: infer calls being answered now;
+- ``process_*``, ``python_*``: the gateway process' CPU, memory and collections, as a worker's;
 - ``asyncinfer_queue_depth{model}`` and ``asyncinfer_queue_oldest_age_seconds{model}``: requests
   waiting in each known model's queue (all priority lists) and how long the oldest has waited (from
   the send time our producers stamp on a message) — what an autoscaler such as KEDA scales on.
@@ -19,7 +20,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,6 +102,8 @@ class GatewayMetrics:
     def __init__(self, broker: Any, models: Callable[[], Iterable[str]],
                  in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)  # the gateway's CPU and memory, as a worker's
         self._requests = Counter("asyncinfer_gateway_requests", "Infer calls answered, by status.",
                                  ["model", "protocol", "code"], registry=self.registry)
         self._duration = Histogram("asyncinfer_gateway_request_duration_seconds",
