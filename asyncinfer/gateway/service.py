@@ -6,7 +6,9 @@ its result is awaited without polling (the client's result watcher, which hears 
 client's reply channel). A call is published by the event loop itself on its own Redis connection
 (client/aio.py), a large one in the loop's executor, so the event loop never waits on Redis.
 Model metadata and readiness come from the model catalogue (catalogue.py), read at most every
-``CATALOGUE_FOR_S`` in the background.
+``CATALOGUE_FOR_S`` in the background. With a routing table (``ASYNCINFER_BROKER_ROUTES``) the
+client sends each call to its model's broker, the catalogue is every broker's merged, and the
+gateway is ready while every broker answers.
 """
 
 from __future__ import annotations
@@ -285,7 +287,7 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await aio.submit(self.client.sender, call.model, inputs, {
+        sent = await aio.submit(self.client.sender_for(call.model), call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
         if self._handover is None:  # the loop's, made on its first call
