@@ -75,6 +75,17 @@ class Client:
         """The sender of ``model``'s broker (:attr:`sender` without routes)."""
         return self.sender if self._routes is None else self._routes.for_model(model).sender
 
+    def app_for(self, model: str) -> Celery:
+        """The Celery app of ``model``'s broker (:attr:`app` without routes)."""
+        return self._group_for(model).app
+
+    def apps(self) -> dict[str, Celery]:
+        """Broker URL → Celery app of every broker the client serves: the one broker's, or with
+        routes each broker of the table's (the default's first)."""
+        if self._routes is None:
+            return {self.settings.resolved_broker_url(): self.app}
+        return {url: self._routes.for_url(url).app for url in self._routes.routes.urls()}
+
     def _group_for(self, model: str | None) -> BrokerGroup:
         if self._routes is None or model is None:
             return self._group
