@@ -28,7 +28,6 @@ from tests.support.processes import (
     WorkerProcess,
     launch_worker,
     start_gateway,
-    start_worker,
     worker_env,
 )
 
