@@ -215,3 +215,21 @@ def test_cli_status_and_models_cover_both_redis(fleet: Fleet, workers: object) -
     models = _cli(fleet, "models", "--json")
     assert models.returncode == 0, models.stderr[-2000:]
     assert set(json.loads(models.stdout)) == {"identity", "mlp"}
+
+
+def test_cli_config_shows_the_table_with_passwords_masked(fleet: Fleet) -> None:
+    env = worker_env(fleet.a.url, ASYNCINFER_BROKER_ROUTES="bert-*=redis://:s3cret@c:6379/0")
+    out = subprocess.run([sys.executable, "-m", "asyncinfer", "config"], capture_output=True,
+                         text=True, timeout=90, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [line] = [line for line in out.stdout.splitlines() if line.startswith("broker_routes")]
+    assert "bert-*=redis://:**@c:6379/0" in line
+    assert "s3cret" not in out.stdout
+
+
+def test_cli_refuses_a_malformed_table_naming_the_entry(fleet: Fleet) -> None:
+    env = worker_env(fleet.a.url, ASYNCINFER_BROKER_ROUTES=f"mlp={fleet.b.url};bert")
+    out = subprocess.run([sys.executable, "-m", "asyncinfer", "models"], capture_output=True,
+                         text=True, timeout=90, cwd=ROOT, env=env)
+    assert out.returncode == 1
+    assert "ASYNCINFER_BROKER_ROUTES entry 2 ('bert') has no '='" in out.stderr
