@@ -81,6 +81,8 @@ class RoutedGroups:
         self.settings = settings
         self._groups = {routes.default_url: default}
         self._lock = threading.Lock()
+        #: broker URL → its catalogue as last read (what ``models(stale_ok=True)`` falls back on)
+        self._last_read: dict[str, dict[str, CatalogueEntry]] = {}
 
     def for_model(self, model: str) -> BrokerGroup:
         """The group of ``model``'s broker."""
@@ -112,14 +114,29 @@ class RoutedGroups:
         with self._lock:
             return list(self._groups.values())
 
-    def models(self) -> dict[str, CatalogueEntry]:
+    def models(self, *, stale_ok: bool = False) -> dict[str, CatalogueEntry]:
         """Every broker's catalogue in one: a model's entry from the broker it is routed to, else
-        from the first that has it (a worker started by hand on another)."""
+        from the first that has it (a worker started by hand on another).
+
+        ``stale_ok``: a broker that does not answer gives its catalogue as last read (its models
+        stay known: their calls fail as that broker's, not as unknown models); the error is
+        raised only when no broker answers."""
         merged: dict[str, CatalogueEntry] = {}
-        for url in self.routes.urls():
-            for name, entry in self.for_url(url).models().items():
+        failed: list[AsyncInferError] = []
+        urls = self.routes.urls()
+        for url in urls:
+            try:
+                read = self._last_read[url] = self.for_url(url).models()
+            except AsyncInferError as exc:
+                if not stale_ok:
+                    raise type(exc)(f"{masked_url(url)}: {exc}") from exc
+                failed.append(exc)
+                read = self._last_read.get(url, {})
+            for name, entry in read.items():
                 if name not in merged or self.routes.url_for(name) == url:
                     merged[name] = entry
+        if len(failed) == len(urls):
+            raise failed[0]
         return merged
 
     def ping(self) -> None:

@@ -101,11 +101,14 @@ class Client:
         """Where coroutines publish small requests themselves (aio.send_on_loop)."""
         return self.sender.loop_publishers
 
-    def models(self) -> dict[str, CatalogueEntry]:
+    def models(self, *, stale_ok: bool = False) -> dict[str, CatalogueEntry]:
         """The model catalogue: every model the fleet announced within ``model_retention_s``,
-        with its metadata and the live workers hosting it (``entry.ready``: at least one)."""
-        if self._routes is not None:  # every broker's, merged
-            return self._routes.models()
+        with its metadata and the live workers hosting it (``entry.ready``: at least one).
+
+        With routes, every broker's merged; ``stale_ok``: a broker that does not answer gives
+        its catalogue as last read, and the error is raised only when none answers."""
+        if self._routes is not None:
+            return self._routes.models(stale_ok=stale_ok)
         return self._group.models()
 
     def knows_now(self, model: str) -> bool:

@@ -176,10 +176,14 @@ class Service:
 
     async def _refresh(self) -> None:
         try:
-            self._catalogue = await self._off_loop(self.client.models)
+            self._catalogue = await self._off_loop(self._read_catalogue)
             self._catalogue_at = time.monotonic()
         except errors.BrokerUnavailable:
             pass
+
+    def _read_catalogue(self) -> dict[str, CatalogueEntry]:
+        """Every broker's catalogue (with routes, one Redis down keeps its models as last read)."""
+        return self.client.models(stale_ok=True)
 
     # -- health and metadata ---------------------------------------------------------------------
 

@@ -233,3 +233,23 @@ def test_cli_refuses_a_malformed_table_naming_the_entry(fleet: Fleet) -> None:
                          text=True, timeout=90, cwd=ROOT, env=env)
     assert out.returncode == 1
     assert "ASYNCINFER_BROKER_ROUTES entry 2 ('bert') has no '='" in out.stderr
+
+
+def test_a_gateway_with_one_redis_down_serves_the_others_and_is_not_ready(
+        fleet: Fleet, workers: object, tmp_path: Path) -> None:
+    from asyncinfer.ops.redis_server import free_port
+
+    down = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    proc = start_gateway(fleet.a.url, tmp_path / "gateway.log",
+                         ASYNCINFER_BROKER_ROUTES=f"{fleet.routes};nn-*={down}",
+                         ASYNCINFER_CONNECT_TIMEOUT_S="1")
+    http = httpclient.InferenceServerClient(proc.http_url)
+    try:
+        tensor = httpclient.InferInput("input", [1, 16], "FP32")
+        tensor.set_data_from_numpy(X)
+        assert http.infer("mlp", [tensor]).as_numpy("output").shape == (1, 4)
+        assert http.is_model_ready("identity")
+        assert not http.is_server_ready()  # every broker of the table must answer
+    finally:
+        http.close()
+        proc.stop()

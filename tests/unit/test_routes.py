@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncinfer.client.brokers import RoutedGroups
 from asyncinfer.config.routes import Route, Routes, parse_routes
 from asyncinfer.config.settings import Settings
 
@@ -135,3 +136,49 @@ def test_a_worker_s_models_on_two_brokers_are_named_with_their_urls() -> None:
     assert "bert-base, bert-large on redis://:**@b:6379/1" in text
     assert f"mlp on {DEFAULT}" in text
     assert "one worker per broker" in text
+
+
+# -- the client's groups: a catalogue per broker, merged ---------------------------------------
+
+class _Group:
+    """A broker's group whose catalogue read answers ``entries`` or raises ``down``."""
+
+    def __init__(self, *names: str) -> None:
+        from asyncinfer.catalogue import CatalogueEntry
+
+        self.entries = {n: CatalogueEntry(n) for n in names}
+        self.down: Exception | None = None
+
+    def models(self) -> dict[str, object]:
+        if self.down is not None:
+            raise self.down
+        return dict(self.entries)
+
+
+def _groups() -> tuple[RoutedGroups, _Group, _Group]:
+    a, b = _Group("identity", "mlp"), _Group("mlp", "bert-base")  # mlp also on b, by hand
+    routes = Routes.parse(f"bert-*={B};mlp={B}", DEFAULT)
+    groups = RoutedGroups(routes, Settings(broker_url=DEFAULT), a)  # type: ignore[arg-type]
+    groups._groups[B] = b  # type: ignore[assignment]
+    return groups, a, b
+
+
+def test_the_merged_catalogue_takes_each_model_from_its_own_broker() -> None:
+    groups, a, b = _groups()
+    merged = groups.models()
+    assert list(merged) == ["identity", "mlp", "bert-base"]
+    assert merged["mlp"] is b.entries["mlp"]
+
+
+def test_a_broker_down_keeps_its_last_catalogue_only_when_stale_is_ok() -> None:
+    from asyncinfer.errors import BrokerUnavailable
+
+    groups, a, b = _groups()
+    groups.models()
+    b.down = BrokerUnavailable("connection refused")
+    with pytest.raises(BrokerUnavailable, match=f"{B}: connection refused"):
+        groups.models()
+    assert set(groups.models(stale_ok=True)) == {"identity", "mlp", "bert-base"}
+    a.down = BrokerUnavailable("also down")
+    with pytest.raises(BrokerUnavailable):  # none answers: said, not an empty catalogue
+        groups.models(stale_ok=True)
