@@ -48,8 +48,9 @@ _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 class _Queues(Collector):
     """Depth and oldest-request age of each model's queue, read when scraped."""
 
-    def __init__(self, broker_for: Callable[[str], Any], models: Callable[[], Iterable[str]]) -> None:
-        #: model → the Redis client of its broker (None: not Redis, not read)
+    def __init__(self, broker_for: Callable[[str], Any] | None,
+                 models: Callable[[], Iterable[str]]) -> None:
+        #: model → the Redis client of its broker (None, or None for a model: not read)
         self.broker_for = broker_for
         self.models = models
 
@@ -60,8 +61,9 @@ class _Queues(Collector):
                                 "Seconds the oldest waiting request of the model has waited.",
                                 labels=["model"])
         by_broker: dict[int, tuple[Any, list[str]]] = {}
-        for m in sorted(self.models()):
-            broker = self.broker_for(m)
+        broker_for = self.broker_for
+        for m in sorted(self.models()) if broker_for is not None else ():
+            broker = broker_for(m)
             if broker is not None:
                 by_broker.setdefault(id(broker), (broker, []))[1].append(m)
         for broker, models in by_broker.values():
@@ -106,8 +108,8 @@ def _sent_at(raw: Any) -> float | None:
 class GatewayMetrics:
     """The gateway's metrics; :meth:`record` is the service's ``on_infer``."""
 
-    def __init__(self, broker_for: Callable[[str], Any], models: Callable[[], Iterable[str]],
-                 in_flight: Callable[[], int]) -> None:
+    def __init__(self, broker_for: Callable[[str], Any] | None,
+                 models: Callable[[], Iterable[str]], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(collector)  # the gateway's CPU and memory, as a worker's
