@@ -50,8 +50,8 @@ class _Queues(Collector):
 
     def __init__(self, broker_for: Callable[[str], Any] | None,
                  models: Callable[[], Iterable[str]]) -> None:
-        #: model → the Redis client of its broker (None, or None for a model: not read)
-        self.broker_for = broker_for
+        #: model → the Redis client of its broker (None for a model, or no such function: not read)
+        self.broker_for: Callable[[str], Any] = broker_for or (lambda model: None)
         self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -61,9 +61,8 @@ class _Queues(Collector):
                                 "Seconds the oldest waiting request of the model has waited.",
                                 labels=["model"])
         by_broker: dict[int, tuple[Any, list[str]]] = {}
-        broker_for = self.broker_for
-        for m in sorted(self.models()) if broker_for is not None else ():
-            broker = broker_for(m)
+        for m in sorted(self.models()):
+            broker = self.broker_for(m)
             if broker is not None:
                 by_broker.setdefault(id(broker), (broker, []))[1].append(m)
         for broker, models in by_broker.values():
