@@ -23,6 +23,7 @@ from asyncinfer import errors
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
+from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
 from asyncinfer.wire.envelope import printable
@@ -268,6 +269,18 @@ class Service:
             self.in_flight -= 1
             self.on_infer(call, status, time.perf_counter() - started)
 
+    async def _send(self, model: str, inputs: list[dict[str, Any]],
+                    options: dict[str, Any]) -> InferFuture:
+        """Hand the request to the client's group publisher (its own thread; a refusal ends the
+        future, which :meth:`_infer` awaits anyway); the loop does no Redis I/O of its own. Large
+        inputs are encoded, and a model not known now checked against the catalogue, in the
+        executor; a broker other than Redis publishes there too (it sends before returning)."""
+        sender = self.client.sender
+        if (sender.grouped is None or aio.nbytes(inputs) > aio.ON_LOOP_BYTES
+                or not sender.knows_now(model)):
+            return await aio.publish(sender, lambda: sender.submit(model, inputs, **options))
+        return sender.submit(model, inputs, **options)
+
     async def _infer(self, call: InferCall) -> InferResult:
         entry = await self.entry(call.model, call.version)
         priority = _priority(call)
@@ -285,7 +298,7 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await aio.submit(self.client.sender, call.model, inputs, {
+        sent = await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
         if self._handover is None:  # the loop's, made on its first call
