@@ -44,7 +44,7 @@ from asyncinfer.client.lost_check import LostCheck, lost_error
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
 
-__all__ = ["ResultWatcher"]
+__all__ = ["ResultWatcher", "result_key_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class ResultWatcher:
         #: Ends the futures of requests the broker lost (None: not checked).
         self.lost_check = lost_check
         self._client: redis.Redis = backend.client
+        self._key_prefix = result_key_prefix(backend)
         #: This client's reply channel: requests it sends name it (wire/reply.py).
         self.channel = REPLY_CHANNEL_PREFIX + uuid.uuid4().hex
         self._callbacks: dict[str, list[Callback]] = {}
@@ -94,9 +95,11 @@ class ResultWatcher:
         self._thread.start()
 
     def key(self, request_id: str) -> str:
-        """The result key (and pub/sub channel) of a request."""
-        key = self.backend.get_key_for_task(request_id)
-        return key.decode() if isinstance(key, bytes) else str(key)
+        """The result key (and pub/sub channel) of a request: the backend's key prefix and the ID
+        (what ``backend.get_key_for_task`` spells, without its per-call conversions)."""
+        if not request_id:
+            raise ValueError(f"task_id must not be empty. Got {request_id!r} instead.")
+        return self._key_prefix + request_id
 
     def watch(self, request_id: str, callback: Callback, *, announced: bool = False) -> None:
         """Call ``callback(meta)`` once ``request_id`` is ready (at once if it already is).
@@ -328,6 +331,13 @@ class ResultWatcher:
             except Exception:  # noqa: BLE001 - a callback's error must not stop the watcher
                 log.exception("callback for request %s raised", request_id)
         return meta
+
+
+def result_key_prefix(backend: Any) -> str:
+    """What a request's result key is before its ID (Celery's ``celery-task-meta-``, after any
+    ``result_backend_transport_options`` ``global_keyprefix``)."""
+    prefix = backend.task_keyprefix
+    return prefix.decode() if isinstance(prefix, bytes) else str(prefix)
 
 
 def _text(value: Any) -> str:
