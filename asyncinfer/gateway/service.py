@@ -3,8 +3,10 @@
 An infer call becomes one ``asyncinfer.infer`` request on ``infer.<model>``, sent by the project's
 own :class:`~asyncinfer.client.Client` (same ID rules, validation, queue bound and errors), and
 its result is awaited without polling (the client's result watcher, which hears it on the
-client's reply channel). A call is published by the event loop itself on its own Redis connection
-(client/aio.py), a large one in the loop's executor, so the event loop never waits on Redis.
+client's reply channel). A call is handed to the client's group publisher (its own thread, the
+one the blocking ``Client`` sends through: client/grouped.py), a large one or one whose model must
+be checked against the catalogue first in the loop's executor, so the event loop never waits on
+Redis and does no Redis I/O per call of its own.
 Model metadata and readiness come from the model catalogue (catalogue.py), read at most every
 ``CATALOGUE_FOR_S`` in the background.
 """
