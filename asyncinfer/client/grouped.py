@@ -245,15 +245,16 @@ class GroupedPublisher:
         self._pid = 0
         self._script_lost = True  # the first group loads the script (EVAL)
 
-    def put(self, push: _Push, done: Done) -> None:
+    def put(self, push: _Push, done: Done, withdrawn: Callable[[], bool] | None = None) -> None:
         """Send ``push`` in the next group; ``done`` hears what it came to (on the group's
-        thread)."""
+        thread); once ``withdrawn()`` is true (its future was cancelled) it is not sent if it
+        has not been yet."""
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"request {push.request_id}: the client is closed")
             if self._pid != os.getpid():  # the first put, or the first in a forked child
                 self._start()
-            self._pending.add(Entry(push, done))
+            self._pending.add(Entry(push, done, withdrawn))
             self._changed.notify()
 
     def close(self) -> None:

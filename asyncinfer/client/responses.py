@@ -87,8 +87,12 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         :class:`~asyncinfer.errors.QueueFull`, :class:`~asyncinfer.errors.BrokerUnavailable`,
         :class:`~asyncinfer.errors.BrokerRefused`, :class:`~asyncinfer.errors.InvalidRequest`
         (an ID already sent to another queue), :class:`~asyncinfer.errors.NotReplicated`; or
-        :class:`~asyncinfer.errors.RequestTimeout` when it is not sent within ``timeout_s``."""
+        :class:`~asyncinfer.errors.RequestTimeout` when it is not sent within ``timeout_s``;
+        ``CancelledError`` when the future was cancelled before the request was sent."""
         sending = self._sending
+        if sending is not None and not sending.is_set() and self.cancelled():
+            # cancelled before its group went: withdrawn, never sent (grouped.Entry.withdrawn)
+            raise concurrent.futures.CancelledError(f"request {self.id}: cancelled")
         if sending is not None and not sending.wait(timeout_s):
             raise RequestTimeout(f"request {self.id}: not on its queue within {timeout_s:g} s "
                                  f"(waiting for room in a full queue, or for the broker)")
@@ -119,11 +123,11 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
 
     def cancel(self) -> bool:
         """Revoke the request (it will not run if it has not started) and cancel this future."""
-        if self.done():
+        if not super().cancel():  # first: one not sent yet is then withdrawn from its group
             return False
         self._app.control.revoke(self.id)
         self._watcher.unwatch(self.id)
-        return super().cancel()
+        return True
 
     def result(self, timeout: float | None = None) -> InferResponse:
         """The response; raises the request's error, or :class:`RequestTimeout` (a

@@ -150,7 +150,10 @@ class Sender:
         future = self.watched(outgoing)
         future._sending_in_group()
         try:
-            self.grouped.put(push, functools.partial(self._group_sent, outgoing, future))
+            # A future cancelled before its group goes (a gateway call given up on) withdraws
+            # its request: it is never sent.
+            self.grouped.put(push, functools.partial(self._group_sent, outgoing, future),
+                             withdrawn=future.cancelled)
         except BaseException:
             self.watcher.unwatch(outgoing.request_id)
             raise

@@ -8,6 +8,7 @@ request, which goes in the loop's next group; what the gateway and ``asubmit`` u
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
@@ -314,5 +315,25 @@ def test_a_coroutine_cancelled_before_its_group_goes_withdraws_its_request(
         # Then the cancelled request never reached its queue; those around it did, in order
         assert _queued_ids(redis_db, "infer.m") == [first_id, after_id]
         assert gone_id not in _queued_ids(redis_db, "infer.m")
+    finally:
+        client.close()
+
+
+def test_a_future_cancelled_before_its_group_goes_withdraws_its_request(
+        redis_db: RedisDatabase, far: LatencyProxy) -> None:
+    # Given a client whose first group is out (a round trip of RTT_MS)
+    client = _client(far.url)
+    try:
+        first = client.submit("m", X)
+        time.sleep(RTT_MS / 4000)
+        # When a request is submitted and its future cancelled before the next group goes
+        gone = client.submit("m", X)
+        assert gone.cancel()
+        after = client.submit("m", X)
+        # Then it is never sent: sent() says it was cancelled, and the queue holds the others
+        with pytest.raises(concurrent.futures.CancelledError):
+            gone.sent(timeout_s=5)
+        assert after.sent(timeout_s=30) is after and first.sent(timeout_s=30) is first
+        assert _queued_ids(redis_db, "infer.m") == [first.id, after.id]
     finally:
         client.close()
