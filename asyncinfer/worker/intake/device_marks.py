@@ -37,8 +37,12 @@ closed one is opened again, and every mark still on the device is sent again wit
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -55,6 +59,55 @@ log = logging.getLogger(__name__)
 
 #: How long (seconds) a device thread leaves the connection alone after it could not open it.
 RECONNECT_AFTER_S = 1.0
+
+_FLAGS = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def _libc() -> Any:
+    """The C library through ``ctypes.PyDLL``: its calls keep the GIL (None where unavailable)."""
+    try:
+        libc = ctypes.PyDLL(None, use_errno=True)
+        for name in ("send", "recv"):
+            fn = getattr(libc, name)
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_ssize_t
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+#: Python's socket calls release the GIL, and a device thread that released it waits for it
+#: again behind the busy threads, up to the switch interval (5 ms): a few microseconds of
+#: non-blocking send are made holding it.
+_LIBC = _libc() if _FLAGS else None
+_PEEK = ctypes.create_string_buffer(1)
+
+
+def _send_all(sock: Any, data: bytes) -> None:
+    """Send ``data`` on ``sock``: without releasing the GIL when the kernel takes it at once (a
+    plain socket), else as Python sends (blocking, the GIL released)."""
+    if _LIBC is not None and not isinstance(sock, ssl.SSLSocket):
+        sent = _LIBC.send(sock.fileno(), data, len(data), _FLAGS)
+        if sent == len(data):
+            return
+        if sent < 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                raise OSError(err, f"device marks: send failed: {errno.errorcode.get(err, err)}")
+            sent = 0
+        data = data[sent:]
+    sock.sendall(data)
+
+
+def _closed(sock: Any) -> bool:
+    """Whether ``sock`` is readable — closed by the peer, or holding something to read — without
+    releasing the GIL where it can."""
+    if _LIBC is not None and not isinstance(sock, ssl.SSLSocket):
+        got = _LIBC.recv(sock.fileno(), _PEEK, 1, _FLAGS | socket.MSG_PEEK)
+        return not (got < 0 and ctypes.get_errno() in (errno.EAGAIN, errno.EWOULDBLOCK))
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class DeviceMarks:
@@ -128,17 +181,13 @@ class DeviceMarks:
                              *[v for tag, rid, _ in marks for v in (tag, rid)]))
         if not commands:
             return
-        sock = self._connection._sock
-        for chunk in self._connection.pack_commands(commands):
-            sock.sendall(chunk)
+        _send_all(self._connection._sock, b"".join(self._connection.pack_commands(commands)))
         self.sends += 1
 
     def _closed_by_redis(self) -> bool:
         """Whether the connection is readable: Redis sends nothing on it but its close (or an
         error before replies went off); either way it is opened again."""
-        poller = select.poll()
-        poller.register(self._connection._sock, select.POLLIN)
-        return bool(poller.poll(0))
+        return _closed(self._connection._sock)
 
     def _reopen(self) -> bool:
         """Open the connection (redis-py's handshake: auth, database, TLS), then turn replies
