@@ -99,3 +99,12 @@ def test_without_redis_a_batch_runs_unmarked() -> None:
     gone.on_device([("t-1", "r-1", _item())])
     assert gone.sends == 0 and gone.connects == 0
     gone.close()
+
+
+def test_a_batch_that_runs_alone_waits_for_redis_to_have_its_marks(r, marks) -> None:
+    # When a batch that runs alone (a request in it saw a death) goes on the device
+    marks.on_device([("t-alone", "r-alone", _item())], wait=True)
+    # Then its marks are on Redis when the call returns, and replies are off again after
+    assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-alone": b"r-alone"}
+    marks.on_device([("t-next", "r-next", _item())])
+    assert not marks._closed_by_redis() and marks.connects == 1

@@ -23,6 +23,10 @@ What is guaranteed, exactly:
   batches — in a postprocess, or idle after the last — counts one death against the last batch
   it ran, if its requests are not acknowledged yet; an acknowledged request is no longer held,
   and the sweep counts nothing against it).
+- A batch that runs alone (a request in it saw a death) waits for Redis to have run its marks,
+  as every batch did before: the round trip leaves the result writer time to store the results
+  of the batch that ran just before it, which a second death would otherwise run again. Not a
+  guarantee (those results may still be on their way), and only after deaths.
 - Several device threads (instances) send under one lock: each batch's marks are sent before it
   launches, whichever thread launches it.
 
@@ -129,10 +133,19 @@ class DeviceMarks:
         self.sends = 0
         self.connects = 0
 
-    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]]) -> None:
+    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]], wait: bool = False) -> None:
         """``marks`` — (delivery tag, request ID, work item) — are going onto the device. Returns
-        once the commands are the kernel's (module docstring); a failure is logged, and the batch
-        runs all the same."""
+        once the commands are the kernel's (module docstring), or with ``wait`` once Redis has run
+        them; a failure is logged, and the batch runs all the same."""
+        self._mark(marks)
+        if wait:
+            try:
+                self.sync()
+            except (OSError, redis.RedisError) as exc:
+                self.close()
+                log.warning("could not confirm the device marks (%s)", exc)
+
+    def _mark(self, marks: Sequence[tuple[str, str, WorkItem]]) -> None:
         with self._lock:
             off = [tag for tag, (_, item) in self._marked.items() if not item.on_device]
             for tag in off:
@@ -157,14 +170,13 @@ class DeviceMarks:
         """Wait until Redis has run every mark sent so far (a round trip: for tests and a clean
         stop, never the device thread's path)."""
         with self._lock:
-            if not self._open:
+            if not self._open or self._connection._sock is None:
                 return
             c = self._connection
-            c.send_packed_command(c.pack_commands([("CLIENT", "REPLY", "ON"), ("PING",)]),
-                                  check_health=False)
+            _send_all(c._sock, b"".join(c.pack_commands([("CLIENT", "REPLY", "ON"), ("PING",)])))
             c.read_response(timeout=timeout_s)
             c.read_response(timeout=timeout_s)
-            c.send_packed_command(c.pack_command("CLIENT", "REPLY", "OFF"), check_health=False)
+            _send_all(c._sock, b"".join(c.pack_commands([("CLIENT", "REPLY", "OFF")])))
 
     def close(self) -> None:
         with self._lock:

@@ -244,13 +244,13 @@ class Leases:
 
     # -- the device marks -----------------------------------------------------------------------
 
-    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]]) -> None:
+    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]], wait: bool = False) -> None:
         """``marks`` — (delivery tag, request ID, work item) — are going onto the device: a death
         from now on counts against them. The marks of batches that came off the device since the
         last call are removed in the same send. On the device thread, before the batch starts;
-        it does not wait for Redis (device_marks.py says what is guaranteed)."""
+        it does not wait for Redis unless ``wait`` (device_marks.py says what is guaranteed)."""
         if self.count_deaths:
-            self.device_marks.on_device(marks)
+            self.device_marks.on_device(marks, wait)
 
     # -- renewal and sweep ---------------------------------------------------------------------
 
