@@ -160,15 +160,15 @@ class DeviceMarks:
                 if not self._open or self._connection._sock is None or self._closed_by_redis():
                     if not self._reopen():
                         return
-                    off, marks = [], [(tag, rid, item) for tag, (rid, item) in self._marked.items()]
+                    marks = [(tag, rid, item) for tag, (rid, item) in self._marked.items()]
                 self._send(off, marks)
             except (OSError, redis.RedisError) as exc:
                 self._close()
                 log.warning("could not mark %d requests as on the device (%s)", len(marks), exc)
 
     def sync(self, timeout_s: float = 5.0) -> None:
-        """Wait until Redis has run every mark sent so far (a round trip: for tests and a clean
-        stop, never the device thread's path)."""
+        """Wait until Redis has run every mark sent so far: a round trip, replies on for it (a
+        batch that runs alone, and the tests)."""
         with self._lock:
             if not self._open or self._connection._sock is None:
                 return
