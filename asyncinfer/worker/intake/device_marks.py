@@ -5,7 +5,11 @@ The marks are written from the device thread just before each batch launches, an
 thread does not wait for Redis: it hands the commands to the kernel on a connection of their own
 on which Redis never answers (``CLIENT REPLY OFF``), and launches. Waiting for the reply cost
 4–5 ms a batch on a busy 2-core host (the round trip, then the GIL back from the threads that
-write the last batch's results); handing the bytes to the kernel costs tens of microseconds.
+write the last batch's results). The send itself is a non-blocking ``send(2)`` made through
+``ctypes.PyDLL``, which keeps the GIL: Python's own socket calls release it, and a device thread
+that released it may wait for it again up to the switch interval (5 ms) behind busy threads
+(``bench/device_marks_cost.py``). TLS connections, and a send the kernel does not take whole at
+once, go through Python's ``sendall``.
 
 What is guaranteed, exactly:
 
