@@ -40,7 +40,8 @@ the bytes reach Redis (the lease still expires and the requests go back), when R
 write (out of memory: no reply, so no error is seen), and when Redis closed the connection between
 the check before a send and the send itself (a restart, ``timeout``). Every send first checks that
 Redis has not closed the connection (it would be readable: no reply ever comes otherwise); a
-closed one is opened again, and every mark still on the device is sent again with the new ones.
+closed one, or one a send fails on, is opened again, and every mark still on the device is sent
+again with the new ones.
 """
 
 from __future__ import annotations
@@ -158,17 +159,21 @@ class DeviceMarks:
                 self._marked[tag] = (rid, item)
             if not (marks or off):
                 return
-            try:
-                if self._open and hasattr(self._connection, "leave_old_master"):
-                    self._connection.leave_old_master()  # Sentinel: at most once a second
-                if not self._open or self._connection._sock is None or self._closed_by_redis():
-                    if not self._reopen():
-                        return
-                    marks = [(tag, rid, item) for tag, (rid, item) in self._marked.items()]
-                self._send(off, marks)
-            except (OSError, redis.RedisError) as exc:
-                self._close()
-                log.warning("could not mark %d requests as on the device (%s)", len(marks), exc)
+            for attempt in (1, 2):  # a send that fails opens the connection again, once
+                try:
+                    if self._open and hasattr(self._connection, "leave_old_master"):
+                        self._connection.leave_old_master()  # Sentinel: at most once a second
+                    if not self._open or self._connection._sock is None or self._closed_by_redis():
+                        if not self._reopen():
+                            return
+                        marks = [(tag, rid, item) for tag, (rid, item) in self._marked.items()]
+                    self._send(off, marks)
+                    return
+                except (OSError, redis.RedisError) as exc:
+                    self._close()
+                    if attempt == 2:
+                        log.warning("could not mark %d requests as on the device (%s)",
+                                    len(marks), exc)
 
     def sync(self, timeout_s: float = 5.0) -> None:
         """Wait until Redis has run every mark sent so far: a round trip, replies on for it (a
