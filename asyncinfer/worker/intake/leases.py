@@ -201,6 +201,8 @@ class Leases:
                  sweep_every_s: float = 1.0,
                  on_lost: Callable[[list[str]], object] | None = None) -> None:
         self.client = client  # the lease thread's own connection
+        # ``marks``: the client whose address, credentials and TLS the device marks take (on a
+        # connection of their own)
         self.holder = holder_of_this_process(node)
         self.lease_s = lease_s
         self.deaths_ttl_s = max(1, int(deaths_ttl_s))
