@@ -105,10 +105,12 @@ class _FollowingConnection(SentinelManagedConnection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         if self._sock is not None and self.connection_pool.is_master:
-            self._leave_old_master()
+            self.leave_old_master()
         super().send_packed_command(command, check_health)
 
-    def _leave_old_master(self) -> None:
+    def leave_old_master(self) -> None:
+        """Disconnect when the Sentinels name another master (asked at most every
+        :data:`MASTER_CHECK_S`)."""
         now = time.monotonic()
         if now >= self._next_check_s:
             self._next_check_s = now + MASTER_CHECK_S

@@ -26,7 +26,7 @@ import redis
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
-from asyncinfer.keys import LEASES_KEY, UNACKED_KEY
+from asyncinfer.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from asyncinfer.ops.status import cluster_status
 from tests.support.lost import lost_check_of
 from tests.support.processes import launch_worker, start_up, stop_up, worker_env
@@ -242,6 +242,40 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
         assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
         _report("a request that kills its worker, among 40 (asyncinfer up)", 41,
                 len(answers) + 1, starts, last_s)
+
+
+@pytest.mark.timeout(240)
+def test_a_kernel_that_kills_its_worker_at_once_is_counted_against_its_batch_only(
+        redis_db, tmp_path) -> None:
+    # Given `asyncinfer up` with one worker whose model ends the process the moment a batch with
+    # -2 starts (no round trip first: the device marks must already be on their way to Redis)
+    url, r = redis_db.url, redis_db.client
+    prefix, env = _crashy(url, "at-once", 0.05)
+    crashes = tmp_path / "crashes.jsonl"
+    env["CRASHY_CRASH_LOG"] = str(crashes)
+    with _crashy_under_up(url, env, tmp_path) as (client, _):
+        # When 8 good requests, the killer and 16 more are sent in one burst (batches of 8: the
+        # killer's batch has a batch before it, and one formed after it)
+        good = [client.submit("crashy", _index(i)) for i in range(8)]
+        killer = client.submit("crashy", _index(-2))
+        good += [client.submit("crashy", _index(i)) for i in range(8, 24)]
+        sent_at = time.monotonic()
+        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
+        last_s = time.monotonic() - sent_at
+        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(24)]
+        # Then the killer fails for good after exactly two deaths: each was counted, though the
+        # process died microseconds after the launch
+        with pytest.raises(WorkerLost, match="died 2 times"):
+            killer.result(timeout=ANSWER_WITHIN_S)
+        batches = [json.loads(line) for line in crashes.read_text().splitlines()]
+        assert len(batches) == 2 and batches[1] == [-2] and -2 in batches[0]
+        assert r.get(DEATHS_PREFIX + killer.id) == b"2"
+        # And a death counted against the good requests of the killer's batch, once, and against
+        # no other: not the batch before it (done, perhaps not yet acknowledged), not the next
+        deaths = {i: int(r.get(DEATHS_PREFIX + f.id) or 0) for i, f in enumerate(good)}
+        assert deaths == {i: int(i in batches[0]) for i in range(24)}
+        _report("a kernel that kills its worker at once, among 24 (asyncinfer up)", 25,
+                len(answers) + 1, _starts(r, prefix), last_s)
 
 
 @pytest.mark.timeout(150)

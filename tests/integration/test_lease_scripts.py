@@ -120,6 +120,7 @@ def test_a_death_counts_only_against_what_was_on_the_device_and_the_take_reads_i
     ids = {json.loads(raw)["headers"]["id"]: _tag(raw) for _, raw, *_ in taken}
     dead.on_device([(ids["on-device"], "on-device", WorkItem(request=None, rows=1, signature=(),
                                                              on_device=True))])
+    dead.device_marks.sync()  # the marks go without waiting for Redis
     assert r.hget(LEASE_DEVICE_KEY, ids["on-device"]) == b"on-device"
     sweeper = _leases(r, [], node="other@h")
     wait_for(lambda: sweeper.sweep() == 2, 10, "both leases swept", poll_s=0.1)
@@ -160,11 +161,13 @@ def test_a_batch_off_the_device_is_unmarked_with_the_next_batchs_marks(r) -> Non
     leases = _leases(r, [])
     done = WorkItem(request=None, rows=1, signature=(), on_device=True)
     leases.on_device([("t-done", "r-done", done)])
+    leases.device_marks.sync()
     assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-done": b"r-done"}
     # When its batch comes off the device and the next goes on
     done.on_device = False
     nxt = WorkItem(request=None, rows=1, signature=(), on_device=True)
     leases.on_device([("t-next", "r-next", nxt)])
+    leases.device_marks.sync()
     # Then a death from now on counts against the batch on the device only
     assert r.hgetall(LEASE_DEVICE_KEY) == {b"t-next": b"r-next"}
 
@@ -176,6 +179,7 @@ def test_a_sweeper_that_marks_nothing_itself_still_counts_the_deaths_of_others(r
     [(_, raw, *_)] = Taker(r).take([QUEUE], 1, lease=dead.terms)
     dead.on_device([(_tag(raw), "killer", WorkItem(request=None, rows=1, signature=(),
                                                    on_device=True))])
+    dead.device_marks.sync()
     # When a sweeper that counts no deaths of its own (Celery's consumer's) puts it back
     stock = Leases(r, r, node="stock@h", lease_s=1.0, deaths_ttl_s=60, count_deaths=False,
                    held=list)

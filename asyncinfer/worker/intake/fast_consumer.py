@@ -140,9 +140,10 @@ class FastConsumer(PipelineConsumer):
                           "visibility timeout", len(held))
 
     def _on_launch(self, items: Sequence[WorkItem]) -> None:
-        """A batch goes onto the device: a death from now on counts against its requests."""
+        """A batch goes onto the device: a death from now on counts against its requests. One
+        that runs alone (a request in it saw a death) waits for Redis to have its marks."""
         assert self.leases is not None
-        self.leases.on_device(self.holdings.tags_of(items))
+        self.leases.on_device(self.holdings.tags_of(items), wait=any(i.alone for i in items))
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished,

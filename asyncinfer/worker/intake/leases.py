@@ -15,8 +15,10 @@ the same atomic step, until a time on Redis' clock (``ASYNCINFER_LEASE_S`` ahead
   (a holder that renewed in between keeps it);
 - a worker starting on a host takes back at once what a dead process of that host held (a
   restarted worker gets its predecessor's requests without waiting for the lease);
-- while a request's batch is on the device its lease says so; a worker that dies then counts one
-  death against the request (``asyncinfer:deaths:<id>``). The take reads the count: a request
+- while a request's batch is on the device its lease says so (the device marks, written by the
+  device thread as the batch launches without waiting for Redis: device_marks.py says exactly
+  what is guaranteed); a worker that dies then counts one death against the request
+  (``asyncinfer:deaths:<id>``). The take reads the count: a request
   that saw a death runs in a device batch of its own, and one that saw
   ``ASYNCINFER_MAX_WORKER_DEATHS`` fails for good with ``WorkerLost``.
 
@@ -49,6 +51,7 @@ from asyncinfer.keys import (
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
+from asyncinfer.worker.intake.device_marks import DeviceMarks
 from asyncinfer.worker.intake.take import LeaseTerms
 
 __all__ = ["Leases", "holder_of", "holder_of_this_process", "is_dead_here", "redelivered_text"]
@@ -198,7 +201,8 @@ class Leases:
                  sweep_every_s: float = 1.0,
                  on_lost: Callable[[list[str]], object] | None = None) -> None:
         self.client = client  # the lease thread's own connection
-        self.marks = marks  # the device threads' (a pool)
+        # ``marks``: the client whose address, credentials and TLS the device marks take (on a
+        # connection of their own)
         self.holder = holder_of_this_process(node)
         self.lease_s = lease_s
         self.deaths_ttl_s = max(1, int(deaths_ttl_s))
@@ -214,9 +218,8 @@ class Leases:
         self._reclaim = client.register_script(_RECLAIM)
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-leases")
-        #: What is marked as on the device now, by tag (unmarked once it is off the device).
-        self._marked: dict[str, WorkItem] = {}
-        self._marks_lock = threading.Lock()
+        #: What is on the device now, on Redis (device_marks.py).
+        self.device_marks = DeviceMarks(marks)
         #: Counts for the note and the tests: put back by this worker's sweeps, deaths counted,
         #: held requests found leased to another (this worker was too late renewing).
         self.reclaimed = 0
@@ -240,34 +243,17 @@ class Leases:
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
+        self.device_marks.close()
 
     # -- the device marks -----------------------------------------------------------------------
 
-    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]]) -> None:
+    def on_device(self, marks: Sequence[tuple[str, str, WorkItem]], wait: bool = False) -> None:
         """``marks`` — (delivery tag, request ID, work item) — are going onto the device: a death
         from now on counts against them. The marks of batches that came off the device since the
-        last call go in the same round trip. On the device thread, before the batch starts; a
-        failure is logged (the batch runs all the same: a death would then count against nobody).
-        """
-        if not self.count_deaths:
-            return
-        with self._marks_lock:
-            off = [tag for tag, item in self._marked.items() if not item.on_device]
-            for tag in off:
-                del self._marked[tag]
-            for tag, _, item in marks:
-                self._marked[tag] = item
-        if not (marks or off):
-            return
-        try:
-            pipe = self.marks.pipeline(transaction=False)
-            if off:
-                pipe.hdel(LEASE_DEVICE_KEY, *off)
-            if marks:
-                pipe.hset(LEASE_DEVICE_KEY, items=[v for tag, rid, _ in marks for v in (tag, rid)])
-            pipe.execute()
-        except redis.RedisError as exc:
-            log.warning("could not mark %d requests as on the device (%s)", len(marks), exc)
+        last call are removed in the same send. On the device thread, before the batch starts;
+        it does not wait for Redis unless ``wait`` (device_marks.py says what is guaranteed)."""
+        if self.count_deaths:
+            self.device_marks.on_device(marks, wait)
 
     # -- renewal and sweep ---------------------------------------------------------------------
 
