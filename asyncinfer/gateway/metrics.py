@@ -21,20 +21,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    start_http_server,
-)
+from prometheus_client import Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from asyncinfer.constants import priority_lists, queue_for
 from asyncinfer.gateway.tensors import InferCall
+from asyncinfer.metrics_registry import process_registry
 from asyncinfer.wire.messages import SENT_AT
 
 __all__ = ["GatewayMetrics"]
@@ -109,9 +102,7 @@ class GatewayMetrics:
 
     def __init__(self, broker_for: Callable[[str], Any] | None,
                  models: Callable[[], Iterable[str]], in_flight: Callable[[], int]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            self.registry.register(collector)  # the gateway's CPU and memory, as a worker's
+        self.registry = process_registry()
         self._requests = Counter("asyncinfer_gateway_requests", "Infer calls answered, by status.",
                                  ["model", "protocol", "code"], registry=self.registry)
         self._duration = Histogram("asyncinfer_gateway_request_duration_seconds",

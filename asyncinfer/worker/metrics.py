@@ -21,18 +21,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.registry import Collector
+
+from asyncinfer.metrics_registry import process_registry
 
 __all__ = ["WorkerMetrics", "THROUGHPUT_WINDOW_S"]
 
@@ -129,9 +123,7 @@ class WorkerMetrics:
     """One worker's counters, histograms and gauges, on a registry of its own."""
 
     def __init__(self, device: str = "") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            self.registry.register(collector)  # what the default registry would serve too
+        self.registry = process_registry()
         self._families = _Families(self.registry)
         self._children: dict[tuple[str, str], _Children] = {}
         self._children_lock = threading.Lock()

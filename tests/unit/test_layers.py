@@ -48,6 +48,7 @@ PLACES: dict[str, str] = {
     "asyncinfer.keys": "base",  # every Redis key name
     "asyncinfer.constants": "base",  # task and queue names
     "asyncinfer.backoff": "base",  # the wait after failures in a row, for every loop
+    "asyncinfer.metrics_registry": "base",  # a Prometheus registry with the process' own series
     "asyncinfer.processes": "base",  # child processes: alive, stop
     "asyncinfer.redis_refusals": "base",  # Redis' "not now" replies, read by every Redis user
     "asyncinfer.redis_urls": "base",  # broker URLs as text (the settings judge them)
