@@ -32,6 +32,7 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
+from asyncinfer.fleet_stats import FleetStats
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -110,6 +111,18 @@ class Client:
         if self._routes is not None:
             return self._routes.models(stale_ok=stale_ok)
         return self._group.models()
+
+    def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
+        """The fleet's inference statistics in Triton's form (``model_stats``, fleet_stats.py):
+        of ``model``, or of every model with counts or in the catalogue."""
+        if self._catalogue is None:
+            return []
+        try:
+            fleet = FleetStats(self._catalogue.client, retention_s=self.settings.model_retention_s)
+            known = self._catalogue.read() if model is None else {}
+            return fleet.model_stats(known, model=model)
+        except redis.RedisError as exc:
+            raise self._broker_error(broker_error("statistics", exc)) from exc
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""

@@ -10,7 +10,8 @@ worker calls :meth:`~WorkerMetrics.record_batch` once per device batch,
 scraped, from the sources the worker registers with :meth:`~WorkerMetrics.watch`.
 
 The same counts feed :meth:`~WorkerMetrics.throughput_per_s`, the recent requests per second that
-``asyncinfer status`` shows.
+``asyncinfer status`` shows, and :attr:`~WorkerMetrics.stats`, the worker's share of the fleet
+statistics (worker/stats.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -33,6 +34,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.registry import Collector
+
+from asyncinfer.worker.stats import StatsCounts
 
 __all__ = ["WorkerMetrics", "THROUGHPUT_WINDOW_S"]
 
@@ -141,6 +144,8 @@ class WorkerMetrics:
         self._in_flight: Callable[[], int] | None = None
         self.registry.register(_Gauges(self))
         self._server: Any = None
+        #: What the fleet statistics get from this worker (flushed to Redis by its StatsFlusher).
+        self.stats = StatsCounts()
 
     def _of(self, model: str, device: str) -> _Children:
         found = self._children.get((model, device))
@@ -153,9 +158,12 @@ class WorkerMetrics:
         return found
 
     def record_batch(self, model: str, device: str, rows: int, compute_s: float,
-                     queue_waits_s: Iterable[float] = ()) -> None:
-        """One device batch of ``rows`` rows took ``compute_s``; its requests waited
-        ``queue_waits_s``."""
+                     queue_waits_s: Sequence[float] = (),
+                     phases_s: tuple[float, float, float] | None = None) -> None:
+        """One device batch of ``rows`` rows took ``compute_s`` (``phases_s``: preprocess, device,
+        postprocess); its requests waited ``queue_waits_s``."""
+        self.stats.record_batch(model, rows, len(queue_waits_s), queue_waits_s,
+                                phases_s or (0.0, compute_s, 0.0))
         children = self._of(model, device)
         children.batch.observe(rows)
         children.compute.observe(compute_s)
@@ -173,6 +181,7 @@ class WorkerMetrics:
             children.revoked.inc()
         else:
             children.failure(type(exc).__name__ if exc is not None else state).inc()
+            self.stats.record_failure(model)
         self._finished.add(1)
 
     def count_retry(self, model: str, device: str) -> None:
