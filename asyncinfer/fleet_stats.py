@@ -69,8 +69,8 @@ class FleetStats:
         """Per model (``model`` only, when given), each worker's hash: ``worker``, ``device`` and
         its integer fields."""
         members = sorted(_text(m) for m in self.client.smembers(STATS_INDEX_KEY))
-        pairs = [m.split(_SEP, 1) for m in members if _SEP in m]
-        pairs = [(m, w) for m, w in pairs if model is None or m == model]
+        pairs = [(m, w) for m, _, w in (member.partition(_SEP) for member in members)
+                 if w and (model is None or m == model)]
         if not pairs:
             return {}
         pipe = self.client.pipeline(transaction=False)
