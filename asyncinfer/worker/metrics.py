@@ -172,8 +172,9 @@ class WorkerMetrics:
             observe(wait_s)
 
     def record_outcome(self, model: str, device: str, state: str,
-                       exc: BaseException | None = None) -> None:
-        """One request ended in ``state`` (Celery's ``SUCCESS``, ``FAILURE``, ``REVOKED``)."""
+                       exc: BaseException | None = None, duration_s: float = 0.0) -> None:
+        """One request ended in ``state`` (Celery's ``SUCCESS``, ``FAILURE``, ``REVOKED``),
+        ``duration_s`` after the worker took it (0: not known)."""
         children = self._of(model, device)
         if state == "SUCCESS":
             children.success.inc()
@@ -181,7 +182,7 @@ class WorkerMetrics:
             children.revoked.inc()
         else:
             children.failure(type(exc).__name__ if exc is not None else state).inc()
-            self.stats.record_failure(model)
+            self.stats.record_failure(model, duration_s)
         self._finished.add(1)
 
     def count_retry(self, model: str, device: str) -> None:

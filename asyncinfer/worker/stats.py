@@ -14,7 +14,8 @@ its take to its batch forming (Triton's queue: the server's own); ``redis_wait``
 message lay in Redis, from its producer's ``asyncinfer_sent_at`` to the worker's take (clocks of
 two hosts: skew shows in it); ``compute_input`` / ``compute_infer`` / ``compute_output`` its
 batch's preprocess (formed → launched), copies and forward (→ results on the host), and
-postprocess; ``success`` the sum of queue and compute. Per batch size: the batch's own times.
+postprocess; ``success`` the sum of queue and compute; ``fail`` the take to the failure. Per batch
+size: the batch's own times.
 """
 
 from __future__ import annotations

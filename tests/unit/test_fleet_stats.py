@@ -4,6 +4,7 @@ workers in Triton's form (fleet_stats.py), on fakeredis."""
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import fakeredis
 import pytest
@@ -14,7 +15,10 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.completion import deliver
 from asyncinfer.fleet_stats import FleetStats, stats_key, triton_stats
 from asyncinfer.keys import STATS_INDEX_KEY
+from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.protocol import Request, Tensor
+from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.stats import StatsCounts, StatsFlusher
 
@@ -47,11 +51,12 @@ def test_worker_metrics_feed_the_counts_from_the_same_points() -> None:
     metrics = WorkerMetrics()
     metrics.record_batch("m", "cpu", 3, 0.01, [0.0, 0.0, 0.0], (0.002, 0.006, 0.002))
     metrics.record_outcome("m", "cpu", "SUCCESS")
-    metrics.record_outcome("m", "cpu", "FAILURE", ValueError("x"))
+    metrics.record_outcome("m", "cpu", "FAILURE", ValueError("x"), 0.25)
     metrics.record_outcome("m", "cpu", "REVOKED")
     taken, _ = metrics.stats.take()
     assert (taken["m"]["success_count"], taken["m"]["fail_count"]) == (3, 1)
     assert taken["m"]["batch:3:compute_infer_ns"] == 6 * MS
+    assert taken["m"]["fail_ns"] == 250 * MS
 
 
 def test_deliver_splits_a_batch_time_into_its_three_phases() -> None:
@@ -148,3 +153,14 @@ def test_a_model_without_counts_shows_zeros_in_triton_form() -> None:
                                              "compute_infer", "compute_output", "cache_hit",
                                              "cache_miss"}
     assert FleetStats(fakeredis.FakeRedis()).model_stats(["idle"])[0]["name"] == "idle"
+
+
+def test_a_failure_counts_its_time_from_the_take() -> None:
+    settlement = Settlement("w@h", "cpu", cast(Policy, None))
+    taken = TakenMessage(raw=b"", queue="infer.m", request_id="r",
+                         received_at=time.perf_counter() - 0.2)
+    settlement.failed(taken, "m", ValueError("bad"))
+    settlement.failed(object(), "m", ValueError("no take known"))
+    counts, _ = settlement.metrics.stats.take()
+    assert counts["m"]["fail_count"] == 2
+    assert 200 * MS <= counts["m"]["fail_ns"] < 60_000 * MS
