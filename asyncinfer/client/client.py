@@ -32,7 +32,7 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
-from asyncinfer.fleet_stats import FleetStats
+from asyncinfer.fleet_stats import triton_stats
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -115,14 +115,15 @@ class Client:
     def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
         """The fleet's inference statistics in Triton's form (``model_stats``, fleet_stats.py):
         of ``model``, or of every model with counts or in the catalogue."""
-        if self._catalogue is None:
-            return []
-        try:
-            fleet = FleetStats(self._catalogue.client, retention_s=self.settings.model_retention_s)
-            known = self._catalogue.read() if model is None else {}
-            return fleet.model_stats(known, model=model)
-        except redis.RedisError as exc:
-            raise self._broker_error(broker_error("statistics", exc)) from exc
+        if model is not None:
+            return self._group_for(model).statistics(model)
+        found: dict[str, dict[str, Any]] = {}
+        for group in [self._group] if self._routes is None else self._routes.every():
+            for stats in group.statistics():
+                found.setdefault(stats["name"], stats)  # a model's own broker first
+        for name in self.models():  # those no worker counted yet: zeros
+            found.setdefault(name, triton_stats(name, []))
+        return [found[name] for name in sorted(found)]
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
