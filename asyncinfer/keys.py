@@ -29,6 +29,8 @@ __all__ = [
     "WATCH_PREFIX",
     "BELL_PREFIX",
     "WAITERS_SUFFIX",
+    "STATS_PREFIX",
+    "STATS_INDEX_KEY",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -94,3 +96,8 @@ CATALOGUE_LIVE_KEY = CATALOGUE_PREFIX + "live"
 CATALOGUE_HOSTS_KEY = CATALOGUE_PREFIX + "hosts"
 CATALOGUE_KNOWN_KEY = CATALOGUE_PREFIX + "known"
 CATALOGUE_META_KEY = CATALOGUE_PREFIX + "meta"
+
+#: The fleet's inference statistics (fleet_stats.py): ``asyncinfer:stats:<model>:<worker>`` hash of
+#: one worker's counts of one model; ``asyncinfer:stats:index`` set of ``model\tworker``.
+STATS_PREFIX = KEY_PREFIX + "stats:"
+STATS_INDEX_KEY = STATS_PREFIX + "index"

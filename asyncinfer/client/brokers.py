@@ -10,6 +10,7 @@ queue, its result, its catalogue check are on that broker.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import redis
 from celery import Celery
@@ -24,6 +25,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.connections import bounded_client, broker_error, is_redis_url
 from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import AsyncInferError
+from asyncinfer.fleet_stats import FleetStats
 from asyncinfer.redis_urls import masked_url
 
 __all__ = ["BrokerGroup", "RoutedGroups"]
@@ -58,6 +60,17 @@ class BrokerGroup:
             return self.catalogue.read()
         except redis.RedisError as exc:
             raise self.sender.broker_error(broker_error("models", exc)) from exc
+
+    def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
+        """This broker's fleet statistics in Triton's form (fleet_stats.py): of ``model``, or of
+        every model with counts ([] on a result backend that is not Redis)."""
+        if self.catalogue is None:
+            return []
+        fleet = FleetStats(self.catalogue.client, retention_s=self.settings.model_retention_s)
+        try:
+            return fleet.model_stats(model=model)
+        except redis.RedisError as exc:
+            raise self.sender.broker_error(broker_error("statistics", exc)) from exc
 
     def ping(self) -> None:
         """Raise BrokerUnavailable (one line) unless the broker and the result backend answer."""

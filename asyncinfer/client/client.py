@@ -32,6 +32,7 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
+from asyncinfer.fleet_stats import triton_stats
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -110,6 +111,19 @@ class Client:
         if self._routes is not None:
             return self._routes.models(stale_ok=stale_ok)
         return self._group.models()
+
+    def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
+        """The fleet's inference statistics in Triton's form (``model_stats``, fleet_stats.py):
+        of ``model``, or of every model with counts or in the catalogue."""
+        if model is not None:
+            return self._group_for(model).statistics(model)
+        found: dict[str, dict[str, Any]] = {}
+        for group in [self._group] if self._routes is None else self._routes.every():
+            for stats in group.statistics():
+                found.setdefault(stats["name"], stats)  # a model's own broker first
+        for name in self.models():  # those no worker counted yet: zeros
+            found.setdefault(name, triton_stats(name, []))
+        return [found[name] for name in sorted(found)]
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""

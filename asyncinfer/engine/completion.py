@@ -32,10 +32,13 @@ class Completed:
 
 
 def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: str, device: str,
-            on_batch: BatchObserver) -> None:
+            on_batch: BatchObserver, launched: float | None = None,
+            device_s: float | None = None) -> None:
     """Give each request of a finished batch exactly its own rows of ``outputs`` (those already
     answered, by a revoke or a time limit, are skipped); ModelError if an output's rows do not add
-    up to the batch."""
+    up to the batch. ``launched`` (a ``perf_counter`` reading) and ``device_s``: when the batch
+    went onto the device and how long it took there (None: not known; its whole time counts as
+    the device's)."""
     finished = time.perf_counter()
     rows = [item.rows for item in items]
     total = sum(rows)
@@ -47,8 +50,11 @@ def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: st
                              f"for a batch of {total}")
     pieces = {name: split_rows(value, rows) for name, value in outputs.items()}
     compute_ms = (finished - started) * 1000.0
-    on_batch(model, device, total, finished - started,
-             [started - item.received_at for item in items])
+    compute_s = finished - started
+    input_s = max(0.0, launched - started) if launched else 0.0
+    infer_s = min(device_s, compute_s - input_s) if device_s is not None else compute_s - input_s
+    on_batch(model, device, total, compute_s, [started - item.received_at for item in items],
+             (input_s, infer_s, max(0.0, compute_s - input_s - infer_s)))
     for i, item in enumerate(items):
         if item.future.done():  # revoked after its batch was formed
             continue

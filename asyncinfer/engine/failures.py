@@ -18,8 +18,10 @@ __all__ = ["BatchObserver", "Transient", "TRANSIENT_CAUSES", "is_transient"]
 #: Decides whether a model's exception is worth retrying.
 Transient = Callable[[BaseException], bool]
 
-#: Hears of each finished batch: ``(model, device, rows, compute_s, waits_s)``.
-BatchObserver = Callable[[str, str, int, float, Sequence[float]], None]
+#: Hears of each finished batch: ``(model, device, rows, compute_s, waits_s, phases_s)``;
+#: ``phases_s``: its ``compute_s`` in three, (formed → launched: preprocess; launched → results on
+#: the host: copies and forward; → delivered: postprocess and the split).
+BatchObserver = Callable[[str, str, int, float, Sequence[float], tuple[float, float, float]], None]
 
 #: Failures that may pass: device out of memory, the accelerator runtime's own errors, and a
 #: lost connection (a model that calls out).

@@ -328,7 +328,7 @@ class ModelRunner:
                 on_host()
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
-        self._deliver_batch(job.items, outputs, job.started, job.device_s)
+        self._deliver_batch(job.items, outputs, job.started, job.device_s, job.launched)
 
     def _whole(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
         self._prepare(job)
@@ -386,11 +386,12 @@ class ModelRunner:
                 for i, t in enumerate(first)}
 
     def _deliver_batch(self, items: Sequence[WorkItem], outputs: Batch, started: float,
-                       device_s: float | None) -> None:
+                       device_s: float | None, launched: float | None = None) -> None:
         if device_s is not None:
             self.batch_s = device_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * device_s
         with self._hooks().settling():
-            deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch)
+            deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch,
+                    launched, device_s)
 
 
 def _forward_only(job: _Job) -> bool:

@@ -3,8 +3,8 @@
 Triton's clients (``tritonclient.grpc``, perf_analyzer, ...) call it as they call Triton: the
 messages (proto/inference.proto) carry Triton's field numbers, and the methods are registered
 under Triton's service name. Only the calls the gateway can answer are registered (health,
-metadata, model config, infer); any other method of the service (ModelStatistics,
-RepositoryIndex, shared memory, streaming, ...) gets gRPC's own UNIMPLEMENTED.
+metadata, model config, infer, model statistics); any other method of the service
+(RepositoryIndex, shared memory, streaming, ...) gets gRPC's own UNIMPLEMENTED.
 
 Errors are aborts with the gRPC code :class:`~asyncinfer.gateway.service.GatewayError` maps to
 (429 → RESOURCE_EXHAUSTED also sends ``retry-after`` trailing metadata, in seconds). A client
@@ -188,6 +188,21 @@ def _model_config(config: Mapping[str, Any]) -> pb.ModelConfig:
                                dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])])
 
 
+def _statistics_response(model_stats: list[Mapping[str, Any]]) -> pb.ModelStatisticsResponse:
+    """Triton's ModelStatisticsResponse of the statistics' JSON form (its extra key left out)."""
+    response = pb.ModelStatisticsResponse()
+    for entry in model_stats:
+        stats = response.model_stats.add(
+            name=entry["name"], version=entry["version"], last_inference=entry["last_inference"],
+            inference_count=entry["inference_count"], execution_count=entry["execution_count"])
+        for name, duration in entry["inference_stats"].items():
+            getattr(stats.inference_stats, name).CopyFrom(pb.StatisticDuration(**duration))
+        for batch in entry["batch_stats"]:
+            stats.batch_stats.add(**{k: v if k == "batch_size" else pb.StatisticDuration(**v)
+                                     for k, v in batch.items()})
+    return response
+
+
 # -- the methods ---------------------------------------------------------------------------------
 
 def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[Message]]]:
@@ -229,7 +244,14 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         call = await off_loop_if_large(request.ByteSize(), _call, request, timeout_s)
         return _infer_response(await service.infer(call))
 
+    async def model_statistics(request: pb.ModelStatisticsRequest,
+                               context: Any) -> pb.ModelStatisticsResponse:
+        stats = await service.model_statistics(request.name, request.version)
+        return _statistics_response(stats["model_stats"])
+
     return {
+        "ModelStatistics": (model_statistics, pb.ModelStatisticsRequest,
+                            pb.ModelStatisticsResponse),
         "ServerLive": (server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
         "ServerReady": (server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
         "ModelReady": (model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),

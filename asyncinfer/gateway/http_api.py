@@ -76,6 +76,16 @@ async def model_config(request: web.Request) -> web.Response:
         return _error(exc)
 
 
+async def model_statistics(request: web.Request) -> web.Response:
+    """Triton's statistics extension: every model's (``/v2/models/stats``) or one model's."""
+    model = request.match_info.get("model", "")
+    try:
+        return _json(await request.app[_SERVICE].model_statistics(
+            model, request.match_info.get("version", "")))
+    except GatewayError as exc:
+        return _error(exc)
+
+
 async def model_ready(request: web.Request) -> web.Response:
     service = request.app[_SERVICE]
     model, version = _model(request)
@@ -186,6 +196,9 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
         web.get("/v2/health/live", live),
         web.get("/v2/health/ready", ready),
         web.get("/v2", server_metadata),
+        web.get("/v2/models/stats", model_statistics),
+        web.get("/v2/models/{model}/stats", model_statistics),
+        web.get("/v2/models/{model}/versions/{version}/stats", model_statistics),
         web.get("/v2/models/{model}", model_metadata),
         web.get("/v2/models/{model}/versions/{version}", model_metadata),
         web.get("/v2/models/{model}/ready", model_ready),

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "asyncinfer"
 #: What ``GET /v2`` and ServerMetadata advertise.
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 #: Data above this size (bytes) is converted off the event loop: the client's own bound for
@@ -251,6 +251,24 @@ class Service:
                 "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
                 "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
                 "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []]}
+
+    async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
+        """Triton's statistics (``{"model_stats": [...]}``) of ``model``, or of every model the
+        fleet counted or knows (empty name), summed over the workers (fleet_stats.py).
+
+        Raises:
+            GatewayError: 404 for a model the fleet does not know, or not that version.
+        """
+        versions = ["1"]
+        if model:
+            versions = (await self.entry(model, version)).versions
+        try:
+            stats = await self._off_loop(lambda: self.client.statistics(model or None))
+        except errors.BrokerUnavailable as exc:
+            raise GatewayError(503, str(exc)) from exc
+        for entry in stats:
+            entry["version"] = version or versions[0]
+        return {"model_stats": stats}
 
     # -- infer -----------------------------------------------------------------------------------
 

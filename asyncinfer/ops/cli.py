@@ -2,7 +2,7 @@
 
 commands: up (broker + a worker per device + a gateway; --detach), down, worker (one device
 worker), gateway (KServe v2 HTTP/gRPC), infer, submit, result, cancel, purge, status, models,
-config, dead (dead letters), bench.
+stats, config, dead (dead letters), bench.
 """
 
 from __future__ import annotations
@@ -245,6 +245,22 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from asyncinfer.ops.stats import format_stats
+
+    with _client(args) as client:
+        client.ping()
+        if args.model and args.model not in client.models():
+            print(f"model '{args.model}' is unknown: no worker announced it", file=sys.stderr)
+            return 1
+        stats = client.statistics(args.model)
+        if args.json:
+            print(json.dumps({"model_stats": stats}, sort_keys=True))
+        else:
+            print(format_stats(stats, workers=args.workers))
+    return 0
+
+
 def cmd_dead(args: argparse.Namespace) -> int:
     from asyncinfer.ops.dead import run_dead
 
@@ -341,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="the model catalogue: models, versions, ready, workers")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("stats", help="inference statistics (Triton's), summed over the fleet")
+    p.add_argument("model", nargs="?", help="one model (default: every model)")
+    p.add_argument("--workers", action="store_true", help="a line per worker and per device too")
+    p.add_argument("--json", action="store_true", help="Triton's JSON form instead of the table")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gateway", help="KServe v2 / Triton HTTP and gRPC in front of the fleet")
     p.add_argument("--host", help="address to listen on (default ASYNCINFER_GATEWAY_HOST or 127.0.0.1)")

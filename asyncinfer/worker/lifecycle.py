@@ -14,6 +14,7 @@ options within the fleet's retry budget).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +123,9 @@ class Settlement:
         """The request ended in FAILURE: its one log line, its metric, its event."""
         log.warning(FAILED_FORMAT, printable(_id_of(request)), model, worker or self.hostname,
                     type(exc).__name__, printable(exc, 1000))
-        self.metrics.record_outcome(model, self.device, states.FAILURE, exc)
+        taken_at = getattr(request, "received_at", 0.0)  # a taken message's take
+        self.metrics.record_outcome(model, self.device, states.FAILURE, exc,
+                                    time.perf_counter() - taken_at if taken_at else 0.0)
         if self.events is not None:
             self.events.finished(request, states.FAILURE, exc)
 

@@ -10,7 +10,8 @@ worker calls :meth:`~WorkerMetrics.record_batch` once per device batch,
 scraped, from the sources the worker registers with :meth:`~WorkerMetrics.watch`.
 
 The same counts feed :meth:`~WorkerMetrics.throughput_per_s`, the recent requests per second that
-``asyncinfer status`` shows.
+``asyncinfer status`` shows, and :attr:`~WorkerMetrics.stats`, the worker's share of the fleet
+statistics (worker/stats.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -27,6 +28,7 @@ from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.registry import Collector
 
 from asyncinfer.metrics_registry import process_registry
+from asyncinfer.worker.stats import StatsCounts
 
 __all__ = ["WorkerMetrics", "THROUGHPUT_WINDOW_S"]
 
@@ -133,6 +135,8 @@ class WorkerMetrics:
         self._in_flight: Callable[[], int] | None = None
         self.registry.register(_Gauges(self))
         self._server: Any = None
+        #: What the fleet statistics get from this worker (flushed to Redis by its StatsFlusher).
+        self.stats = StatsCounts()
 
     def _of(self, model: str, device: str) -> _Children:
         found = self._children.get((model, device))
@@ -145,9 +149,12 @@ class WorkerMetrics:
         return found
 
     def record_batch(self, model: str, device: str, rows: int, compute_s: float,
-                     queue_waits_s: Iterable[float] = ()) -> None:
-        """One device batch of ``rows`` rows took ``compute_s``; its requests waited
-        ``queue_waits_s``."""
+                     queue_waits_s: Sequence[float] = (),
+                     phases_s: tuple[float, float, float] | None = None) -> None:
+        """One device batch of ``rows`` rows took ``compute_s`` (``phases_s``: preprocess, device,
+        postprocess); its requests waited ``queue_waits_s``."""
+        self.stats.record_batch(model, rows, len(queue_waits_s), queue_waits_s,
+                                phases_s or (0.0, compute_s, 0.0))
         children = self._of(model, device)
         children.batch.observe(rows)
         children.compute.observe(compute_s)
@@ -156,8 +163,9 @@ class WorkerMetrics:
             observe(wait_s)
 
     def record_outcome(self, model: str, device: str, state: str,
-                       exc: BaseException | None = None) -> None:
-        """One request ended in ``state`` (Celery's ``SUCCESS``, ``FAILURE``, ``REVOKED``)."""
+                       exc: BaseException | None = None, duration_s: float = 0.0) -> None:
+        """One request ended in ``state`` (Celery's ``SUCCESS``, ``FAILURE``, ``REVOKED``),
+        ``duration_s`` after the worker took it (0: not known)."""
         children = self._of(model, device)
         if state == "SUCCESS":
             children.success.inc()
@@ -165,6 +173,7 @@ class WorkerMetrics:
             children.revoked.inc()
         else:
             children.failure(type(exc).__name__ if exc is not None else state).inc()
+            self.stats.record_failure(model, duration_s)
         self._finished.add(1)
 
     def count_retry(self, model: str, device: str) -> None:

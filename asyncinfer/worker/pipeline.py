@@ -37,7 +37,7 @@ from typing import Any
 
 from celery import Celery
 
-from asyncinfer.constants import TASK_NAME, queue_of_list
+from asyncinfer.constants import TASK_NAME, model_from_queue, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.envelope import (
@@ -48,6 +48,7 @@ from asyncinfer.wire.envelope import (
     printable,
     tag_in,
 )
+from asyncinfer.wire.messages import SENT_AT
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.first_attempts import FirstAttempts
@@ -121,6 +122,20 @@ class Pipeline:
                                        if not d.started and self._should_start(d)], self.hostname)
         self._start_all(deliveries)
         self.first_attempts.add(deliveries)  # after: the budget's count is not on their path
+        self._count_redis_waits(deliveries)
+
+    def _count_redis_waits(self, deliveries: list[TakenMessage]) -> None:
+        """Add how long each message lay in Redis (its ``asyncinfer_sent_at`` → now) to the
+        statistics of its model, one call per model of the take."""
+        now = time.time()
+        waits: dict[str, list[float]] = {}
+        for d in deliveries:
+            sent = (d.envelope.get("properties") or {}).get(SENT_AT)
+            model = model_from_queue(d.queue)
+            if isinstance(sent, (int, float)) and model is not None:
+                waits.setdefault(model, []).append(now - sent)
+        for model, model_waits in waits.items():
+            self.runtime.metrics.stats.record_redis_waits(model, model_waits)
 
     def _parse(self, taken: list[tuple[TakenMessage, bool]]) -> list[TakenMessage]:
         """The messages of ``taken`` that are kombu envelopes, held; each other one answered

@@ -33,6 +33,7 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.worker.announcer import Announcer, announcer_for
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
+from asyncinfer.worker.stats import StatsFlusher, flusher_for
 
 if TYPE_CHECKING:
     from asyncinfer.worker.intake.consumer import PipelineConsumer
@@ -67,6 +68,8 @@ class Worker:
         #: What feeds its pipeline, once it runs: the fast consumer, or the kombu intake.
         self.consumer: PipelineConsumer | None = None
         self.announcer: Announcer | None = None
+        #: Adds the worker's counts to the fleet statistics in Redis (from its first announcement).
+        self.stats_flusher: StatsFlusher | None = None
         self._runtime: WorkerRuntime | None = None
         self._policy: Policy | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
@@ -152,6 +155,9 @@ class Worker:
 
             self.announcer = announcer_for(self.settings, name or self.name, runtime.device.label,
                                            hosted)
+            if self.stats_flusher is None:
+                self.stats_flusher = flusher_for(self.settings, name or self.name,
+                                                 runtime.device.label, self.metrics.stats)
             return self.announcer
 
     def withdraw(self) -> None:
@@ -193,6 +199,9 @@ class Worker:
             runtime, self._runtime = self._runtime, None
         if runtime is not None:
             runtime.close()
+        flusher, self.stats_flusher = self.stats_flusher, None
+        if flusher is not None:  # after the runtime: the last batches are counted
+            flusher.stop()
         self.metrics.close()
 
 

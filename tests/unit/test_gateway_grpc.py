@@ -23,6 +23,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from asyncinfer.fleet_stats import triton_stats
 from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor
@@ -35,6 +36,18 @@ METADATA = {"name": "echo", "versions": ["1"], "platform": "pytorch",
 CONFIG = {"name": "echo", "platform": "pytorch", "backend": "asyncinfer", "max_batch_size": 8,
           "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
           "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": [4]}]}
+#: Two workers' counts of ``echo`` as fleet_stats.FleetStats.read gives them.
+STATS_WORKERS = [
+    {"worker": "w1", "device": "cpu", "execution_count": 2, "inference_count": 5,
+     "success_count": 3, "success_ns": 9000, "fail_count": 1, "fail_ns": 0, "queue_count": 3,
+     "queue_ns": 600, "compute_infer_count": 3, "compute_infer_ns": 7000, "last_inference": 1700,
+     "batch:1:compute_infer_count": 1, "batch:1:compute_infer_ns": 1000,
+     "batch:4:compute_infer_count": 1, "batch:4:compute_infer_ns": 2000},
+    {"worker": "w2", "device": "cuda:0", "execution_count": 1, "inference_count": 4,
+     "success_count": 1, "success_ns": 3000, "queue_count": 1, "queue_ns": 100,
+     "compute_input_count": 1, "compute_input_ns": 50, "last_inference": 1900,
+     "batch:4:compute_infer_count": 1, "batch:4:compute_infer_ns": 2500},
+]
 WORKER_PARAMETERS = {"worker": "w1", "device": "cpu", "batch_size": 4, "queue_ms": 1.5,
                      "compute_ms": 2.25}
 
@@ -73,6 +86,11 @@ class FakeService:
     async def model_config(self, model: str, version: str = "") -> dict[str, Any]:
         self._check(model)
         return CONFIG
+
+    async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
+        if model:
+            self._check(model)
+        return {"model_stats": [triton_stats("echo", STATS_WORKERS, version or "1")]}
 
     async def infer(self, call: InferCall) -> InferResult:
         self.calls.append(call)
@@ -185,9 +203,47 @@ def test_a_bug_answers_internal(served: Served) -> None:
     assert "RuntimeError: a bug" in str(exc.value.message())
 
 
+def test_statistics_reach_tritonclient_as_the_json_form_says(served: Served) -> None:
+    expected = triton_stats("echo", STATS_WORKERS)
+    del expected["asyncinfer"], expected["memory_usage"]  # not on Triton's wire
+    for name in ("echo", ""):
+        got = served.client.get_inference_statistics(name, as_json=True)
+        (stats,) = got["model_stats"]
+        # protobuf's JSON writes uint64 as text and leaves zeros out
+        assert _without_zeros(_ints(stats)) == _without_zeros(expected)
+    stats = served.client.get_inference_statistics("echo").model_stats[0]
+    assert (stats.inference_count, stats.execution_count, stats.last_inference) == (9, 3, 1900)
+    assert (stats.inference_stats.success.count, stats.inference_stats.success.ns) == (4, 12000)
+    assert [(b.batch_size, b.compute_infer.count, b.compute_infer.ns)
+            for b in stats.batch_stats] == [(1, 1, 1000), (4, 2, 4500)]
+    with pytest.raises(InferenceServerException) as exc:
+        served.client.get_inference_statistics("missing")
+    assert _status(exc) == "StatusCode.NOT_FOUND"
+
+
+_UINT64 = {"count", "ns", "batch_size", "last_inference", "inference_count", "execution_count"}
+
+
+def _ints(value: Any) -> Any:
+    """protobuf's JSON form with its uint64 text as integers again."""
+    if isinstance(value, dict):
+        return {k: int(v) if k in _UINT64 else _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    return value
+
+
+def _without_zeros(value: Any) -> Any:
+    if isinstance(value, dict):
+        kept = {k: _without_zeros(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in (0, {}, [])}
+    if isinstance(value, list):
+        return [_without_zeros(v) for v in value]
+    return value
+
+
 def test_methods_not_served_are_unimplemented(served: Served) -> None:
-    for call in (lambda: served.client.get_inference_statistics("echo"),
-                 lambda: served.client.get_model_repository_index(),
+    for call in (lambda: served.client.get_model_repository_index(),
                  lambda: served.client.get_system_shared_memory_status()):
         with pytest.raises(InferenceServerException) as exc:
             call()

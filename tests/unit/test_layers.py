@@ -56,6 +56,9 @@ PLACES: dict[str, str] = {
     # the catalogue's keys and scripts: the contract in Redis between the workers that announce
     # their models and the clients and gateway that read it, as keys.py is
     "asyncinfer.catalogue": "wire",
+    # the fleet statistics' keys and form: the contract in Redis between the workers that add
+    # their counts and the clients and gateway that sum them, as the catalogue is
+    "asyncinfer.fleet_stats": "wire",
     "asyncinfer.config": "config",
     "asyncinfer.connections": "config",  # Redis clients for the URLs the settings name
     "asyncinfer.celery_app": "config",  # the app, built from the settings

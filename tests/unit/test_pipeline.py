@@ -27,6 +27,7 @@ from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.pipeline import Pipeline
@@ -87,6 +88,7 @@ class Runtime:
         self.submitted: dict[str, dict[str, Any]] = {}
         self.on_device: set[str] = set()
         self.timer = Timer()
+        self.metrics = WorkerMetrics()
 
     def runners(self) -> list[Any]:
         return []
@@ -139,6 +141,8 @@ def test_good_requests_go_to_the_device_and_a_malformed_one_fails_alone() -> Non
     [malformed] = writer.outcomes
     assert malformed.state == states.FAILURE and not malformed.delivery.tag
     assert holdings.in_flight == 3  # held until written
+    counts, _ = runtime.metrics.stats.take()  # each message's time in Redis, from its sent_at
+    assert counts["m"]["redis_wait_count"] == 2 and counts["m"]["redis_wait_ns"] >= 0
 
 
 def test_each_rule_answers_its_requests_and_the_rest_go_on() -> None:
