@@ -45,7 +45,7 @@ from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
-from asyncinfer.worker.output import kombu_acks
+from asyncinfer.worker.output import cache_write, kombu_acks
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
@@ -362,6 +362,8 @@ class ResultWriter:
             value = encode_meta(self.backend, meta)
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
+            if outcome.state == states.SUCCESS and d.cache_key and self.shared:
+                cache_write.queue_write(pushes, self.app, d, outcome.result)
         add_dead_letter(pushes, self.app, outcome, self.worker)
         # no tag: a malformed message never recorded, or one of kombu's
         return key, value, reply_to, "" if kombu else d.tag or ""

@@ -1,0 +1,59 @@
+"""The worker's side of the response cache (response_cache.py): which requests fill it, and the
+write of an answer, queued in the transaction that stores the result.
+
+Only a successful answer is written (the result writer calls :func:`queue_write` for state
+SUCCESS alone): a failure, a retry, a revocation, an answer that could not be encoded, or a
+request whose own row of a batch failed never reaches the cache. The worker does not read the
+cache: the look-up happens at submit, in the publish script, where a hit saves the queue too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery, states
+
+from asyncinfer import response_cache
+from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.wire.cache_key import cache_key
+from asyncinfer.wire.envelope import result_meta
+from asyncinfer.wire.result_json import encode_meta
+from asyncinfer.worker.dead_letters import options_of
+from asyncinfer.worker.intake.taken import TakenMessage
+
+__all__ = ["cache_key_of", "queue_write"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_key_of(app: Celery, d: TakenMessage, kwargs: Any) -> str:
+    """The response cache entry ``d``'s answer fills: '' unless its model caches answers
+    (``response_cache``) and the request is keyable and does not bypass it."""
+    model = model_from_queue(d.queue)
+    if not model or d.headers.get("task") != TASK_NAME or not isinstance(kwargs, Mapping):
+        return ""
+    if not options_of(app, model).response_cache:
+        return ""
+    return cache_key(model, kwargs) or ""
+
+
+def queue_write(pushes: Any, app: Celery, d: TakenMessage, response: Any) -> None:
+    """Queue the write of ``d``'s successful ``response`` to its cache entry on ``pushes``: its
+    meta around a mark for the request ID, with ``cache_hit`` in its parameters. Never fails the
+    request (an answer that cannot be cached is logged and stands)."""
+    try:
+        cached = dict(response)
+        cached["id"] = response_cache.MARK
+        cached["parameters"] = {**(cached.get("parameters") or {}), "cache_hit": True}
+        meta = result_meta(response_cache.MARK, states.SUCCESS, cached,
+                           parent_id=d.headers.get("parent_id"))
+        stored = response_cache.template(encode_meta(app.backend, meta))
+        model = model_from_queue(d.queue) or d.queue
+        options = options_of(app, model)
+        response_cache.write(pushes, d.cache_key, model, stored,
+                             ttl_s=options.response_cache_ttl_s,
+                             max_entries=options.response_cache_max_entries)
+    except Exception:  # noqa: BLE001 - the answer stands; it is only not cached
+        log.exception("request %s: its answer could not be cached", d.request_id)
