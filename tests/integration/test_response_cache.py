@@ -18,7 +18,7 @@ from asyncinfer.keys import RESPONSE_CACHE_PREFIX, response_cache_index_key
 from asyncinfer.response_cache import cache_stats
 from tests.support.databases import RedisDatabase, RedisDatabases
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks
-from tests.support.processes import WorkerProcess, start_worker
+from tests.support.processes import WorkerProcess, start_gateway, start_worker
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,3 +154,30 @@ def test_an_answer_expires_after_its_ttl(
     wait_for(lambda: not db.client.exists(entry), 10, "the cached answer to expire", poll_s=0.05)
     again = client.infer("sleep", _row(0.001), timeout_s=30)
     assert "cache_hit" not in again.raw["parameters"] and len(marks.batches()) == 2
+
+
+def test_a_hit_through_the_gateway(cached: tuple[RedisDatabase, WorkerProcess],
+                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    import tritonclient.http as httpclient
+
+    db, _ = cached
+    gateway = start_gateway(db.url, tmp_path_factory.mktemp("cache-gateway") / "gateway.log",
+                            ASYNCINFER_MODEL_OPTIONS=OPTIONS)
+    http = httpclient.InferenceServerClient(gateway.http_url)
+    try:
+        marks = ForwardMarks(db.client, "poison")
+
+        def infer(request_id: str) -> httpclient.InferResult:
+            tensor = httpclient.InferInput("input", [1, 1], "FP32")
+            tensor.set_data_from_numpy(_row(20.5), binary_data=True)
+            return http.infer("poison", [tensor], request_id=request_id)
+
+        first, second = infer("gw-1"), infer("gw-2")
+        # the second is answered from the cache, under its own ID, with the same tensor
+        assert len(marks.batches()) == 1
+        assert second.get_response()["id"] == "gw-2"
+        assert second.as_numpy("output").tolist() == first.as_numpy("output").tolist() == [[41.0]]
+        assert second.as_numpy("output").dtype == np.float32
+    finally:
+        http.close()
+        gateway.stop()

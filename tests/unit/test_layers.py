@@ -55,6 +55,9 @@ PLACES: dict[str, str] = {
     # the catalogue's keys and scripts: the contract in Redis between the workers that announce
     # their models and the clients and gateway that read it, as keys.py is
     "asyncinfer.catalogue": "wire",
+    # the response cache's scripts, templates and counts: the contract in Redis between the
+    # workers that fill it and the clients and gateway whose publish reads it
+    "asyncinfer.response_cache": "wire",
     "asyncinfer.config": "config",
     "asyncinfer.connections": "config",  # Redis clients for the URLs the settings name
     "asyncinfer.celery_app": "config",  # the app, built from the settings
