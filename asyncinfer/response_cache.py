@@ -42,20 +42,22 @@ __all__ = ["template", "fill", "write", "cache_stats", "purge", "WRITE_SCRIPT", 
 MARK = f"asyncinfer-cached-request-id-{secrets.token_hex(16)}"
 _QUOTED_MARK = json.dumps(MARK)
 
-# Store one answer and keep the model's bound. KEYS: the entry, the model's index. ARGV: the
-# template, TTL (ms), max entries, now (ms).
+# Store answers of one model and keep its bound. KEYS: the model's index, then each entry.
+# ARGV: TTL (ms), max entries, now (ms), then each entry's template.
 WRITE_SCRIPT = r"""
-local ttl, bound, now = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-redis.call('ZADD', KEYS[2], now, KEYS[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
-local excess = redis.call('ZCARD', KEYS[2]) - bound
-if excess > 0 then
-  local oldest = redis.call('ZRANGE', KEYS[2], 0, excess - 1)
-  redis.call('DEL', unpack(oldest))
-  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
+local ttl, bound, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[i + 2], 'PX', ttl)
+  redis.call('ZADD', KEYS[1], now, KEYS[i])
 end
-redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+local excess = redis.call('ZCARD', KEYS[1]) - bound
+if excess > 0 then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, excess - 1)
+  for _, key in ipairs(oldest) do redis.call('DEL', key) end
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1)
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
 return excess
 """
 
@@ -78,12 +80,19 @@ def fill(stored: bytes, request_id: str) -> bytes:
     return json.dumps(request_id).encode().join(pieces)
 
 
-def write(pipe: Any, key: str, model: str, stored: bytes, *, ttl_s: float, max_entries: int,
-          now_ms: int | None = None) -> None:
-    """Queue the write of one cached answer on ``pipe`` (the worker's result transaction)."""
+def write(pipe: Any, model: str, entries: list[tuple[str, bytes]], *, ttl_s: float,
+          max_entries: int, now_ms: int | None = None) -> None:
+    """Queue the write of ``model``'s cached answers (key, template) on ``pipe`` (the worker's
+    result transaction). As EVAL, not a registered script: a pipeline holding one asks Redis
+    whether it has the script first, a round trip per write; EVAL of a script Redis has seen
+    costs it a hash of the text."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    pipe.eval(WRITE_SCRIPT, 2, key, response_cache_index_key(model), stored,
-              max(1, int(ttl_s * 1000)), max_entries, now_ms)
+    # a few slices for a very large batch: one script call holds Redis while it runs
+    for start in range(0, len(entries), 1024):
+        part = entries[start:start + 1024]
+        pipe.eval(WRITE_SCRIPT, 1 + len(part), response_cache_index_key(model),
+                  *(key for key, _ in part), max(1, int(ttl_s * 1000)), max_entries, now_ms,
+                  *(stored for _, stored in part))
 
 
 def cache_stats(client: Any, model: str) -> dict[str, int]:

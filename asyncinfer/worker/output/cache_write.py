@@ -23,7 +23,7 @@ from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.dead_letters import options_of
 from asyncinfer.worker.intake.taken import TakenMessage
 
-__all__ = ["cache_key_of", "queue_write"]
+__all__ = ["cache_key_of", "CacheWrites"]
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +39,36 @@ def cache_key_of(app: Celery, d: TakenMessage, kwargs: Any) -> str:
     return cache_key(model, kwargs) or ""
 
 
-def queue_write(pushes: Any, app: Celery, d: TakenMessage, response: Any) -> None:
-    """Queue the write of ``d``'s successful ``response`` to its cache entry on ``pushes``: its
-    meta around a mark for the request ID, with ``cache_hit`` in its parameters. Never fails the
-    request (an answer that cannot be cached is logged and stands)."""
-    try:
-        cached = dict(response)
-        cached["id"] = response_cache.MARK
-        cached["parameters"] = {**(cached.get("parameters") or {}), "cache_hit": True}
-        meta = result_meta(response_cache.MARK, states.SUCCESS, cached,
-                           parent_id=d.headers.get("parent_id"))
-        stored = response_cache.template(encode_meta(app.backend, meta))
+class CacheWrites:
+    """The cache writes of one stored part of a batch, gathered per model (:meth:`add`), then
+    queued with one script call per model on the part's transaction (:meth:`queue`)."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._by_model: dict[str, list[tuple[str, bytes]]] = {}
+
+    def add(self, d: TakenMessage, response: Any) -> None:
+        """Gather ``d``'s successful ``response`` for its cache entry: its meta around a mark for
+        the request ID, with ``cache_hit`` in its parameters. Never fails the request (an answer
+        that cannot be cached is logged and stands)."""
+        try:
+            cached = dict(response)
+            cached["id"] = response_cache.MARK
+            cached["parameters"] = {**(cached.get("parameters") or {}), "cache_hit": True}
+            meta = result_meta(response_cache.MARK, states.SUCCESS, cached,
+                               parent_id=d.headers.get("parent_id"))
+            stored = response_cache.template(encode_meta(self.app.backend, meta))
+        except Exception:  # noqa: BLE001 - the answer stands; it is only not cached
+            log.exception("request %s: its answer could not be cached", d.request_id)
+            return
         model = model_from_queue(d.queue) or d.queue
-        options = options_of(app, model)
-        response_cache.write(pushes, d.cache_key, model, stored,
-                             ttl_s=options.response_cache_ttl_s,
-                             max_entries=options.response_cache_max_entries)
-    except Exception:  # noqa: BLE001 - the answer stands; it is only not cached
-        log.exception("request %s: its answer could not be cached", d.request_id)
+        self._by_model.setdefault(model, []).append((d.cache_key, stored))
+
+    def queue(self, pipe: Any) -> None:
+        """Queue what was gathered on ``pipe``, and start again."""
+        for model, entries in self._by_model.items():
+            options = options_of(self.app, model)
+            response_cache.write(pipe, model, entries,
+                                 ttl_s=options.response_cache_ttl_s,
+                                 max_entries=options.response_cache_max_entries)
+        self._by_model = {}

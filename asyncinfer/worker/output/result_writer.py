@@ -118,6 +118,8 @@ class ResultWriter:
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.store = StoreScript(broker, self.expires_s)
+        #: Successful answers of response-cached models, written with their part.
+        self._cache_writes = cache_write.CacheWrites(app)
         self._started: tuple[str, str, str] | None = None
         self._for_take: StartedText | None = None
         #: Called with each batch before its first write (may change outcomes: the retry budget),
@@ -282,6 +284,7 @@ class ResultWriter:
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
+        self._cache_writes.queue(pushes)
         acks = entries
         if not self.shared:
             results = [(k, v, r, "") for k, v, r, _ in entries if k]
@@ -363,7 +366,7 @@ class ResultWriter:
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
             if outcome.state == states.SUCCESS and d.cache_key and self.shared:
-                cache_write.queue_write(pushes, self.app, d, outcome.result)
+                self._cache_writes.add(d, outcome.result)
         add_dead_letter(pushes, self.app, outcome, self.worker)
         # no tag: a malformed message never recorded, or one of kombu's
         return key, value, reply_to, "" if kombu else d.tag or ""
