@@ -9,9 +9,10 @@ clients and the workers alike). Where each part happens:
   and on a hit stores the cached answer under the request's own ID, announces it as a worker
   would, and pushes nothing. It is the round trip the publish makes anyway: a hit costs no extra
   round trip, and neither does a miss. A hit skips the queue, the worker and the device.
-- **the write, by the worker**, with the result it stores for a successful request (result_writer.py:
-  in the same transaction). A failure, a retry, a revocation or an answer that could not be
-  encoded is never cached; nor is a request of a batch whose own row failed.
+- **the write, by the worker**, in the round trip that stores the results of a batch, just before
+  them (one script call per model; worker/output/cache_write.py): once an answer is out, a
+  repeat of its request finds it. A failure, a retry, a revocation or an answer that could not be
+  encoded is never cached, nor a request whose own row of a batch failed.
 - **the bound**: every entry has a TTL (``response_cache_ttl_s``), and a model keeps at most
   ``response_cache_max_entries`` (a sorted set of its entries by write time, trimmed by the write
   that passes the bound: the oldest go first). The bound is ours rather than Redis'
@@ -82,10 +83,9 @@ def fill(stored: bytes, request_id: str) -> bytes:
 
 def write(pipe: Any, model: str, entries: list[tuple[str, bytes]], *, ttl_s: float,
           max_entries: int, now_ms: int | None = None) -> None:
-    """Queue the write of ``model``'s cached answers (key, template) on ``pipe`` (the worker's
-    result transaction). As EVAL, not a registered script: a pipeline holding one asks Redis
-    whether it has the script first, a round trip per write; EVAL of a script Redis has seen
-    costs it a hash of the text."""
+    """Queue the write of ``model``'s cached answers (key, template) on ``pipe``. As EVAL, not a
+    registered script: a pipeline holding one asks Redis whether it has the script first, a round
+    trip per write; EVAL of a script Redis has seen costs it a hash of the text."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     # a few slices for a very large batch: one script call holds Redis while it runs
     for start in range(0, len(entries), 1024):

@@ -6,7 +6,7 @@ TTL and the size bound hold, a request can bypass it. The test models mark each 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -103,29 +103,33 @@ def test_a_one_bit_change_of_input_misses(
         "output").tobytes()
 
 
-def test_a_failed_request_is_not_cached(
-        client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:
-    db, _ = cached
+def _twice_uncached(db: RedisDatabase, send: Callable[[], None]) -> None:
+    """``send`` a request twice: it runs on the device both times and leaves no cache entry."""
     marks = ForwardMarks(db.client, "poison")
     before = _entries(db, "poison")
-    for _ in range(2):
+    send()
+    send()
+    assert len(marks.batches()) == 2
+    assert not [k for k in _entries(db, "poison") if k not in before]
+
+
+def test_a_failed_request_is_not_cached(
+        client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:
+    def send() -> None:
         with pytest.raises(Exception, match="negative input"):
             client.infer("poison", _row(-7.0), timeout_s=30)
-    assert len(marks.batches()) == 2  # both ran on the device
-    assert not [k for k in _entries(db, "poison") if k not in before]
+
+    _twice_uncached(cached[0], send)
 
 
 def test_a_request_can_bypass_the_cache(
         client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:
-    db, _ = cached
-    marks = ForwardMarks(db.client, "poison")
-    before = _entries(db, "poison")
-    for _ in range(2):
+    def send() -> None:
         answer = client.infer("poison", _row(4.5), parameters={"response_cache": False},
                               timeout_s=30)
         assert answer.as_numpy("output").tolist() == [[9.0]]
-    assert len(marks.batches()) == 2
-    assert not [k for k in _entries(db, "poison") if k not in before]
+
+    _twice_uncached(cached[0], send)
 
 
 def test_the_size_bound_holds(client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:

@@ -283,18 +283,23 @@ class ResultWriter:
         first, when the result backend is another Redis than the broker; inside a transaction
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
+        self._cache_writes.clear()  # what a refused try of this part gathered
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
-        self._cache_writes.queue(pushes)
         acks = entries
         if not self.shared:
             results = [(k, v, r, "") for k, v, r, _ in entries if k]
             if results:
                 self._log_refusals(self.store(results, self.results))
             acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
+        if self._cache_writes and not pushes.command_stack:
+            self._log_refusals(cache_write.store_with_cache(self.broker, self.store, acks,
+                                                            self._cache_writes))
+            return
         if not pushes.command_stack:
             if acks:
                 self._log_refusals(self.store(acks, self.broker))
             return
+        self._cache_writes.queue(pushes)
         if acks:
             self.store(acks, pushes)
         self._execute(pushes)
