@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
 __all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
-           "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT"]
+           "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
 
 #: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 DEFAULT_SENTINEL_PORT = 26379
 _SEPARATOR = ";"
+
+#: What a broker or result backend URL looks like (said when a value is not one).
+URL_EXAMPLES = ("redis://[:password@]host:6379/0, rediss://…, unix:///path/redis.sock, "
+                "sentinel://host:26379;sentinel://host2:26379/0 or amqp://user:password@host:5672//")
 
 
 def _scheme(url: str) -> str:

@@ -51,7 +51,8 @@ def _gateway(url: str, tree: Path, log: Path) -> tuple[subprocess.Popen[bytes], 
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "asyncinfer", "gateway", "--http-port", "0", "--grpc-port", str(port),
-         "--metrics-port", "0"], env=_env(url, tree), stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+         "--metrics-port", "0"], env=_env(url, tree), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        cwd=tree)  # ``-m`` puts the working directory first on sys.path: it must be the tree
     deadline = time.monotonic() + 60
     while "gateway ready" not in log.read_text(errors="replace"):
         if time.monotonic() > deadline or process.poll() is not None:

@@ -15,18 +15,15 @@ from typing import Any
 import redis
 from celery import Celery
 
-from asyncinfer.catalogue import Catalogue, CatalogueEntry
-from asyncinfer.celery_app import create_app
+from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
-from asyncinfer.client.known_models import KnownModels
+from asyncinfer.client.brokers import BrokerGroup, RoutedGroups
 from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.outgoing import Outgoing, input_payloads
-from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import bounded_client, broker_error, is_redis_url
 from asyncinfer.constants import (
     CPU_QUEUE,
     POSTPROCESS_TASK,
@@ -43,9 +40,17 @@ __all__ = ["Client", "InferFuture", "InferResponse"]
 class Client:
     """Sends ``asyncinfer.infer`` requests and waits for their results.
 
+    With a routing table (``ASYNCINFER_BROKER_ROUTES``) one client serves every broker of it:
+    each call goes to its model's broker (a Celery app, sender and result watcher per broker,
+    made when a model routed there is first used); :meth:`models` merges their catalogues. A
+    lookup by request ID alone (:meth:`future`, :meth:`result`) cannot know the model: pass
+    ``model=``, or keep every result on one backend (``ASYNCINFER_RESULT_BACKEND``).
+
     Args:
-        broker_url: default ``ASYNCINFER_BROKER_URL`` (or what ``asyncinfer up`` published).
-        result_backend: default ``ASYNCINFER_RESULT_BACKEND``, else the broker URL.
+        broker_url: default ``ASYNCINFER_BROKER_URL`` (or what ``asyncinfer up`` published); with
+            routes, the broker of the models no route names.
+        result_backend: default ``ASYNCINFER_RESULT_BACKEND``, else the broker URL (with routes:
+            each route's broker URL).
         serializer: ``json`` (flat lists on the wire) or ``msgpack`` (raw bytes).
         settings: full settings instead of the environment.
     """
@@ -54,21 +59,37 @@ class Client:
                  serializer: str | None = None, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env(
             broker_url=broker_url, result_backend=result_backend, task_serializer=serializer)
-        self.app: Celery = create_app(self.settings)
-        backend_url = str(self.app.conf.result_backend)
-        # A connection of its own, bounded by connect_timeout_s: Celery's backend client waits
-        # 120 s on a Redis that accepts connections and answers nothing (frozen, or its host gone
-        # mid-stream), and the unknown-model check reads the catalogue on a submit.
-        self._catalogue = (Catalogue(bounded_client(backend_url, self.settings),
-                                     ttl_s=self.settings.catalogue_ttl_s,
-                                     retention_s=self.settings.model_retention_s)
-                           if is_redis_url(backend_url) else None)
-        self._known = (KnownModels(self._catalogue, self.settings.model_retention_s)
-                       if self._catalogue is not None else None)
-        #: What every submit, blocking or asyncio, stands on (client/sender.py).
-        self.sender = Sender(self.settings, self.app, self._known)
+        routes = self.settings.routes() if self.settings.broker_routes else None
+        #: The default broker's app, catalogue and sender (the only ones without routes).
+        self._group = BrokerGroup(
+            self.settings.for_broker(routes.default_url) if routes else self.settings)
+        self.app: Celery = self._group.app
+        #: What every submit, blocking or asyncio, stands on (client/sender.py); the default
+        #: broker's with routes (:meth:`sender_for` names a model's).
+        self.sender: Sender = self._group.sender
         self._broker = self.sender.broker
-        self._pinger = Pinger(self.settings)
+        #: Every broker's group (None: one broker, and no lookup per call).
+        self._routes = RoutedGroups(routes, self.settings, self._group) if routes else None
+
+    def sender_for(self, model: str) -> Sender:
+        """The sender of ``model``'s broker (:attr:`sender` without routes)."""
+        return self.sender if self._routes is None else self._routes.for_model(model).sender
+
+    def app_for(self, model: str) -> Celery:
+        """The Celery app of ``model``'s broker (:attr:`app` without routes)."""
+        return self._group_for(model).app
+
+    def apps(self) -> dict[str, Celery]:
+        """Broker URL → Celery app of every broker the client serves: the one broker's, or with
+        routes each broker of the table's (the default's first)."""
+        if self._routes is None:
+            return {self.settings.resolved_broker_url(): self.app}
+        return {url: self._routes.for_url(url).app for url in self._routes.routes.urls()}
+
+    def _group_for(self, model: str | None) -> BrokerGroup:
+        if self._routes is None or model is None:
+            return self._group
+        return self._routes.for_model(model)
 
     @property
     def broker(self) -> redis.Redis | None:
@@ -80,25 +101,25 @@ class Client:
         """Where coroutines publish small requests themselves (aio.send_on_loop)."""
         return self.sender.loop_publishers
 
-    def models(self) -> dict[str, CatalogueEntry]:
+    def models(self, *, stale_ok: bool = False) -> dict[str, CatalogueEntry]:
         """The model catalogue: every model the fleet announced within ``model_retention_s``,
-        with its metadata and the live workers hosting it (``entry.ready``: at least one)."""
-        if self._catalogue is None:
-            return {}
-        try:
-            return self._catalogue.read()
-        except redis.RedisError as exc:
-            raise self._broker_error(broker_error("models", exc)) from exc
+        with its metadata and the live workers hosting it (``entry.ready``: at least one).
+
+        With routes, every broker's merged; ``stale_ok``: a broker that does not answer gives
+        its catalogue as last read, and the error is raised only when none answers."""
+        if self._routes is not None:
+            return self._routes.models(stale_ok=stale_ok)
+        return self._group.models()
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
-        return self.sender.knows_now(model)
+        return self.sender_for(model).knows_now(model)
 
     def check_model(self, model: str, request_id: str = "") -> None:
         """Raise :class:`~asyncinfer.errors.UnknownModel` when the fleet has announced models, but
         not ``model``, within ``model_retention_s`` (0: never). A known model with no live worker
         passes: its requests wait in its queue for one."""
-        self.sender.check_model(model, request_id)
+        self.sender_for(model).check_model(model, request_id)
 
     @property
     def watcher(self) -> ResultWatcher:
@@ -148,7 +169,8 @@ class Client:
         :class:`~asyncinfer.errors.InvalidRequest` (``request_id`` already sent to another
         model), :class:`~asyncinfer.errors.NotReplicated` (``ASYNCINFER_SUBMIT_REPLICAS``).
         """
-        return self.sender.send_watched(self.submission(
+        sender = self.sender if self._routes is None else self._routes.for_model(model).sender
+        return sender.send_watched(sender.submission(
             model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
             binary=binary, link=link, link_error=link_error, expires=expires, timeout_s=timeout_s,
             soft_time_limit_s=soft_time_limit_s, time_limit_s=time_limit_s, priority=priority))
@@ -158,8 +180,9 @@ class Client:
                    binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
         """The request :meth:`submit` would send, checked and not yet sent (``check``: the
         unknown-model check too)."""
-        return self.sender.submission(model, inputs, request_id=request_id, parameters=parameters,
-                                      serializer=serializer, binary=binary, check=check, **options)
+        return self.sender_for(model).submission(
+            model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
+            binary=binary, check=check, **options)
 
     def submit_staged(self, model: str, inputs: Any, *, request_id: str | None = None,
                       parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
@@ -176,11 +199,13 @@ class Client:
         payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
         options = {"serializer": serializer}
-        flow = (self.app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
-                | self.app.signature(TASK_NAME, queue=queue_for(model), **options)
-                | self.app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
-        future = self.sender.future_of(request_id)
-        self.watcher.watch(request_id, future._settle)
+        group = self._group_for(model)  # with routes, the CPU stages run on the model's broker too
+        app = group.app
+        flow = (app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
+                | app.signature(TASK_NAME, queue=queue_for(model), **options)
+                | app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
+        future = group.sender.future_of(request_id)
+        group.sender.watcher.watch(request_id, future._settle)
         flow.apply_async()
         return future
 
@@ -198,7 +223,8 @@ class Client:
         """
         if claim is None:
             claim = request_id is not None  # generated IDs cannot collide
-        return self.sender.send_watched(Outgoing(
+        sender = self.sender if self._routes is None else self._routes.for_queue(queue).sender
+        return sender.send_watched(Outgoing(
             task, queue, kwargs, uuid4_text() if request_id is None else request_id, claim,
             serializer or self.settings.task_serializer, link=link, link_error=link_error,
             expires=expires, timeout_s=timeout_s, soft_time_limit_s=soft_time_limit_s,
@@ -207,7 +233,9 @@ class Client:
     def watched(self, outgoing: Outgoing) -> InferFuture:
         """The future of ``outgoing``'s request, watched on this client's reply channel (before
         it is sent, so its answer cannot come first)."""
-        return self.sender.watched(outgoing)
+        if self._routes is None:
+            return self.sender.watched(outgoing)
+        return self._routes.for_queue(outgoing.queue).sender.watched(outgoing)
 
     def _broker_error(self, error: AsyncInferError) -> AsyncInferError:
         """``error``, saying so when the broker URL was the default for want of any other."""
@@ -215,11 +243,12 @@ class Client:
 
     def ping(self) -> None:
         """Raise :class:`~asyncinfer.errors.BrokerUnavailable` (one line, within about
-        ``connect_timeout_s``) unless the broker and the result backend answer."""
-        try:
-            self._pinger.ping_app(self.app, redis_broker=self._broker is not None)
-        except AsyncInferError as exc:
-            raise self._broker_error(exc) from exc.__cause__
+        ``connect_timeout_s``) unless the broker and the result backend answer (with routes:
+        every broker of the table, the error naming the one that did not)."""
+        if self._routes is not None:
+            self._routes.ping()
+        else:
+            self._group.ping()
 
     def infer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
               **options: Any) -> InferResponse:
@@ -235,33 +264,41 @@ class Client:
             for future in futures:
                 yield future.result(timeout=timeout_s)
         finally:
+            watcher = self.sender_for(model).watcher
             for future in futures:
                 if not future.done():
-                    self.watcher.unwatch(future.id)
+                    watcher.unwatch(future.id)
 
-    def future(self, request_id: str) -> InferFuture:
-        """The future of a request sent by anyone, looked up by its ID."""
-        future = self.sender.future_of(request_id)
-        self.watcher.watch(request_id, future._settle)
-        if self._broker is not None:  # judged only if a look finds its trace
-            self.watcher.trace(request_id, seen=False)
+    def future(self, request_id: str, *, model: str | None = None) -> InferFuture:
+        """The future of a request sent by anyone, looked up by its ID (with routes, on the
+        broker of ``model``; without a model, the default broker's)."""
+        sender = self._group_for(model).sender
+        future = sender.future_of(request_id)
+        sender.watcher.watch(request_id, future._settle)
+        if sender.broker is not None:  # judged only if a look finds its trace
+            sender.watcher.trace(request_id, seen=False)
         return future
 
-    def result(self, request_id: str, timeout_s: float | None = None) -> InferResponse:
+    def result(self, request_id: str, timeout_s: float | None = None, *,
+               model: str | None = None) -> InferResponse:
         """Wait for the response of the request ``request_id``.
+
+        With routes, the result is on the broker of the request's ``model`` (without one: the
+        default broker's, or the one result backend that ``ASYNCINFER_RESULT_BACKEND`` names).
 
         Raises :class:`~asyncinfer.errors.BrokerUnavailable` at once when Redis does not answer,
         and, after ``timeout_s``, :class:`~asyncinfer.errors.RequestTimeout` saying where the
         request is (queued, taken by a worker, running on which worker, or unknown).
         """
-        self.ping()
+        group = self._group_for(model)
+        group.ping()
         try:
-            return self.future(request_id).result(timeout=timeout_s)
+            return self.future(request_id, model=model).result(timeout=timeout_s)
         except RequestTimeout:
-            self.watcher.unwatch(request_id)
+            group.sender.watcher.unwatch(request_id)
             try:
-                where = whereabouts(request_id, self.app.backend.client, self.app.backend,
-                                    self._broker)
+                where = whereabouts(request_id, group.app.backend.client, group.app.backend,
+                                    group.sender.broker)
             except redis.RedisError as exc:
                 where = f"where it is could not be read ({type(exc).__name__}: {exc})"
             raise RequestTimeout(f"request {request_id}: no result within {timeout_s:g} s; "
@@ -277,21 +314,21 @@ class Client:
         watcher thread settles the future through ``call_soon_threadsafe``. Cancelling the future
         (or a task awaiting it) revokes the request, as ``InferFuture.cancel()`` does.
         """
-        future = await aio.submit(self.sender, model, inputs, options)
+        future = await aio.submit(self.sender_for(model), model, inputs, options)
         return asyncio.wrap_future(future, loop=asyncio.get_running_loop())
 
     async def ainfer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
                      **options: Any) -> InferResponse:
         """Send one request and await its response (``TimeoutError`` after ``timeout_s``; the
         request keeps running). Cancelling the awaiting task revokes the request."""
-        future = await aio.submit(self.sender, model, inputs, options)
+        future = await aio.submit(self.sender_for(model), model, inputs, options)
         return await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
 
     def amap(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
              **options: Any) -> AsyncIterator[InferResponse]:
         """``async for response in client.amap(model, inputs)``: send every request at once,
         yield the responses in input order (``timeout_s`` per response)."""
-        return aio.amap(self.sender, model, inputs, timeout_s, options)
+        return aio.amap(self.sender_for(model), model, inputs, timeout_s, options)
 
     def as_completed(self, futures: Iterable[aio.AnyFuture], *,
                      timeout_s: float | None = None) -> AsyncIterator[InferResponse]:
@@ -302,14 +339,18 @@ class Client:
 
     async def aclose(self) -> None:
         """:meth:`close` from a coroutine (also closes the running loop's own connections)."""
-        await self.loop_publishers.aclose()
+        for group in self._groups():
+            await group.sender.loop_publishers.aclose()
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
-        """Stop the result watcher and release connections."""
-        self.sender.close()
-        self._pinger.close()
-        self.app.close()
+        """Stop the result watcher and release connections (every broker's, with routes)."""
+        for group in self._groups():
+            group.close()
+
+    def _groups(self) -> list[BrokerGroup]:
+        """Every broker group made so far."""
+        return [self._group] if self._routes is None else self._routes.made()
 
     def __enter__(self) -> Client:
         return self

@@ -36,20 +36,26 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+import hiredis
 import redis
 from celery import states
+from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+from redis._parsers.hiredis import _HiredisParser
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
 from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
 
-__all__ = ["ResultWatcher"]
+__all__ = ["ResultWatcher", "result_key_prefix"]
 
 log = logging.getLogger(__name__)
 
 #: How a JSON-stored STARTED state begins (Celery's meta: ``{"status": "STARTED", ...``).
 _STARTED = b'"STARTED"'
+
+#: The type of a published message, as hiredis returns it (bytes, or text on a decoding client).
+_MESSAGE = (b"message", "message")
 
 #: Called with the decoded result meta (``status``, ``result``, ...) once the request is done.
 Callback = Callable[[dict[str, Any]], None]
@@ -76,6 +82,7 @@ class ResultWatcher:
         #: Ends the futures of requests the broker lost (None: not checked).
         self.lost_check = lost_check
         self._client: redis.Redis = backend.client
+        self._key_prefix = result_key_prefix(backend)
         #: This client's reply channel: requests it sends name it (wire/reply.py).
         self.channel = REPLY_CHANNEL_PREFIX + uuid.uuid4().hex
         self._callbacks: dict[str, list[Callback]] = {}
@@ -94,9 +101,11 @@ class ResultWatcher:
         self._thread.start()
 
     def key(self, request_id: str) -> str:
-        """The result key (and pub/sub channel) of a request."""
-        key = self.backend.get_key_for_task(request_id)
-        return key.decode() if isinstance(key, bytes) else str(key)
+        """The result key (and pub/sub channel) of a request: the backend's key prefix and the ID
+        (what ``backend.get_key_for_task`` spells, without its per-call conversions)."""
+        if not request_id:
+            raise ValueError(f"task_id must not be empty. Got {request_id!r} instead.")
+        return self._key_prefix + request_id
 
     def watch(self, request_id: str, callback: Callback, *, announced: bool = False) -> None:
         """Call ``callback(meta)`` once ``request_id`` is ready (at once if it already is).
@@ -198,13 +207,19 @@ class ResultWatcher:
             # so the select below never sleeps on data already read. Once a message has begun to
             # arrive, the rest of it may take a while (a large result): read it with a real
             # timeout, not the zero one that only asks whether something is there.
-            while pubsub.connection.can_read(timeout=0):
-                message = pubsub.get_message(timeout=self.read_timeout_s)
-                if message is None:
-                    break
-                if message.get("type") == "message" and self._deliver_payload(message["data"]):
-                    if _text(message["channel"]) != self.channel:
-                        finished.append(message["channel"])
+            while True:
+                channel, payload = _buffered_message(pubsub)
+                if channel is None:  # nothing parsed and waiting: redis-py's own reading
+                    if not pubsub.connection.can_read(timeout=0):
+                        break
+                    message = pubsub.get_message(timeout=self.read_timeout_s)
+                    if message is None:
+                        break
+                    if message.get("type") != "message":
+                        continue
+                    channel, payload = message["channel"], message["data"]
+                if self._deliver_payload(payload) and _text(channel) != self.channel:
+                    finished.append(channel)
             if finished:
                 pubsub.unsubscribe(*finished)
             wait_s = min(self._sweep(), self._look_for_lost())
@@ -328,6 +343,42 @@ class ResultWatcher:
             except Exception:  # noqa: BLE001 - a callback's error must not stop the watcher
                 log.exception("callback for request %s raised", request_id)
         return meta
+
+
+def result_key_prefix(backend: Any) -> str:
+    """What a request's result key is before its ID (Celery's ``celery-task-meta-``, after any
+    ``result_backend_transport_options`` ``global_keyprefix``)."""
+    prefix = backend.task_keyprefix
+    return prefix.decode() if isinstance(prefix, bytes) else str(prefix)
+
+
+def _buffered_message(pubsub: Any) -> tuple[Any, Any]:
+    """(channel, data) of the next published message already read from the socket and waiting
+    in the hiredis reader of ``pubsub``'s connection; (None, None) when none is. It skips what
+    redis-py does per message (polls, socket timeouts, and for a RESP3 push a debug line of the
+    whole payload made into text). Anything else waiting there (a subscribe confirmation, another
+    push) goes where ``get_message`` would send it (the parser's push handling, then
+    ``pubsub.handle_message``); an error reply raises, as it would there."""
+    connection = pubsub.connection
+    parser = getattr(connection, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if reader is None or not isinstance(parser, _HiredisParser):
+        return None, None
+    while reader.has_data():
+        response = reader.gets()
+        if response is _NOT_ENOUGH_DATA:
+            break  # a message only partly read: the socket has the rest
+        if isinstance(response, Exception):
+            raise response
+        if isinstance(response, list) and len(response) == 3 and response[0] in _MESSAGE:
+            return response[1], response[2]
+        if isinstance(response, hiredis.PushNotification):
+            response = parser.handle_push_response(response)
+        if pubsub.is_health_check_response(response):
+            pubsub.health_check_response_counter -= 1
+        else:
+            pubsub.handle_message(response)  # keeps redis-py's record of the subscriptions
+    return None, None
 
 
 def _text(value: Any) -> str:

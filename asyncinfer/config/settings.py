@@ -17,15 +17,13 @@ from typing import Any
 
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
 from asyncinfer.config.published import published_url
-from asyncinfer.redis_urls import is_redis_url
+from asyncinfer.config.routes import Routes, parse_routes
+from asyncinfer.redis_urls import URL_EXAMPLES, is_redis_url
 
 __all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
            "DEFAULT_BROKER_URL", "URL_EXAMPLES"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-#: What a broker or result backend URL looks like (said when a value is not one).
-URL_EXAMPLES = ("redis://[:password@]host:6379/0, rediss://…, unix:///path/redis.sock, "
-                "sentinel://host:26379;sentinel://host2:26379/0 or amqp://user:password@host:5672//")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -53,6 +51,15 @@ class Settings:
         "", "ASYNCINFER_RESULT_BACKEND",
         "Result backend URL (Redis, or `sentinel://` as for the broker). Unset: the broker URL when "
         "it is a Redis URL.")
+    broker_routes: str = _setting(
+        "", "ASYNCINFER_BROKER_ROUTES",
+        "Routing table of a fleet sharded by model: `MODEL=URL` entries separated by `;` (a "
+        "pattern may be a glob: `resnet50=redis://a:6379/0;bert-*=redis://b:6379/0`; the first "
+        "match wins; a Sentinel URL as for the broker), or `@/path/routes.json` (or any path "
+        "ending `.json`) holding one JSON object of pattern → URL, in order. A model no entry "
+        "matches goes to the broker URL above. Clients, the gateway and the CLI serve every "
+        "route; a worker uses its models' route (all on one). Results: on each route's own Redis "
+        "unless the result backend above names one for all. Unset: one broker.")
     sentinel_master: str = _setting(
         "mymaster", "ASYNCINFER_SENTINEL_MASTER",
         "Name of the master the Sentinels of a `sentinel://` URL watch (Celery's `master_name`); "
@@ -276,6 +283,11 @@ class Settings:
         if self.consumer not in ("fast", "celery"):
             raise ValueError(f"consumer must be 'fast' or 'celery', got {self.consumer!r}")
         parse_model_options(self.model_options)  # raises ValueError when malformed
+        for route in parse_routes(self.broker_routes):  # raises ValueError when malformed
+            if not self.result_backend and not is_redis_url(route.url):
+                raise ValueError(
+                    f"ASYNCINFER_BROKER_ROUTES entry {route.pattern!r}: its broker is not Redis, "
+                    f"so ASYNCINFER_RESULT_BACKEND must name where results go")
         for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -334,6 +346,24 @@ class Settings:
         if self.broker_url:
             return "configured"
         return "published" if published_url(self.redis_dir) else "default"
+
+    def routes(self) -> Routes:
+        """The routing table of ``broker_routes``, its default the :meth:`resolved_broker_url`."""
+        return Routes.parse(self.broker_routes, self.resolved_broker_url())
+
+    def for_broker(self, url: str) -> Settings:
+        """These settings for the one broker ``url`` of the table (no routes): its results on
+        ``url`` too, unless ``result_backend`` names one backend for all."""
+        if url == self.resolved_broker_url():
+            return dataclasses.replace(self, broker_routes="")  # keeps the broker URL's origin
+        return dataclasses.replace(self, broker_url=url, broker_routes="")
+
+    def for_models(self, models: tuple[str, ...] | list[str]) -> Settings:
+        """These settings for a worker hosting ``models``: their one broker of the table.
+        ValueError naming the models and their brokers when the table puts them on two."""
+        if not self.broker_routes:
+            return self
+        return self.for_broker(self.routes().url_of_models(list(models)))
 
     def resolved_result_backend(self) -> str:
         """The configured result backend, else the broker URL when that is Redis."""

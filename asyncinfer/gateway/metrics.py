@@ -4,10 +4,12 @@
   call counts under the HTTP status its code maps from; 499 = the client went away);
 - ``asyncinfer_gateway_request_duration_seconds{model, protocol}``: call received → answered;
 - ``asyncinfer_gateway_in_flight``: infer calls being answered now;
+- ``process_*``, ``python_*``: the gateway process' CPU, memory and collections, as a worker's;
 - ``asyncinfer_queue_depth{model}`` and ``asyncinfer_queue_oldest_age_seconds{model}``: requests
   waiting in each known model's queue (all priority lists) and how long the oldest has waited (from
   the send time our producers stamp on a message) — what an autoscaler such as KEDA scales on.
-  Read from the broker when scraped, in the scrape's own thread.
+  Read from the broker when scraped (each model's own, with a routing table), in the scrape's own
+  thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -38,8 +48,10 @@ _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 class _Queues(Collector):
     """Depth and oldest-request age of each model's queue, read when scraped."""
 
-    def __init__(self, broker: Any, models: Callable[[], Iterable[str]]) -> None:
-        self.broker = broker
+    def __init__(self, broker_for: Callable[[str], Any] | None,
+                 models: Callable[[], Iterable[str]]) -> None:
+        #: model → the Redis client of its broker (None for a model, or no such function: not read)
+        self.broker_for: Callable[[str], Any] = broker_for or (lambda model: None)
         self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -48,17 +60,22 @@ class _Queues(Collector):
         age = GaugeMetricFamily("asyncinfer_queue_oldest_age_seconds",
                                 "Seconds the oldest waiting request of the model has waited.",
                                 labels=["model"])
-        if self.broker is not None:
+        by_broker: dict[int, tuple[Any, list[str]]] = {}
+        for m in sorted(self.models()):
+            broker = self.broker_for(m)
+            if broker is not None:
+                by_broker.setdefault(id(broker), (broker, []))[1].append(m)
+        for broker, models in by_broker.values():
             try:
-                self._read(depth, age)
+                self._read(broker, models, depth, age)
             except redis.RedisError as exc:
                 log.debug("queue gauges not read: %s", exc)
         yield depth
         yield age
 
-    def _read(self, depth: GaugeMetricFamily, age: GaugeMetricFamily) -> None:
-        models = sorted(self.models())
-        pipe = self.broker.pipeline(transaction=False)
+    def _read(self, broker: Any, models: list[str], depth: GaugeMetricFamily,
+              age: GaugeMetricFamily) -> None:
+        pipe = broker.pipeline(transaction=False)
         lists = {m: priority_lists([queue_for(m)]) for m in models}
         for m in models:
             for key in lists[m]:
@@ -90,9 +107,11 @@ def _sent_at(raw: Any) -> float | None:
 class GatewayMetrics:
     """The gateway's metrics; :meth:`record` is the service's ``on_infer``."""
 
-    def __init__(self, broker: Any, models: Callable[[], Iterable[str]],
-                 in_flight: Callable[[], int]) -> None:
+    def __init__(self, broker_for: Callable[[str], Any] | None,
+                 models: Callable[[], Iterable[str]], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)  # the gateway's CPU and memory, as a worker's
         self._requests = Counter("asyncinfer_gateway_requests", "Infer calls answered, by status.",
                                  ["model", "protocol", "code"], registry=self.registry)
         self._duration = Histogram("asyncinfer_gateway_request_duration_seconds",
@@ -102,7 +121,7 @@ class GatewayMetrics:
         self._durations: dict[tuple[str, str], Any] = {}
         self._in_flight = _InFlight(in_flight)
         self.registry.register(self._in_flight)
-        self.registry.register(_Queues(broker, models))
+        self.registry.register(_Queues(broker_for, models))
 
     def record(self, call: InferCall, status: int, seconds: float) -> None:
         self._requests.labels(call.model, call.protocol, str(status)).inc()

@@ -75,7 +75,8 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
     client = Client(settings=settings)
     service = Service(client, version=__version__)
     await service.start()
-    metrics = GatewayMetrics(client.broker, service.known_models, lambda: service.in_flight)
+    metrics = GatewayMetrics(lambda model: client.sender_for(model).broker, service.known_models,
+                             lambda: service.in_flight)
     service.on_infer = metrics.record
     fronts: list[Any] = []
     try:

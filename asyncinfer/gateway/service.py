@@ -3,10 +3,14 @@
 An infer call becomes one ``asyncinfer.infer`` request on ``infer.<model>``, sent by the project's
 own :class:`~asyncinfer.client.Client` (same ID rules, validation, queue bound and errors), and
 its result is awaited without polling (the client's result watcher, which hears it on the
-client's reply channel). A call is published by the event loop itself on its own Redis connection
-(client/aio.py), a large one in the loop's executor, so the event loop never waits on Redis.
+client's reply channel). A call is handed to the client's group publisher (its own thread, the
+one the blocking ``Client`` sends through: client/grouped.py), a large one or one whose model must
+be checked against the catalogue first in the loop's executor, so the event loop never waits on
+Redis and does no Redis I/O per call of its own.
 Model metadata and readiness come from the model catalogue (catalogue.py), read at most every
-``CATALOGUE_FOR_S`` in the background.
+``CATALOGUE_FOR_S`` in the background. With a routing table (``ASYNCINFER_BROKER_ROUTES``) the
+client sends each call to its model's broker, the catalogue is every broker's merged, and the
+gateway is ready while every broker answers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from asyncinfer import errors
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
+from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
 from asyncinfer.wire.envelope import printable
@@ -174,10 +179,14 @@ class Service:
 
     async def _refresh(self) -> None:
         try:
-            self._catalogue = await self._off_loop(self.client.models)
+            self._catalogue = await self._off_loop(self._read_catalogue)
             self._catalogue_at = time.monotonic()
         except errors.BrokerUnavailable:
             pass
+
+    def _read_catalogue(self) -> dict[str, CatalogueEntry]:
+        """Every broker's catalogue (with routes, one Redis down keeps its models as last read)."""
+        return self.client.models(stale_ok=True)
 
     # -- health and metadata ---------------------------------------------------------------------
 
@@ -268,6 +277,18 @@ class Service:
             self.in_flight -= 1
             self.on_infer(call, status, time.perf_counter() - started)
 
+    async def _send(self, model: str, inputs: list[dict[str, Any]],
+                    options: dict[str, Any]) -> InferFuture:
+        """Hand the request to the client's group publisher (its own thread; a refusal ends the
+        future, which :meth:`_infer` awaits anyway); the loop does no Redis I/O of its own. Large
+        inputs are encoded, and a model not known now checked against the catalogue, in the
+        executor; a broker other than Redis publishes there too (it sends before returning)."""
+        sender = self.client.sender_for(model)
+        if (sender.grouped is None or aio.nbytes(inputs) > aio.ON_LOOP_BYTES
+                or not sender.knows_now(model)):
+            return await aio.publish(sender, lambda: sender.submit(model, inputs, **options))
+        return sender.submit(model, inputs, **options)
+
     async def _infer(self, call: InferCall) -> InferResult:
         entry = await self.entry(call.model, call.version)
         priority = _priority(call)
@@ -285,7 +306,7 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await aio.submit(self.client.sender, call.model, inputs, {
+        sent = await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
         if self._handover is None:  # the loop's, made on its first call

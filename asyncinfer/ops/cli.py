@@ -114,23 +114,31 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_result(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print_response(client.result(args.request_id, timeout_s=args.timeout_s), args)
+        print_response(client.result(args.request_id, timeout_s=args.timeout_s,
+                                     model=args.model), args)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from asyncinfer.connections import masked_url
     from asyncinfer.ops.status import cluster_status, format_status
 
     with _client(args) as client:
         client.ping()  # one line at once when the broker is down, not kombu's retry loop
+        apps = client.apps()  # with routes (ASYNCINFER_BROKER_ROUTES): one section per broker
         while True:
-            status = cluster_status(client.app, timeout_s=args.timeout_s)
+            statuses = {masked_url(url): cluster_status(app, timeout_s=args.timeout_s)
+                        for url, app in apps.items()}
             if args.json:
-                print(json.dumps(dataclasses.asdict(status), sort_keys=True), flush=True)
+                shown: Any = {url: dataclasses.asdict(s) for url, s in statuses.items()}
+                print(json.dumps(shown if len(apps) > 1 else next(iter(shown.values())),
+                                 sort_keys=True), flush=True)
             else:
                 if args.watch:
                     print("\033[H\033[J", end="")  # clear the terminal between refreshes
-                print(format_status(status), flush=True)
+                print("\n\n".join(format_status(s) if len(apps) == 1 else
+                                  f"BROKER {url}\n{format_status(s)}"
+                                  for url, s in statuses.items()), flush=True)
             if not args.watch:
                 return 0
             time.sleep(args.watch)
@@ -140,7 +148,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """Revoke requests (Celery's revoke): a request not yet on the device never runs."""
     with _client(args) as client:
         client.ping()
-        client.app.control.revoke(list(args.request_ids))
+        for app in client.apps().values():  # the request's model is not known: every broker
+            app.control.revoke(list(args.request_ids))
         for request_id in args.request_ids:
             print(f"revoked {request_id}")
     return 0
@@ -154,7 +163,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         client.ping()
-        url = str(client.app.conf.broker_url)
+        app = client.app_for(args.model)
+        url = str(app.conf.broker_url)
         if not is_redis_url(url):
             raise ValueError("purge reads Redis lists; on RabbitMQ use `celery -A asyncinfer purge -Q "
                              f"infer.{args.model}`")
@@ -168,7 +178,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
             if answer.strip().lower() not in ("y", "yes"):
                 print("nothing removed")
                 return 1
-        removed = purge_queue(broker, client.app.backend, args.model)
+        removed = purge_queue(broker, app.backend, args.model)
         print(f"infer.{args.model}: removed {removed} requests (REVOKED)")
     return 0
 
@@ -193,8 +203,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         sources["result_backend"] = "the broker URL"
     rows = [("broker_url", masked_url(settings.resolved_broker_url())),
             ("result_backend", masked_url(settings.resolved_result_backend()))]
+    # each route's URL masked (a file's entries shown too)
+    rows.append(("broker_routes", ";".join(f"{r.pattern}={masked_url(r.url)}"
+                                           for r in settings.routes().entries)))
     for key, value in vars(settings).items():
-        if key not in ("broker_url", "result_backend"):
+        if key not in ("broker_url", "result_backend", "broker_routes"):
             rows.append((key, "**" if "password" in key and value else value))
     wide = max(len(str(value)) for _, value in rows)
     for key, value in rows:
@@ -313,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("result", help="wait for a request's response and print it")
     p.add_argument("request_id")
+    p.add_argument("--model", help="the request's model: with ASYNCINFER_BROKER_ROUTES, its "
+                   "result is on that model's broker (default: the default broker's)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait")
     _output_options(p)
     p.set_defaults(func=cmd_result)

@@ -201,7 +201,8 @@ def run_dead(args: argparse.Namespace) -> int:
     if args.action == "requeue" and bool(args.request_ids) == bool(args.all):
         print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)
         return 2
-    dead = DeadLetters.from_settings(Settings.from_env(broker_url=args.broker_url), args.model)
+    settings = Settings.from_env(broker_url=args.broker_url).for_models([args.model])  # its route
+    dead = DeadLetters.from_settings(settings, args.model)
     try:
         if args.action == "list":
             for _, e in dead.entries():

@@ -21,7 +21,7 @@ from typing import Any
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.detach import clear_pid, write_pid
 from asyncinfer.ops.redis_server import RedisServer, make_private_dir, published_url
-from asyncinfer.worker.supervisor import Child, Supervisor
+from asyncinfer.worker.supervisor import CANNOT_START, Child, Supervisor
 
 __all__ = ["run_up", "detect_devices", "start_embedded_redis"]
 
@@ -79,6 +79,11 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
 
     ``gateway`` overrides the gateway's settings (``gateway=False``, ``http_port=…``, …)."""
     settings = Settings.from_env(broker_url=broker_url, **gateway)
+    if settings.broker_routes:
+        print("asyncinfer up: ASYNCINFER_BROKER_ROUTES is set, and 'up' runs every model on one "
+              "Redis; unset it for 'up', or start 'asyncinfer worker' per broker of the table",
+              file=sys.stderr)
+        return CANNOT_START
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:

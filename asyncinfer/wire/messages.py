@@ -10,6 +10,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -92,10 +93,39 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
     return json.dumps(envelope)
 
 
+class _RandomBytes:
+    """``os.urandom`` read 4 KiB at a time and handed out 16 bytes at a time (one system call
+    per 256 IDs: each one releases the GIL, and on a busy host the caller then waits to take it
+    back). Thread-safe; a forked child starts with a fresh pool, never its parent's bytes."""
+
+    POOL_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool, self._at = b"", 0
+
+    def take16(self) -> bytes:
+        with self._lock:
+            at = self._at
+            if at + 16 > len(self._pool):
+                self._pool, at = os.urandom(self.POOL_BYTES), 0
+            self._at = at + 16
+            return self._pool[at:at + 16]
+
+
+_random = _RandomBytes()
+
+
 def uuid4_text() -> str:
-    """``str(uuid.uuid4())`` in half its time: 16 bytes of ``os.urandom``, the version and
-    variant bits set as RFC 4122 says."""
-    raw = bytearray(os.urandom(16))
+    """``str(uuid.uuid4())`` in a fraction of its time: 16 random bytes (``os.urandom``'s, read
+    in pools), the version and variant bits set as RFC 4122 says."""
+    raw = bytearray(_random.take16())
     raw[6] = (raw[6] & 0x0F) | 0x40
     raw[8] = (raw[8] & 0x3F) | 0x80
     h = raw.hex()

@@ -19,6 +19,7 @@ float of that size sends the payload to kombu). A compressed payload is Celery's
 
 from __future__ import annotations
 
+import base64
 import math
 import secrets
 from typing import Any
@@ -97,13 +98,44 @@ def _no_big_floats(obj: Any) -> bool:
     return True
 
 
+class _OtherWrapper(Exception):
+    """A ``__type__`` wrapper other than bytes': kombu reads the payload."""
+
+
+#: kombu's wrappers of bytes (``bytes``: UTF-8 text; ``base64``: any other bytes), read back.
+_UNWRAP = {"bytes": lambda v: v.encode("utf-8"), "base64": base64.b64decode}
+
+
+def _unwrap(obj: Any) -> Any:
+    """``obj`` with kombu's bytes wrappers read back as kombu's ``object_hook`` reads them (inner
+    dicts first); raises _OtherWrapper at any other ``__type__``."""
+    kind = type(obj)
+    if kind is dict:
+        if len(obj) == 2 and "__type__" in obj and "__value__" in obj:
+            unwrap = _UNWRAP.get(obj["__type__"])
+            if unwrap is None or type(obj["__value__"]) is not str:
+                raise _OtherWrapper
+            return unwrap(obj["__value__"])
+        for key, value in obj.items():
+            if type(value) in (dict, list):
+                obj[key] = _unwrap(value)
+        return obj
+    if kind is list:
+        for i, value in enumerate(obj):
+            if type(value) in (dict, list):
+                obj[i] = _unwrap(value)
+    return obj
+
+
 def decode_meta(backend: Any, payload: Any) -> Any:
-    """``backend.decode(payload)``, through orjson where it reads the same values."""
-    if _fast(backend) and isinstance(payload, bytes) and payload[:1] == b"{" \
-            and _WRAPPED not in payload:
+    """``backend.decode(payload)``, through orjson where it reads the same values (kombu's bytes
+    wrappers, ``{"__type__": "bytes" | "base64", "__value__": …}``, read back as kombu does)."""
+    if _fast(backend) and isinstance(payload, bytes) and payload[:1] == b"{":
         try:
             meta = orjson.loads(payload)
-        except orjson.JSONDecodeError:  # NaN, say: kombu's way
+            if _WRAPPED in payload:
+                meta = _unwrap(meta)
+        except (orjson.JSONDecodeError, _OtherWrapper, ValueError):  # NaN, a date, bad base64
             pass
         else:
             if _no_big_floats(meta):

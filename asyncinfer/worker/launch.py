@@ -110,7 +110,10 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     registry = Registry.from_config(settings.model_factories, settings.model_dir)
     hosted = list(settings.models) or registry.names()
     check_models(hosted, registry)
-    settings = dataclasses.replace(settings, models=tuple(hosted))
+    try:  # with a routing table: the one broker of its models
+        settings = dataclasses.replace(settings, models=tuple(hosted)).for_models(hosted)
+    except ValueError as exc:
+        raise WorkerCannotStart(str(exc)) from None
 
     from asyncinfer.celery_app import app, configure
     from asyncinfer.worker.worker import Worker, attach

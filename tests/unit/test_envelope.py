@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
+import threading
 import uuid
 from typing import Any
 
@@ -71,3 +73,30 @@ def test_uuid4_text_is_a_random_version_4_uuid() -> None:
     for text in ids[:50]:
         parsed = uuid.UUID(text)
         assert str(parsed) == text and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+
+
+def test_uuid4_text_in_a_forked_child_is_not_its_parents_next() -> None:
+    uuid4_text()  # the pool holds unused bytes now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next IDs, to the parent
+        os.write(write, " ".join(uuid4_text() for _ in range(3)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        child = f.read().split()
+    os.waitpid(pid, 0)
+    parent = [uuid4_text() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent)
+
+
+def test_uuid4_text_from_threads_never_repeats() -> None:
+    ids: list[list[str]] = [[] for _ in range(4)]
+    threads = [threading.Thread(target=lambda out=out: out.extend(uuid4_text() for _ in range(3000)))
+               for out in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    every = [i for out in ids for i in out]
+    assert len(every) == 12000 and len(set(every)) == 12000

@@ -18,7 +18,7 @@ class _Catalogue:
         self.models_known: dict[str, CatalogueEntry] = {"mlp": CatalogueEntry("mlp")}
         self.reads = 0
 
-    def models(self) -> dict[str, CatalogueEntry]:
+    def models(self, *, stale_ok: bool = False) -> dict[str, CatalogueEntry]:
         self.reads += 1
         return dict(self.models_known)
 

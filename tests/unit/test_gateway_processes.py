@@ -10,8 +10,7 @@ import pytest
 from asyncinfer.config.settings import Settings
 from asyncinfer.gateway.processes import check_free, child_ports
 from asyncinfer.gateway.server import Ports
-from asyncinfer.ops.cli import _gateway_flags, build_parser
-from asyncinfer.ops.up import gateway_child, gateway_line
+from asyncinfer.ops.cli import build_parser
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -45,20 +44,6 @@ def test_processes_must_be_a_positive_number(value: str, message: str,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gateway", "--processes", value])
     assert f"--processes: {message}" in capsys.readouterr().err
-
-
-def test_up_starts_its_gateway_with_the_processes_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    # `up --gateway-processes 3` (or ASYNCINFER_GATEWAY_PROCESSES) reaches the gateway's argv
-    args = build_parser().parse_args(["up", "--gateway-processes", "3"])
-    settings = Settings.from_env(**_gateway_flags(args))
-    child = gateway_child(settings, {})
-    assert child.argv[child.argv.index("--processes") + 1] == "3"
-    assert gateway_line(settings).startswith("gateway (3 processes): v2 HTTP")
-    monkeypatch.setenv("ASYNCINFER_GATEWAY_PROCESSES", "2")
-    from_env = Settings.from_env(**_gateway_flags(build_parser().parse_args(["up"])))
-    assert gateway_child(from_env, {}).argv[-2:] == ["--processes", "2"]
-    monkeypatch.delenv("ASYNCINFER_GATEWAY_PROCESSES")
-    assert "--processes" not in gateway_child(Settings.from_env(), {}).argv  # one process
 
 
 def test_gateway_processes_below_zero_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

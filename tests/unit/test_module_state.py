@@ -31,6 +31,9 @@ ALLOWED = {
         "guards torch.load's process-wide safe-globals list, which is torch's state, not ours",
     ("asyncinfer.worker.worker", "_making"):
         "guards the making of an app's one worker where Celery's worker_init made none",
+    ("asyncinfer.wire.messages", "_random"):
+        "os.urandom's bytes read ahead for request IDs: the process's randomness, as os.urandom's "
+        "own; a forked child drops it",
 }
 
 #: Modules not imported here: generated code and the command's entry point.

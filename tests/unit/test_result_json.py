@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Any
 
 import numpy as np
 import pytest
 from celery import Celery
+from kombu.exceptions import DecodeError
 
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import decode_meta, decode_result, encode_meta
@@ -98,3 +100,24 @@ def test_a_compressing_backend_is_left_to_celery(backend: Any, monkeypatch) -> N
     meta = embedding_meta([0.5, 0.25])
     written = encode_meta(backend, meta)
     assert written == backend.encode(meta) and backend.decode(written) == meta
+
+
+@pytest.mark.parametrize("value", [b"abc", b"\x00\xffraw", {"inner": [b"x", {"deeper": b"\xfe"}]},
+                                   [b"", "plain text", 1.5], {"__type__": "not a wrapper", "x": 1}])
+def test_bytes_wrappers_read_by_orjson_come_back_as_kombu_reads_them(backend: Any,
+                                                                        value: Any) -> None:
+    written = backend.encode(result_meta("r", "SUCCESS", {"raw": value, "n": [0.5] * 10}))
+    payload = written if isinstance(written, bytes) else written.encode()
+    assert decode_meta(backend, payload) == backend.decode(payload)
+    assert decode_meta(backend, payload)["result"]["raw"] == value
+
+
+def test_other_kombu_wrappers_are_read_by_kombu(backend: Any) -> None:
+    when = datetime.datetime(2026, 12, 3, 12, 0, tzinfo=datetime.timezone.utc)
+    written = backend.encode(result_meta("r", "SUCCESS", {"raw": b"abc", "when": when}))
+    payload = written if isinstance(written, bytes) else written.encode()
+    assert decode_meta(backend, payload)["result"] == {"raw": b"abc", "when": when}
+    odd = b'{"status": "SUCCESS", "result": {"__type__": "base64", "__value__": "YQ%%"}, "task_id": "r"}'
+    for read in (backend.decode, lambda p: decode_meta(backend, p)):  # kombu's error either way
+        with pytest.raises(DecodeError, match="padding"):
+            read(odd)
