@@ -61,6 +61,7 @@ local depth = nil
 local out = {}
 local function fill(stored, id)
   local cut = string.find(stored, ';', 1, true)
+  if not cut then return nil end  -- not a template: a miss
   local pieces, at = {}, cut + 1
   for length in string.gmatch(string.sub(stored, 1, cut - 1), '%d+') do
     pieces[#pieces + 1] = string.sub(stored, at, at + tonumber(length) - 1)
@@ -82,8 +83,9 @@ for i = 0, (#ARGV - 3) / 6 - 1 do
   end
   if not status and KEYS[k + 4] ~= '' then
     local stored = redis.call('GET', KEYS[k + 4])
-    if stored then
-      local value, result_ttl = fill(stored, ARGV[a + 3]), tonumber(ARGV[a + 5])
+    local value = stored and fill(stored, ARGV[a + 3])
+    if value then
+      local result_ttl = tonumber(ARGV[a + 5])
       if result_ttl > 0 then
         redis.call('SETEX', KEYS[k + 3], result_ttl, value)
       else

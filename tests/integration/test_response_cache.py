@@ -132,6 +132,18 @@ def test_a_request_can_bypass_the_cache(
     _twice_uncached(cached[0], send)
 
 
+def test_a_stored_value_that_is_no_template_is_a_miss(
+        client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:
+    db, _ = cached
+    marks = ForwardMarks(db.client, "poison")
+    before = _entries(db, "poison")
+    client.infer("poison", _row(30.5), timeout_s=30)
+    [entry] = [k for k in _entries(db, "poison") if k not in before]
+    db.client.set(entry, "not a template")  # someone else's value under the cache's key
+    answer = client.infer("poison", _row(30.5), timeout_s=30)
+    assert answer.as_numpy("output").tolist() == [[61.0]] and len(marks.batches()) == 2
+
+
 def test_the_size_bound_holds(client: Client, cached: tuple[RedisDatabase, WorkerProcess]) -> None:
     db, _ = cached
     marks = ForwardMarks(db.client, "poison")
