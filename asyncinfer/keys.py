@@ -14,6 +14,9 @@ __all__ = [
     "UNACKED_INDEX_KEY",
     "CLAIM_PREFIX",
     "DEAD_LETTER_PREFIX",
+    "RESPONSE_CACHE_PREFIX",
+    "response_cache_index_key",
+    "response_cache_stats_key",
     "RETRY_BUDGET_PREFIX",
     "REPLICATION_MARK_CHANNEL",
     "REPLY_CHANNEL_PREFIX",
@@ -84,6 +87,22 @@ REPLY_CHANNEL_PREFIX = KEY_PREFIX + "reply:"
 def dead_letter_key(model: str) -> str:
     """The dead-letter list of ``model`` (see dead_letters.py)."""
     return DEAD_LETTER_PREFIX + model
+
+
+#: The response cache (response_cache.py): ``…entry:<model>:<sha256>`` one cached answer (a
+#: string with a TTL); ``…index:<model>`` sorted set of the model's entries by write time (its size
+#: bound); ``…stats:<model>`` hash of ``hits`` and ``misses``.
+RESPONSE_CACHE_PREFIX = KEY_PREFIX + "cache:"
+
+
+def response_cache_index_key(model: str) -> str:
+    """The sorted set of ``model``'s cached answers, by the time each was written."""
+    return RESPONSE_CACHE_PREFIX + "index:" + model
+
+
+def response_cache_stats_key(model: str) -> str:
+    """The hash of ``model``'s cache hits and misses."""
+    return RESPONSE_CACHE_PREFIX + "stats:" + model
 
 
 

@@ -160,7 +160,8 @@ class Client:
             inputs: a mapping of input name → value, or one value (named ``input``). Values may
                 be numpy arrays, torch tensors, (nested) lists, strings or bytes.
             request_id: the request (task) ID; default a new UUID.
-            parameters: the v2 request's ``parameters``.
+            parameters: the v2 request's ``parameters`` (``{"response_cache": False}``: neither
+                read nor fill the model's response cache, docs/operations.md).
             serializer: ``json`` or ``msgpack``; default the client's.
             binary: send tensor data as raw bytes; default True for msgpack, False for json.
             link, link_error: Celery signatures called with the result or on failure.

@@ -19,6 +19,11 @@ rules run in turn, by Redis atomically:
   is there exactly when the message was kept: the client's lost check (lost_check.py) reads "no
   key and no result" as "the broker lost this request".
 
+- the response cache: a request of a model with ``response_cache`` carries its cache key; found,
+  the cached answer is stored under the request's ID and announced as a worker would, the model's
+  hit count goes up, and nothing is pushed (CACHED); not found, its miss count goes up and the
+  rules above go on. A hit or a miss costs no round trip of its own (response_cache.py).
+
 Idle workers wake without popping (workers/wake.py), so the push is all a producer does. With
 nothing to check or mark (a generated ID, no ``max_queue_size``, the lost check off), it is a
 plain LPUSH.
@@ -26,33 +31,46 @@ plain LPUSH.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncinfer.constants import priority_list, priority_lists
+from asyncinfer.constants import model_from_queue, priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.keys import CLAIM_PREFIX, response_cache_stats_key
 
-__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "script_arguments"]
+__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments"]
 
-PUBLISHED, DUPLICATE, FULL, CONFLICT = 1, 0, -1, -2
+PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED = 1, 0, -1, -2, 2
 
 # One or more pushes onto one queue, in order, atomically: the same rules for each push.
 # KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
-# on, its claim key, its result key.
+# on, its claim key, its result key, its response cache key ('' for none), the model's cache
+# counts ('' for none).
 # ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 # message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
-# check, for a generated ID).
+# check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none).
 # Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue,
-# {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another queue. Once
-# the queue is found full, no push after it in the same call passes it: the queue stays full.
+# {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another queue,
+# {2, ''} answered from the response cache (stored and announced as a worker would; not pushed).
+# Once the queue is found full, no push after it in the same call passes it: the queue stays full.
 _PUBLISH = """
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local depth = nil
 local out = {}
-for i = 0, (#ARGV - 3) / 3 - 1 do
-  local k, a = lists + 3 * i, 4 + 3 * i
+local function fill(stored, id)
+  local cut = string.find(stored, ';', 1, true)
+  if not cut then return nil end  -- not a template: a miss
+  local pieces, at = {}, cut + 1
+  for length in string.gmatch(string.sub(stored, 1, cut - 1), '%d+') do
+    pieces[#pieces + 1] = string.sub(stored, at, at + tonumber(length) - 1)
+    at = at + tonumber(length)
+  end
+  return table.concat(pieces, id)
+end
+for i = 0, (#ARGV - 3) / 6 - 1 do
+  local k, a = lists + 5 * i, 4 + 6 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
@@ -61,6 +79,24 @@ for i = 0, (#ARGV - 3) / 3 - 1 do
       if claimed ~= queue and claimed ~= '1' then status, detail = -2, claimed else status = 0 end
     elseif redis.call('EXISTS', KEYS[k + 3]) == 1 then
       status = 0
+    end
+  end
+  if not status and KEYS[k + 4] ~= '' then
+    local stored = redis.call('GET', KEYS[k + 4])
+    local value = stored and fill(stored, ARGV[a + 3])
+    if value then
+      local result_ttl = tonumber(ARGV[a + 5])
+      if result_ttl > 0 then
+        redis.call('SETEX', KEYS[k + 3], result_ttl, value)
+      else
+        redis.call('SET', KEYS[k + 3], value)
+      end
+      redis.call('PUBLISH', KEYS[k + 3], value)
+      if ARGV[a + 4] ~= '' then redis.call('PUBLISH', ARGV[a + 4], value) end
+      redis.call('HINCRBY', KEYS[k + 5], 'hits', 1)
+      status = 2
+    else
+      redis.call('HINCRBY', KEYS[k + 5], 'misses', 1)
     end
   end
   if not status and bound > 0 then
@@ -106,14 +142,16 @@ class Publisher:
 
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
-                priority: int = 0) -> _Push:
+                priority: int = 0, cache_key: str = "", reply_to: str = "") -> _Push:
         """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
         ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
         under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
         ``timeout_s`` to wait for room; ``priority`` (0-9) picks the list as kombu's Redis
-        transport does."""
+        transport does. ``cache_key``: the request's response cache entry (response_cache.py;
+        '' for none): found, the cached answer is stored under ``result_key`` and announced there
+        and on ``reply_to``, and nothing is pushed (CACHED)."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority)
+                     timeout_s, priority, cache_key, reply_to)
 
 
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
@@ -124,8 +162,10 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     keys: list[str] = list(lists)
     args: list[Any] = [len(lists), first.max_queue_size, first.queue]
     for push in pushes:
-        keys += [push.list_key, push.claim_key, push.result_key]
-        args += [push.message, push.claim_ttl_s, push.mark_ttl_s]
+        keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
+                 push.cache_stats_key]
+        args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
+                 push.result_ttl_s]
     return keys, args
 
 
@@ -141,7 +181,7 @@ class _Push:
 
     def __init__(self, publisher: Any, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
-                 timeout_s: float, priority: int) -> None:
+                 timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "") -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
         self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
@@ -150,7 +190,15 @@ class _Push:
         self.result_key = result_key or self.claim_key
         self.claim_ttl_s = publisher.claim_ttl_s if claim else 0
         self.mark_ttl_s = publisher.mark_ttl_s
-        self.scripted = claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
+        #: The response cache: the entry to look for, the model's counts, the answer's TTL.
+        self.cache_key = cache_key if result_key else ""  # the answer needs the result key
+        self.cache_stats_key = (response_cache_stats_key(model_from_queue(queue) or queue)
+                                if self.cache_key else "")
+        self.quoted_id = json.dumps(request_id) if self.cache_key else ""
+        self.reply_to = reply_to if self.cache_key else ""
+        self.result_ttl_s = publisher.claim_ttl_s if self.cache_key else 0
+        self.scripted = (claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
+                         or bool(self.cache_key))
         #: Nothing to check, only the trace to write with the push.
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]

@@ -29,9 +29,10 @@ from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
-from asyncinfer.constants import model_from_queue
+from asyncinfer.constants import TASK_NAME, model_from_queue
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable
 from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Sender"]
@@ -73,7 +74,7 @@ class Sender:
         self.grouped = (GroupedPublisher(self._publisher, self._publish_error)
                         if self._publisher is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
-        self._bounds: dict[str, int] = {}
+        self._options: dict[str, ModelOptions] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
         self._broker_guessed = self.settings.broker_url_origin() == "default"
         #: Where coroutines publish small requests themselves (aio.send_on_loop).
@@ -200,7 +201,19 @@ class Sender:
                                else None),
                 "max_queue_size": self._queue_bound(outgoing.queue),
                 "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
-                              else outgoing.timeout_s)}
+                              else outgoing.timeout_s),
+                **self._cache_options(outgoing)}
+
+    def _cache_options(self, outgoing: Outgoing) -> dict[str, Any]:
+        """The response cache's part of the publish (response_cache.py): the request's key and
+        reply channel, when its model caches answers and they are stored on the broker (where
+        the publish script reads the cache); nothing otherwise."""
+        model = model_from_queue(outgoing.queue)
+        if not (model and self._results_shared and outgoing.task == TASK_NAME
+                and self._model_options(outgoing.queue).response_cache):
+            return {}
+        key = cache_key(model, outgoing.kwargs)
+        return {"cache_key": key, "reply_to": self.watcher.channel} if key else {}
 
     def sent(self, outgoing: Outgoing, status: int) -> None:
         """After the publish: a request ID sent before (perhaps by another producer, whose reply
@@ -220,12 +233,16 @@ class Sender:
 
     def _queue_bound(self, queue: str) -> int:
         """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
-        bound = self._bounds.get(queue)
-        if bound is None:
+        return self._model_options(queue).max_queue_size
+
+    def _model_options(self, queue: str) -> ModelOptions:
+        """The options of the model served on ``queue`` (read once per queue)."""
+        options = self._options.get(queue)
+        if options is None:
             model = model_from_queue(queue)
-            bound = self.settings.options_for(model, ModelOptions()).max_queue_size if model else 0
-            self._bounds[queue] = bound
-        return bound
+            options = self.settings.options_for(model, ModelOptions()) if model else ModelOptions()
+            self._options[queue] = options
+        return options
 
     def _claim(self, request_id: str) -> bool:
         """Claim a caller-chosen request ID on the result backend (brokers other than Redis)."""

@@ -12,6 +12,10 @@ of successive batches in parallel (False: one after another in one thread).
 ``graph_batch_sizes`` (vLLM's ``cudagraph_capture_sizes``; default none) captures one CUDA or NPU
 graph of the forward per size at load and runs each batch padded to the nearest size
 (engine/graphs.py).
+``response_cache`` (Triton's; default false) answers a repeated request (the same model, inputs
+and parameters, to the bit) from Redis without running it: for deterministic models only. Entries
+live ``response_cache_ttl_s`` and a model keeps at most ``response_cache_max_entries``
+(response_cache.py). Clients read the option too: set it where both see it.
 ``dead_letter`` keeps each request of the model that fails for good in
 ``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
@@ -67,6 +71,13 @@ class ModelOptions:
     #: ``cudagraph_capture_sizes``); a batch replays the smallest size that holds its rows,
     #: padded, and a larger batch runs eager (engine/graphs.py). Empty: eager only; ignored on CPU.
     graph_batch_sizes: tuple[int, ...] = ()
+    #: Answer a repeated request from Redis (Triton's ``response_cache``; response_cache.py):
+    #: only for a deterministic model. Read by the client at submit and by the worker.
+    response_cache: bool = False
+    #: How long a cached answer lives (seconds, > 0).
+    response_cache_ttl_s: float = 600.0
+    #: The most cached answers the model keeps; the oldest go first.
+    response_cache_max_entries: int = 10000
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -80,7 +91,7 @@ class ModelOptions:
         if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
                 and math.isfinite(ratio) and ratio >= 1):
             raise ValueError(f"max_cost_ratio must be a finite number >= 1, got {ratio!r}")
-        for flag in ("dead_letter", "warmup", "pipelined", "group_by_cost"):
+        for flag in ("dead_letter", "warmup", "pipelined", "group_by_cost", "response_cache"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         max_entries, ttl_s = self.dead_letter_max_entries, self.dead_letter_ttl_s
@@ -89,6 +100,14 @@ class ModelOptions:
         if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
                 and math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
+        cache_ttl_s, cache_entries = self.response_cache_ttl_s, self.response_cache_max_entries
+        if not (isinstance(cache_ttl_s, (int, float)) and not isinstance(cache_ttl_s, bool)
+                and math.isfinite(cache_ttl_s) and cache_ttl_s > 0):
+            raise ValueError(f"response_cache_ttl_s must be a finite number > 0, got {cache_ttl_s!r}")
+        if (not isinstance(cache_entries, int) or isinstance(cache_entries, bool)
+                or cache_entries < 1):
+            raise ValueError(f"response_cache_max_entries must be an integer >= 1, "
+                             f"got {cache_entries!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
         if not isinstance(self.instances, int) or self.instances < 1:

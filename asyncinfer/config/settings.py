@@ -211,7 +211,9 @@ class Settings:
         "of each other; default 1.25 on a CPU, 2 on an accelerator), `graph_batch_sizes` (capture "
         "one CUDA / NPU graph of the forward per "
         "size at load and run each batch padded to the nearest; larger batches eager; ignored on "
-        "CPU; default none); key `\"*\"` "
+        "CPU; default none), `response_cache` (answer a repeated request of a deterministic "
+        "model from Redis, looked up at submit: clients read it too; default false), "
+        "`response_cache_ttl_s` (600), `response_cache_max_entries` (10000); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

@@ -64,6 +64,7 @@ from asyncinfer.worker.lifecycle import (
     answered_before,
     count_started,
 )
+from asyncinfer.worker.output.cache_write import cache_key_of
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.runtime import WorkerRuntime
@@ -271,8 +272,9 @@ class Pipeline:
         embed: dict[str, Any] | None = None
         try:
             args, kwargs, embed = decode_body(d, self.policy.max_payload_bytes)
+            v2 = request_kwargs(d.request_id, args, kwargs)
             request, future = self.runtime.submit(
-                d.request_id, request_kwargs(d.request_id, args, kwargs), received_at=d.received_at,
+                d.request_id, v2, received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
                 alone=policy.deaths.alone(d.deaths))
@@ -284,6 +286,7 @@ class Pipeline:
             self.outcomes.fail(d, exc, embed)
             return
         # -- 7-8: settle and write, once the device is done (outcomes.py, result_writer.py)
+        d.cache_key = cache_key_of(self.app, d, v2)
         self.holdings.start(d)
         count_started()
         future.add_done_callback(lambda f: self.outcomes.settle(d, request, f, embed))

@@ -59,6 +59,9 @@ PLACES: dict[str, str] = {
     # the fleet statistics' keys and form: the contract in Redis between the workers that add
     # their counts and the clients and gateway that sum them, as the catalogue is
     "asyncinfer.fleet_stats": "wire",
+    # the response cache's scripts, templates and counts: the contract in Redis between the
+    # workers that fill it and the clients and gateway whose publish reads it
+    "asyncinfer.response_cache": "wire",
     "asyncinfer.config": "config",
     "asyncinfer.connections": "config",  # Redis clients for the URLs the settings name
     "asyncinfer.celery_app": "config",  # the app, built from the settings

@@ -26,3 +26,5 @@ class TakenMessage(Message):
     #: (output/kombu_acks.py). None: taken from the Redis lists by the take script, recorded in
     #: their bookkeeping (acknowledged by the store script, leased, given back by the consumer).
     message: Any = None
+    #: Its response cache entry, to fill with its answer ('' for none: response_cache.py).
+    cache_key: str = ""

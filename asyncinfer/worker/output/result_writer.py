@@ -45,7 +45,7 @@ from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
-from asyncinfer.worker.output import kombu_acks
+from asyncinfer.worker.output import cache_write, kombu_acks
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
@@ -118,6 +118,8 @@ class ResultWriter:
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.store = StoreScript(broker, self.expires_s)
+        #: Successful answers of response-cached models, written with their part.
+        self._cache_writes = cache_write.CacheWrites(app)
         self._started: tuple[str, str, str] | None = None
         self._for_take: StartedText | None = None
         #: Called with each batch before its first write (may change outcomes: the retry budget),
@@ -281,6 +283,7 @@ class ResultWriter:
         first, when the result backend is another Redis than the broker; inside a transaction
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
+        self._cache_writes.clear()  # what a refused try of this part gathered
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
         acks = entries
         if not self.shared:
@@ -288,10 +291,15 @@ class ResultWriter:
             if results:
                 self._log_refusals(self.store(results, self.results))
             acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
+        if self._cache_writes and not pushes.command_stack:
+            self._log_refusals(cache_write.store_with_cache(self.broker, self.store, acks,
+                                                            self._cache_writes))
+            return
         if not pushes.command_stack:
             if acks:
                 self._log_refusals(self.store(acks, self.broker))
             return
+        self._cache_writes.queue(pushes)
         if acks:
             self.store(acks, pushes)
         self._execute(pushes)
@@ -362,6 +370,8 @@ class ResultWriter:
             value = encode_meta(self.backend, meta)
             if meta["status"] in states.READY_STATES:
                 reply_to = reply_channel_of(d.headers) or ""
+            if outcome.state == states.SUCCESS and d.cache_key and self.shared:
+                self._cache_writes.add(d, outcome.result)
         add_dead_letter(pushes, self.app, outcome, self.worker)
         # no tag: a malformed message never recorded, or one of kombu's
         return key, value, reply_to, "" if kombu else d.tag or ""

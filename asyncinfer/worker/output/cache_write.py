@@ -1,0 +1,103 @@
+"""The worker's side of the response cache (response_cache.py): which requests fill it, and the
+write of their answers, in the round trip that stores the results.
+
+Only a successful answer is written (the result writer calls :meth:`CacheWrites.add` for state
+SUCCESS alone): a failure, a retry, a revocation, an answer that could not be encoded, or a
+request whose own row of a batch failed never reaches the cache. The worker does not read the
+cache: the look-up happens at submit, in the publish script, where a hit saves the queue too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery, states
+
+from asyncinfer import response_cache
+from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.wire.cache_key import cache_key
+from asyncinfer.wire.envelope import result_meta
+from asyncinfer.wire.result_json import encode_meta
+from asyncinfer.worker.dead_letters import options_of
+from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
+
+__all__ = ["cache_key_of", "CacheWrites", "store_with_cache"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_key_of(app: Celery, d: TakenMessage, kwargs: Any) -> str:
+    """The response cache entry ``d``'s answer fills: '' unless its model caches answers
+    (``response_cache``) and the request is keyable and does not bypass it."""
+    model = model_from_queue(d.queue)
+    if not model or d.headers.get("task") != TASK_NAME or not isinstance(kwargs, Mapping):
+        return ""
+    if not options_of(app, model).response_cache:
+        return ""
+    return cache_key(model, kwargs) or ""
+
+
+class CacheWrites:
+    """The cache writes of one stored part of a batch, gathered per model (:meth:`add`), then
+    queued with its store (:meth:`queue`)."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._by_model: dict[str, list[tuple[str, bytes]]] = {}
+
+    def add(self, d: TakenMessage, response: Any) -> None:
+        """Gather ``d``'s successful ``response`` for its cache entry: its meta around a mark for
+        the request ID, with ``cache_hit`` in its parameters. Never fails the request (an answer
+        that cannot be cached is logged and stands)."""
+        try:
+            cached = dict(response)
+            cached["id"] = response_cache.MARK
+            cached["parameters"] = {**(cached.get("parameters") or {}), "cache_hit": True}
+            meta = result_meta(response_cache.MARK, states.SUCCESS, cached,
+                               parent_id=d.headers.get("parent_id"))
+            stored = response_cache.template(encode_meta(self.app.backend, meta))
+        except Exception:  # noqa: BLE001 - the answer stands; it is only not cached
+            log.exception("request %s: its answer could not be cached", d.request_id)
+            return
+        model = model_from_queue(d.queue) or d.queue
+        self._by_model.setdefault(model, []).append((d.cache_key, stored))
+
+    def __bool__(self) -> bool:
+        return bool(self._by_model)
+
+    def clear(self) -> None:
+        """Forget what was gathered (a part stored again gathers it again)."""
+        self._by_model = {}
+
+    def queue(self, pipe: Any) -> None:
+        """Queue what was gathered on ``pipe`` (one script call per model), and start again."""
+        for model, entries in self._by_model.items():
+            options = options_of(self.app, model)
+            response_cache.write(pipe, model, entries, ttl_s=options.response_cache_ttl_s,
+                                 max_entries=options.response_cache_max_entries)
+        self._by_model = {}
+
+
+def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
+                     writes: CacheWrites) -> list[str]:
+    """Store ``entries`` with ``store`` and write the gathered cache answers, in one round trip
+    on ``client`` (the broker): the cache writes first, so a request repeated once its answer is
+    out finds it. The error replies of the store (as text); a refused cache write is logged and
+    dropped (a later miss). Raises what a refused store raises (out of memory: the writer splits
+    the part)."""
+    pipe = client.pipeline(transaction=False)
+    writes.queue(pipe)
+    store.queue(pipe, entries)
+    *cached, stored = pipe.execute(raise_on_error=False)
+    for error in (r for r in cached if isinstance(r, Exception)):
+        log.warning("writing answers to the response cache failed: %s", error)
+    if isinstance(stored, redis.exceptions.NoScriptError):  # a restarted or new master
+        store.load(client)
+        return store(entries, client)
+    if isinstance(stored, redis.ResponseError):
+        raise as_out_of_memory(stored)
+    return error_texts(stored)
