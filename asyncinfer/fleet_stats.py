@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from asyncinfer.keys import STATS_INDEX_KEY, STATS_PREFIX
+from asyncinfer.keys import STATS_INDEX_KEY, STATS_PREFIX, response_cache_stats_key
 
 __all__ = ["FleetStats", "triton_stats", "DURATIONS"]
 
@@ -96,7 +96,13 @@ class FleetStats:
         only), and one of zeros for each of ``models`` that has none yet."""
         per_model = self.read(model)
         names = sorted(set(per_model) | set(models)) if model is None else [model]
-        return [triton_stats(name, per_model.get(name, []), version) for name in names]
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(response_cache_stats_key(name), ["hits", "misses"])
+        cached = pipe.execute() if names else []
+        return [triton_stats(name, per_model.get(name, []), version,
+                             cache=(int(hits or 0), int(misses or 0)))
+                for name, (hits, misses) in zip(names, cached, strict=True)]
 
 
 def _sum(entries: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -127,10 +133,18 @@ def _infer_stats(counts: Mapping[str, int]) -> dict[str, Any]:
     }
 
 
-def triton_stats(model: str, workers: list[dict[str, Any]], version: str = "1") -> dict[str, Any]:
+def triton_stats(model: str, workers: list[dict[str, Any]], version: str = "1",
+                 cache: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """One model's entry of Triton's ``model_stats``, summed over ``workers`` (from
-    :meth:`FleetStats.read`), with the ``asyncinfer`` key: Redis wait, per worker, per device."""
+    :meth:`FleetStats.read`), with the ``asyncinfer`` key: Redis wait, per worker, per device.
+    ``cache``: the response cache's hits and misses (response_cache.py), counted as Triton
+    counts them: a hit is a success too; their ``ns`` are 0 (the lookup is inside the publish
+    script, not timed)."""
     total = _sum(workers)
+    hits, misses = cache
+    if hits or misses:
+        total = {**total, "cache_hit_count": hits, "cache_miss_count": misses,
+                 "success_count": total.get("success_count", 0) + hits}
     devices: dict[str, list[dict[str, Any]]] = {}
     for w in workers:
         devices.setdefault(w["device"], []).append(w)

@@ -14,6 +14,7 @@ from celery.result import AsyncResult
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
+from asyncinfer.fleet_stats import FleetStats
 from asyncinfer.keys import RESPONSE_CACHE_PREFIX, response_cache_index_key
 from asyncinfer.response_cache import cache_stats
 from tests.support.databases import RedisDatabase, RedisDatabases
@@ -84,6 +85,11 @@ def test_a_repeated_request_is_answered_without_a_device_run(
     assert stored["id"] == second_future.id and stored["outputs"] == second.raw["outputs"]
     after = cache_stats(db.client, "poison")
     assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 1)
+    # The fleet statistics (Triton's form) show the same counts; a hit is a success too
+    stats = FleetStats(db.client).model_stats(model="poison")[0]["inference_stats"]
+    assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (
+        after["hits"], after["misses"])
+    assert stats["success"]["count"] >= after["hits"]
 
 
 def test_a_one_bit_change_of_input_misses(
