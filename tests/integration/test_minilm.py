@@ -126,6 +126,32 @@ def test_by_length_long_and_short_requests_batch_apart_with_the_same_embeddings(
     assert np.abs(np.concatenate([embedding_of(d) for d in done]) - alone).max() <= TOL
 
 
+def test_rows_batch_by_their_tokens_not_their_characters() -> None:
+    # Given texts of like characters (84-96) but unlike tokens: 26 in common words, 56 in rare ones
+    texts = {"common-1": "the cat sat on the mat " * 4, "rare-1": "zyxqwv kjhgfd pqowie rutyzm " * 3,
+             "common-2": "the dog ran in the park " * 4, "rare-2": "qzxv wpkj mfgh trbn dlsc vyxq " * 3}
+    model = MiniLM()
+    by_characters = [model.row_cost(text_request(k, [t])) for k, t in texts.items()]  # not loaded
+    assert by_characters == [92.0, 84.0, 96.0, 90.0]  # within 1.25x: they would share a batch
+    model.load(torch.device("cpu"))
+    runner = ModelRunner(model, Device(DeviceSpec("cpu")), ModelOptions(max_batch_size=32, max_delay_ms=0.0))
+    try:
+        # Then a loaded model's cost is the tokens the row is padded against (special ones too),
+        # at most its 256
+        assert [model.row_cost(text_request(k, [t])) for k, t in texts.items()] == [26.0, 56.0, 26.0, 56.0]
+        mask = model.preprocess({"text": np.array(list(texts.values()), dtype=object)})["attention_mask"]
+        assert mask.sum(dim=1).tolist() == [26, 56, 26, 56]
+        assert model.row_cost(text_request("long", ["short", LONG])) == 256.0
+        # and the rows batch by their tokens (the runner's threads are not started: the batches
+        # are read from its batcher as its device thread would)
+        for request_id, text in texts.items():
+            runner.submit(text_request(request_id, [text]))
+        batches = [[item.request.id for item in runner.batcher.next_batch() or []] for _ in range(2)]
+        assert batches == [["common-1", "common-2"], ["rare-1", "rare-2"]]
+    finally:
+        runner.close()
+
+
 def test_padding_does_not_change_embeddings(runner: ModelRunner) -> None:
     mixed: list[str | bytes] = ["short", LONG, "a bit longer sentence than the first one", "Ünïcödé"]
     together = run_alone(runner, "mixed", mixed)

@@ -315,7 +315,7 @@ def test_a_row_costs_nothing_declared_unless_the_model_says_so_minilm_its_length
         return
     from asyncinfer.models.minilm import MiniLM
 
-    # MiniLM: the length of its longest text (no tokenizer needed: called on the request's path)
+    # MiniLM not loaded: the characters of its longest text (loaded: its tokens, test_minilm.py)
     texts = decode_request("t", {"model": "minilm", "inputs": [
         {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["short one", "x" * 300]}]})
     assert MiniLM().row_cost(texts) == 300.0
