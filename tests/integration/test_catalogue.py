@@ -101,7 +101,7 @@ def test_a_model_never_announced_is_refused_at_submit(redis_db) -> None:
         assert "typo-1" not in client.watcher._callbacks  # nothing left waiting
         # A model announced a moment ago is taken at once (the known set is read again)
         Catalogue(redis_db.client).announce("w@h", [{"name": "fresh"}])
-        client.submit("fresh", np.zeros((1, 1), np.float32)).cancel()
+        client.submit("fresh", np.zeros((1, 1), np.float32)).sent().cancel()
         assert redis_db.client.llen("infer.fresh") == 1
     finally:
         client.close()
@@ -114,7 +114,7 @@ def test_nothing_is_refused_before_any_announcement_or_with_retention_zero(redis
         try:
             if environ:
                 Catalogue(redis_db.client).announce("w@h", [{"name": "mlp"}])
-            client.submit("later", np.zeros((1, 1), np.float32)).cancel()
+            client.submit("later", np.zeros((1, 1), np.float32)).sent().cancel()
         finally:
             client.close()
     assert redis_db.client.llen("infer.later") == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -48,3 +49,26 @@ def test_the_workers_policy_holds_by_its_own_hold_settings() -> None:
                     hold_batches=3, hold_s=0.5)
     assert policy.backpressure.held_at_most([_runner(32, 1)]) == 96
     assert policy.backpressure.held_at_most([_runner(32, 1, batch_s=0.05)]) == 128  # 320 by pace
+
+
+def _taken(request_id: str) -> SimpleNamespace:
+    return SimpleNamespace(request_id=request_id, tag=f"tag-{request_id}", message=None)
+
+
+def test_a_batch_that_runs_alone_waits_for_what_ran_before_it_and_no_more() -> None:
+    from asyncinfer.worker.intake.holdings import Holdings
+
+    holdings = Holdings(128)
+    ran, waiting, retry, alone = (_taken(i) for i in ("ran", "waiting", "retry", "alone"))
+    holdings.add(ran, waiting, retry, alone)
+    holdings.launched({"ran", "retry"})  # two went onto the device; one waits in the batcher
+    holdings.schedule(retry)  # and one of them waits for its eta as a retry
+    # What ran before and is not answered yet holds the alone batch back (a timeout tells)...
+    assert holdings.settle({"alone"}, timeout_s=0.05) == 1
+    # ...until its answer is stored; what never ran (and the retry waiting) does not
+    release = threading.Timer(0.05, holdings.release, args=([ran],))
+    release.start()
+    assert holdings.settle({"alone"}, timeout_s=10) == 0
+    release.join()
+    holdings.resume(retry)  # due again: it waits for the device, launched no more
+    assert holdings.settle({"alone"}, timeout_s=0.05) == 0

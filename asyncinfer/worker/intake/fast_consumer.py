@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 class FastConsumer(PipelineConsumer):
     """Consumes ``queues`` for ``runtime`` until :meth:`stop`; at most ``max_in_flight`` at once."""
 
+    #: Longest a batch that runs alone waits for the answers of what ran before it (seconds).
+    SETTLE_S = 10.0
+
     def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
                  hostname: str, policy: Policy, send_events: bool = False) -> None:
         settings = settings_of(app) or Settings.from_env()
@@ -141,9 +144,18 @@ class FastConsumer(PipelineConsumer):
 
     def _on_launch(self, items: Sequence[WorkItem]) -> None:
         """A batch goes onto the device: a death from now on counts against its requests. One
-        that runs alone (a request in it saw a death) waits for Redis to have its marks."""
+        that runs alone (a request in it saw a death) first waits until what ran before it is
+        answered (up to ``SETTLE_S``), and for Redis to have its marks."""
         assert self.leases is not None
-        self.leases.on_device(self.holdings.tags_of(items), wait=any(i.alone for i in items))
+        ids = {i.request.id for i in items}
+        alone = any(i.alone for i in items)
+        if alone:
+            left = self.holdings.settle(ids, self.SETTLE_S)
+            if left:
+                log.warning("a batch that runs alone launches with %d requests that ran before "
+                            "it not yet answered (their answers are late)", left)
+        self.holdings.launched(ids)
+        self.leases.on_device(self.holdings.tags_of(items), wait=alone)
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished,

@@ -35,6 +35,8 @@ class Holding:
     state: str = RESERVED
     #: ``time.time()`` when it was handed to the device (Celery's ``time_start``).
     started_at: float | None = None
+    #: Whether a batch with it went onto the device (its model ran, or runs, on it).
+    launched: bool = False
 
 
 class Holdings:
@@ -79,6 +81,28 @@ class Holdings:
             if holding is not None:
                 holding.state, holding.started_at = ACTIVE, time.time()
 
+    def launched(self, request_ids: set[str]) -> None:
+        """The requests ``request_ids`` go onto the device in a batch."""
+        with self._cond:
+            for holding in self._held.values():
+                if holding.delivery.request_id in request_ids:
+                    holding.launched = True
+
+    def settle(self, but: set[str], timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until every request that went onto the device, but those of
+        ``but``, is answered and acknowledged; how many still are not. Before a batch that runs
+        alone (a request in it saw a worker die) launches: should it kill the worker again, no
+        request that ran before it runs once more for want of its stored answer."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                left = sum(1 for h in self._held.values()  # a retry waiting for its eta: not
+                           if h.launched and h.state != SCHEDULED  # until it runs again
+                           and h.delivery.request_id not in but)
+                if not left or time.monotonic() >= deadline:
+                    return left
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+
     def schedule(self, d: TakenMessage) -> None:
         """``d`` waits for its ``eta``: still held, no longer counted."""
         self._move(d, SCHEDULED, -1)
@@ -93,6 +117,7 @@ class Holdings:
             if holding is None or (holding.state == SCHEDULED) == (state == SCHEDULED):
                 return
             holding.state = state
+            holding.launched = False  # a retry: it goes onto the device again, or waits to
             self._in_flight += count
             self._cond.notify_all()
         if self._on_scheduled is not None and d.message is not None:
