@@ -78,6 +78,10 @@ class ModelOptions:
     response_cache_ttl_s: float = 600.0
     #: The most cached answers the model keeps; the oldest go first.
     response_cache_max_entries: int = 10000
+    #: A batch is formed from the best Celery priority level waiting first (0 on Redis); a
+    #: request held this long (seconds) counts as the best level: the bound on how long a low
+    #: level waits in the worker behind a stream of higher ones (engine/batcher.py).
+    max_priority_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -100,6 +104,10 @@ class ModelOptions:
         if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
                 and math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
+        wait_s = self.max_priority_wait_s
+        if not (isinstance(wait_s, (int, float)) and not isinstance(wait_s, bool)
+                and math.isfinite(wait_s) and wait_s >= 0):
+            raise ValueError(f"max_priority_wait_s must be a finite number >= 0, got {wait_s!r}")
         cache_ttl_s, cache_entries = self.response_cache_ttl_s, self.response_cache_max_entries
         if not (isinstance(cache_ttl_s, (int, float)) and not isinstance(cache_ttl_s, bool)
                 and math.isfinite(cache_ttl_s) and cache_ttl_s > 0):

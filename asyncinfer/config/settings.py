@@ -213,7 +213,10 @@ class Settings:
         "size at load and run each batch padded to the nearest; larger batches eager; ignored on "
         "CPU; default none), `response_cache` (answer a repeated request of a deterministic "
         "model from Redis, looked up at submit: clients read it too; default false), "
-        "`response_cache_ttl_s` (600), `response_cache_max_entries` (10000); key `\"*\"` "
+        "`response_cache_ttl_s` (600), `response_cache_max_entries` (10000), "
+        "`max_priority_wait_s` (a batch is formed from the best Celery priority waiting first, 0 "
+        "on Redis; a request held this long counts as the best: the bound on a low level's wait "
+        "in the worker; default 1.0); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(
