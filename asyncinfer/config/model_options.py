@@ -81,9 +81,10 @@ class ModelOptions:
     #: The most cached answers the model keeps; the oldest go first.
     response_cache_max_entries: int = 10000
     #: A batch is formed from the best Celery priority level waiting first (0 on Redis); a
-    #: request held this long (seconds) counts as the best level: the bound on how long a low
-    #: level waits in the worker behind a stream of higher ones (engine/batcher.py).
-    max_priority_wait_s: float = 1.0
+    #: request passed over by this many batches (of requests that came after it) counts as the
+    #: best level: the bound on how long a low level waits in the worker behind a stream of
+    #: higher ones (engine/batcher.py).
+    max_priority_passes: int = 8
     #: Per-level queue policy (Triton's ``priority_queue_policy``; config/priority_policy.py):
     #: level (kombu's priority step 0, 3, 6, 9) → ``max_queue_size``, ``default_timeout_s``.
     #: Read by the client at submit. Empty: none.
@@ -112,10 +113,9 @@ class ModelOptions:
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
         object.__setattr__(self, "priority_queue_policy",
                            parse_priority_policy(self.priority_queue_policy))
-        wait_s = self.max_priority_wait_s
-        if not (isinstance(wait_s, (int, float)) and not isinstance(wait_s, bool)
-                and math.isfinite(wait_s) and wait_s >= 0):
-            raise ValueError(f"max_priority_wait_s must be a finite number >= 0, got {wait_s!r}")
+        passes = self.max_priority_passes
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"max_priority_passes must be an integer >= 1, got {passes!r}")
         cache_ttl_s, cache_entries = self.response_cache_ttl_s, self.response_cache_max_entries
         if not (isinstance(cache_ttl_s, (int, float)) and not isinstance(cache_ttl_s, bool)
                 and math.isfinite(cache_ttl_s) and cache_ttl_s > 0):

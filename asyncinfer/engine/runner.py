@@ -98,7 +98,7 @@ class ModelRunner:
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
                                max_cost_ratio=opts.cost_ratio(device.is_accelerator),
-                               max_priority_wait_s=opts.max_priority_wait_s)
+                               max_priority_passes=opts.max_priority_passes)
         #: Seconds the device takes with a batch, from its launch to its results on the host (a
         #: moving average; None until one ran): how fast this model gets through what a worker
         #: holds. Not from the batch's forming: a batch formed while another is on the device

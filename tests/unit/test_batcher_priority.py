@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import pytest
 
@@ -24,10 +24,9 @@ class _Request(str):
 
 
 def item(tag: str, priority: int = 0, rows: int = 1, signature: str = "a",
-         cost: float | None = None, waited_s: float = 0.0) -> WorkItem:
-    work = WorkItem(request=_Request(tag), rows=rows, signature=signature, priority=priority, cost=cost)
-    work.received_at -= waited_s
-    return work
+         cost: float | None = None) -> WorkItem:
+    return WorkItem(request=_Request(tag), rows=rows, signature=signature, priority=priority,
+                    cost=cost)
 
 
 def batches(batcher: Batcher, count: int) -> list[list[str]]:
@@ -75,27 +74,31 @@ def test_cost_grouping_applies_within_a_level_before_the_next() -> None:
     assert batches(batcher, 2) == [["high-lead", "high-near", "low-near"], ["high-far"]]
 
 
-def test_an_item_waiting_past_the_bound_counts_as_the_best_level() -> None:
-    batcher = queued(Batcher(max_batch_size=2, max_delay_ms=0, max_priority_wait_s=0.5),
-                     item("high-old", 0, waited_s=2.0), item("low-old", 9, waited_s=1.0),
-                     *[item(f"high{i}", 0) for i in range(4)])
-    # low-old has waited past 0.5 s: level 0, ahead of every high item that came after it
-    assert batches(batcher, 3) == [["high-old", "low-old"], ["high0", "high1"], ["high2", "high3"]]
+def test_an_item_passed_over_by_the_bound_of_batches_counts_as_the_best_level() -> None:
+    batcher = queued(Batcher(max_batch_size=2, max_delay_ms=0, max_priority_passes=2),
+                     item("low", 9), *[item(f"high{i}", 0) for i in range(8)])
+    # two batches of younger high items pass it over; then it leads (the oldest at level 0)
+    assert batches(batcher, 4) == [["high0", "high1"], ["high2", "high3"], ["low", "high4"],
+                                   ["high5", "high6"]]
+
+
+def test_a_backlog_is_passed_over_once_by_a_high_item_and_keeps_its_order() -> None:
+    batcher = queued(Batcher(max_batch_size=2, max_delay_ms=0, max_priority_passes=2),
+                     *[item(f"low{i}", 9) for i in range(4)], item("high", 0), item("mid", 3))
+    assert batches(batcher, 3) == [["high", "mid"], ["low0", "low1"], ["low2", "low3"]]
 
 
 def test_the_lowest_level_progresses_under_a_constant_stream_of_higher_ones() -> None:
-    batcher = Batcher(max_batch_size=2, max_delay_ms=0, max_priority_wait_s=0.05)
+    batcher = Batcher(max_batch_size=2, max_delay_ms=0, max_priority_passes=5)
     batcher.put(item("low", 9))
-    served: list[str] = []
-    for i in range(200):  # each round two more high ones arrive than one batch takes
+    served: list[list[str]] = []
+    for i in range(50):  # each round brings three high items, one more than a batch takes
         queued(batcher, item(f"h{i}a", 0), item(f"h{i}b", 0), item(f"h{i}c", 0))
-        served += batches(batcher, 1)[0]
-        if "low" in served:
-            break
-        time.sleep(0.001)
-    assert "low" in served
-    # it went ahead of the high ones that arrived after it aged, not at the end of the backlog
-    assert len(batcher) > 0
+        served += batches(batcher, 1)
+    at = next(n for n, batch in enumerate(served) if "low" in batch)
+    # Then it ran in the sixth batch, once five batches had passed it, far ahead of the backlog
+    assert at == 5 and served[at][0] == "low"
+    assert len(batcher) > 40
 
 
 def test_one_level_keeps_arrival_order_and_withdraw_and_close_keep_the_count() -> None:
@@ -116,10 +119,10 @@ def test_preferred_sizes_give_back_the_lowest_levels() -> None:
     assert batches(batcher, 2) == [["high1", "high2"], ["low"]]
 
 
-@pytest.mark.parametrize("wait", [-1.0, float("inf"), float("nan")])
-def test_max_priority_wait_is_checked(wait: float) -> None:
-    with pytest.raises(ValueError, match="max_priority_wait_s must be a finite number >= 0"):
-        Batcher(max_batch_size=2, max_delay_ms=0, max_priority_wait_s=wait)
+@pytest.mark.parametrize("passes", [0, -1, 1.5])
+def test_max_priority_passes_is_checked(passes: Any) -> None:
+    with pytest.raises(ValueError, match="max_priority_passes must be an integer >= 1"):
+        Batcher(max_batch_size=2, max_delay_ms=0, max_priority_passes=passes)
 
 
 @pytest.mark.parametrize(("info", "expected"), [
@@ -130,9 +133,9 @@ def test_priority_in_reads_the_message_priority(info: object, expected: int) -> 
     assert priority_in(info) == expected
 
 
-def test_the_model_option_bounds_the_wait_and_reaches_the_batcher() -> None:
-    assert ModelOptions().max_priority_wait_s == 1.0
-    with pytest.raises(ValueError, match="max_priority_wait_s must be a finite number >= 0"):
-        ModelOptions(max_priority_wait_s=-1)
-    runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")), ModelOptions(max_priority_wait_s=0.25))
-    assert runner.batcher.max_priority_wait_s == 0.25
+def test_the_model_option_bounds_the_passes_and_reaches_the_batcher() -> None:
+    assert ModelOptions().max_priority_passes == 8
+    with pytest.raises(ValueError, match="max_priority_passes must be an integer >= 1"):
+        ModelOptions(max_priority_passes=0)
+    runner = ModelRunner(Identity(), Device(DeviceSpec("cpu")), ModelOptions(max_priority_passes=3))
+    assert runner.batcher.max_priority_passes == 3
