@@ -172,7 +172,10 @@ class Client:
             soft_time_limit_s, time_limit_s: Celery's ``soft_time_limit`` and ``time_limit`` for
                 this request; default the worker's.
             priority: Celery's message priority, 0 to 9; on Redis (Celery's Redis semantics) 0 is
-                served first, in steps 0, 3, 6, 9. Default 0.
+                served first, in steps 0, 3, 6, 9, and a worker forms its next device batch from
+                the best level it holds (docs/delivery.md, *Priorities*). Default 0. A level's
+                ``priority_queue_policy`` may bound it (QueueFull) and give it a default
+                ``expires``.
 
         A ``request_id`` that was already sent is not sent again: the future is that request's.
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced

@@ -71,7 +71,7 @@ class Entry:
 
 
 #: A queue and its bound: the requests one script call takes.
-_Key = tuple[str, int]
+_Key = tuple[str, int, str]
 
 
 class Pending:
@@ -91,7 +91,7 @@ class Pending:
         return bool(self._queues)
 
     def add(self, entry: Entry) -> None:
-        self._queues.setdefault((entry.push.queue, entry.push.max_queue_size), deque()).append(entry)
+        self._queues.setdefault(entry.push.group_key, deque()).append(entry)
 
     def take(self, now: float) -> tuple[list[list[Entry]], float | None]:
         """The next group (per queue, its requests in order; none of a paused queue's: empty
@@ -121,7 +121,7 @@ class Pending:
     def put_back(self, entries: list[Entry], pause_s: float) -> None:
         """``entries`` (one queue's, in order) first again on their queue, looked at again in
         ``pause_s``."""
-        key = (entries[0].push.queue, entries[0].push.max_queue_size)
+        key = entries[0].push.group_key
         self._queues.setdefault(key, deque()).extendleft(reversed(entries))
         if pause_s > 0:
             self._paused_until[key] = time.monotonic() + pause_s

@@ -12,7 +12,8 @@ rules run in turn, by Redis atomically:
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
   more; a request waits up to its ``timeout_s`` for room (its group puts it back, with those
   behind it), then ends with QueueFull. Nothing is dropped: a request is either on the queue or
-  refused;
+  refused. A priority level's own ``max_queue_size`` (``priority_queue_policy``,
+  config/priority_policy.py) bounds its list the same way (its pushes go in calls of their own);
 - the trace: with ``mark_ttl_s`` (``ASYNCINFER_LOST_AFTER_S`` > 0), a generated ID also gets the
   claim key, written in the same script as the push. Redis keeps a script's writes together (its
   append-only file and its replicas get them as one MULTI), so after a crash or a failover the key
@@ -36,13 +37,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from asyncinfer.config.priority_policy import level_of
 from asyncinfer.constants import model_from_queue, priority_list, priority_lists
 from asyncinfer.errors import InvalidRequest, QueueFull
 from asyncinfer.keys import CLAIM_PREFIX, response_cache_stats_key
 
 __all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments"]
 
-PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED = 1, 0, -1, -2, 2
+PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL = 1, 0, -1, -2, 2, -3
 
 # One or more pushes onto one queue, in order, atomically: the same rules for each push.
 # KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
@@ -50,9 +52,11 @@ PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED = 1, 0, -1, -2, 2
 # counts ('' for none).
 # ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 # message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
-# check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none).
+# check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none),
+# the bound of the list it goes on (its priority level's max_queue_size; 0: none).
 # Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue,
 # {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another queue,
+# {-3, list length} its priority level's list is full,
 # {2, ''} answered from the response cache (stored and announced as a worker would; not pushed).
 # Once the queue is found full, no push after it in the same call passes it: the queue stays full.
 _PUBLISH = """
@@ -69,8 +73,8 @@ local function fill(stored, id)
   end
   return table.concat(pieces, id)
 end
-for i = 0, (#ARGV - 3) / 6 - 1 do
-  local k, a = lists + 5 * i, 4 + 6 * i
+for i = 0, (#ARGV - 3) / 7 - 1 do
+  local k, a = lists + 5 * i, 4 + 7 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
@@ -105,6 +109,11 @@ for i = 0, (#ARGV - 3) / 6 - 1 do
       for j = 1, lists do depth = depth + redis.call('LLEN', KEYS[j]) end
     end
     if depth >= bound then status, detail = -1, depth end
+  end
+  local level_bound = tonumber(ARGV[a + 6])
+  if not status and level_bound > 0 then
+    local held = redis.call('LLEN', KEYS[k + 1])
+    if held >= level_bound then status, detail = -3, held end
   end
   if not status then
     if claim_ttl > 0 then
@@ -142,16 +151,18 @@ class Publisher:
 
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
-                priority: int = 0, cache_key: str = "", reply_to: str = "") -> _Push:
+                priority: int = 0, cache_key: str = "", reply_to: str = "",
+                level_max_queue_size: int = 0) -> _Push:
         """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
         ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
         under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
         ``timeout_s`` to wait for room; ``priority`` (0-9) picks the list as kombu's Redis
         transport does. ``cache_key``: the request's response cache entry (response_cache.py;
         '' for none): found, the cached answer is stored under ``result_key`` and announced there
-        and on ``reply_to``, and nothing is pushed (CACHED)."""
+        and on ``reply_to``, and nothing is pushed (CACHED). ``level_max_queue_size``: the bound
+        of the priority level's own list (0: none)."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority, cache_key, reply_to)
+                     timeout_s, priority, cache_key, reply_to, level_max_queue_size)
 
 
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
@@ -165,7 +176,7 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
         keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
                  push.cache_stats_key]
         args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
-                 push.result_ttl_s]
+                 push.result_ttl_s, push.level_max_queue_size]
     return keys, args
 
 
@@ -181,11 +192,18 @@ class _Push:
 
     def __init__(self, publisher: Any, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
-                 timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "") -> None:
+                 timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "",
+                 level_max_queue_size: int = 0) -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
         self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
         self.list_key = priority_list(queue, priority)
+        self.level = level_of(priority)
+        self.level_max_queue_size = max(0, int(level_max_queue_size))
+        #: The pushes one script call takes, in order: a queue's with one bound (and, with a bound
+        #: of its level, that level's only: a call stops at the first push refused for room).
+        self.group_key = (queue, self.max_queue_size,
+                          self.list_key if self.level_max_queue_size else "")
         self.claim_key = CLAIM_PREFIX + request_id
         self.result_key = result_key or self.claim_key
         self.claim_ttl_s = publisher.claim_ttl_s if claim else 0
@@ -198,7 +216,7 @@ class _Push:
         self.reply_to = reply_to if self.cache_key else ""
         self.result_ttl_s = publisher.claim_ttl_s if self.cache_key else 0
         self.scripted = (claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
-                         or bool(self.cache_key))
+                         or bool(self.cache_key) or self.level_max_queue_size > 0)
         #: Nothing to check, only the trace to write with the push.
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
@@ -217,6 +235,13 @@ class _Push:
                                  f"it cannot be sent to {self.queue}")
         if time.monotonic() >= self.deadline:
             depth = int(reply[1])
+            if status == LEVEL_FULL:
+                raise QueueFull(f"request {self.request_id}: priority level {self.level} of queue "
+                                f"{self.queue} holds {depth} requests, at its bound "
+                                f"(priority_queue_policy max_queue_size "
+                                f"{self.level_max_queue_size}); not accepted"
+                                + (f" after waiting {self.timeout_s:g} s" if self.timeout_s > 0
+                                   else ""))
             raise QueueFull(f"request {self.request_id}: queue {self.queue} holds {depth} requests, "
                             f"at its bound (max_queue_size {self.max_queue_size}); not accepted"
                             + (f" after waiting {self.timeout_s:g} s" if self.timeout_s > 0 else ""))

@@ -29,7 +29,7 @@ from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
-from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.wire.cache_key import cache_key
@@ -122,6 +122,13 @@ class Sender:
         request_id = uuid4_text() if request_id is None else request_id
         if check:
             self.check_model(model, request_id)
+        priority = options.get("priority") or 0
+        if options.get("expires") is None and type(priority) is int:  # checked by Outgoing
+            # the level's default timeout (Triton's, with timeout_action REJECT)
+            timeout_s = self._model_options(queue_for(model)).level_policy(
+                priority).default_timeout_s
+            if timeout_s > 0:
+                options["expires"] = timeout_s
         return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
                               parameters=parameters, **options)
 
@@ -200,6 +207,8 @@ class Sender:
                 "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
                                else None),
                 "max_queue_size": self._queue_bound(outgoing.queue),
+                "level_max_queue_size": self._model_options(outgoing.queue).level_policy(
+                    outgoing.priority).max_queue_size,
                 "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
                               else outgoing.timeout_s),
                 **self._cache_options(outgoing)}

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.config.priority_policy import LevelPolicy, parse_priority_policy, policy_for
+
 __all__ = ["ModelOptions", "parse_model_options", "COMPILE_MODES"]
 
 #: What the ``compile`` option takes ("": eager).
@@ -78,6 +80,15 @@ class ModelOptions:
     response_cache_ttl_s: float = 600.0
     #: The most cached answers the model keeps; the oldest go first.
     response_cache_max_entries: int = 10000
+    #: A batch is formed from the best Celery priority level waiting first (0 on Redis); a
+    #: request passed over by this many batches (of requests that came after it) counts as the
+    #: best level: the bound on how long a low level waits in the worker behind a stream of
+    #: higher ones (engine/batcher.py).
+    max_priority_passes: int = 8
+    #: Per-level queue policy (Triton's ``priority_queue_policy``; config/priority_policy.py):
+    #: level (kombu's priority step 0, 3, 6, 9) → ``max_queue_size``, ``default_timeout_s``.
+    #: Read by the client at submit. Empty: none.
+    priority_queue_policy: tuple[tuple[int, LevelPolicy], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -100,6 +111,11 @@ class ModelOptions:
         if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
                 and math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
+        object.__setattr__(self, "priority_queue_policy",
+                           parse_priority_policy(self.priority_queue_policy))
+        passes = self.max_priority_passes
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"max_priority_passes must be an integer >= 1, got {passes!r}")
         cache_ttl_s, cache_entries = self.response_cache_ttl_s, self.response_cache_max_entries
         if not (isinstance(cache_ttl_s, (int, float)) and not isinstance(cache_ttl_s, bool)
                 and math.isfinite(cache_ttl_s) and cache_ttl_s > 0):
@@ -131,6 +147,10 @@ class ModelOptions:
         if self.max_cost_ratio is not None:
             return float(self.max_cost_ratio)
         return ACCELERATOR_COST_RATIO if accelerator else CPU_COST_RATIO
+
+    def level_policy(self, priority: int) -> LevelPolicy:
+        """The queue policy of the level a request of ``priority`` (0-9) goes to."""
+        return policy_for(self.priority_queue_policy, priority)
 
     def merged(self, overrides: dict[str, Any]) -> ModelOptions:
         """These options with ``overrides`` applied (unknown keys raise ValueError)."""

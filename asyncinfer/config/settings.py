@@ -213,7 +213,12 @@ class Settings:
         "size at load and run each batch padded to the nearest; larger batches eager; ignored on "
         "CPU; default none), `response_cache` (answer a repeated request of a deterministic "
         "model from Redis, looked up at submit: clients read it too; default false), "
-        "`response_cache_ttl_s` (600), `response_cache_max_entries` (10000); key `\"*\"` "
+        "`response_cache_ttl_s` (600), `response_cache_max_entries` (10000), "
+        "`max_priority_passes` (a batch is formed from the best Celery priority waiting first, 0 "
+        "on Redis; a request passed over by this many batches counts as the best: the bound on a "
+        "low level's wait in the worker; default 8), `priority_queue_policy` (Triton's: level 0, 3, 6 or 9 → "
+        "`max_queue_size` of that level's list, over it QueueFull / 429, and `default_timeout_s`, "
+        "the expiry of its requests sent without one; default none); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

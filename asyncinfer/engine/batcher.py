@@ -10,6 +10,16 @@ ones make every row cost a long one. When the model says what a row costs (``Mod
 MiniLM, its length) a batch is led by the oldest request waiting — no request waits behind
 younger ones for long — and filled with the waiting requests whose cost is nearest to it, rather
 than in arrival order (``group_by_cost``, on by default for such a model).
+
+**Priorities.** A request's Celery priority (0-9; on Redis 0 is served first) decides which
+waiting requests form the next batch: it is led by the oldest request of the best (lowest) level
+waiting, and filled from that level first, then the next ones (cost grouping and signatures apply
+within a level). Starvation is bounded by the batches that pass a request over: one left waiting
+while ``max_priority_passes`` batches went with requests that arrived after it counts as level
+0, so it goes ahead of every request that arrived after it, whatever their level. (A bound in
+batches, not seconds: a high-priority request still cuts in front of a backlog the worker holds,
+however long that backlog has waited, and passes each request of it over once.) When every
+waiting request has the same level, batches form as before.
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ class WorkItem:
     #: What one of its rows costs the device (the model's ``row_cost``: MiniLM, its length);
     #: None: rows cost alike.
     cost: float | None = None
+    #: Its Celery priority, 0-9 (on Redis, Celery's order: 0 is served first).
+    priority: int = 0
+    #: Batches that went, while it waited, with requests that arrived after it...
+    passed: int = 0
+    #: ...by its place in the order items were put (the batcher numbers them).
+    arrival: int = 0
 
     def __post_init__(self) -> None:
         if self.received_at < 0:
@@ -65,7 +81,7 @@ class Batcher:
 
     def __init__(self, max_batch_size: int, max_delay_ms: float,
                  preferred_batch_sizes: tuple[int, ...] = (), group_by_cost: bool = True,
-                 max_cost_ratio: float = 2.0) -> None:
+                 max_cost_ratio: float = 2.0, max_priority_passes: int = 8) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if not (math.isfinite(max_delay_ms) and max_delay_ms >= 0):
@@ -78,6 +94,15 @@ class Batcher:
         #: ...and only with rows within this ratio of each other's cost: a batch runs padded to its
         #: longest row, so a short row beside a long one costs a long one.
         self.max_cost_ratio = max_cost_ratio
+        if not isinstance(max_priority_passes, int) or max_priority_passes < 1:
+            raise ValueError(
+                f"max_priority_passes must be an integer >= 1, got {max_priority_passes!r}")
+        #: A request passed over by this many batches counts as the best level: the bound on how
+        #: long a low level waits behind a stream of higher ones.
+        self.max_priority_passes = max_priority_passes
+        #: How many pending items have a priority other than 0 (none: batches in arrival order).
+        self._ranked = 0
+        self._arrivals = 0
         self._enough = self.preferred[-1] if self.preferred else max_batch_size
         self._pending: deque[WorkItem] = deque()
         self._arriving = 0
@@ -113,7 +138,11 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise RuntimeError("batcher is closed")
+            self._arrivals += 1
+            item.arrival = self._arrivals
             self._pending.append(item)
+            if item.priority:
+                self._ranked += 1
             # While more are arriving, the batch former wakes once they are enough to end its
             # wait, or when the last has arrived (release()); not once per request.
             if self._wants and (self._arriving == 0 or len(self._pending) >= min(self._wants)):
@@ -125,6 +154,7 @@ class Batcher:
             self._closed = True
             left = list(self._pending)
             self._pending.clear()
+            self._ranked = 0
             self._cond.notify_all()
             return left
 
@@ -139,6 +169,7 @@ class Batcher:
             if gone:
                 self._pending = deque(item for item in self._pending
                                       if item.request.id not in request_ids)
+                self._ranked -= sum(1 for item in gone if item.priority)
             return gone
 
     def waiting_ids(self) -> set[str]:
@@ -153,7 +184,13 @@ class Batcher:
                 if self._closed:
                     return None
                 self._wait(1, None)
-            first = self._pending.popleft()
+            ranked = bool(self._ranked)
+            if ranked:  # levels differ: the oldest of the best level leads
+                first = self._by_level()[0]
+                self._pending.remove(first)
+                self._ranked -= 1 if first.priority else 0
+            else:
+                first = self._pending.popleft()
             batch, rows = [first], first.rows
             if first.alone:
                 return batch
@@ -168,6 +205,8 @@ class Batcher:
                 self._wait(self._enough - rows, remaining)
             if self.preferred and rows not in self.preferred:
                 self._trim_to_preferred(batch, rows)
+            if ranked:
+                self._count_passes(batch)
             return batch
 
     def _wait(self, wanted: int, timeout_s: float | None) -> None:
@@ -188,21 +227,40 @@ class Batcher:
             item = batch.pop()
             rows -= item.rows
             self._pending.appendleft(item)
+            self._ranked += 1 if item.priority else 0
+
+    def _count_passes(self, batch: list[WorkItem]) -> None:
+        """Count a pass for each waiting item older than the newest of ``batch``."""
+        newest = max(item.arrival for item in batch)
+        for item in self._pending:
+            if item.arrival < newest:
+                item.passed += 1
+
+    def _by_level(self) -> list[WorkItem]:
+        """The pending items in the order they are served: by level, in arrival order within a
+        level (all of them in arrival order when they have one level)."""
+        if not self._ranked:
+            return list(self._pending)
+        return sorted(self._pending, key=self._level)
+
+    def _level(self, item: WorkItem) -> int:
+        """``item``'s level: its priority, or 0 once ``max_priority_passes`` batches passed it."""
+        return 0 if item.passed >= self.max_priority_passes else item.priority
 
     def _take_compatible(self, batch: list[WorkItem], rows: int) -> int:
         if self.group_by_cost and batch[0].cost is not None:
             return self._take_nearest(batch, rows)
         signature = batch[0].signature
-        kept: deque[WorkItem] = deque()
-        while self._pending:
-            item = self._pending.popleft()
+        taken: set[int] = set()
+        for item in self._by_level():
             if (item.signature == signature and rows + item.rows <= self.max_batch_size
                     and not item.alone):
                 batch.append(item)
+                taken.add(id(item))
                 rows += item.rows
-            else:
-                kept.append(item)
-        self._pending = kept
+                self._ranked -= 1 if item.priority else 0
+        if taken:  # the rest keep their arrival order
+            self._pending = deque(item for item in self._pending if id(item) not in taken)
         return rows
 
     def _take_nearest(self, batch: list[WorkItem], rows: int) -> int:
@@ -212,7 +270,8 @@ class Batcher:
         target = math.log1p(max(0.0, first.cost or 0.0))
         candidates = [item for item in self._pending
                       if item.signature == first.signature and not item.alone]
-        candidates.sort(key=lambda item: abs(math.log1p(max(0.0, item.cost or 0.0)) - target))
+        candidates.sort(key=lambda item: (self._level(item) if self._ranked else 0,
+                                          abs(math.log1p(max(0.0, item.cost or 0.0)) - target)))
         costs = [max(1.0, item.cost or 1.0) for item in batch]
         low, high = min(costs), max(costs)
         taken: set[int] = set()
@@ -224,6 +283,7 @@ class Batcher:
                 batch.append(item)
                 taken.add(id(item))
                 rows += item.rows
+                self._ranked -= 1 if item.priority else 0
                 low, high = min(low, cost), max(high, cost)
                 if rows >= self.max_batch_size:
                     break

@@ -97,7 +97,8 @@ class ModelRunner:
         self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged)
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
-                               max_cost_ratio=opts.cost_ratio(device.is_accelerator))
+                               max_cost_ratio=opts.cost_ratio(device.is_accelerator),
+                               max_priority_passes=opts.max_priority_passes)
         #: Seconds the device takes with a batch, from its launch to its results on the host (a
         #: moving average; None until one ran): how fast this model gets through what a worker
         #: holds. Not from the batch's forming: a batch formed while another is on the device
@@ -148,7 +149,8 @@ class ModelRunner:
 
     def submit(self, request: Request, received_at: float | None = None,
                expires_in_s: float | None = None,
-               time_limits: TimeLimits | None = None, alone: bool = False) -> Future[Completed]:
+               time_limits: TimeLimits | None = None, alone: bool = False,
+               priority: int = 0) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
@@ -156,6 +158,7 @@ class ModelRunner:
         raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
         fail with :class:`SoftTimeLimit` / :class:`HardTimeLimit` (see
         :mod:`asyncinfer.policy.time_limits`). An ``alone`` request runs in a batch of its own.
+        ``priority`` (Celery's, 0-9; 0 first) decides which waiting requests batch first.
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if forward_only:  # a prepared request carries the preprocess's tensors, checked as such
@@ -169,6 +172,7 @@ class ModelRunner:
                 f"of model '{self.model.name}'")
         item = WorkItem(request=request, rows=rows,
                         signature=(forward_only, self.model.signature(request)), alone=alone,
+                        priority=priority,
                         cost=self.model.row_cost(request) if self.options.group_by_cost else None)
         if received_at is not None:
             item.received_at = received_at

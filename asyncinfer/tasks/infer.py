@@ -26,7 +26,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.retries import AUTORETRY_FOR
-from asyncinfer.wire.envelope import seconds_until
+from asyncinfer.wire.envelope import priority_in, seconds_until
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.worker import worker_of
 
@@ -50,4 +50,5 @@ def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return worker.runtime.infer(request_id, request_kwargs(request_id, args, kwargs),
                                 worker=str(self.request.hostname or worker.name),
                                 expires_in_s=seconds_until(self.request.expires),
-                                time_limits=worker.policy.limits_for(self.request.timelimit))
+                                time_limits=worker.policy.limits_for(self.request.timelimit),
+                                priority=priority_in(self.request.delivery_info))

@@ -41,6 +41,7 @@ __all__ = [
     "result_meta",
     "expired",
     "seconds_until",
+    "priority_in",
     "refused_content",
     "payload_too_large",
     "undecodable_body",
@@ -272,6 +273,15 @@ def refused_content(request_id: str, content_type: object) -> InvalidRequest:
     """The error a message of a refused content type (pickle, say) gets."""
     return InvalidRequest(f"request {request_id}: content type {content_type!r} is refused: "
                           f"only json and msgpack are accepted, never pickle")
+
+
+def priority_in(info: Any) -> int:
+    """The Celery priority (0-9; on Redis 0 is served first) in a message's ``properties`` (or
+    Celery's ``delivery_info``, which copies it); 0 when none or not a number in range."""
+    value = info.get("priority") if isinstance(info, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0
+    return max(0, min(9, int(value)))
 
 
 def seconds_until(expires: Any, now: datetime | None = None) -> float | None:

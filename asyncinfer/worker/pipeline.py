@@ -46,6 +46,7 @@ from asyncinfer.wire.envelope import (
     malformed_error,
     parse_envelope,
     printable,
+    priority_in,
     tag_in,
 )
 from asyncinfer.wire.messages import SENT_AT
@@ -277,7 +278,7 @@ class Pipeline:
                 d.request_id, v2, received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
-                alone=policy.deaths.alone(d.deaths))
+                alone=policy.deaths.alone(d.deaths), priority=priority_in(d.envelope.get("properties")))
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)
             return

@@ -131,9 +131,9 @@ class WorkerRuntime:
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None,
-               alone: bool = False) -> tuple[Request, Future[Completed]]:
+               alone: bool = False, priority: int = 0) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device (``alone``: in a batch of
-        its own); InvalidRequest if bad."""
+        its own; ``priority``: Celery's, 0 first); InvalidRequest if bad."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
@@ -143,14 +143,14 @@ class WorkerRuntime:
             request = decode_request(request_id, kwargs)
             return request, runner.submit(request, received_at=received_at,
                                           expires_in_s=expires_in_s, time_limits=time_limits,
-                                          alone=alone)
+                                          alone=alone, priority=priority)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,
-              time_limits: TimeLimits | None = None) -> dict[str, Any]:
+              time_limits: TimeLimits | None = None, priority: int = 0) -> dict[str, Any]:
         """Decode, validate and run one request (batched with others); return its v2 response."""
         request, future = self.submit(request_id, kwargs, expires_in_s=expires_in_s,
-                                      time_limits=time_limits)
+                                      time_limits=time_limits, priority=priority)
         exc = future.exception()
         if exc is not None:
             raise as_celery(exc)
