@@ -116,8 +116,10 @@ class AtomicTake:
             self._leases = Leases(ch._create_client(), ch._create_client(),
                                   node=self.lease_node or "celery", lease_s=float(self.lease_s),
                                   deaths_ttl_s=86400, count_deaths=False,
-                                  held=lambda: list(ch.qos._delivered.copy()),
-                                  sweep_every_s=0.0 if control_only else 1.0).start()
+                                  held=lambda: list(ch.qos._delivered.copy())).start()
+        # Decided at every take: Celery's consumer adds its queues one by one, so a channel's
+        # first take may see only the control queue.
+        self._leases.sweeps(not control_only)
         return self._leases.terms
 
     def _stop_leases(self) -> None:

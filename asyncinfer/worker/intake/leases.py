@@ -209,7 +209,7 @@ class Leases:
         self.count_deaths = count_deaths
         self.renew_every_s = lease_s / 3
         #: 0: this one does not sweep (another of the process does: one sweeper per worker).
-        self.sweep_every_s = min(sweep_every_s, lease_s / 3)
+        self.sweep_every_s = self._sweep_s = min(sweep_every_s, lease_s / 3)
         self._held = held
         #: Told the tags of held messages found leased to another worker (what it need not run).
         self.on_lost = on_lost
@@ -225,6 +225,10 @@ class Leases:
         self.reclaimed = 0
         self.deaths_counted = 0
         self.lost = 0
+
+    def sweeps(self, on: bool) -> None:
+        """Whether this one sweeps (its interval as made) or leaves it to another of the process."""
+        self.sweep_every_s = self._sweep_s if on else 0.0
 
     @property
     def terms(self) -> LeaseTerms:
