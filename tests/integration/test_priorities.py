@@ -111,14 +111,18 @@ def test_the_lowest_level_progresses_under_a_stream_of_higher_ones(
     consumer, url = served
     stop = threading.Event()
     highs: list[Any] = []
-    backlog = 300  # priority-0 requests kept unanswered: the worker always holds more than a batch
+    # priority-0 requests kept unanswered: the worker always holds more than a batch, and all of
+    # them (within Celery's prefetch window: in Redis both consumers take strictly by level)
+    backlog = 100
     with _client(url) as client:
 
         def stream() -> None:  # tops the backlog up until told, or for 60 s at most
             ends = time.monotonic() + 60
             while not stop.is_set() and time.monotonic() < ends:
                 waiting = sum(1 for f in highs[-2 * backlog:] if not f.done())
-                highs.extend(client.submit("sleep", _rows(LOW_S), priority=0)
+                # batches of 20 ms: 400 rows/s, a pace one submitting thread keeps ahead of on a
+                # loaded host (at 5 ms the stream ran dry under load)
+                highs.extend(client.submit("sleep", _rows(HIGH_S), priority=0)
                              for _ in range(backlog - waiting))
                 time.sleep(0.01)
 
