@@ -7,9 +7,7 @@ line of documentation that the README's configuration table shows (``asyncinfer 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +15,14 @@ from typing import Any
 
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
 from asyncinfer.config.published import published_url
-from asyncinfer.config.routes import Routes, parse_routes
+from asyncinfer.config.routes import Routes
+from asyncinfer.config.settings_checks import check_settings
 from asyncinfer.redis_urls import URL_EXAMPLES, is_redis_url
 
 __all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
            "DEFAULT_BROKER_URL", "URL_EXAMPLES"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def default_state_dir() -> Path:
@@ -276,53 +274,7 @@ class Settings:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        for name, where in (("broker_url", "ASYNCINFER_BROKER_URL (or --broker-url)"),
-                            ("result_backend", "ASYNCINFER_RESULT_BACKEND")):
-            url = getattr(self, name)
-            if url and not _URL.match(url):
-                shown = url if "@" not in url else "…@" + url.rsplit("@", 1)[1]  # no password
-                raise ValueError(f"{where} is not a URL: {shown!r}; a URL looks like {URL_EXAMPLES}")
-        for name in ("task_serializer", "result_serializer"):
-            if getattr(self, name) not in ("json", "msgpack"):
-                raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(self, name)!r}")
-        if self.consumer not in ("fast", "celery"):
-            raise ValueError(f"consumer must be 'fast' or 'celery', got {self.consumer!r}")
-        parse_model_options(self.model_options)  # raises ValueError when malformed
-        for route in parse_routes(self.broker_routes):  # raises ValueError when malformed
-            if not self.result_backend and not is_redis_url(route.url):
-                raise ValueError(
-                    f"ASYNCINFER_BROKER_ROUTES entry {route.pattern!r}: its broker is not Redis, "
-                    f"so ASYNCINFER_RESULT_BACKEND must name where results go")
-        for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_retries", "retry_budget_min", "submit_replicas", "max_worker_deaths",
-                     "hold_batches"):
-            if int(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.submit_replicas and not self.submit_replicas_timeout_s > 0:
-            raise ValueError("submit_replicas_timeout_s must be > 0 when submit_replicas is set "
-                             f"(WAIT 0 would wait forever), got {self.submit_replicas_timeout_s!r}")
-        if self.retry_budget_window_s <= 0:
-            raise ValueError(f"retry_budget_window_s must be > 0, got {self.retry_budget_window_s!r}")
-        if 0 < self.visibility_timeout_s <= self.time_limit_s:
-            raise ValueError(
-                f"time_limit_s ({self.time_limit_s}) must be below visibility_timeout_s "
-                f"({self.visibility_timeout_s}): a request still running would be redelivered")
-        if 0 < self.lease_s < 1:
-            raise ValueError(f"lease_s must be 0 (no leases) or at least 1 second (it is renewed "
-                             f"every third of it), got {self.lease_s!r}")
-        for name in ("visibility_timeout_s", "result_expires_s", "connect_timeout_s", "lease_s",
-                     "hold_s",
-                     "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
-                     "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
-                     "submit_replicas_timeout_s", "lost_after_s"):
-            value = float(getattr(self, name))
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
-        if self.gateway_processes < 0:
-            raise ValueError(f"gateway_processes must be >= 0 (0: one process, no shared ports), "
-                             f"got {self.gateway_processes!r}")
+        check_settings(self)  # raises ValueError naming the setting and the rule
 
     def options_for(self, model: str, defaults: ModelOptions) -> ModelOptions:
         """Batching options of ``model``: its defaults, then ``"*"``, then its own entry."""
