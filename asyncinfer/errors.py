@@ -25,6 +25,7 @@ __all__ = [
     "SoftTimeLimit",
     "HardTimeLimit",
     "WorkerLost",
+    "StreamTruncated",
 ]
 
 
@@ -126,3 +127,9 @@ class WorkerLost(AsyncInferError):
     """Workers died while this request was on their device, ``ASYNCINFER_MAX_WORKER_DEATHS``
     times: it is not run again (it may be what kills them). Not retried; dead-lettered where the
     model keeps dead letters."""
+
+
+class StreamTruncated(AsyncInferError):
+    """A reader started after parts of a request's stream were trimmed (the model's
+    ``stream_max_parts``): it names the request and the first part still held. The request's
+    final result (``AsyncResult(id)``) still holds every part, joined."""

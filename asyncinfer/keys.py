@@ -34,6 +34,7 @@ __all__ = [
     "WAITERS_SUFFIX",
     "STATS_PREFIX",
     "STATS_INDEX_KEY",
+    "STREAM_PREFIX",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -120,3 +121,7 @@ CATALOGUE_META_KEY = CATALOGUE_PREFIX + "meta"
 #: one worker's counts of one model; ``asyncinfer:stats:index`` set of ``model\tworker``.
 STATS_PREFIX = KEY_PREFIX + "stats:"
 STATS_INDEX_KEY = STATS_PREFIX + "index"
+
+#: A streaming request's parts (wire/stream.py): the Redis Stream ``asyncinfer:stream:<request id>``
+#: on the result backend's Redis.
+STREAM_PREFIX = KEY_PREFIX + "stream:"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,7 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.protocol import Request
 
-__all__ = ["InputSpec", "OutputSpec", "Model", "Batch"]
+__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows"]
 
 #: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
 Batch = dict[str, Any]
@@ -67,6 +67,41 @@ class OutputSpec:
     row_shape: tuple[int, ...]
 
 
+@dataclass
+class StreamStep:
+    """One step of a decoupled model (:meth:`Model.stream`): outputs for some rows of its batch.
+
+    ``rows`` are indices into the batch (0 … n-1, each a request: a streaming request holds one
+    row); every output in ``outputs`` has ``len(rows)`` rows, in that order. ``done`` are the rows
+    that finished with this step: no more steps are asked of them (a row may finish without
+    outputs in its last step). A row in neither keeps going.
+    """
+
+    rows: Sequence[int]
+    outputs: Batch
+    done: Sequence[int] = ()
+
+
+@dataclass
+class StreamRows:
+    """Which rows of a streaming batch are still wanted, as the runner sees it between steps
+    (a row's request revoked, expired or past its time limit is cancelled). A model's
+    :meth:`Model.stream` should stop computing a cancelled row at its next step (the runner
+    drops its outputs either way)."""
+
+    size: int
+    cancelled: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+
+    def is_live(self, row: int) -> bool:
+        """Whether ``row`` is neither finished nor cancelled."""
+        return row not in self.cancelled and row not in self.finished
+
+    def live(self) -> list[int]:
+        """The rows still running, in order."""
+        return [r for r in range(self.size) if self.is_live(r)]
+
+
 def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...]) -> dict[str, Any]:
     return {"name": name, "datatype": datatype, "shape": [-1, *row_shape]}
 
@@ -97,6 +132,10 @@ class Model:
     version: str = "1"
     #: The v2 ``platform`` of its metadata.
     platform: str = "pytorch"
+    #: Whether it answers in steps (:meth:`stream`): Triton's decoupled transaction policy. Its
+    #: requests hold one row each; each step's outputs go to the request's stream
+    #: (wire/stream.py) and its one answer is the parts joined (:meth:`join_parts`).
+    decoupled: bool = False
 
     def metadata(self, options: ModelOptions) -> dict[str, Any]:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
@@ -169,6 +208,25 @@ class Model:
     def postprocess(self, outputs: Batch) -> Batch:
         """CPU work on a batch's outputs once they are on the host (pooling, say). Default: none."""
         return outputs
+
+    def stream(self, batch: Batch, rows: StreamRows) -> Iterator[StreamStep]:
+        """A decoupled model's steps over a whole batch (on the device's stream, like
+        :meth:`forward`): each step computes every live row at once and yields a
+        :class:`StreamStep` for the rows it produced outputs for; rows finish at different
+        steps. ``rows`` tells which rows are still wanted (see :class:`StreamRows`). The runner
+        closes the generator when every row is finished or cancelled."""
+        raise NotImplementedError
+
+    def join_parts(self, name: str, parts: list[Any]) -> Any:
+        """A streaming request's one answer for output ``name`` from its parts (each with the
+        request's one row first). Default: joined along the second dimension (a part of shape
+        [1, k] each: [1, sum of k]); parts of one dimension are stacked ([1] each: [1, parts])."""
+        if not parts:
+            raise ValueError(f"output '{name}': no parts to join")
+        if isinstance(parts[0], np.ndarray):
+            return (np.concatenate(parts, axis=1) if parts[0].ndim >= 2
+                    else np.stack(parts, axis=1))
+        return torch.cat(parts, dim=1) if parts[0].dim() >= 2 else torch.stack(parts, dim=1)
 
 
 def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], what: str) -> None:
