@@ -76,6 +76,15 @@ class Announcer:
                         type(exc).__name__, exc, self.interval_s if retry_in_s is None else retry_in_s)
             return exc
 
+    def withdraw_model(self, model: str) -> None:
+        """``model`` leaves this worker's entry now (an unload); ``models()`` no longer names it.
+
+        Raises:
+            redis.RedisError: the catalogue could not be written (the entry lapses within the TTL).
+        """
+        self._announced = [m for m in self._announced if m != model]
+        self.catalogue.withdraw(self.worker, [model])
+
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
             self.beat()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -15,11 +16,13 @@ from typing import Any
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.completion import Completed, settle
 from asyncinfer.engine.device import Device, bind_visible_device, parse_device
+from asyncinfer.engine.freeing import free_memory
 from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
+from asyncinfer.models.files import FILE_SUFFIXES
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import TimeLimits, Wedge
@@ -51,6 +54,8 @@ class WorkerRuntime:
         self.device = Device(bind_visible_device(spec), label=label)
         self.registry = Registry.from_config(settings.model_factories, settings.model_dir)
         self._runners: dict[str, ModelRunner] = {}
+        #: What this worker hosts, once a load or unload told it (None: ``settings.models``).
+        self._hosted: list[str] | None = None
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
@@ -81,11 +86,12 @@ class WorkerRuntime:
         runner = self._runners.get(model)
         if runner is not None:
             return runner
-        hosted = self.settings.models
-        if hosted and model not in hosted and model in self.registry.names():
+        hosted = self.settings.models if self._hosted is None else self._hosted
+        if (hosted or self._hosted is not None) and model not in hosted \
+                and model in self.registry.names():
             who = f"request {request_id}: " if request_id else ""
             raise UnknownModel(f"{who}model '{model}' is not hosted by this worker "
-                               f"(it hosts: {', '.join(hosted)})")
+                               f"(it hosts: {', '.join(hosted) or 'none'})")
         with self._lock:
             runner = self._runners.get(model)
             if runner is None:
@@ -105,9 +111,73 @@ class WorkerRuntime:
         self._runners[model] = runner
         return runner
 
+    def load_one(self, model: str) -> bool:
+        """Load ``model`` on the device now and host it (a model control load); False when it
+        was loaded already. A file added to the model folder since the worker started is found.
+
+        Raises:
+            UnknownModel: not registered (nor a file of the model folder).
+            Exception: whatever the loading raised (a file that fails the loading rules: ValueError;
+                out of device memory); what it had allocated is freed, the worker serves on.
+        """
+        with self._lock:
+            if model in self._runners:
+                self._host(model)
+                return False
+            if model not in self.registry.names() and self.settings.model_dir:
+                self.registry.add_dir(Path(self.settings.model_dir))  # a file added since
+            runner: ModelRunner | None = None
+            try:
+                runner = self._build(model)
+                self._start(model, runner)
+            except BaseException:
+                if runner is not None:
+                    runner.close()
+                runner = None
+                free_memory(self.device)
+                raise
+            self._host(model)
+            return True
+
+    def loadable(self) -> list[str]:
+        """Every model this worker could load: registered, or a file of the model folder now."""
+        names = set(self.registry.names())
+        folder = Path(self.settings.model_dir) if self.settings.model_dir else None
+        if folder is not None and folder.is_dir():
+            names |= {p.stem for p in folder.iterdir() if p.suffix in FILE_SUFFIXES}
+        return sorted(names)
+
+    def _host(self, model: str) -> None:
+        hosted = list(self.settings.models if self._hosted is None else self._hosted)
+        self._hosted = hosted + [model] if model not in hosted else hosted
+
+    def unhost(self, model: str) -> None:
+        """Host ``model`` no more: a request for it is refused from now on (its runner stays until
+        :meth:`unload`)."""
+        with self._lock:
+            hosted = self.settings.models if self._hosted is None else self._hosted
+            self._hosted = [m for m in hosted if m != model]
+
+    def unload(self, model: str) -> bool:
+        """Stop ``model``'s runner (what still waits in its batcher fails: withdraw it first) and
+        free its memory; False when it was not loaded."""
+        with self._lock:
+            runner = self._runners.pop(model, None)
+        if runner is None:
+            return False
+        runner.close()
+        del runner
+        free_memory(self.device)
+        log.info("model %s unloaded from %s", model, self.device.label)
+        return True
+
     def runners(self) -> list[ModelRunner]:
         """The runners loaded so far."""
         return list(self._runners.values())
+
+    def by_model(self) -> dict[str, ModelRunner]:
+        """The runners loaded so far, by model name."""
+        return dict(self._runners)
 
     @property
     def models(self) -> list[str]:

@@ -71,6 +71,8 @@ class Worker:
         #: Adds the worker's counts to the fleet statistics in Redis (from its first announcement).
         self.stats_flusher: StatsFlusher | None = None
         self._runtime: WorkerRuntime | None = None
+        #: Models being unloaded (worker/model_control.py): no longer announced.
+        self.leaving: set[str] = set()
         self._policy: Policy | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
         self._cpu_models: dict[str, Model] = {}
@@ -151,7 +153,8 @@ class Worker:
             runtime = self._runtime
 
             def hosted() -> list[dict[str, Any]]:
-                return [r.model.metadata(r.options) for r in runtime.runners()]
+                return [r.model.metadata(r.options) for name, r in runtime.by_model().items()
+                        if name not in self.leaving]
 
             self.announcer = announcer_for(self.settings, name or self.name, runtime.device.label,
                                            hosted)
@@ -159,6 +162,21 @@ class Worker:
                 self.stats_flusher = flusher_for(self.settings, name or self.name,
                                                  runtime.device.label, self.metrics.stats)
             return self.announcer
+
+    def announce_now(self) -> None:
+        """Announce the models loaded now at once (after a model control load), starting the
+        announcements if none ran (a worker that hosted nothing)."""
+        announcer = self.announcer
+        if announcer is None:
+            self.announce()
+        else:
+            announcer.beat()
+
+    def withdraw_model(self, model: str) -> None:
+        """Take ``model`` out of this worker's catalogue entry now (an unload)."""
+        announcer = self.announcer
+        if announcer is not None:
+            announcer.withdraw_model(model)
 
     def withdraw(self) -> None:
         """Take this worker's models out of the catalogue (before it gives requests back)."""

@@ -23,6 +23,8 @@ Used by ``asyncinfer worker`` on a Redis broker (the default consumer); on Rabbi
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import redis
@@ -32,7 +34,7 @@ from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.connections import redis_client
-from asyncinfer.constants import priority_lists
+from asyncinfer.constants import model_from_queue, priority_lists
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.engine.vital import vital_thread
@@ -46,8 +48,10 @@ from asyncinfer.keys import (
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.messages import restored_message
 from asyncinfer.worker.intake.consumer import STOP_GRACE_S, PipelineConsumer
+from asyncinfer.worker.intake.holdings import SCHEDULED
 from asyncinfer.worker.intake.leases import Leases
 from asyncinfer.worker.intake.take import Taker
+from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -78,13 +82,14 @@ class FastConsumer(PipelineConsumer):
         self.client = redis_client(app.conf.broker_url, settings, health_check_interval=30,
                                    single_connection_client=True)
         self.taker = Taker(self.client)
-        # The watchers block on their own connections (one each), never on the consumer's.
-        # Blocking commands need a socket timeout beyond their own (redis-py's default is 5 s).
-        blocking = {"health_check_interval": 30, "socket_timeout": Waker.block_s + 5}
-        self.waker = Waker(redis_client(app.conf.broker_url, settings, **blocking),
-                           redis_client(app.conf.broker_url, settings, single_connection_client=True,
-                                        **blocking),
-                           self._lists, stopping=self._stopping.is_set)
+        self._settings = settings
+        #: Watches its lists (None while it takes from no queue).
+        self.waker: Waker | None = self._new_waker()
+        #: Queues to take from instead, once the consumer thread is between two takes
+        #: (:meth:`set_queues`), and the event set when it does.
+        self._next_queues: list[str] | None = None
+        self._retargeted = threading.Event()
+        self._retarget_lock = threading.Lock()
         #: What this worker takes is leased to it, renewed while it lives (None: no leases).
         self.leases = None if not settings.lease_s else Leases(
             redis_client(app.conf.broker_url, settings, health_check_interval=30,
@@ -98,10 +103,22 @@ class FastConsumer(PipelineConsumer):
                                    and self.leases.count_deaths else ignore_launch))
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
+    def _new_waker(self) -> Waker | None:
+        if not self._lists:
+            return None
+        url, settings = self.app.conf.broker_url, self._settings
+        # The watchers block on their own connections (one each), never on the consumer's.
+        # Blocking commands need a socket timeout beyond their own (redis-py's default is 5 s).
+        blocking = {"health_check_interval": 30, "socket_timeout": Waker.block_s + 5}
+        return Waker(redis_client(url, settings, **blocking),
+                     redis_client(url, settings, single_connection_client=True, **blocking),
+                     self._lists, stopping=self._stopping.is_set)
+
     def start(self) -> FastConsumer:
         if self.leases is not None:  # what a dead predecessor on this host held comes back first
             self.leases.start()
-        self.waker.start()
+        if self.waker is not None:
+            self.waker.start()
         self._thread.start()
         log.info("fast consumer on %s", ", ".join(self.queues))
         return self
@@ -109,7 +126,7 @@ class FastConsumer(PipelineConsumer):
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Take no more messages; wait up to ``grace_s`` for those in flight to finish."""
         self._stopping.set()
-        self.waker.close()
+        self._close_waker()
         self._thread.join(timeout=5)
         self._drain(grace_s)
         if self.holdings.held():  # those in flight, and retries waiting for their eta
@@ -122,9 +139,13 @@ class FastConsumer(PipelineConsumer):
         """Put every message still held back on its queue at once, as kombu restores an
         unacknowledged message (marked ``redelivered``), instead of leaving it for the visibility
         timeout. One transaction: each message is either back on its queue or still unacked."""
+        self._restore([h.delivery for h in self.holdings.held()])
+
+    def _restore(self, deliveries: Sequence[TakenMessage]) -> None:
+        """Put ``deliveries`` back on their queues, marked ``redelivered``, in one transaction
+        (those kombu delivered are left to the broker)."""
         # kombu's (an asyncinfer.infer Celery's consumer received) go back through the broker
-        held = [h.delivery for h in self.holdings.held()
-                if h.delivery.tag and h.delivery.message is None]
+        held = [d for d in deliveries if d.tag and d.message is None]
         if not held:
             return
         try:
@@ -161,10 +182,69 @@ class FastConsumer(PipelineConsumer):
         """The device is wedged and the process leaves: take no more, write what is finished,
         send every held request back to its queue at once."""
         self._stopping.set()
-        self.waker.close()
+        self._close_waker()
         self._thread.join(timeout=5)  # what its last take took is held, and sent back below
         self.writer.close()
         self._restore_held()
+
+    # -- which queues (model control: worker/model_control.py) ---------------------------------
+
+    def set_queues(self, queues: Sequence[str], timeout_s: float = 30.0) -> bool:
+        """Take from ``queues`` from now on (a model loaded, or unloaded); returns once the
+        consumer thread took them up, between two takes (False: not within ``timeout_s``, or it
+        stops). From then on it takes nothing from a queue left out."""
+        with self._retarget_lock:
+            self._retargeted.clear()
+            self._next_queues = list(dict.fromkeys(queues))
+            waker = self.waker
+            if waker is not None:
+                waker.interrupt()
+            deadline = time.monotonic() + timeout_s
+            while not self._retargeted.wait(0.1):
+                if self._stopping.is_set() or time.monotonic() > deadline:
+                    return False
+            return True
+
+    def _interrupted(self) -> bool:
+        return self._stopping.is_set() or self._next_queues is not None
+
+    def _apply_queues(self) -> None:
+        """(The consumer thread, between two takes.) Take from the queues :meth:`set_queues` gave:
+        a new waker watches their lists (the old one's watches lapse by themselves)."""
+        queues, self._next_queues = self._next_queues or [], None
+        if queues != self.queues:
+            self._close_waker()
+            self.queues = queues
+            self._lists = priority_lists(queues)
+            self.waker = self._new_waker()
+            if self.waker is not None:
+                self.waker.start()
+            log.info("fast consumer on %s", ", ".join(queues) or "no queue")
+        self._retargeted.set()
+
+    def _close_waker(self) -> None:
+        if self.waker is not None:
+            self.waker.close()
+
+    def give_back(self, model: str) -> int:
+        """(An unload of ``model``, whose queue it no longer takes.) Send back to their queue the
+        requests of ``model`` it holds that have not started on the device — retries waiting for
+        their eta, requests waiting in the batcher — so that another worker serves them; those
+        on the device (or prepared for it) run on here. How many went back."""
+        held = [h for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model
+                and h.delivery.tag and h.delivery.message is None]
+        scheduled = [h.delivery for h in held if h.state == SCHEDULED]
+        withdrawn = self.runtime.withdraw({h.delivery.request_id for h in held
+                                           if h.state != SCHEDULED and h.delivery.request_id})
+        back = scheduled + [h.delivery for h in held
+                            if h.state != SCHEDULED and h.delivery.request_id in withdrawn]
+        self.holdings.release(back)  # first: a retry whose eta comes now is not started
+        self._restore(back)
+        return len(back)
+
+    def held_of(self, model: str) -> int:
+        """How many requests of ``model`` it holds (taken, not yet answered)."""
+        return sum(1 for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -172,26 +252,32 @@ class FastConsumer(PipelineConsumer):
         backoff = Backoff()
         while not self._stopping.is_set():
             try:
-                room = self.holdings.room(self._stopping.is_set)
-                if room <= 0:
+                if self._next_queues is not None:
+                    self._apply_queues()
+                room = self.holdings.room(self._interrupted)
+                if room <= 0 or self._next_queues is not None:
+                    continue
+                waker = self.waker
+                if waker is None:  # it takes from no queue (every model unloaded)
+                    self._stopping.wait(1.0)
                     continue
                 # Take atomically with the bookkeeping; once a take leaves the queues empty, wait
                 # for the watchers (which never pop) and take again.
-                self.waker.clear()
+                waker.clear()
                 started = (self.writer.started_for_take(self.hostname) if self.policy.track_started
                            else None)
                 taken = self.taker.take(self._lists, room, started,
                                         self.leases.terms if self.leases is not None else None,
-                                        watcher=self.waker.token, watched=self.waker.passable())
+                                        watcher=waker.token, watched=waker.passable())
                 if self.taker.passed:
-                    self.waker.watch_passed(self.taker.passed)
+                    waker.watch_passed(self.taker.passed)
                 if taken:
                     self.pipeline.took(taken)
                 backoff.reset()
                 if len(taken) < room:
                     self.pipeline.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
-                    self.waker.arm()
-                    self.waker.wait(1.0)
+                    waker.arm()
+                    waker.wait(1.0)
             except redis.RedisError as exc:
                 # Lost connection, a timeout, OOM, READONLY (a demoted master), ...: nothing was
                 # taken that is not recorded; wait and take again.

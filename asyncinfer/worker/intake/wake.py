@@ -212,6 +212,11 @@ class Waker:
             self._generation += 1
             self._cond.notify_all()
 
+    def interrupt(self) -> None:
+        """Cut the consumer's wait short now (it has something else to do)."""
+        self._wake.set()
+        self._unblock()
+
     def wait(self, timeout_s: float) -> bool:
         """Block until a watched list had a message since :meth:`clear` (True), or about
         ``timeout_s`` (whole seconds in Redis, at least 1)."""

@@ -1,0 +1,195 @@
+"""Model control on a running device worker: load a model and start taking its requests, or unload
+one and give back what it holds of it — the worker's side of Triton's model repository extension,
+reached through Celery's remote control (``asyncinfer_load_model`` / ``asyncinfer_unload_model``,
+broadcast by :mod:`asyncinfer.repository`).
+
+**Load** (:func:`load_model`): the model is built and loaded on the worker's device (a registered
+model, or a ``NAME.pt`` / ``NAME.pt2`` file of ``ASYNCINFER_MODEL_DIR`` under the usual loading
+rules, a file added since the worker started included), announced in the model catalogue, and
+then its queue ``infer.<model>`` is taken by the fast consumer. A load that fails (not registered,
+no such file, a file the loading rules refuse, an error or out of memory while loading) frees what
+it allocated and answers the reason; the worker serves what it served. Loading a model the worker
+hosts already is a success that changes nothing (``loaded: false``).
+
+**Unload** (:func:`unload_model`), in this order: the model leaves the worker's catalogue entry;
+the fast consumer stops taking its queue (between two takes); what it holds of it and has not
+started — retries waiting for their eta, requests waiting in the batcher — goes back to the queue
+at once, for another worker (or a later load) to serve; what is on the device finishes and is
+answered here (up to ``grace_s``); then the runner stops and its memory is given back (garbage
+collected, the accelerator's cache emptied, the heap trimmed: engine/freeing.py). No request is
+lost or answered twice: each one is answered here, or back on its queue, untouched.
+
+Both run in Celery's consumer thread (remote control commands do), one at a time per worker. Model
+control needs the fast consumer (the default on a Redis broker); a worker fed by Celery's consumer
+(RabbitMQ, ``ASYNCINFER_CONSUMER=celery``) refuses it, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery.worker.control import control_command, inspect_command
+
+from asyncinfer.constants import model_from_queue, queue_for
+from asyncinfer.errors import UnknownModel
+from asyncinfer.worker.intake.consumer import STOP_GRACE_S
+from asyncinfer.worker.worker import Worker, worker_of
+
+__all__ = ["load_model", "unload_model", "repository", "REPOSITORY_COMMAND", "LOAD_COMMAND", "UNLOAD_COMMAND"]
+
+log = logging.getLogger(__name__)
+
+LOAD_COMMAND = "asyncinfer_load_model"
+UNLOAD_COMMAND = "asyncinfer_unload_model"
+REPOSITORY_COMMAND = "asyncinfer_repository"
+
+
+def _refusal(worker: Worker, model: str, error: str) -> dict[str, Any]:
+    return {"ok": False, "model": model, "error": error, **_where(worker)}
+
+
+def _where(worker: Worker) -> dict[str, Any]:
+    if not worker.has_runtime():  # no device worker (a CPU stages' worker): none is made here
+        return {"device": "", "models": [], "device_worker": False}
+    runtime = worker.runtime
+    return {"device": runtime.device.label, "models": runtime.models}
+
+
+def _fast_consumer(worker: Worker) -> Any:
+    """The worker's fast consumer, or the reason there is none to take a model's queue."""
+    from asyncinfer.worker.intake.fast_consumer import FastConsumer
+
+    consumer = worker.consumer
+    if not worker.has_runtime():
+        return "it is no device worker (it runs no model)"
+    if isinstance(consumer, FastConsumer) and not consumer.stopped:
+        return consumer
+    if consumer is None:
+        return "the worker does not serve yet (or no longer): nothing takes its queues"
+    if consumer.stopped:
+        return "the worker is stopping"
+    return ("model control needs the fast consumer (ASYNCINFER_CONSUMER=fast on a Redis broker); "
+            "this worker is fed by Celery's consumer: restart it with the model instead")
+
+
+def load_model(worker: Worker, model: str) -> dict[str, Any]:
+    """Load ``model`` on ``worker``'s device and take its queue (see the module documentation)."""
+    consumer = _fast_consumer(worker)
+    if isinstance(consumer, str):
+        return _refusal(worker, model, f"cannot load model '{model}': {consumer}")
+    if model in worker.leaving:
+        return _refusal(worker, model, f"cannot load model '{model}': it is being unloaded here")
+    began = time.perf_counter()
+    try:
+        loaded = worker.runtime.load_one(model)
+    except UnknownModel as exc:
+        return _refusal(worker, model, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a failed load is answered; the worker serves on
+        log.warning("load of model %s failed (%s: %s); the worker serves %s", model,
+                    type(exc).__name__, exc, ", ".join(worker.runtime.models) or "nothing")
+        return _refusal(worker, model, f"model '{model}' failed to load on "
+                                       f"{worker.runtime.device.label}: {type(exc).__name__}: {exc}")
+    worker.announce_now()  # in the catalogue before its first request is taken
+    queue = queue_for(model)
+    if queue not in consumer.queues:
+        consumer.set_queues([*consumer.queues, queue])
+        worker.fast_queues = list(consumer.queues)
+    log.info("model %s %s on %s (model control)", model, "loaded" if loaded else "was loaded",
+             worker.runtime.device.label)
+    return {"ok": True, "model": model, "loaded": loaded,
+            "load_s": round(time.perf_counter() - began, 3), **_where(worker)}
+
+
+def unload_model(worker: Worker, model: str, grace_s: float = STOP_GRACE_S) -> dict[str, Any]:
+    """Stop taking ``model``'s queue, give back what is held and not started, let what is on the
+    device finish (up to ``grace_s``), free the model (see the module documentation)."""
+    consumer = _fast_consumer(worker)
+    if isinstance(consumer, str):
+        return _refusal(worker, model, f"cannot unload model '{model}': {consumer}")
+    runtime = worker.runtime
+    if model not in runtime.models:
+        return _refusal(worker, model, f"model '{model}' is not loaded on this worker (it hosts: "
+                                       f"{', '.join(runtime.models) or 'none'})")
+    if model in worker.leaving:
+        return _refusal(worker, model, f"model '{model}' is being unloaded here already")
+    worker.leaving.add(model)
+    try:
+        _withdraw(worker, model)
+        consumer.set_queues([q for q in consumer.queues if model_from_queue(q) != model])
+        worker.fast_queues = list(consumer.queues)
+        given_back = consumer.give_back(model)
+        left = _finish(consumer, model, grace_s)
+        runtime.unhost(model)
+        runtime.unload(model)
+        _withdraw(worker, model)  # again: an announcement may have been on its way meanwhile
+    finally:
+        worker.leaving.discard(model)
+    log.info("model %s unloaded (model control): %d requests given back to its queue", model,
+             given_back)
+    reply = {"ok": True, "model": model, "given_back": given_back, **_where(worker)}
+    if left:
+        reply["unfinished"] = left
+    return reply
+
+
+def _withdraw(worker: Worker, model: str) -> None:
+    try:
+        worker.withdraw_model(model)
+    except redis.RedisError as exc:
+        log.warning("model catalogue: withdrawal of %s failed (%s); it lapses within the TTL",
+                    model, exc)
+
+
+def _finish(consumer: Any, model: str, grace_s: float) -> int:
+    """Wait up to ``grace_s`` until nothing of ``model`` is held (what is on the device answered);
+    how many still are."""
+    deadline = time.monotonic() + grace_s
+    while (left := consumer.held_of(model)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if left:
+        log.warning("unload of %s: %d requests still running after %.0f s fail as the model stops",
+                    model, left, grace_s)
+    return left
+
+
+def _worker(state: Any) -> Worker:
+    return getattr(state.consumer.controller, "asyncinfer", None) or worker_of(state.consumer.app)
+
+
+def repository(worker: Worker) -> dict[str, Any]:
+    """What this worker could load (its registry, the model folder read again) and what it has
+    loaded ({} for a worker that is no device worker)."""
+    if not worker.has_runtime():
+        return {}
+    runtime = worker.runtime
+    return {"device": runtime.device.label, "models": runtime.models,
+            "loadable": runtime.loadable()}
+
+
+@inspect_command()  # type: ignore[misc]
+def asyncinfer_repository(state: Any, **_: Any) -> dict[str, Any]:
+    """Models this worker could load and those it has loaded (the repository index)."""
+    return repository(_worker(state))
+
+
+@control_command(args=[("model", str)], signature="<model>")  # type: ignore[misc]
+def asyncinfer_load_model(state: Any, model: str = "", **_: Any) -> dict[str, Any]:
+    """Load a model on this worker's device and take its requests (model control)."""
+    worker = _worker(state)
+    if not model:
+        return _refusal(worker, model, "no model named")
+    return load_model(worker, str(model))
+
+
+@control_command(args=[("model", str), ("grace_s", float)],  # type: ignore[misc]
+                 signature="<model> [grace_s]")
+def asyncinfer_unload_model(state: Any, model: str = "", grace_s: float = STOP_GRACE_S,
+                            **_: Any) -> dict[str, Any]:
+    """Unload a model from this worker: give back its queued requests, finish those running."""
+    worker = _worker(state)
+    if not model:
+        return _refusal(worker, model, "no model named")
+    return unload_model(worker, str(model), float(grace_s))
