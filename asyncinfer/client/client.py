@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -33,6 +33,15 @@ from asyncinfer.constants import (
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.fleet_stats import triton_stats
+from asyncinfer.repository import (
+    DEFAULT_CONTROL_TIMEOUT_S,
+    LOAD,
+    UNLOAD,
+    ControlOutcome,
+    control,
+    repositories,
+    repository_index,
+)
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse"]
@@ -124,6 +133,41 @@ class Client:
         for name in self.models():  # those no worker counted yet: zeros
             found.setdefault(name, triton_stats(name, []))
         return [found[name] for name in sorted(found)]
+
+    # -- model control (repository.py) ------------------------------------------------------------
+
+    def load_model(self, model: str, *, workers: Sequence[str] = (),
+                   timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlOutcome:
+        """Load ``model`` on ``workers`` (default: every live device worker) and start serving
+        it there; waits up to ``timeout_s`` for their answers. ``outcome.ok`` when every worker
+        asked loaded it; ``outcome.message()`` says what failed where, and why."""
+        return self._control(LOAD, model, workers, timeout_s)
+
+    def unload_model(self, model: str, *, workers: Sequence[str] = (),
+                     timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
+                     grace_s: float | None = None) -> ControlOutcome:
+        """Unload ``model`` from ``workers`` (default: every worker hosting it): each stops taking
+        its queue, gives back what it holds and has not started, finishes what is on its device
+        (up to ``grace_s``) and frees the memory."""
+        return self._control(UNLOAD, model, workers, timeout_s, grace_s)
+
+    def _control(self, action: str, model: str, workers: Sequence[str], timeout_s: float,
+                 grace_s: float | None = None) -> ControlOutcome:
+        outcome = control(self.app_for(model), action, model, self.models(stale_ok=True),
+                          workers=workers, timeout_s=timeout_s, grace_s=grace_s)
+        group = self._group_for(model)
+        if group.known is not None:  # the unknown-model check reads the catalogue again
+            group.known.forget()
+        return outcome
+
+    def repository_index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
+        """Triton's repository index of the fleet: every model it knows or could load, per
+        version, with its state (READY, UNAVAILABLE) and why (repository.py)."""
+        entries = self.models(stale_ok=True)
+        workers: dict[str, Any] = {}
+        for app in self.apps().values():
+            workers.update(repositories(app, entries))
+        return repository_index(entries, workers, ready_only=ready_only)
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""

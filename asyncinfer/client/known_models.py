@@ -41,6 +41,10 @@ class KnownModels:
         return (not self.retention_s or now < self._unreadable_until
                 or (model in known and now - read_at < self.KNOWN_FOR_S))
 
+    def forget(self) -> None:
+        """Read the catalogue again at the next check (a model was loaded or unloaded)."""
+        self._known = (-1e9, frozenset())
+
     def check(self, model: str, request_id: str = "") -> None:
         """Raise UnknownModel for a model not known. A catalogue that cannot be read now (a
         failover under way, a Redis that is down, an ACL that refuses its keys) leaves nothing

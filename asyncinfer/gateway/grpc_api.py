@@ -203,6 +203,15 @@ def _statistics_response(model_stats: list[Mapping[str, Any]]) -> pb.ModelStatis
     return response
 
 
+def _repository_parameters(parameters: Mapping[str, pb.ModelRepositoryParameter]) -> dict[str, Any]:
+    """A load or unload's parameters as plain values (each its oneof's)."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        which = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, which) if which is not None else None
+    return values
+
+
 # -- the methods ---------------------------------------------------------------------------------
 
 def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[Message]]]:
@@ -249,7 +258,31 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         stats = await service.model_statistics(request.name, request.version)
         return _statistics_response(stats["model_stats"])
 
+    async def repository_index(request: pb.RepositoryIndexRequest,
+                               context: Any) -> pb.RepositoryIndexResponse:
+        rows = await service.repository_index(request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**row)
+                                                  for row in rows])
+
+    async def repository_model_load(request: pb.RepositoryModelLoadRequest,
+                                    context: Any) -> pb.RepositoryModelLoadResponse:
+        await service.control_model("load", request.model_name,
+                                    _repository_parameters(request.parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(request: pb.RepositoryModelUnloadRequest,
+                                      context: Any) -> pb.RepositoryModelUnloadResponse:
+        await service.control_model("unload", request.model_name,
+                                    _repository_parameters(request.parameters))
+        return pb.RepositoryModelUnloadResponse()
+
     return {
+        "RepositoryIndex": (repository_index, pb.RepositoryIndexRequest,
+                            pb.RepositoryIndexResponse),
+        "RepositoryModelLoad": (repository_model_load, pb.RepositoryModelLoadRequest,
+                                pb.RepositoryModelLoadResponse),
+        "RepositoryModelUnload": (repository_model_unload, pb.RepositoryModelUnloadRequest,
+                                  pb.RepositoryModelUnloadResponse),
         "ModelStatistics": (model_statistics, pb.ModelStatisticsRequest,
                             pb.ModelStatisticsResponse),
         "ServerLive": (server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),

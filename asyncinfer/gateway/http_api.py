@@ -86,6 +86,54 @@ async def model_statistics(request: web.Request) -> web.Response:
         return _error(exc)
 
 
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """A repository call's JSON object body ({} when empty); GatewayError 400 if it is none."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise GatewayError(400, f"{request.path}: the body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"{request.path}: the body must be a JSON object")
+    return body
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index: ``[{"name", "version", "state", "reason"}]`` (body
+    ``{"ready": true}``: the ready models only)."""
+    try:
+        body = await _json_body(request)
+        ready_only = body.get("ready", False)
+        if not isinstance(ready_only, bool):
+            raise GatewayError(400, f"repository index: 'ready' must be true or false, got "
+                                    f"{ready_only!r:.40}")
+        return _json(await request.app[_SERVICE].repository_index(ready_only))
+    except GatewayError as exc:
+        return _error(exc)
+
+
+async def _control(request: web.Request, action: str) -> web.Response:
+    try:
+        body = await _json_body(request)
+        parameters = body.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise GatewayError(400, f"{action}: 'parameters' must be a JSON object")
+        return _json(await request.app[_SERVICE].control_model(
+            action, request.match_info["model"], parameters))
+    except GatewayError as exc:
+        return _error(exc)
+
+
+async def load_model(request: web.Request) -> web.Response:
+    return await _control(request, "load")
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    return await _control(request, "unload")
+
+
 async def model_ready(request: web.Request) -> web.Response:
     service = request.app[_SERVICE]
     model, version = _model(request)
@@ -205,6 +253,9 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
         web.get("/v2/models/{model}/versions/{version}/ready", model_ready),
         web.get("/v2/models/{model}/config", model_config),
         web.get("/v2/models/{model}/versions/{version}/config", model_config),
+        web.post("/v2/repository/index", repository_index),
+        web.post("/v2/repository/models/{model}/load", load_model),
+        web.post("/v2/repository/models/{model}/unload", unload_model),
         web.post("/v2/models/{model}/infer", infer),
         web.post("/v2/models/{model}/versions/{version}/infer", infer),
     ])

@@ -30,6 +30,7 @@ from asyncinfer.client.client import Client
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
+from asyncinfer.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, UNLOAD
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "asyncinfer"
 #: What ``GET /v2`` and ServerMetadata advertise.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 #: Data above this size (bytes) is converted off the event loop: the client's own bound for
@@ -270,6 +271,45 @@ class Service:
             entry["version"] = version or versions[0]
         return {"model_stats": stats}
 
+    # -- model repository (model control: repository.py) ----------------------------------------
+
+    async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Triton's repository index: every model the fleet knows or could load, per version."""
+        try:
+            return await self._off_loop(lambda: self.client.repository_index(ready_only=ready_only))
+        except errors.BrokerUnavailable as exc:
+            raise GatewayError(503, str(exc)) from exc
+
+    async def control_model(self, action: str, model: str,
+                            parameters: Mapping[str, Any]) -> dict[str, Any]:
+        """Load or unload ``model`` on the fleet (Triton's RepositoryModelLoad / Unload): on the
+        workers of parameter ``workers`` (comma-separated names), else every live worker (a load)
+        or every worker hosting it (an unload); parameter ``timeout_s`` bounds the wait for their
+        answers, ``grace_s`` (an unload) how long its requests on a device may finish.
+
+        Raises:
+            GatewayError: 400 a parameter the gateway does not take, or a worker that failed
+                (with its reason); 503 no live worker to load it on; 504 a worker that did not
+                answer in time.
+        """
+        options = control_options(model, action, parameters)
+        try:
+            outcome = await self._off_loop(lambda: (
+                self.client.load_model(model, workers=options["workers"],
+                                       timeout_s=options["timeout_s"]) if action == LOAD else
+                self.client.unload_model(model, workers=options["workers"],
+                                         timeout_s=options["timeout_s"],
+                                         grace_s=options["grace_s"])))
+        except errors.BrokerUnavailable as exc:
+            raise GatewayError(503, str(exc)) from exc
+        await self._refresh()
+        if outcome.ok:
+            log.info("gateway: %s", outcome.message())
+            return outcome.as_dict()
+        status = 400 if outcome.failed or (outcome.nobody and action == UNLOAD) else \
+            503 if outcome.nobody else 504
+        raise GatewayError(status, outcome.message())
+
     # -- infer -----------------------------------------------------------------------------------
 
     async def infer(self, call: InferCall) -> InferResult:
@@ -356,6 +396,43 @@ class Service:
                            id=str(raw["id"]) if call.id else "",
                            outputs=[_output(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))
+
+
+#: The parameters a load or unload takes (Triton's ``unload_dependents`` is accepted: a model here
+#: has no dependents).
+_CONTROL_PARAMETERS = {"workers", "timeout_s", "grace_s", "unload_dependents"}
+
+
+def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """The workers, timeout and grace of a load or unload's parameters; GatewayError 400 for a
+    parameter it does not take (Triton's ``config`` and ``file:`` overrides among them)."""
+    where = f"{action} of model '{printable(model, 100)}'"
+    if not model:
+        raise GatewayError(400, f"{action}: a model name is needed")
+    unknown = sorted(k for k in parameters if k not in _CONTROL_PARAMETERS)
+    if unknown:
+        raise GatewayError(400, f"{where}: parameter {', '.join(repr(printable(k, 40)) for k in unknown)}"
+                                f" is not supported (supported: workers, timeout_s, grace_s; models "
+                                f"are loaded as registered, no config or file override)")
+    workers = parameters.get("workers", "")
+    if not isinstance(workers, str):
+        raise GatewayError(400, f"{where}: parameter 'workers' must be a string of comma-separated "
+                                f"worker names, got {workers!r:.60}")
+    options: dict[str, Any] = {"workers": [w.strip() for w in workers.split(",") if w.strip()],
+                               "timeout_s": DEFAULT_CONTROL_TIMEOUT_S, "grace_s": None}
+    for key in ("timeout_s", "grace_s"):
+        value = parameters.get(key)
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = -1.0
+        if isinstance(value, bool) or not 0 < number <= 3600:
+            raise GatewayError(400, f"{where}: parameter '{key}' must be a number of seconds above "
+                                    f"0 and at most 3600, got {value!r:.40}")
+        options[key] = number
+    return options
 
 
 def _output(request_id: str, output: Mapping[str, Any]) -> OutputTensor:

@@ -26,6 +26,7 @@ from asyncinfer.ops.fleet_commands import (
     cmd_cancel,
     cmd_config,
     cmd_gateway,
+    cmd_model_control,
     cmd_models,
     cmd_purge,
     cmd_stats,
@@ -210,9 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("models", help="the model catalogue: models, versions, ready, workers")
+    p = sub.add_parser("models", help="the model catalogue: models, versions, ready, workers; "
+                       "load or unload a model on running workers")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_models)
+    control = p.add_subparsers(dest="action", metavar="{load,unload}")
+    for action, text in (("load", "load a model on running workers and serve it there"),
+                         ("unload", "unload a model from running workers (its waiting requests go "
+                                    "to the other workers)")):
+        q = control.add_parser(action, help=text)
+        q.add_argument("model")
+        q.add_argument("--workers", help="comma-separated worker names (default: every live worker"
+                       + (")" if action == "load" else " hosting it)"))
+        q.add_argument("--timeout-s", type=float, default=60.0,
+                       help="how long to wait for the workers' answers")
+        if action == "unload":
+            q.add_argument("--grace-s", type=float,
+                           help="how long requests on a device may finish (default 10)")
+        q.add_argument("--json", action="store_true", help="the outcome as one JSON object")
+        q.set_defaults(func=cmd_model_control)
 
     p = sub.add_parser("stats", help="inference statistics (Triton's), summed over the fleet")
     p.add_argument("model", nargs="?", help="one model (default: every model)")

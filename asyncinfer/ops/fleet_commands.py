@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 __all__ = ["cmd_status", "cmd_cancel", "cmd_purge", "cmd_config", "cmd_gateway", "cmd_models",
-           "cmd_stats"]
+           "cmd_model_control", "cmd_stats"]
 
 
 def _models(value: str) -> list[str]:
@@ -148,6 +148,24 @@ def cmd_models(args: argparse.Namespace) -> int:
         else:
             print(format_models(entries))
     return 0
+
+
+def cmd_model_control(args: argparse.Namespace) -> int:
+    """``asyncinfer models load|unload M``: 0 when every worker asked did it, else 1 (each
+    failure with its reason)."""
+    with _client(args) as client:
+        client.ping()
+        workers = _models(args.workers or "")
+        if args.action == "load":
+            outcome = client.load_model(args.model, workers=workers, timeout_s=args.timeout_s)
+        else:
+            outcome = client.unload_model(args.model, workers=workers, timeout_s=args.timeout_s,
+                                          grace_s=args.grace_s)
+        if args.json:
+            print(json.dumps(outcome.as_dict(), sort_keys=True))
+        else:
+            print(outcome.message(), file=sys.stdout if outcome.ok else sys.stderr)
+    return 0 if outcome.ok else 1
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -69,6 +69,8 @@ PLACES: dict[str, str] = {
     "asyncinfer.kombu_connection": "config",  # the app's connections
     "asyncinfer.replies": "config",  # the app's result backends announce on reply channels
     "asyncinfer.client": "client",
+    # model control across the fleet: the broadcasts a client, the gateway and the CLI send
+    "asyncinfer.repository": "client",
     "asyncinfer.engine": "engine",
     "asyncinfer.models": "engine",  # what the engine runs: no Celery, no Redis
     "asyncinfer.policy": "policy",

@@ -1,0 +1,200 @@
+"""Model control across the fleet (Triton's model repository extension): load or unload a model on
+the fleet's workers through Celery's remote control, and the repository index.
+
+A load is broadcast to the workers named, else to every live device worker: those that answer
+``ping`` and those the model catalogue lists as hosting something (a worker busy loading answers
+no ping). An unload goes to the workers named, else to every worker the catalogue lists as hosting
+the model. Each worker answers when it is done (worker/model_control.py); the call waits for every
+answer up to ``timeout_s`` and reports each worker's outcome, a failure with its reason, and the
+workers that did not answer in time (their load or unload goes on; the catalogue and
+``asyncinfer models`` show when it is done). A worker that is no device worker (a CPU stages'
+worker) is skipped when no workers were named.
+
+The index (:func:`repository_index`, Triton's ``RepositoryIndex``): every model the fleet knows,
+one row per version — READY while a live worker hosts it; UNAVAILABLE, with the reason, when it is
+known (announced within ``ASYNCINFER_MODEL_RETENTION_S``) but no live worker hosts it, or when a
+live worker could load it and none has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from asyncinfer.catalogue import CatalogueEntry
+
+__all__ = ["WorkerOutcome", "ControlOutcome", "control", "targets_for", "repository_index",
+           "LOAD", "UNLOAD", "READY", "UNAVAILABLE", "DEFAULT_CONTROL_TIMEOUT_S"]
+
+LOAD, UNLOAD = "load", "unload"
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+#: How long a load or unload waits for the workers' answers by default (seconds).
+DEFAULT_CONTROL_TIMEOUT_S = 60.0
+#: How long the workers have to answer a ping or the index's question (seconds).
+ASK_TIMEOUT_S = 1.0
+
+_COMMANDS = {LOAD: "asyncinfer_load_model", UNLOAD: "asyncinfer_unload_model"}
+_REPOSITORY = "asyncinfer_repository"
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """One worker's answer to a load or unload."""
+
+    worker: str
+    ok: bool
+    error: str = ""
+    reply: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_worker(self) -> bool:
+        return self.reply.get("device_worker", True) is not False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.reply, "worker": self.worker, "ok": self.ok, "error": self.error}
+
+
+@dataclass(frozen=True)
+class ControlOutcome:
+    """What the workers answered to a load or unload of ``model``."""
+
+    model: str
+    action: str
+    #: The answers of the workers asked (those that are no device worker left out when no
+    #: workers were named: :attr:`skipped`).
+    answers: tuple[WorkerOutcome, ...] = ()
+    #: Workers asked that did not answer within the timeout.
+    missing: tuple[str, ...] = ()
+    skipped: tuple[WorkerOutcome, ...] = ()
+    #: Why no worker was asked at all (none live, none hosts it).
+    nobody: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Every worker asked answered and did it (and at least one was asked)."""
+        return bool(self.answers) and not self.missing and all(a.ok for a in self.answers)
+
+    @property
+    def failed(self) -> list[WorkerOutcome]:
+        return [a for a in self.answers if not a.ok]
+
+    def message(self) -> str:
+        """One line: what was done where, each failure with its reason, who did not answer."""
+        if self.nobody:
+            return f"{self.action} of model '{self.model}': {self.nobody}"
+        done = [a.worker for a in self.answers if a.ok]
+        parts = []
+        if done:
+            parts.append(f"{self.action}ed on {', '.join(done)}")
+        parts += [f"{a.worker}: {a.error}" for a in self.failed]
+        if self.missing:
+            parts.append(f"no answer within the timeout from {', '.join(self.missing)} (it may "
+                         f"still be under way there)")
+        verdict = "done" if self.ok else "failed"
+        return f"{self.action} of model '{self.model}' {verdict}: " + "; ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "action": self.action, "ok": self.ok,
+                "message": self.message(), "workers": [a.as_dict() for a in self.answers],
+                "missing": list(self.missing), "skipped": [a.worker for a in self.skipped]}
+
+
+def live_workers(app: Celery, entries: Mapping[str, CatalogueEntry],
+                 ping_timeout_s: float = ASK_TIMEOUT_S) -> list[str]:
+    """Every live worker: those that answer a ping, and those the catalogue lists as hosts."""
+    names = {h.worker for e in entries.values() for h in e.hosts}
+    for reply in app.control.ping(timeout=ping_timeout_s) or []:
+        names.update(reply)
+    return sorted(names)
+
+
+def targets_for(action: str, model: str, entries: Mapping[str, CatalogueEntry],
+                live: Iterable[str]) -> list[str]:
+    """The workers a load (every live one) or an unload (those hosting ``model``) goes to when
+    none are named."""
+    if action == UNLOAD:
+        entry = entries.get(model)
+        return sorted({h.worker for h in entry.hosts}) if entry is not None else []
+    return sorted(set(live))
+
+
+def outcomes_of(replies: Sequence[Mapping[str, Any]]) -> dict[str, WorkerOutcome]:
+    """Celery's broadcast replies (``[{worker: reply}, ...]``) as outcomes, by worker."""
+    found = {}
+    for reply in replies:
+        for worker, answer in reply.items():
+            answer = answer if isinstance(answer, Mapping) else {"error": repr(answer)}
+            ok = answer.get("ok") is True
+            found[worker] = WorkerOutcome(worker, ok, "" if ok else str(answer.get("error", "?")),
+                                          dict(answer))
+    return found
+
+
+def control(app: Celery, action: str, model: str, entries: Mapping[str, CatalogueEntry], *,
+            workers: Sequence[str] = (), timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
+            grace_s: float | None = None) -> ControlOutcome:
+    """Load or unload ``model`` on ``workers`` (default: see the module documentation) and wait
+    up to ``timeout_s`` for their answers. ``grace_s``: how long an unload lets the requests on
+    the device finish (default the worker's, 10 s)."""
+    if action not in _COMMANDS:
+        raise ValueError(f"model control action must be {LOAD} or {UNLOAD}, got {action!r}")
+    if not model or not isinstance(model, str):
+        raise ValueError(f"model control: a model name is needed, got {model!r}")
+    named = list(dict.fromkeys(w for w in workers if w))
+    targets = named or targets_for(action, model, entries,
+                                   live_workers(app, entries) if action == LOAD else ())
+    if not targets:
+        return ControlOutcome(model, action, nobody=(
+            "no live worker answered" if action == LOAD
+            else "no live worker hosts it (the catalogue lists none)"))
+    arguments: dict[str, Any] = {"model": model}
+    if action == UNLOAD and grace_s is not None:
+        arguments["grace_s"] = float(grace_s)
+    replies = app.control.broadcast(_COMMANDS[action], arguments=arguments, destination=targets,
+                                    reply=True, timeout=timeout_s, limit=len(targets)) or []
+    found = outcomes_of(replies)
+    answers = [found[w] for w in targets if w in found]
+    skipped: list[WorkerOutcome] = []
+    if not named:  # asked by default: a worker that runs no model is no failure
+        skipped = [a for a in answers if not a.device_worker]
+        answers = [a for a in answers if a.device_worker]
+    return ControlOutcome(model, action, tuple(answers),
+                          tuple(w for w in targets if w not in found), tuple(skipped))
+
+
+def repositories(app: Celery, entries: Mapping[str, CatalogueEntry],
+                 timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Mapping[str, Any]]:
+    """What each live worker of the catalogue could load and has loaded, by worker."""
+    hosts = sorted({h.worker for e in entries.values() for h in e.hosts})
+    if not hosts:
+        return {}
+    replies = app.control.broadcast(_REPOSITORY, destination=hosts, reply=True,
+                                    timeout=timeout_s, limit=len(hosts)) or []
+    return {w: r for reply in replies for w, r in reply.items() if isinstance(r, Mapping) and r}
+
+
+def repository_index(entries: Mapping[str, CatalogueEntry],
+                     workers: Mapping[str, Mapping[str, Any]] | None = None, *,
+                     ready_only: bool = False) -> list[dict[str, str]]:
+    """Triton's repository index (``[{"name", "version", "state", "reason"}]``) of the catalogue
+    ``entries`` and of what the live ``workers`` could load (:func:`repositories`), by name."""
+    rows: list[dict[str, str]] = []
+    for name, entry in entries.items():
+        reason = "" if entry.ready else ("no live worker hosts it (unloaded, or its workers "
+                                         "stopped); its requests wait in its queue")
+        for version in entry.versions:
+            rows.append({"name": name, "version": version,
+                         "state": READY if entry.ready else UNAVAILABLE, "reason": reason})
+    loadable: dict[str, list[str]] = {}
+    for worker, info in (workers or {}).items():
+        for name in info.get("loadable") or []:
+            if name not in entries:
+                loadable.setdefault(str(name), []).append(worker)
+    for name, where in loadable.items():
+        rows.append({"name": name, "version": "", "state": UNAVAILABLE,
+                     "reason": f"not loaded (loadable on {', '.join(sorted(where))})"})
+    rows.sort(key=lambda r: (r["name"], r["version"]))
+    return [r for r in rows if r["state"] == READY] if ready_only else rows
