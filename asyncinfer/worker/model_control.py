@@ -95,7 +95,9 @@ def load_model(worker: Worker, model: str) -> dict[str, Any]:
     worker.announce_now()  # in the catalogue before its first request is taken
     queue = queue_for(model)
     if queue not in consumer.queues:
-        consumer.set_queues([*consumer.queues, queue])
+        if not consumer.set_queues([*consumer.queues, queue]):
+            return _refusal(worker, model, f"model '{model}' is loaded but its queue {queue} is "
+                                           f"not taken: the worker stops")
         worker.fast_queues = list(consumer.queues)
     log.info("model %s %s on %s (model control)", model, "loaded" if loaded else "was loaded",
              worker.runtime.device.label)
@@ -117,16 +119,26 @@ def unload_model(worker: Worker, model: str, grace_s: float = STOP_GRACE_S) -> d
         return _refusal(worker, model, f"model '{model}' is being unloaded here already")
     worker.leaving.add(model)
     try:
-        _withdraw(worker, model)
-        consumer.set_queues([q for q in consumer.queues if model_from_queue(q) != model])
-        worker.fast_queues = list(consumer.queues)
-        given_back = consumer.give_back(model)
-        left = _finish(consumer, model, grace_s)
-        runtime.unhost(model)
-        runtime.unload(model)
-        _withdraw(worker, model)  # again: an announcement may have been on its way meanwhile
+        return _unload(worker, consumer, model, grace_s)
+    except Exception as exc:  # noqa: BLE001 - answered, not raised into Celery's consumer
+        log.exception("unload of model %s failed", model)
+        return _refusal(worker, model, f"unload of model '{model}' failed: "
+                                       f"{type(exc).__name__}: {exc}")
     finally:
         worker.leaving.discard(model)
+
+
+def _unload(worker: Worker, consumer: Any, model: str, grace_s: float) -> dict[str, Any]:
+    runtime = worker.runtime
+    _withdraw(worker, model)
+    if not consumer.set_queues([q for q in consumer.queues if model_from_queue(q) != model]):
+        raise RuntimeError("the consumer did not leave the queue in time (it stops?)")
+    worker.fast_queues = list(consumer.queues)
+    given_back = consumer.give_back(model)
+    left = _finish(consumer, model, grace_s)
+    runtime.unhost(model)
+    runtime.unload(model)
+    _withdraw(worker, model)  # again: an announcement may have been on its way meanwhile
     log.info("model %s unloaded (model control): %d requests given back to its queue", model,
              given_back)
     reply = {"ok": True, "model": model, "given_back": given_back, **_where(worker)}

@@ -213,9 +213,13 @@ class Waker:
             self._cond.notify_all()
 
     def interrupt(self) -> None:
-        """Cut the consumer's wait short now (it has something else to do)."""
+        """Cut the consumer's wait short now (it has something else to do); if Redis fails, its
+        wait ends by itself within about a second."""
         self._wake.set()
-        self._unblock()
+        try:
+            self._unblock()
+        except redis.RedisError as exc:
+            log.debug("could not cut the consumer's wait short (%s)", exc)
 
     def wait(self, timeout_s: float) -> bool:
         """Block until a watched list had a message since :meth:`clear` (True), or about
