@@ -129,3 +129,146 @@ def test_load_infer_unload_and_failed_loads_through_tritonclient(fleet) -> None:
     finally:
         http.close()
         grpc.close()
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def test_an_unload_under_a_stream_of_requests_loses_none_and_runs_none_twice(
+        redis_db, tmp_path) -> None:
+    import tritonclient.http as httpclient
+
+    # Given worker b hosting sleep, and worker a hosting identity only
+    b = _worker(redis_db.url, tmp_path, "b", "sleep")
+    a = _worker(redis_db.url, tmp_path, "a", "identity")
+    gateway = start_gateway(redis_db.url, tmp_path / "gateway.log")
+    client = _client(redis_db.url)
+    http = httpclient.InferenceServerClient(gateway.http_url, network_timeout=120.0)
+    try:
+        # When sleep is loaded through Triton's client (every live worker: a loads it, b has it)
+        http.load_model("sleep")
+        hosts = [h.worker for h in client.models()["sleep"].hosts]
+        assert hosts == [f"a@{HOST}", f"b@{HOST}"]
+        marks = ForwardMarks(redis_db.client, "sleep")
+        # and 200 requests stream in (each a value of its own, ~100 ms of device per batch: some wait in the batchers) while
+        # a unloads it
+        values = [float(np.float32(0.1 + i / 2**16)) for i in range(200)]
+        futures: list = []
+        half = threading.Event()
+
+        def stream() -> None:
+            for i, v in enumerate(values):
+                futures.append(client.submit("sleep", np.array([[v]], np.float32)))
+                if i == 60:
+                    half.set()
+                threading.Event().wait(0.005)
+
+        sender = threading.Thread(target=stream)
+        sender.start()
+        assert half.wait(60)
+        answer = _post(gateway.http_url, "/v2/repository/models/sleep/unload",
+                       {"parameters": {"workers": f"a@{HOST}"}})
+        sender.join(60)
+        assert answer["ok"] is True and [w["worker"] for w in answer["workers"]] == [f"a@{HOST}"]
+
+        # Then every request is answered, with its own value, once
+        results = [f.result(timeout=120) for f in futures]
+        assert [r["output"].item() for r in results] == pytest.approx(values)
+        ran = Counter(v for batch in marks.batches() for v in batch)
+        assert sorted(ran) == sorted(values) and set(ran.values()) == {1}
+        by_worker = Counter(r.raw["parameters"]["worker"] for r in results)
+        assert by_worker[f"b@{HOST}"] > 0 and sum(by_worker.values()) == 200
+        # and a hosts it no more: the catalogue and the index say so, b serves it
+        assert [h.worker for h in client.models()["sleep"].hosts] == [f"b@{HOST}"]
+        assert _index(http.get_model_repository_index())["sleep"] == ("READY", "")
+        late = client.infer("sleep", np.array([[0.0]], np.float32), timeout_s=60)
+        assert late.raw["parameters"]["worker"] == f"b@{HOST}"
+        print(f"answered by {dict(by_worker)}; a gave back {answer['workers'][0]['given_back']}")
+    finally:
+        http.close()
+        client.close()
+        gateway.stop()
+        a.stop()
+        b.stop()
+
+
+def test_an_unloaded_models_memory_is_given_back(redis_db, tmp_path) -> None:
+    # Given a worker hosting identity, at its resident size
+    worker = _worker(redis_db.url, tmp_path, "m", "identity")
+    client = _client(redis_db.url)
+    try:
+        pid = client.models()["identity"].hosts[0].pid
+        client.infer("identity", np.ones((1, 1), np.float32), timeout_s=60)
+        baseline = rss_bytes(pid)
+        # When a model holding 200 MB is loaded, it is resident and serves
+        loaded = client.load_model("big", workers=[f"m@{HOST}"])
+        assert loaded.ok, loaded.message()
+        assert rss_bytes(pid) - baseline > BIG_BYTES * 0.8
+        assert client.infer("big", np.array([[1.0]], np.float32), timeout_s=60)[
+            "output"].tolist() == [[2.0]]
+        # Then once it is unloaded, the worker's resident size is back near where it was
+        unloaded = client.unload_model("big")
+        assert unloaded.ok, unloaded.message()
+        assert rss_bytes(pid) - baseline < BIG_BYTES * 0.25
+        assert "big" not in [r["name"] for r in client.repository_index() if r["state"] == "READY"]
+        # and it serves what it served
+        assert client.infer("identity", np.ones((1, 1), np.float32), timeout_s=60)[
+            "input"].tolist() == [[1.0]]
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_path) -> None:
+    r = redis_db.client
+    r.set("ga:gate", "closed")
+    # Given worker a hosting gated, its device held by request 0 (gate closed), requests waiting
+    # in its batcher; worker b hosting identity
+    a = _worker(redis_db.url, tmp_path, "a", "gated", GATED_REDIS_URL=redis_db.url,
+                GATED_PREFIX="ga")
+    b = _worker(redis_db.url, tmp_path, "b", "identity", GATED_REDIS_URL=redis_db.url,
+                GATED_PREFIX="gb")
+    client = _client(redis_db.url)
+    try:
+        futures = [client.submit("gated", {"index": np.array([[0.0]])})]
+        wait_for(lambda: r.get("ga:blocked"), 60, "request 0 on a's device")
+        futures += [client.submit("gated", {"index": np.array([[float(i)]])}) for i in range(1, 21)]
+        inspect = client.app.control.inspect(destination=[f"a@{HOST}"], timeout=2.0)
+        wait_for(lambda: ((inspect.reserved() or {}).get(f"a@{HOST}") or []), 60,
+                 "requests waiting in a's batcher")
+
+        # When a unloads it (waiting for request 0) and b loads it
+        unloaded: list = []
+        unloading = threading.Thread(target=lambda: unloaded.append(client.unload_model(
+            "gated", workers=[f"a@{HOST}"], grace_s=120, timeout_s=180)))
+        unloading.start()
+        wait_for(lambda: [h.worker for h in client.models()["gated"].hosts] == [], 60,
+                 "a left the catalogue")
+        loaded = client.load_model("gated", workers=[f"b@{HOST}"])
+        assert loaded.ok, loaded.message()
+
+        # Then what waited on a is served by b, while request 0 still holds a's device
+        given_back = wait_for(lambda: {int(k) for k in r.hgetall("gb:executions")}, 60,
+                              "b runs what a gave back")
+        assert 0 not in given_back and not r.hgetall("ga:executions")
+        # and once a's device is free, request 0 (and what was prepared with it) ends there
+        r.set("ga:gate", "open")
+        unloading.join(180)
+        outcome = unloaded[0]
+        assert outcome.ok, outcome.message()
+        assert outcome.answers[0].reply["given_back"] >= 1
+        answers = [int(f.result(timeout=120)["output"].item()) for f in futures]
+        assert answers == list(range(21))
+        ran = Counter({int(k): int(v) for k, v in r.hgetall("ga:executions").items()})
+        ran.update({int(k): int(v) for k, v in r.hgetall("gb:executions").items()})
+        assert sorted(ran) == list(range(21)) and set(ran.values()) == {1}
+        assert 0 in {int(k) for k in r.hgetall("ga:executions")}
+    finally:
+        r.set("ga:gate", "open")
+        client.close()
+        a.stop()
+        b.stop()
