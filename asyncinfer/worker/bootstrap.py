@@ -26,8 +26,10 @@ from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
-from asyncinfer.worker import inspection  # noqa: F401 - registers the inspection commands
-from asyncinfer.worker import model_control  # noqa: F401 - registers the model control commands
+from asyncinfer.worker import (
+    inspection,  # noqa: F401 - registers the inspection commands
+    model_control,  # noqa: F401 - registers the model control commands
+)
 from asyncinfer.worker.intake.step import is_prefork
 from asyncinfer.worker.supervisor import CANNOT_START
 from asyncinfer.worker.worker import Worker, worker_of

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from asyncinfer.config.settings import Settings

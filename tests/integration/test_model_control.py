@@ -154,8 +154,8 @@ def test_an_unload_under_a_stream_of_requests_loses_none_and_runs_none_twice(
         hosts = [h.worker for h in client.models()["sleep"].hosts]
         assert hosts == [f"a@{HOST}", f"b@{HOST}"]
         marks = ForwardMarks(redis_db.client, "sleep")
-        # and 200 requests stream in (each a value of its own, ~100 ms of device per batch: some wait in the batchers) while
-        # a unloads it
+        # and 200 requests stream in (each a value of its own, ~100 ms of device per batch: some
+        # wait in the batchers) while a unloads it
         values = [float(np.float32(0.1 + i / 2**16)) for i in range(200)]
         futures: list = []
         half = threading.Event()

@@ -243,7 +243,7 @@ def _without_zeros(value: Any) -> Any:
 
 
 def test_methods_not_served_are_unimplemented(served: Served) -> None:
-    for call in (lambda: served.client.get_model_repository_index(),
+    for call in (lambda: served.client.get_cuda_shared_memory_status(),
                  lambda: served.client.get_system_shared_memory_status()):
         with pytest.raises(InferenceServerException) as exc:
             call()

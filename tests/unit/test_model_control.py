@@ -1,0 +1,189 @@
+"""Model control's pure parts: the runtime's load and unload of one model, the broadcast's
+targets and outcomes, the repository index, the gateway's load parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncinfer.catalogue import CatalogueEntry, Host
+from asyncinfer.config.settings import Settings
+from asyncinfer.errors import UnknownModel
+from asyncinfer.gateway.service import GatewayError, control_options
+from asyncinfer.models.base import Model
+from asyncinfer.repository import (
+    LOAD,
+    UNLOAD,
+    ControlOutcome,
+    control,
+    outcomes_of,
+    repository_index,
+    targets_for,
+)
+from asyncinfer.worker.runtime import WorkerRuntime
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Refused(Model):
+    name = "refused"
+
+    def load(self, device: Any) -> None:
+        self.held = np.ones(1 << 20)  # allocated, then the load fails: freed with the runner
+        raise RuntimeError("out of memory (simulated)")
+
+
+def _runtime(tmp_path: Any, models: tuple[str, ...] = ("identity",)) -> WorkerRuntime:
+    settings = dataclasses.replace(Settings.from_env(device="cpu"), models=models,
+                                   metrics_port=0, model_dir=str(tmp_path))
+    runtime = WorkerRuntime(settings)
+    runtime.registry.register("refused", _Refused)
+    runtime.load(models)
+    return runtime
+
+
+def _request(value: float) -> dict:
+    return {"model": "mlp", "inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32",
+                                        "data": [value] * 16}]}
+
+
+def test_a_runtime_loads_and_unloads_one_model_and_hosts_what_it_says(tmp_path) -> None:
+    runtime = _runtime(tmp_path)
+    try:
+        # not hosted before its load: refused, not loaded on first use
+        with pytest.raises(UnknownModel, match="not hosted by this worker"):
+            runtime.runner("mlp")
+        assert runtime.load_one("mlp") is True and runtime.load_one("mlp") is False
+        assert runtime.models == ["identity", "mlp"]
+        assert runtime.infer("r1", _request(1.0), worker="w")["outputs"][0]["shape"] == [1, 4]
+        # unhosted, then unloaded: refused again, not loaded again
+        runtime.unhost("mlp")
+        assert runtime.unload("mlp") is True and runtime.unload("mlp") is False
+        assert runtime.models == ["identity"]
+        with pytest.raises(UnknownModel, match=r"it hosts: identity\)"):
+            runtime.runner("mlp")
+        # the last model out: the worker hosts nothing, and loads nothing by itself
+        runtime.unhost("identity")
+        runtime.unload("identity")
+        with pytest.raises(UnknownModel, match=r"it hosts: none"):
+            runtime.runner("identity")
+    finally:
+        runtime.close()
+
+
+def test_a_failed_load_says_why_and_changes_nothing(tmp_path) -> None:
+    (tmp_path / "bad.pt").write_bytes(b"no TorchScript archive")
+    runtime = _runtime(tmp_path)
+    try:
+        with pytest.raises(UnknownModel, match="'nosuch' is not registered"):
+            runtime.load_one("nosuch")
+        with pytest.raises(RuntimeError, match="out of memory"):
+            runtime.load_one("refused")
+        with pytest.raises(RuntimeError, match="zip archive"):
+            runtime.load_one("bad")
+        assert runtime.models == ["identity"]
+        with pytest.raises(UnknownModel, match="not hosted"):
+            runtime.runner("refused")
+        # a file added to the model folder since the runtime was made is found, and loadable
+        assert "later" not in runtime.loadable()
+        (tmp_path / "later.pt").write_bytes(b"")
+        assert {"bad", "later", "identity", "mlp", "refused"} <= set(runtime.loadable())
+    finally:
+        runtime.close()
+
+
+def _entries() -> dict[str, CatalogueEntry]:
+    return {"mlp": CatalogueEntry("mlp", {"name": "mlp", "versions": ["1"]},
+                                  (Host("a@h"), Host("b@h"))),
+            "gone": CatalogueEntry("gone", {"name": "gone"}, ())}
+
+
+def test_targets_outcomes_and_messages() -> None:
+    entries = _entries()
+    assert targets_for(LOAD, "x", entries, ["c@h", "a@h"]) == ["a@h", "c@h"]
+    assert targets_for(UNLOAD, "mlp", entries, ["c@h"]) == ["a@h", "b@h"]
+    assert targets_for(UNLOAD, "gone", entries, ["c@h"]) == []
+    found = outcomes_of([{"a@h": {"ok": True, "model": "mlp", "given_back": 2}},
+                         {"b@h": {"ok": False, "error": "model 'mlp' is not loaded"}},
+                         {"c@h": "garbage"}])
+    assert found["a@h"].ok and not found["b@h"].ok and not found["c@h"].ok
+    outcome = ControlOutcome("mlp", UNLOAD, (found["a@h"], found["b@h"]), missing=("d@h",))
+    assert not outcome.ok
+    assert outcome.message() == ("unload of model 'mlp' failed: unloaded on a@h; b@h: model 'mlp' "
+                                 "is not loaded; no answer within the timeout from d@h (it may "
+                                 "still be under way there)")
+    assert ControlOutcome("mlp", LOAD, (found["a@h"],)).ok
+    assert not ControlOutcome("mlp", LOAD, nobody="no live worker answered").ok
+
+
+class _Control:
+    """Celery's ``app.control`` as far as :func:`control` uses it."""
+
+    def __init__(self, pongs: list[str], replies: dict[str, dict]) -> None:
+        self.pongs, self.replies, self.sent = pongs, replies, []
+
+    def ping(self, timeout: float) -> list[dict]:
+        return [{w: {"ok": "pong"}} for w in self.pongs]
+
+    def broadcast(self, command: str, **kwargs: Any) -> list[dict]:
+        self.sent.append((command, kwargs))
+        return [{w: self.replies[w]} for w in kwargs["destination"] if w in self.replies]
+
+
+class _App:
+    def __init__(self, control: _Control) -> None:
+        self.control = control
+
+
+def test_control_asks_every_live_worker_and_skips_those_that_run_no_model() -> None:
+    replies = {"a@h": {"ok": True}, "c@h": {"ok": True},
+               "cpu@h": {"ok": False, "error": "it is no device worker", "device_worker": False}}
+    fake = _Control(["c@h", "cpu@h"], replies)
+    outcome = control(_App(fake), LOAD, "x", _entries(), timeout_s=5)  # type: ignore[arg-type]
+    command, sent = fake.sent[0]
+    assert command == "asyncinfer_load_model" and sent["arguments"] == {"model": "x"}
+    assert sent["destination"] == ["a@h", "b@h", "c@h", "cpu@h"] and sent["limit"] == 4
+    assert sent["timeout"] == 5 and sent["reply"] is True
+    assert outcome.missing == ("b@h",) and [a.worker for a in outcome.skipped] == ["cpu@h"]
+    assert [a.worker for a in outcome.answers] == ["a@h", "c@h"] and not outcome.ok
+    # named workers: only those, and a worker that runs no model is a failure then
+    fake.sent.clear()
+    outcome = control(_App(fake), UNLOAD, "x", _entries(), workers=["cpu@h"],  # type: ignore[arg-type]
+                      grace_s=3)
+    assert fake.sent[0][1]["arguments"] == {"model": "x", "grace_s": 3.0}
+    assert not outcome.ok and outcome.failed[0].error == "it is no device worker"
+    assert control(_App(fake), UNLOAD, "gone", _entries()).nobody  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="load or unload"):
+        control(_App(fake), "reload", "x", _entries())  # type: ignore[arg-type]
+
+
+def test_the_repository_index_in_tritons_form() -> None:
+    workers = {"a@h": {"loadable": ["identity", "mlp", "gone"]},
+               "c@h": {"loadable": ["identity"]}}
+    rows = repository_index(_entries(), workers)
+    assert rows == [
+        {"name": "gone", "version": "1", "state": "UNAVAILABLE",
+         "reason": "no live worker hosts it (unloaded, or its workers stopped); its requests wait "
+                   "in its queue"},
+        {"name": "identity", "version": "", "state": "UNAVAILABLE",
+         "reason": "not loaded (loadable on a@h, c@h)"},
+        {"name": "mlp", "version": "1", "state": "READY", "reason": ""}]
+    assert [r["name"] for r in repository_index(_entries(), workers, ready_only=True)] == ["mlp"]
+
+
+def test_the_gateways_load_parameters() -> None:
+    assert control_options("m", "load", {}) == {"workers": [], "timeout_s": 60.0, "grace_s": None}
+    assert control_options("m", "unload", {"workers": "a@h, b@h", "timeout_s": "5",
+                                           "grace_s": 2, "unload_dependents": False}) == {
+        "workers": ["a@h", "b@h"], "timeout_s": 5.0, "grace_s": 2.0}
+    for parameters, message in (({"config": "{}"}, "parameter 'config' is not supported"),
+                                ({"file:1/model.pt": b""}, "'file:1/model.pt' is not supported"),
+                                ({"workers": 3}, "'workers' must be a string"),
+                                ({"timeout_s": 0}, "'timeout_s' must be a number of seconds"),
+                                ({"grace_s": True}, "'grace_s' must be a number")):
+        with pytest.raises(GatewayError, match=message) as caught:
+            control_options("m", "load", parameters)
+        assert caught.value.status == 400
