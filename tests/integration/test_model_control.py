@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections import Counter
@@ -24,11 +26,13 @@ from asyncinfer.config.settings import Settings
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks
 from tests.support.model_control import BIG_BYTES, rss_bytes
 from tests.support.processes import (
+    ROOT,
     TEST_FACTORIES,
     GatewayProcess,
     WorkerProcess,
     start_gateway,
     start_worker,
+    worker_env,
 )
 from tests.support.waiting import wait_for
 
@@ -126,6 +130,21 @@ def test_load_infer_unload_and_failed_loads_through_tritonclient(fleet) -> None:
         grpc.load_model("affine")
         assert grpc.is_model_ready("affine")
         assert http.infer("affine", [inp]).as_numpy("y").tolist() == (x * 3 + 1).tolist()
+
+        # and the command line: an unload, a load that fails with its reason
+        def cli(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "asyncinfer", "models", *args], cwd=ROOT,
+                                  env=worker_env(client.settings.resolved_broker_url()),
+                                  capture_output=True, text=True, timeout=120)
+
+        done = cli("unload", "affine", "--workers", f"a@{HOST}", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["workers"][0]["given_back"] == 0
+        assert "affine" not in client.models() or not client.models()["affine"].ready
+        failed = cli("load", "nosuch")
+        assert failed.returncode == 1
+        assert f"load of model 'nosuch' failed: a@{HOST}: model 'nosuch' is not registered" in \
+            failed.stderr
     finally:
         http.close()
         grpc.close()
