@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -130,10 +131,13 @@ class WorkerRuntime:
             try:
                 runner = self._build(model)
                 self._start(model, runner)
-            except BaseException:
+            except Exception as exc:
                 if runner is not None:
                     runner.close()
                 runner = None
+                # the traceback's frames hold the half-loaded model (``self`` of its load):
+                # cleared, so that its memory is given back now, not when the error is dropped
+                traceback.clear_frames(exc.__traceback__)
                 free_memory(self.device)
                 raise
             self._host(model)

@@ -4,6 +4,7 @@ targets and outcomes, the repository index, the gateway's load parameters."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,10 @@ pytestmark = pytest.mark.timeout(60)
 
 class _Refused(Model):
     name = "refused"
+    made: weakref.WeakSet[_Refused] = weakref.WeakSet()
+
+    def __init__(self) -> None:
+        _Refused.made.add(self)
 
     def load(self, device: Any) -> None:
         self.held = np.ones(1 << 20)  # allocated, then the load fails: freed with the runner
@@ -80,8 +85,10 @@ def test_a_failed_load_says_why_and_changes_nothing(tmp_path) -> None:
     try:
         with pytest.raises(UnknownModel, match="'nosuch' is not registered"):
             runtime.load_one("nosuch")
-        with pytest.raises(RuntimeError, match="out of memory"):
+        with pytest.raises(RuntimeError, match="out of memory") as failed:
             runtime.load_one("refused")
+        assert not list(_Refused.made)  # freed, though the error (and its traceback) lives on
+        assert failed.value.__traceback__ is not None
         with pytest.raises(RuntimeError, match="zip archive"):
             runtime.load_one("bad")
         assert runtime.models == ["identity"]
