@@ -237,6 +237,13 @@ def test_an_unloaded_models_memory_is_given_back(redis_db, tmp_path) -> None:
         # and it serves what it served
         assert client.infer("identity", np.ones((1, 1), np.float32), timeout_s=60)[
             "input"].tolist() == [[1.0]]
+        # A worker that unloads its last model hosts nothing, and loads again on demand
+        assert client.unload_model("identity").ok
+        assert not client.models()["identity"].ready
+        waiting = client.submit("identity", np.full((1, 1), 7.0, np.float32))
+        again = client.load_model("identity", workers=[f"m@{HOST}"])
+        assert again.ok, again.message()
+        assert waiting.result(timeout=60)["input"].tolist() == [[7.0]]
     finally:
         client.close()
         worker.stop()
