@@ -134,16 +134,26 @@ def outcomes_of(replies: Sequence[Mapping[str, Any]]) -> dict[str, WorkerOutcome
 
 
 def control(app: Celery, action: str, model: str, entries: Mapping[str, CatalogueEntry], *,
-            workers: Sequence[str] = (), timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
+            workers: Sequence[str] = (), devices: Sequence[str] = (),
+            timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
             grace_s: float | None = None) -> ControlOutcome:
-    """Load or unload ``model`` on ``workers`` (default: see the module documentation) and wait
-    up to ``timeout_s`` for their answers. ``grace_s``: how long an unload lets the requests on
-    the device finish (default the worker's, 10 s)."""
+    """Load or unload ``model`` on ``workers`` (default: see the module documentation), or on the
+    live device workers of ``devices`` (device labels: ``cuda:0``, ``cpu``), and wait up to
+    ``timeout_s`` for their answers. ``grace_s``: how long an unload lets the requests on the
+    device finish (default the worker's, 10 s)."""
     if action not in _COMMANDS:
         raise ValueError(f"model control action must be {LOAD} or {UNLOAD}, got {action!r}")
     if not model or not isinstance(model, str):
         raise ValueError(f"model control: a model name is needed, got {model!r}")
+    if workers and devices:
+        raise ValueError("model control: name workers or devices, not both")
     named = list(dict.fromkeys(w for w in workers if w))
+    if devices:
+        wanted = set(devices)
+        named = sorted(w for w, info in repositories(app).items() if info.get("device") in wanted)
+        if not named:
+            return ControlOutcome(model, action, nobody=(
+                f"no live device worker on {', '.join(sorted(wanted))} answered"))
     targets = named or targets_for(action, model, entries,
                                    live_workers(app, entries) if action == LOAD else ())
     if not targets:
@@ -165,14 +175,17 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
                           tuple(w for w in targets if w not in found), tuple(skipped))
 
 
-def repositories(app: Celery, entries: Mapping[str, CatalogueEntry],
+def repositories(app: Celery, entries: Mapping[str, CatalogueEntry] | None = None,
                  timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Mapping[str, Any]]:
-    """What each live worker of the catalogue could load and has loaded, by worker."""
-    hosts = sorted({h.worker for e in entries.values() for h in e.hosts})
-    if not hosts:
+    """What each live device worker could load and has loaded, and its device, by worker: the
+    hosts of the catalogue ``entries`` (they answer at once), or, without entries, every worker
+    that answers within ``timeout_s``."""
+    hosts = sorted({h.worker for e in entries.values() for h in e.hosts}) if entries is not None \
+        else None
+    if hosts == []:
         return {}
-    replies = app.control.broadcast(_REPOSITORY, destination=hosts, reply=True,
-                                    timeout=timeout_s, limit=len(hosts)) or []
+    replies = app.control.broadcast(_REPOSITORY, destination=hosts, reply=True, timeout=timeout_s,
+                                    limit=len(hosts) if hosts else None) or []
     return {w: r for reply in replies for w, r in reply.items() if isinstance(r, Mapping) and r}
 
 

@@ -136,25 +136,26 @@ class Client:
 
     # -- model control (repository.py) ------------------------------------------------------------
 
-    def load_model(self, model: str, *, workers: Sequence[str] = (),
+    def load_model(self, model: str, *, workers: Sequence[str] = (), devices: Sequence[str] = (),
                    timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlOutcome:
-        """Load ``model`` on ``workers`` (default: every live device worker) and start serving
-        it there; waits up to ``timeout_s`` for their answers. ``outcome.ok`` when every worker
-        asked loaded it; ``outcome.message()`` says what failed where, and why."""
-        return self._control(LOAD, model, workers, timeout_s)
+        """Load ``model`` on ``workers`` (default: every live device worker), or on the workers of
+        ``devices`` (``cuda:0``, ``cpu``), and start serving it there; waits up to ``timeout_s``
+        for their answers. ``outcome.ok`` when every worker asked loaded it;
+        ``outcome.message()`` says what failed where, and why."""
+        return self._control(LOAD, model, workers, devices, timeout_s)
 
-    def unload_model(self, model: str, *, workers: Sequence[str] = (),
+    def unload_model(self, model: str, *, workers: Sequence[str] = (), devices: Sequence[str] = (),
                      timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
                      grace_s: float | None = None) -> ControlOutcome:
-        """Unload ``model`` from ``workers`` (default: every worker hosting it): each stops taking
-        its queue, gives back what it holds and has not started, finishes what is on its device
-        (up to ``grace_s``) and frees the memory."""
-        return self._control(UNLOAD, model, workers, timeout_s, grace_s)
+        """Unload ``model`` from ``workers`` (default: every worker hosting it), or from the
+        workers of ``devices``: each stops taking its queue, gives back what it holds and has not
+        started, finishes what is on its device (up to ``grace_s``) and frees the memory."""
+        return self._control(UNLOAD, model, workers, devices, timeout_s, grace_s)
 
-    def _control(self, action: str, model: str, workers: Sequence[str], timeout_s: float,
-                 grace_s: float | None = None) -> ControlOutcome:
+    def _control(self, action: str, model: str, workers: Sequence[str], devices: Sequence[str],
+                 timeout_s: float, grace_s: float | None = None) -> ControlOutcome:
         outcome = control(self.app_for(model), action, model, self.models(stale_ok=True),
-                          workers=workers, timeout_s=timeout_s, grace_s=grace_s)
+                          workers=workers, devices=devices, timeout_s=timeout_s, grace_s=grace_s)
         group = self._group_for(model)
         if group.known is not None:  # the unknown-model check reads the catalogue again
             group.known.forget()

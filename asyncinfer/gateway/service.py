@@ -296,8 +296,10 @@ class Service:
         try:
             outcome = await self._off_loop(lambda: (
                 self.client.load_model(model, workers=options["workers"],
+                                       devices=options["devices"],
                                        timeout_s=options["timeout_s"]) if action == LOAD else
                 self.client.unload_model(model, workers=options["workers"],
+                                         devices=options["devices"],
                                          timeout_s=options["timeout_s"],
                                          grace_s=options["grace_s"])))
         except errors.BrokerUnavailable as exc:
@@ -400,7 +402,7 @@ class Service:
 
 #: The parameters a load or unload takes (Triton's ``unload_dependents`` is accepted: a model here
 #: has no dependents).
-_CONTROL_PARAMETERS = {"workers", "timeout_s", "grace_s", "unload_dependents"}
+_CONTROL_PARAMETERS = {"workers", "devices", "timeout_s", "grace_s", "unload_dependents"}
 
 
 def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -411,15 +413,19 @@ def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> d
         raise GatewayError(400, f"{action}: a model name is needed")
     unknown = sorted(k for k in parameters if k not in _CONTROL_PARAMETERS)
     if unknown:
-        raise GatewayError(400, f"{where}: parameter {', '.join(repr(printable(k, 40)) for k in unknown)}"
-                                f" is not supported (supported: workers, timeout_s, grace_s; models "
-                                f"are loaded as registered, no config or file override)")
-    workers = parameters.get("workers", "")
-    if not isinstance(workers, str):
-        raise GatewayError(400, f"{where}: parameter 'workers' must be a string of comma-separated "
-                                f"worker names, got {workers!r:.60}")
-    options: dict[str, Any] = {"workers": [w.strip() for w in workers.split(",") if w.strip()],
-                               "timeout_s": DEFAULT_CONTROL_TIMEOUT_S, "grace_s": None}
+        named = ", ".join(repr(printable(k, 40)) for k in unknown)
+        raise GatewayError(400, f"{where}: parameter {named} is not supported (supported: "
+                                f"workers, devices, timeout_s, grace_s; models are loaded as "
+                                f"registered, no config or file override)")
+    options: dict[str, Any] = {"timeout_s": DEFAULT_CONTROL_TIMEOUT_S, "grace_s": None}
+    for key, what in (("workers", "worker names"), ("devices", "devices")):
+        value = parameters.get(key, "")
+        if not isinstance(value, str):
+            raise GatewayError(400, f"{where}: parameter '{key}' must be a string of "
+                                    f"comma-separated {what}, got {value!r:.60}")
+        options[key] = [w.strip() for w in value.split(",") if w.strip()]
+    if options["workers"] and options["devices"]:
+        raise GatewayError(400, f"{where}: name workers or devices, not both")
     for key in ("timeout_s", "grace_s"):
         value = parameters.get(key)
         if value is None:

@@ -221,8 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "to the other workers)")):
         q = control.add_parser(action, help=text)
         q.add_argument("model")
-        q.add_argument("--workers", help="comma-separated worker names (default: every live worker"
-                       + (")" if action == "load" else " hosting it)"))
+        where = q.add_mutually_exclusive_group()
+        where.add_argument("--workers", help="comma-separated worker names (default: every live "
+                           "worker" + (")" if action == "load" else " hosting it)"))
+        where.add_argument("--devices", help="comma-separated devices (cuda:0, cpu): the live "
+                           "workers on those")
         q.add_argument("--timeout-s", type=float, default=60.0,
                        help="how long to wait for the workers' answers")
         if action == "unload":

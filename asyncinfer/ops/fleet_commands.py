@@ -155,11 +155,11 @@ def cmd_model_control(args: argparse.Namespace) -> int:
     failure with its reason)."""
     with _client(args) as client:
         client.ping()
-        workers = _models(args.workers or "")
+        where = {"workers": _models(args.workers or ""), "devices": _models(args.devices or "")}
         if args.action == "load":
-            outcome = client.load_model(args.model, workers=workers, timeout_s=args.timeout_s)
+            outcome = client.load_model(args.model, **where, timeout_s=args.timeout_s)
         else:
-            outcome = client.unload_model(args.model, workers=workers, timeout_s=args.timeout_s,
+            outcome = client.unload_model(args.model, **where, timeout_s=args.timeout_s,
                                           grace_s=args.grace_s)
         if args.json:
             print(json.dumps(outcome.as_dict(), sort_keys=True))

@@ -224,7 +224,7 @@ def test_an_unloaded_models_memory_is_given_back(redis_db, tmp_path) -> None:
         client.infer("identity", np.ones((1, 1), np.float32), timeout_s=60)
         baseline = rss_bytes(pid)
         # When a model holding 200 MB is loaded, it is resident and serves
-        loaded = client.load_model("big", workers=[f"m@{HOST}"])
+        loaded = client.load_model("big", devices=["cpu"])
         assert loaded.ok, loaded.message()
         assert rss_bytes(pid) - baseline > BIG_BYTES * 0.8
         assert client.infer("big", np.array([[1.0]], np.float32), timeout_s=60)[

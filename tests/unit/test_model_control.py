@@ -137,7 +137,8 @@ class _Control:
 
     def broadcast(self, command: str, **kwargs: Any) -> list[dict]:
         self.sent.append((command, kwargs))
-        return [{w: self.replies[w]} for w in kwargs["destination"] if w in self.replies]
+        return [{w: self.replies[w]} for w in kwargs["destination"] or self.replies
+                if w in self.replies]
 
 
 class _App:
@@ -163,6 +164,15 @@ def test_control_asks_every_live_worker_and_skips_those_that_run_no_model() -> N
     assert fake.sent[0][1]["arguments"] == {"model": "x", "grace_s": 3.0}
     assert not outcome.ok and outcome.failed[0].error == "it is no device worker"
     assert control(_App(fake), UNLOAD, "gone", _entries()).nobody  # type: ignore[arg-type]
+    # devices: the workers that say they are on one of them
+    fake.replies["a@h"] = {"ok": True, "device": "cuda:0"}
+    fake.replies["c@h"] = {"ok": True, "device": "cpu"}
+    fake.sent.clear()
+    outcome = control(_App(fake), LOAD, "x", _entries(), devices=["cuda:0"])  # type: ignore[arg-type]
+    assert fake.sent[0][0] == "asyncinfer_repository" and fake.sent[0][1]["destination"] is None
+    assert fake.sent[1][1]["destination"] == ["a@h"] and outcome.ok
+    assert control(_App(fake), LOAD, "x", _entries(),  # type: ignore[arg-type]
+                   devices=["npu:3"]).nobody == "no live device worker on npu:3 answered"
     with pytest.raises(ValueError, match="load or unload"):
         control(_App(fake), "reload", "x", _entries())  # type: ignore[arg-type]
 
@@ -182,13 +192,16 @@ def test_the_repository_index_in_tritons_form() -> None:
 
 
 def test_the_gateways_load_parameters() -> None:
-    assert control_options("m", "load", {}) == {"workers": [], "timeout_s": 60.0, "grace_s": None}
+    assert control_options("m", "load", {}) == {"workers": [], "devices": [], "timeout_s": 60.0,
+                                                "grace_s": None}
     assert control_options("m", "unload", {"workers": "a@h, b@h", "timeout_s": "5",
                                            "grace_s": 2, "unload_dependents": False}) == {
-        "workers": ["a@h", "b@h"], "timeout_s": 5.0, "grace_s": 2.0}
+        "workers": ["a@h", "b@h"], "devices": [], "timeout_s": 5.0, "grace_s": 2.0}
+    assert control_options("m", "load", {"devices": "cuda:0,cpu"})["devices"] == ["cuda:0", "cpu"]
     for parameters, message in (({"config": "{}"}, "parameter 'config' is not supported"),
                                 ({"file:1/model.pt": b""}, "'file:1/model.pt' is not supported"),
                                 ({"workers": 3}, "'workers' must be a string"),
+                                ({"workers": "a@h", "devices": "cpu"}, "workers or devices, not both"),
                                 ({"timeout_s": 0}, "'timeout_s' must be a number of seconds"),
                                 ({"grace_s": True}, "'grace_s' must be a number")):
         with pytest.raises(GatewayError, match=message) as caught:
