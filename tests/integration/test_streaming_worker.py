@@ -111,7 +111,7 @@ def test_the_first_part_is_in_the_stream_while_the_request_still_runs(
         meta = r.get(f"celery-task-meta-{future.id}")
         assert meta is None or json.loads(meta)["status"] != "SUCCESS"
         assert future.result(timeout=60)["text_output"].tolist() == [
-            " ".join((["one", "two", "three"] * 20))]
+            " ".join(["one", "two", "three"] * 20)]
     parts = _parts(_entries(r, future.id))
     assert [p.part for p in parts] == list(range(1, 61))
     r.close()
