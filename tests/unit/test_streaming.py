@@ -269,3 +269,22 @@ def test_echo_stream_stops_computing_a_cancelled_row() -> None:
     second = next(steps)
     assert (list(second.rows), second.outputs["text_output"].tolist()) == ([0], [["b"]])
     assert Model.metadata(Counter(), ModelOptions())["decoupled"] is True
+
+
+def test_a_part_that_cannot_be_handed_over_fails_its_request_only() -> None:
+    model = Counter()
+    parts = Parts()
+
+    def refuse(index: int) -> None:
+        if index == 2:
+            raise ValueError("not encodable")
+
+    with started(runner_for(model)) as runner:
+        futures = submit_together(runner, [counter_request(4), counter_request(3)], parts,
+                                  {"req-4": refuse})
+        error = futures[0].exception(WAIT_S)
+        other = futures[1].result(WAIT_S)
+    assert str(error) == ("request req-4: part 2 of model 'counter' could not be handed over "
+                          "(ValueError: not encodable)")
+    assert model.computed == {4: 2, 3: 3}
+    assert other.outputs[0].value.tolist() == [[3, 1, 3, 2, 3, 3]]
