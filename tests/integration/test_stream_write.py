@@ -5,7 +5,9 @@ expiry, and a key that is no stream."""
 from __future__ import annotations
 
 import pytest
+import redis
 
+from asyncinfer.ops.redis_server import RedisServer
 from asyncinfer.wire.stream import FINAL, PART, START, decode_entry
 from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript
 
@@ -81,3 +83,30 @@ def test_each_append_trims_to_the_most_entries_and_a_key_that_is_no_stream_is_re
     # trimmed, the last ID still rules: part 2 is not appended again
     assert script([part(2, max_parts=3), part(6, max_parts=3)]) == (1, [])
     assert [i for i, _, _ in entries(r)] == ["4-0", "5-0", "6-0"]
+
+
+def test_an_id_below_the_streams_top_is_reported_and_the_rest_written(redis_db) -> None:
+    r = redis_db.client
+    script = StreamScript(r, 60)
+    assert script([part(1), part(2)]) == (2, [])
+    r.xdel(KEY, "2-0")  # by hand: the top is gone, its ID still the stream's last
+    appended, errors = script([part(2), part(3)])
+    assert appended == 1 and len(errors) == 1 and "equal or smaller" in errors[0], errors
+    assert [i for i, _, _ in entries(r)] == ["1-0", "3-0"]
+
+
+def test_redis_out_of_memory_refuses_the_whole_call(tmp_path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        script = StreamScript(r, 60)
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)  # below what it uses: every write refused
+        with pytest.raises(redis.OutOfMemoryError):
+            script([start(), part(1)])
+        r.config_set("maxmemory", 0)
+        assert r.exists(KEY) == 0
+        assert script([start(), part(1)], again=True) == (2, [])
+    finally:
+        r.close()
+        server.stop()

@@ -344,7 +344,7 @@ class ResultWriter:
         each outcome of ``part`` (as it is stored now), before ``part`` is stored; raises what
         Redis refuses, for the batch to be tried again (the appends skip what is there)."""
         finals = [f for f in (final_entry(o.delivery, o.state, o.result) for o in part
-                              if o.store) if f is not None]
+                              if o.delivery.stream_max_parts and o.store) if f is not None]
         appends = self._appends + finals
         if not appends:
             return

@@ -18,7 +18,9 @@ the call could have appended (the same worker, tag and attempt), so that a lost 
 read as an interrupted run. Each append trims the stream to its
 model's ``stream_max_parts`` (exact ``MAXLEN``) and sets its expiry to the results' (none when
 results never expire). Plain ``XADD`` with explicit IDs, ``XREVRANGE``, ``EXPIRE``: Redis 5, 6
-and 7. A key that is not a stream is reported and skipped, the rest written.
+and 7. A key that is not a stream, or one whose top entry was deleted by hand (an ID below the
+stream's last one is refused), is reported and skipped, the rest written; Redis out of memory
+or read-only refuses the whole call, which the writer tries again.
 
 ``attempt`` of a ``start``: 1 + the message's Celery ``retries`` + the worker deaths counted
 against it on a device (leases; 0 on a transport without them), or + 1 for a message redelivered
@@ -91,9 +93,17 @@ for i = 3, #ARGV, 7 do
       id, entry = part .. '-' .. (seq + 1), {'kind', 'final', 'status', a, 'error', b, 'parts', part}
     end
     if id then
-      redis.call('XADD', key, 'MAXLEN', maxlen, id, unpack(entry))
-      if ttl > 0 then redis.call('EXPIRE', key, ttl) end
-      appended = appended + 1
+      local added = redis.pcall('XADD', key, 'MAXLEN', maxlen, id, unpack(entry))
+      if type(added) == 'table' and added['err'] then
+        -- memory and a read-only replica refuse the first write: the whole call, tried again
+        if string.find(added['err'], 'OOM', 1, true) or string.find(added['err'], 'READONLY', 1, true) then
+          return added
+        end
+        errors[#errors + 1] = key .. ': ' .. added['err']
+      else
+        if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+        appended = appended + 1
+      end
     end
   end
 end
