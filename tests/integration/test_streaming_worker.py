@@ -18,6 +18,7 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.keys import LEASES_KEY
 from asyncinfer.wire.stream import FINAL, PART, START, StreamEntry, decode_entry, stream_key
 from tests.support.databases import RedisDatabases
 from tests.support.processes import TEST_FACTORIES, start_worker
@@ -92,7 +93,7 @@ def test_each_request_gets_its_own_parts_in_order_a_start_a_final_and_its_answer
         start, final = entries[0], entries[-1]
         assert start.fields["worker"].startswith(f"stream-{consumer}@")
         assert start.fields["attempt"] == "1"
-        assert bool(start.fields["tag"]) == (consumer == "fast")  # a lease's tag; none on kombu
+        assert start.fields["tag"]  # its lease's tag (both consumers lease on Redis)
         assert [_word(e) for e in _parts(entries)] == words
         assert dict(final.fields) == {"status": "SUCCESS", "error": "", "parts": str(len(words))}
         assert r.ttl(stream_key(future.id)) > 0  # expires with the result
@@ -110,6 +111,9 @@ def test_the_first_part_is_in_the_stream_while_the_request_still_runs(
             reply = r.xread({stream_key(future.id): reply[0][1][-1][0]}, block=60_000)
         meta = r.get(f"celery-task-meta-{future.id}")
         assert meta is None or json.loads(meta)["status"] != "SUCCESS"
+        # its start names its lease, held while it runs
+        start = _entries(r, future.id)[0]
+        assert start.kind == START and r.zscore(LEASES_KEY, start.fields["tag"]) is not None
         assert future.result(timeout=60)["text_output"].tolist() == [
             " ".join(["one", "two", "three"] * 20)]
     parts = _parts(_entries(r, future.id))

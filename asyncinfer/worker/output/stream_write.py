@@ -41,7 +41,8 @@ from asyncinfer.wire.stream import FINAL, PART, START, encode_part, stream_key
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.store import as_out_of_memory, error_texts
 
-__all__ = ["StreamAppend", "StreamScript", "start_entry", "part_entry", "final_entry", "attempt_of"]
+__all__ = ["StreamAppend", "StreamScript", "start_entry", "part_entry", "final_entry", "attempt_of",
+           "lease_tag"]
 
 # ARGV: seconds a stream lives (0: for ever), how many entries back a start looks for itself (0:
 # not a call tried again), then seven values per entry: the stream's key, the
@@ -129,10 +130,19 @@ def attempt_of(d: TakenMessage) -> int:
     return 1 + (retries if isinstance(retries, int) and retries > 0 else 0) + again
 
 
+def lease_tag(d: TakenMessage) -> str:
+    """The tag ``d``'s lease goes by (``ZSCORE asyncinfer:leases <tag>``): its delivery tag when
+    its transport leases it (the take script; kombu's Redis channel with leases: Celery's
+    consumer on a Redis broker), else '' (RabbitMQ, leases off)."""
+    if d.message is None:
+        return d.tag or ""
+    channel = getattr(d.message, "channel", None)
+    return d.tag or "" if getattr(channel, "lease_s", 0) else ""
+
+
 def start_entry(d: TakenMessage, worker: str) -> StreamAppend:
-    """The ``start`` of ``d`` (a decoupled model's request) on ``worker``: its tag is the lease's
-    ('' for a message kombu delivered: no lease)."""
-    tag = "" if d.message is not None else d.tag or ""
+    """The ``start`` of ``d`` (a decoupled model's request) on ``worker``."""
+    tag = lease_tag(d)
     return StreamAppend(stream_key(d.request_id), START, 0, d.stream_max_parts,
                         (worker, tag, str(attempt_of(d))))
 
