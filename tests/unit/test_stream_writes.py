@@ -15,6 +15,7 @@ from asyncinfer.errors import ModelError
 from asyncinfer.wire.protocol import Tensor
 from asyncinfer.wire.stream import FINAL, PART, START, decode_entry, stream_key
 from asyncinfer.worker.output.result_writer import Outcome
+from asyncinfer.worker.output.stream_write import attempt_of, lease_tag
 from tests.unit.test_result_writer import _meta, _Refusing, _taken, _write, broker, writer
 
 __all__ = ["broker", "writer"]  # the fixtures, from the writer's own tests
@@ -92,3 +93,31 @@ def test_stream_entries_refused_by_redis_are_tried_again_before_the_result(
         ("0-1", START), ("1-0", PART), ("1-1", FINAL)]
     assert _meta(broker, "oom")["status"] == states.SUCCESS
 
+
+
+@pytest.mark.parametrize(("retries", "deaths", "redelivered", "attempt"), [
+    (0, 0, False, 1), (2, 0, False, 3), (0, 1, True, 2), (0, 0, True, 2), (1, 2, True, 4)])
+def test_a_starts_attempt_counts_retries_and_runs_cut_short(
+        broker: _Refusing, retries: int, deaths: int, redelivered: bool, attempt: int) -> None:
+    d = _taken(broker, "a")
+    d.headers["retries"] = retries
+    if redelivered:
+        d.headers["redelivered"] = True
+    d.deaths = deaths
+    assert attempt_of(d) == attempt
+
+
+def test_a_starts_tag_is_its_lease_where_its_transport_leases_it(broker: _Refusing) -> None:
+    d = _taken(broker, "t")
+    assert lease_tag(d) == d.tag != ""  # the take script leases what it takes
+
+    class Channel:
+        lease_s = 0.0
+
+    class Message:
+        channel = Channel()
+
+    d.message = Message()
+    assert lease_tag(d) == ""  # kombu without leases (RabbitMQ)
+    Channel.lease_s = 10.0
+    assert lease_tag(d) == d.tag  # kombu's Redis channel with leases
