@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
+from asyncinfer.constants import TASK_NAME
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks
 from tests.support.model_control import BIG_BYTES, rss_bytes
 from tests.support.processes import (
@@ -263,9 +265,16 @@ def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_pa
         futures = [client.submit("gated", {"index": np.array([[0.0]])})]
         wait_for(lambda: r.get("ga:blocked"), 60, "request 0 on a's device")
         futures += [client.submit("gated", {"index": np.array([[float(i)]])}) for i in range(1, 21)]
+        # and a retry waiting for its eta (index 21)
+        later = str(uuid.uuid4())
+        client.app.send_task(TASK_NAME, queue="infer.gated", task_id=later, countdown=8, kwargs={
+            "model": "gated", "inputs": [{"name": "index", "shape": [1, 1], "datatype": "FP64",
+                                          "data": [21]}]})
         inspect = client.app.control.inspect(destination=[f"a@{HOST}"], timeout=2.0)
         wait_for(lambda: ((inspect.reserved() or {}).get(f"a@{HOST}") or []), 60,
                  "requests waiting in a's batcher")
+        wait_for(lambda: ((inspect.scheduled() or {}).get(f"a@{HOST}") or []), 60,
+                 "the retry held by a until its eta")
 
         # When a unloads it (waiting for request 0) and b loads it
         unloaded: list = []
@@ -289,9 +298,11 @@ def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_pa
         assert outcome.answers[0].reply["given_back"] >= 1
         answers = [int(f.result(timeout=120)["output"].item()) for f in futures]
         assert answers == list(range(21))
+        assert client.result(later, timeout_s=120)["output"].item() == 21
         ran = Counter({int(k): int(v) for k, v in r.hgetall("ga:executions").items()})
         ran.update({int(k): int(v) for k, v in r.hgetall("gb:executions").items()})
-        assert sorted(ran) == list(range(21)) and set(ran.values()) == {1}
+        assert sorted(ran) == list(range(22)) and set(ran.values()) == {1}
+        assert 21 in {int(k) for k in r.hgetall("gb:executions")}
         assert 0 in {int(k) for k in r.hgetall("ga:executions")}
     finally:
         r.set("ga:gate", "open")
