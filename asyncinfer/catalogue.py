@@ -25,6 +25,7 @@ from asyncinfer.keys import (
     CATALOGUE_LIVE_KEY,
     CATALOGUE_META_KEY,
 )
+from asyncinfer.model_versions import sorted_versions
 
 __all__ = ["Catalogue", "CatalogueEntry", "Host", "DEFAULT_TTL_S", "DEFAULT_RETENTION_S"]
 
@@ -78,6 +79,8 @@ class Host:
     worker: str
     device: str = ""
     pid: int = 0
+    #: The model's versions it hosts (empty: as the metadata says).
+    versions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,21 @@ class CatalogueEntry:
 
     @property
     def versions(self) -> list[str]:
+        """The versions its live hosts host (every one's, in order), else those last announced."""
+        hosted = {v for h in self.hosts for v in h.versions}
+        if hosted:
+            return sorted_versions(hosted)
         return [str(v) for v in self.metadata.get("versions") or ["1"]]
+
+    def hosts_of(self, version: str) -> tuple[Host, ...]:
+        """The live hosts of ``version`` (every host for a model announced without versions)."""
+        return tuple(h for h in self.hosts if not h.versions or version in h.versions)
 
     def as_dict(self) -> dict[str, Any]:
         """What ``asyncinfer models --json`` and ``Client.models()`` users read."""
-        return {**self.metadata, "name": self.name, "ready": self.ready,
-                "workers": [{"worker": h.worker, "device": h.device, "pid": h.pid} for h in self.hosts]}
+        return {**self.metadata, "name": self.name, "ready": self.ready, "versions": self.versions,
+                "workers": [{"worker": h.worker, "device": h.device, "pid": h.pid,
+                             "versions": list(h.versions)} for h in self.hosts]}
 
 
 def _text(value: Any) -> str:
@@ -126,10 +138,11 @@ class Catalogue:
     def announce(self, worker: str, models: Iterable[Mapping[str, Any]], *, device: str = "",
                  pid: int = 0) -> None:
         """Say (again) that ``worker`` hosts ``models`` (their metadata dicts, each with ``name``)."""
-        host = json.dumps({"worker": worker, "device": device, "pid": pid})
         args: list[Any] = [self.ttl_s, max(self.retention_s, self.ttl_s)]
         for meta in models:
             name = str(meta["name"])
+            host = json.dumps({"worker": worker, "device": device, "pid": pid,
+                               "versions": [str(v) for v in meta.get("versions") or ["1"]]})
             args += [name, name + _SEP + worker, json.dumps(dict(meta), sort_keys=True), host]
         if len(args) > 2:
             self._announce(keys=_KEYS, args=args)
@@ -151,7 +164,8 @@ class Catalogue:
             model, _, worker = _text(member).partition(_SEP)
             info = json.loads(_text(raw)) if raw else {}
             by_model.setdefault(model, []).append(
-                Host(worker=worker, device=str(info.get("device", "")), pid=int(info.get("pid", 0))))
+                Host(worker=worker, device=str(info.get("device", "")), pid=int(info.get("pid", 0)),
+                     versions=tuple(str(v) for v in info.get("versions") or ())))
         entries = {}
         for name, raw in zip(known, metas, strict=True):
             model = _text(name)

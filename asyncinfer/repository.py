@@ -25,6 +25,7 @@ from typing import Any
 from celery import Celery
 
 from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.model_versions import version_order
 
 __all__ = ["WorkerOutcome", "ControlOutcome", "control", "targets_for", "repository_index",
            "LOAD", "UNLOAD", "READY", "UNAVAILABLE", "DEFAULT_CONTROL_TIMEOUT_S"]
@@ -71,6 +72,12 @@ class ControlOutcome:
     skipped: tuple[WorkerOutcome, ...] = ()
     #: Why no worker was asked at all (none live, none hosts it).
     nobody: str = ""
+    #: The version acted on ("": the model, every version of it for an unload).
+    version: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"model '{self.model}'" + (f" version '{self.version}'" if self.version else "")
 
     @property
     def ok(self) -> bool:
@@ -84,7 +91,7 @@ class ControlOutcome:
     def message(self) -> str:
         """One line: what was done where, each failure with its reason, who did not answer."""
         if self.nobody:
-            return f"{self.action} of model '{self.model}': {self.nobody}"
+            return f"{self.action} of {self.what}: {self.nobody}"
         done = [a.worker for a in self.answers if a.ok]
         parts = []
         if done:
@@ -94,10 +101,10 @@ class ControlOutcome:
             parts.append(f"no answer within the timeout from {', '.join(self.missing)} (it may "
                          f"still be under way there)")
         verdict = "done" if self.ok else "failed"
-        return f"{self.action} of model '{self.model}' {verdict}: " + "; ".join(parts)
+        return f"{self.action} of {self.what} {verdict}: " + "; ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "action": self.action, "ok": self.ok,
+        return {"model": self.model, "version": self.version, "action": self.action, "ok": self.ok,
                 "message": self.message(), "workers": [a.as_dict() for a in self.answers],
                 "missing": list(self.missing), "skipped": [a.worker for a in self.skipped]}
 
@@ -112,12 +119,14 @@ def live_workers(app: Celery, entries: Mapping[str, CatalogueEntry],
 
 
 def targets_for(action: str, model: str, entries: Mapping[str, CatalogueEntry],
-                live: Iterable[str]) -> list[str]:
-    """The workers a load (every live one) or an unload (those hosting ``model``) goes to when
-    none are named."""
+                live: Iterable[str], version: str = "") -> list[str]:
+    """The workers a load (every live one) or an unload (those hosting ``model``, or that
+    version of it) goes to when none are named."""
     if action == UNLOAD:
         entry = entries.get(model)
-        return sorted({h.worker for h in entry.hosts}) if entry is not None else []
+        if entry is None:
+            return []
+        return sorted({h.worker for h in (entry.hosts_of(version) if version else entry.hosts)})
     return sorted(set(live))
 
 
@@ -134,13 +143,14 @@ def outcomes_of(replies: Sequence[Mapping[str, Any]]) -> dict[str, WorkerOutcome
 
 
 def control(app: Celery, action: str, model: str, entries: Mapping[str, CatalogueEntry], *,
-            workers: Sequence[str] = (), devices: Sequence[str] = (),
+            workers: Sequence[str] = (), devices: Sequence[str] = (), version: str = "",
             timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
             grace_s: float | None = None) -> ControlOutcome:
     """Load or unload ``model`` on ``workers`` (default: see the module documentation), or on the
     live device workers of ``devices`` (device labels: ``cuda:0``, ``cpu``), and wait up to
     ``timeout_s`` for their answers. ``grace_s``: how long an unload lets the requests on the
-    device finish (default the worker's, 10 s)."""
+    device finish (default the worker's, 10 s). ``version``: that version only (a load:
+    ``model@version`` as registered; an unload: the other versions serve on)."""
     if action not in _COMMANDS:
         raise ValueError(f"model control action must be {LOAD} or {UNLOAD}, got {action!r}")
     if not model or not isinstance(model, str):
@@ -155,12 +165,14 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
             return ControlOutcome(model, action, nobody=(
                 f"no live device worker on {', '.join(sorted(wanted))} answered"))
     targets = named or targets_for(action, model, entries,
-                                   live_workers(app, entries) if action == LOAD else ())
+                                   live_workers(app, entries) if action == LOAD else (), version)
     if not targets:
         return ControlOutcome(model, action, nobody=(
             "no live worker answered" if action == LOAD
-            else "no live worker hosts it (the catalogue lists none)"))
+            else "no live worker hosts it (the catalogue lists none)"), version=version)
     arguments: dict[str, Any] = {"model": model}
+    if version:
+        arguments["version"] = str(version)
     if action == UNLOAD and grace_s is not None:
         arguments["grace_s"] = float(grace_s)
     replies = app.control.broadcast(_COMMANDS[action], arguments=arguments, destination=targets,
@@ -172,7 +184,8 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
         skipped = [a for a in answers if not a.device_worker]
         answers = [a for a in answers if a.device_worker]
     return ControlOutcome(model, action, tuple(answers),
-                          tuple(w for w in targets if w not in found), tuple(skipped))
+                          tuple(w for w in targets if w not in found), tuple(skipped),
+                          version=version)
 
 
 def repositories(app: Celery, entries: Mapping[str, CatalogueEntry] | None = None,
@@ -196,11 +209,14 @@ def repository_index(entries: Mapping[str, CatalogueEntry],
     ``entries`` and of what the live ``workers`` could load (:func:`repositories`), by name."""
     rows: list[dict[str, str]] = []
     for name, entry in entries.items():
-        reason = "" if entry.ready else ("no live worker hosts it (unloaded, or its workers "
-                                         "stopped); its requests wait in its queue")
         for version in entry.versions:
+            ready = bool(entry.hosts_of(version))
+            reason = "" if ready else ("no live worker hosts it (unloaded, or its workers "
+                                       "stopped); its requests wait in its queue"
+                                       if not entry.ready else
+                                       "no live worker hosts this version (unloaded)")
             rows.append({"name": name, "version": version,
-                         "state": READY if entry.ready else UNAVAILABLE, "reason": reason})
+                         "state": READY if ready else UNAVAILABLE, "reason": reason})
     loadable: dict[str, list[str]] = {}
     for worker, info in (workers or {}).items():
         for name in info.get("loadable") or []:
@@ -209,5 +225,5 @@ def repository_index(entries: Mapping[str, CatalogueEntry],
     for name, where in loadable.items():
         rows.append({"name": name, "version": "", "state": UNAVAILABLE,
                      "reason": f"not loaded (loadable on {', '.join(sorted(where))})"})
-    rows.sort(key=lambda r: (r["name"], r["version"]))
+    rows.sort(key=lambda r: (r["name"], version_order(r["version"])))
     return [r for r in rows if r["state"] == READY] if ready_only else rows

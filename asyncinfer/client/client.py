@@ -33,6 +33,7 @@ from asyncinfer.constants import (
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.fleet_stats import triton_stats
+from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import (
     DEFAULT_CONTROL_TIMEOUT_S,
     LOAD,
@@ -136,26 +137,33 @@ class Client:
 
     # -- model control (repository.py) ------------------------------------------------------------
 
-    def load_model(self, model: str, *, workers: Sequence[str] = (), devices: Sequence[str] = (),
+    def load_model(self, model: str, *, version: str | int | None = None,
+                   workers: Sequence[str] = (), devices: Sequence[str] = (),
                    timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlOutcome:
-        """Load ``model`` on ``workers`` (default: every live device worker), or on the workers of
-        ``devices`` (``cuda:0``, ``cpu``), and start serving it there; waits up to ``timeout_s``
-        for their answers. ``outcome.ok`` when every worker asked loaded it;
-        ``outcome.message()`` says what failed where, and why."""
-        return self._control(LOAD, model, workers, devices, timeout_s)
+        """Load ``model`` (``version``: that version, registered as ``model@version``) on
+        ``workers`` (default: every live device worker), or on the workers of ``devices``
+        (``cuda:0``, ``cpu``), and start serving it there; waits up to ``timeout_s`` for their
+        answers. ``outcome.ok`` when every worker asked loaded it; ``outcome.message()`` says
+        what failed where, and why."""
+        return self._control(LOAD, model, version, workers, devices, timeout_s)
 
-    def unload_model(self, model: str, *, workers: Sequence[str] = (), devices: Sequence[str] = (),
+    def unload_model(self, model: str, *, version: str | int | None = None,
+                     workers: Sequence[str] = (), devices: Sequence[str] = (),
                      timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
                      grace_s: float | None = None) -> ControlOutcome:
-        """Unload ``model`` from ``workers`` (default: every worker hosting it), or from the
-        workers of ``devices``: each stops taking its queue, gives back what it holds and has not
-        started, finishes what is on its device (up to ``grace_s``) and frees the memory."""
-        return self._control(UNLOAD, model, workers, devices, timeout_s, grace_s)
+        """Unload ``model`` (every version; ``version``: that one, the others serving on) from
+        ``workers`` (default: every worker hosting it), or from the workers of ``devices``: each
+        stops taking its queue, gives back what it holds and has not started, finishes what is
+        on its device (up to ``grace_s``) and frees the memory."""
+        return self._control(UNLOAD, model, version, workers, devices, timeout_s, grace_s)
 
-    def _control(self, action: str, model: str, workers: Sequence[str], devices: Sequence[str],
-                 timeout_s: float, grace_s: float | None = None) -> ControlOutcome:
+    def _control(self, action: str, model: str, version: str | int | None,
+                 workers: Sequence[str], devices: Sequence[str], timeout_s: float,
+                 grace_s: float | None = None) -> ControlOutcome:
         outcome = control(self.app_for(model), action, model, self.models(stale_ok=True),
-                          workers=workers, devices=devices, timeout_s=timeout_s, grace_s=grace_s)
+                          workers=workers, devices=devices,
+                          version="" if version is None else str(version),
+                          timeout_s=timeout_s, grace_s=grace_s)
         group = self._group_for(model)
         if group.known is not None:  # the unknown-model check reads the catalogue again
             group.known.forget()
@@ -190,7 +198,8 @@ class Client:
                binary: bool | None = None, link: Any = None, link_error: Any = None,
                expires: float | None = None, timeout_s: float | None = None,
                soft_time_limit_s: float | None = None,
-               time_limit_s: float | None = None, priority: int | None = None) -> InferFuture:
+               time_limit_s: float | None = None, priority: int | None = None,
+               version: str | int | None = None) -> InferFuture:
         """Send one request and return its future at once, before the request is on its queue.
 
         On a Redis broker the client's publisher thread sends every request handed to it while
@@ -221,6 +230,8 @@ class Client:
                 the best level it holds (docs/delivery.md, *Priorities*). Default 0. A level's
                 ``priority_queue_policy`` may bound it (QueueFull) and give it a default
                 ``expires``.
+            version: the model version to run it (parameter ``model_version``); default the
+                latest version the worker that takes it hosts.
 
         A ``request_id`` that was already sent is not sent again: the future is that request's.
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
@@ -231,6 +242,8 @@ class Client:
         :class:`~asyncinfer.errors.InvalidRequest` (``request_id`` already sent to another
         model), :class:`~asyncinfer.errors.NotReplicated` (``ASYNCINFER_SUBMIT_REPLICAS``).
         """
+        if version is not None and str(version):
+            parameters = {**(parameters or {}), PARAMETER: str(version)}
         sender = self.sender if self._routes is None else self._routes.for_model(model).sender
         return sender.send_watched(sender.submission(
             model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,

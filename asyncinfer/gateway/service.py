@@ -30,6 +30,7 @@ from asyncinfer.client.client import Client
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
+from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, UNLOAD
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
@@ -295,11 +296,11 @@ class Service:
         options = control_options(model, action, parameters)
         try:
             outcome = await self._off_loop(lambda: (
-                self.client.load_model(model, workers=options["workers"],
-                                       devices=options["devices"],
+                self.client.load_model(model, version=options["version"],
+                                       workers=options["workers"], devices=options["devices"],
                                        timeout_s=options["timeout_s"]) if action == LOAD else
-                self.client.unload_model(model, workers=options["workers"],
-                                         devices=options["devices"],
+                self.client.unload_model(model, version=options["version"],
+                                         workers=options["workers"], devices=options["devices"],
                                          timeout_s=options["timeout_s"],
                                          grace_s=options["grace_s"])))
         except errors.BrokerUnavailable as exc:
@@ -366,6 +367,8 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
+        if call.version:  # /versions/{v}/infer: that version runs it
+            parameters[PARAMETER] = call.version
         sent = await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
@@ -394,7 +397,9 @@ class Service:
                                         f"{', '.join(repr(m) for m in missing)} (outputs: "
                                         f"{', '.join(repr(n) for n in outputs)})")
         chosen = [outputs[n] for n in (wanted if wanted is not None else list(outputs))]
-        return InferResult(model_name=call.model, model_version=call.version or entry.versions[0],
+        return InferResult(model_name=call.model,
+                           model_version=call.version or str((raw.get("parameters") or {}).get(
+                               PARAMETER) or entry.versions[-1]),
                            id=str(raw["id"]) if call.id else "",
                            outputs=[_output(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))
@@ -402,7 +407,8 @@ class Service:
 
 #: The parameters a load or unload takes (Triton's ``unload_dependents`` is accepted: a model here
 #: has no dependents).
-_CONTROL_PARAMETERS = {"workers", "devices", "timeout_s", "grace_s", "unload_dependents"}
+_CONTROL_PARAMETERS = {"version", "workers", "devices", "timeout_s", "grace_s",
+                       "unload_dependents"}
 
 
 def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -415,9 +421,15 @@ def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> d
     if unknown:
         named = ", ".join(repr(printable(k, 40)) for k in unknown)
         raise GatewayError(400, f"{where}: parameter {named} is not supported (supported: "
-                                f"workers, devices, timeout_s, grace_s; models are loaded as "
+                                f"version, workers, devices, timeout_s, grace_s; models are loaded as "
                                 f"registered, no config or file override)")
     options: dict[str, Any] = {"timeout_s": DEFAULT_CONTROL_TIMEOUT_S, "grace_s": None}
+    version = parameters.get("version", "")
+    if isinstance(version, bool) or not isinstance(version, (str, int)) or \
+            (str(version) and not str(version).isalnum()):
+        raise GatewayError(400, f"{where}: parameter 'version' must be a version (letters and "
+                                f"digits), got {version!r:.40}")
+    options["version"] = str(version)
     for key, what in (("workers", "worker names"), ("devices", "devices")):
         value = parameters.get(key, "")
         if not isinstance(value, str):

@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "to the other workers)")):
         q = control.add_parser(action, help=text)
         q.add_argument("model")
+        q.add_argument("--version", default="", help="that version only (a load: registered as "
+                       "MODEL@VERSION; an unload: the other versions serve on)")
         where = q.add_mutually_exclusive_group()
         where.add_argument("--workers", help="comma-separated worker names (default: every live "
                            "worker" + (")" if action == "load" else " hosting it)"))

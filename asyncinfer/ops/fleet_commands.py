@@ -155,7 +155,8 @@ def cmd_model_control(args: argparse.Namespace) -> int:
     failure with its reason)."""
     with _client(args) as client:
         client.ping()
-        where = {"workers": _models(args.workers or ""), "devices": _models(args.devices or "")}
+        where = {"workers": _models(args.workers or ""), "devices": _models(args.devices or ""),
+                 "version": args.version or None}
         if args.action == "load":
             outcome = client.load_model(args.model, **where, timeout_s=args.timeout_s)
         else:

@@ -17,6 +17,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for
 from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visible_device, parse_device
 from asyncinfer.errors import AsyncInferError
+from asyncinfer.model_versions import split_key
 from asyncinfer.models.registry import Registry
 from asyncinfer.worker.intake.step import uses_fast_consumer
 from asyncinfer.worker.supervisor import CANNOT_START
@@ -121,7 +122,8 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     configure(app, settings)
     # The one object of this device worker (Celery's worker_init names it: bootstrap.py).
     attach(app, Worker(app, settings, device_label=str(spec) if spec.type != "auto" else None))
-    queues = [queue_for(m) for m in hosted]
+    # every version of a model (m@v) comes by the model's one queue
+    queues = list(dict.fromkeys(queue_for(split_key(m)[0]) for m in hosted))
     # With the fast consumer (worker/intake/step.py) Celery's pool runs no inference: two
     # threads serve remote control.
     threads = 2 if uses_fast_consumer(settings, app.conf.broker_url) else settings.concurrency

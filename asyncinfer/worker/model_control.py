@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -35,6 +36,7 @@ from celery.worker.control import control_command, inspect_command
 
 from asyncinfer.constants import model_from_queue, queue_for
 from asyncinfer.errors import UnknownModel
+from asyncinfer.model_versions import sorted_versions
 from asyncinfer.worker.intake.consumer import STOP_GRACE_S
 from asyncinfer.worker.worker import Worker, worker_of
 
@@ -75,73 +77,112 @@ def _fast_consumer(worker: Worker) -> Any:
             "this worker is fed by Celery's consumer: restart it with the model instead")
 
 
-def load_model(worker: Worker, model: str) -> dict[str, Any]:
-    """Load ``model`` on ``worker``'s device and take its queue (see the module documentation)."""
+def _what(model: str, version: str) -> str:
+    return f"model '{model}'" + (f" version '{version}'" if version else "")
+
+
+def load_model(worker: Worker, model: str, version: str = "") -> dict[str, Any]:
+    """Load ``model`` (its ``version``: ``model@version`` as registered) on ``worker``'s device
+    and take its queue (see the module documentation)."""
+    what = _what(model, version)
     consumer = _fast_consumer(worker)
     if isinstance(consumer, str):
-        return _refusal(worker, model, f"cannot load model '{model}': {consumer}")
-    if model in worker.leaving:
-        return _refusal(worker, model, f"cannot load model '{model}': it is being unloaded here")
+        return _refusal(worker, model, f"cannot load {what}: {consumer}")
+    runtime = worker.runtime
     began = time.perf_counter()
     try:
-        loaded = worker.runtime.load_one(model)
+        key = runtime.key_for(model, version)
+        if key in worker.leaving:
+            return _refusal(worker, model, f"cannot load {what}: it is being unloaded here")
+        loaded = runtime.load_one(key)
     except UnknownModel as exc:
         return _refusal(worker, model, str(exc))
     except Exception as exc:  # noqa: BLE001 - a failed load is answered; the worker serves on
-        log.warning("load of model %s failed (%s: %s); the worker serves %s", model,
-                    type(exc).__name__, exc, ", ".join(worker.runtime.models) or "nothing")
-        return _refusal(worker, model, f"model '{model}' failed to load on "
-                                       f"{worker.runtime.device.label}: {type(exc).__name__}: {exc}")
+        log.warning("load of %s failed (%s: %s); the worker serves %s", what,
+                    type(exc).__name__, exc, ", ".join(runtime.models) or "nothing")
+        return _refusal(worker, model, f"{what} failed to load on "
+                                       f"{runtime.device.label}: {type(exc).__name__}: {exc}")
     worker.announce_now()  # in the catalogue before its first request is taken
-    queue = queue_for(model)
+    queue = queue_for(model)  # every version's requests come by the model's one queue
     if queue not in consumer.queues:
         if not consumer.set_queues([*consumer.queues, queue]):
-            return _refusal(worker, model, f"model '{model}' is loaded but its queue {queue} is "
+            return _refusal(worker, model, f"{what} is loaded but its queue {queue} is "
                                            f"not taken: the worker stops")
         worker.fast_queues = list(consumer.queues)
-    log.info("model %s %s on %s (model control)", model, "loaded" if loaded else "was loaded",
-             worker.runtime.device.label)
-    return {"ok": True, "model": model, "loaded": loaded,
-            "load_s": round(time.perf_counter() - began, 3), **_where(worker)}
+    log.info("%s %s on %s (model control)", what, "loaded" if loaded else "was loaded",
+             runtime.device.label)
+    return {"ok": True, "model": model, "version": runtime.by_model()[key].model.version,
+            "loaded": loaded, "load_s": round(time.perf_counter() - began, 3), **_where(worker)}
 
 
-def unload_model(worker: Worker, model: str, grace_s: float = STOP_GRACE_S) -> dict[str, Any]:
-    """Stop taking ``model``'s queue, give back what is held and not started, let what is on the
-    device finish (up to ``grace_s``), free the model (see the module documentation)."""
+def unload_model(worker: Worker, model: str, grace_s: float = STOP_GRACE_S,
+                 version: str = "") -> dict[str, Any]:
+    """Unload ``model`` (every version; or only ``version``, the others serving on): see the
+    module documentation."""
+    what = _what(model, version)
     consumer = _fast_consumer(worker)
     if isinstance(consumer, str):
-        return _refusal(worker, model, f"cannot unload model '{model}': {consumer}")
+        return _refusal(worker, model, f"cannot unload {what}: {consumer}")
     runtime = worker.runtime
-    if model not in runtime.models:
-        return _refusal(worker, model, f"model '{model}' is not loaded on this worker (it hosts: "
-                                       f"{', '.join(runtime.models) or 'none'})")
-    if model in worker.leaving:
-        return _refusal(worker, model, f"model '{model}' is being unloaded here already")
-    worker.leaving.add(model)
+    versions = runtime.versions_of(model)
+    keys = [k for k, v in versions.items() if not version or v == version]
+    if not keys:
+        loaded = (f"versions here: {', '.join(sorted_versions(versions.values()))}" if versions
+                  else f"it hosts: {', '.join(runtime.models) or 'none'}")
+        return _refusal(worker, model, f"{what} is not loaded on this worker ({loaded})")
+    if any(k in worker.leaving for k in keys):
+        return _refusal(worker, model, f"{what} is being unloaded here already")
+    worker.leaving.update(keys)
     try:
-        return _unload(worker, consumer, model, grace_s)
+        if len(keys) < len(versions):
+            return _unload_version(worker, consumer, model, keys[0], grace_s)
+        return _unload(worker, consumer, model, keys, grace_s)
     except Exception as exc:  # noqa: BLE001 - answered, not raised into Celery's consumer
-        log.exception("unload of model %s failed", model)
-        return _refusal(worker, model, f"unload of model '{model}' failed: "
-                                       f"{type(exc).__name__}: {exc}")
+        log.exception("unload of %s failed", what)
+        return _refusal(worker, model, f"unload of {what} failed: {type(exc).__name__}: {exc}")
     finally:
-        worker.leaving.discard(model)
+        worker.leaving.difference_update(keys)
 
 
-def _unload(worker: Worker, consumer: Any, model: str, grace_s: float) -> dict[str, Any]:
+def _unload(worker: Worker, consumer: Any, model: str, keys: list[str],
+            grace_s: float) -> dict[str, Any]:
+    """Every version of ``model`` leaves: its queue is left and what waits given back."""
     runtime = worker.runtime
     _withdraw(worker, model)
     if not consumer.set_queues([q for q in consumer.queues if model_from_queue(q) != model]):
         raise RuntimeError("the consumer did not leave the queue in time (it stops?)")
     worker.fast_queues = list(consumer.queues)
     given_back = consumer.give_back(model)
-    left = _finish(consumer, model, grace_s)
-    runtime.unhost(model)
-    runtime.unload(model)
+    left = _finish(lambda: consumer.held_of(model), model, grace_s)
+    for key in keys:
+        runtime.unhost(key)
+        runtime.unload(key)
     _withdraw(worker, model)  # again: an announcement may have been on its way meanwhile
     log.info("model %s unloaded (model control): %d requests given back to its queue", model,
              given_back)
     reply = {"ok": True, "model": model, "given_back": given_back, **_where(worker)}
+    if left:
+        reply["unfinished"] = left
+    return reply
+
+
+def _unload_version(worker: Worker, consumer: Any, model: str, key: str,
+                    grace_s: float) -> dict[str, Any]:
+    """One version of ``model`` leaves, others stay: the queue is still taken, so nothing is
+    given back (it would come back here); requests for it are no longer routed to it (a request
+    naming it is refused from now on, one naming no version runs on the latest left), and those
+    it has run to their end."""
+    runtime = worker.runtime
+    version = runtime.by_model()[key].model.version
+    runtime.unhost(key)
+    worker.announce_now()  # the catalogue's versions without it (it is leaving)
+    # a trip through the consumer thread: what it was starting is submitted (and counted) now
+    consumer.set_queues(consumer.queues)
+    left = _finish(lambda: runtime.in_flight(key), f"{model} version {version}", grace_s)
+    runtime.unload(key)
+    log.info("model %s version %s unloaded (model control); its other versions serve", model,
+             version)
+    reply = {"ok": True, "model": model, "version": version, "given_back": 0, **_where(worker)}
     if left:
         reply["unfinished"] = left
     return reply
@@ -155,15 +196,15 @@ def _withdraw(worker: Worker, model: str) -> None:
                     model, exc)
 
 
-def _finish(consumer: Any, model: str, grace_s: float) -> int:
-    """Wait up to ``grace_s`` until nothing of ``model`` is held (what is on the device answered);
-    how many still are."""
+def _finish(held: Callable[[], int], what: str, grace_s: float) -> int:
+    """Wait up to ``grace_s`` until ``held()`` is 0 (what is on the device answered); how many
+    still are."""
     deadline = time.monotonic() + grace_s
-    while (left := consumer.held_of(model)) and time.monotonic() < deadline:
+    while (left := held()) and time.monotonic() < deadline:
         time.sleep(0.02)
     if left:
         log.warning("unload of %s: %d requests still running after %.0f s fail as the model stops",
-                    model, left, grace_s)
+                    what, left, grace_s)
     return left
 
 
@@ -187,21 +228,23 @@ def asyncinfer_repository(state: Any, **_: Any) -> dict[str, Any]:
     return repository(_worker(state))
 
 
-@control_command(args=[("model", str)], signature="<model>")  # type: ignore[misc]
-def asyncinfer_load_model(state: Any, model: str = "", **_: Any) -> dict[str, Any]:
+@control_command(args=[("model", str), ("version", str)],  # type: ignore[misc]
+                 signature="<model> [version]")
+def asyncinfer_load_model(state: Any, model: str = "", version: str = "",
+                          **_: Any) -> dict[str, Any]:
     """Load a model on this worker's device and take its requests (model control)."""
     worker = _worker(state)
     if not model:
         return _refusal(worker, model, "no model named")
-    return load_model(worker, str(model))
+    return load_model(worker, str(model), str(version or ""))
 
 
-@control_command(args=[("model", str), ("grace_s", float)],  # type: ignore[misc]
-                 signature="<model> [grace_s]")
+@control_command(args=[("model", str), ("grace_s", float), ("version", str)],  # type: ignore[misc]
+                 signature="<model> [grace_s] [version]")
 def asyncinfer_unload_model(state: Any, model: str = "", grace_s: float = STOP_GRACE_S,
-                            **_: Any) -> dict[str, Any]:
+                            version: str = "", **_: Any) -> dict[str, Any]:
     """Unload a model from this worker: give back its queued requests, finish those running."""
     worker = _worker(state)
     if not model:
         return _refusal(worker, model, "no model named")
-    return unload_model(worker, str(model), float(grace_s))
+    return unload_model(worker, str(model), float(grace_s), str(version or ""))

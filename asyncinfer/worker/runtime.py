@@ -23,6 +23,7 @@ from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
+from asyncinfer.model_versions import PARAMETER, latest, sorted_versions, split_key, version_key
 from asyncinfer.models.files import FILE_SUFFIXES
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
@@ -60,6 +61,9 @@ class WorkerRuntime:
         self._runners: dict[str, ModelRunner] = {}
         #: What this worker hosts, once a load or unload told it (None: ``settings.models``).
         self._hosted: list[str] | None = None
+        #: Requests handed to each runner and not yet done (a version's unload waits for them).
+        self._in_flight: dict[str, int] = {}
+        self._count_lock = threading.Lock()
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
@@ -85,11 +89,18 @@ class WorkerRuntime:
             for name, runner in built.items():
                 self._start(name, runner)
 
-    def runner(self, model: str, request_id: str | None = None) -> ModelRunner:
-        """The runner of ``model``, loading it on first use; UnknownModel if not registered."""
-        runner = self._runners.get(model)
+    def runner(self, model: str, request_id: str | None = None, version: str = "") -> ModelRunner:
+        """The runner of ``model`` (of its ``version``, else of the latest version hosted here),
+        loading it on first use; UnknownModel if not registered, not hosted here, or not that
+        version."""
+        return self._resolve(model, request_id, version)[1]
+
+    def _resolve(self, model: str, request_id: str | None,
+                 version: str) -> tuple[str, ModelRunner]:
+        key = self._route(model, version, request_id)
+        runner = self._runners.get(key)
         if runner is not None:
-            return runner
+            return key, runner
         hosted = self.settings.models if self._hosted is None else self._hosted
         if (hosted or self._hosted is not None) and model not in hosted \
                 and model in self.registry.names():
@@ -100,10 +111,70 @@ class WorkerRuntime:
             runner = self._runners.get(model)
             if runner is None:
                 runner = self._start(model, self._build(model, request_id))
-        return runner
+        if version and runner.model.version != version:
+            raise self._no_version(model, version, request_id)
+        return model, runner
+
+    def _route(self, model: str, version: str, request_id: str | None) -> str:
+        """The key of the runner a request for ``model`` (``version``) goes to: among the
+        versions of ``model`` loaded and hosted here, that version, else the latest."""
+        runners = self._runners
+        if model in runners and not version and self._hosted is None:
+            return model  # the common case: one version, hosted since the start
+        hosted = self._hosted
+        versions = {key: r.model.version for key, r in list(runners.items())
+                    if split_key(key)[0] == model and (hosted is None or key in hosted)}
+        if not versions:
+            return model
+        if version:
+            for key, v in versions.items():
+                if v == version:
+                    return key
+            raise self._no_version(model, version, request_id)
+        newest = latest(versions.values())
+        return next(key for key, v in versions.items() if v == newest)
+
+    def _no_version(self, model: str, version: str, request_id: str | None) -> UnknownModel:
+        who = f"request {request_id}: " if request_id else ""
+        loaded = sorted_versions(r.model.version for key, r in self._runners.items()
+                                 if split_key(key)[0] == model)
+        return UnknownModel(f"{who}model '{model}' has no version '{version}' on this worker "
+                            f"(versions here: {', '.join(loaded) or 'none'})")
+
+    def key_for(self, model: str, version: str = "") -> str:
+        """The registry name of ``version`` of ``model`` (``model@version``, or ``model`` itself
+        for its own version, "1" unless it declares another); UnknownModel if none."""
+        if not version:
+            return model
+        key = version_key(model, version)
+        if key in self.registry.names():
+            return key
+        if self.settings.model_dir:
+            self.registry.add_dir(Path(self.settings.model_dir))  # a file added since
+            if key in self.registry.names():
+                return key
+        running = self._runners.get(model)
+        own = running.model.version if running is not None else "1"
+        if version == own and model in self.registry.names():
+            return model
+        raise UnknownModel(f"model '{model}' has no version '{version}' registered (register it "
+                           f"as '{key}': a factory entry {key}=pkg.mod:factory, or a file "
+                           f"{key}.pt in the model folder)")
+
+    def versions_of(self, model: str) -> dict[str, str]:
+        """The loaded runners of ``model``: key → version."""
+        return {key: r.model.version for key, r in list(self._runners.items())
+                if split_key(key)[0] == model}
+
+    def in_flight(self, key: str) -> int:
+        """Requests handed to runner ``key`` and not yet done."""
+        return self._in_flight.get(key, 0)
 
     def _build(self, model: str, request_id: str | None = None) -> ModelRunner:
         instance = self.registry.create(model, request_id)
+        name, version = split_key(model)
+        if version:  # version v of m, registered as m@v
+            instance.name, instance.version = name, version
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            is_transient=is_transient, on_batch=self.metrics.record_batch,
@@ -219,14 +290,30 @@ class WorkerRuntime:
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
             raise AssertionError("unreachable")
-        runner = self.runner(model, request_id)
+        key, runner = self._resolve(model, request_id, _version_in(kwargs))
         on_part = (streaming(runner.options.stream_max_parts)
                    if streaming is not None and runner.model.decoupled else None)
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
-            return request, runner.submit(request, received_at=received_at,
-                                          expires_in_s=expires_in_s, time_limits=time_limits,
-                                          alone=alone, priority=priority, on_part=on_part)
+            if key != model or PARAMETER in request.parameters:  # versions: say which ran it
+                request.parameters[PARAMETER] = runner.model.version
+            future = runner.submit(request, received_at=received_at,
+                                   expires_in_s=expires_in_s, time_limits=time_limits,
+                                   alone=alone, priority=priority, on_part=on_part)
+        self._count(key, future)
+        return request, future
+
+    def _count(self, key: str, future: Future[Completed]) -> None:
+        """Count ``future`` in flight on runner ``key`` until it is done."""
+        counts, lock = self._in_flight, self._count_lock
+        with lock:
+            counts[key] = counts.get(key, 0) + 1
+
+        def done(_: Future[Completed]) -> None:
+            with lock:
+                counts[key] -= 1
+
+        future.add_done_callback(done)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,
@@ -251,6 +338,8 @@ class WorkerRuntime:
                 "batch_size": done.batch_size,
                 "queue_ms": round(done.queue_ms, 3),
                 "compute_ms": round(done.compute_ms, 3),
+                **({PARAMETER: request.parameters[PARAMETER]}
+                   if PARAMETER in request.parameters else {}),
             },
         }
 
@@ -261,3 +350,11 @@ class WorkerRuntime:
         for runner in runners:
             runner.close()
         self.timer.close()
+
+
+def _version_in(kwargs: Mapping[str, Any]) -> str:
+    """The version a request's parameters name ("" for none)."""
+    parameters = kwargs.get("parameters")
+    value = parameters.get(PARAMETER) if isinstance(parameters, Mapping) else None
+    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) and \
+        str(value) else ""

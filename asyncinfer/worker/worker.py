@@ -27,6 +27,7 @@ from celery import Celery
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import model_from_queue
+from asyncinfer.model_versions import sorted_versions, split_key
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.policy import Policy
@@ -153,8 +154,7 @@ class Worker:
             runtime = self._runtime
 
             def hosted() -> list[dict[str, Any]]:
-                return [r.model.metadata(r.options) for name, r in runtime.by_model().items()
-                        if name not in self.leaving]
+                return announced_models(runtime.by_model(), self.leaving)
 
             self.announcer = announcer_for(self.settings, name or self.name, runtime.device.label,
                                            hosted)
@@ -221,6 +221,21 @@ class Worker:
         if flusher is not None:  # after the runtime: the last batches are counted
             flusher.stop()
         self.metrics.close()
+
+
+def announced_models(runners: dict[str, Any], leaving: set[str]) -> list[dict[str, Any]]:
+    """The metadata a worker announces: one entry per model, its ``versions`` those loaded here
+    (the latest version's inputs and outputs), none of those ``leaving`` (being unloaded)."""
+    by_name: dict[str, list[Any]] = {}
+    for key, runner in runners.items():
+        if key not in leaving:
+            by_name.setdefault(runner.model.name or split_key(key)[0], []).append(runner)
+    announced = []
+    for runs in by_name.values():
+        versions = sorted_versions(r.model.version for r in runs)
+        newest = next(r for r in runs if r.model.version == versions[-1])
+        announced.append({**newest.model.metadata(newest.options), "versions": versions})
+    return announced
 
 
 def existing_worker(app: Celery) -> Worker | None:

@@ -193,17 +193,94 @@ def test_the_repository_index_in_tritons_form() -> None:
 
 def test_the_gateways_load_parameters() -> None:
     assert control_options("m", "load", {}) == {"workers": [], "devices": [], "timeout_s": 60.0,
-                                                "grace_s": None}
-    assert control_options("m", "unload", {"workers": "a@h, b@h", "timeout_s": "5",
+                                                "grace_s": None, "version": ""}
+    assert control_options("m", "unload", {"workers": "a@h, b@h", "timeout_s": "5", "version": 2,
                                            "grace_s": 2, "unload_dependents": False}) == {
-        "workers": ["a@h", "b@h"], "devices": [], "timeout_s": 5.0, "grace_s": 2.0}
+        "workers": ["a@h", "b@h"], "devices": [], "timeout_s": 5.0, "grace_s": 2.0,
+        "version": "2"}
     assert control_options("m", "load", {"devices": "cuda:0,cpu"})["devices"] == ["cuda:0", "cpu"]
     for parameters, message in (({"config": "{}"}, "parameter 'config' is not supported"),
                                 ({"file:1/model.pt": b""}, "'file:1/model.pt' is not supported"),
                                 ({"workers": 3}, "'workers' must be a string"),
+                                ({"version": "../2"}, "'version' must be a version"),
                                 ({"workers": "a@h", "devices": "cpu"}, "workers or devices, not both"),
                                 ({"timeout_s": 0}, "'timeout_s' must be a number of seconds"),
                                 ({"grace_s": True}, "'grace_s' must be a number")):
         with pytest.raises(GatewayError, match=message) as caught:
             control_options("m", "load", parameters)
         assert caught.value.status == 400
+
+
+class _Plus(Model):
+    """``input`` FP32 → ``output`` = input + its version's number."""
+
+    name = "plus"
+
+    def forward(self, batch: Any) -> Any:
+        return {"output": batch["input"] + float(self.version)}
+
+
+def _plus(value: float, version: str = "") -> dict:
+    request = {"model": "plus", "inputs": [{"name": "input", "shape": [1, 1], "datatype": "FP32",
+                                            "data": [value]}]}
+    if version:
+        request["parameters"] = {"model_version": version}
+    return request
+
+
+def test_versions_side_by_side_routed_by_the_request(tmp_path) -> None:
+    settings = dataclasses.replace(Settings.from_env(device="cpu"), models=("plus",),
+                                   metrics_port=0, model_dir="")
+    runtime = WorkerRuntime(settings)
+    runtime.registry.register("plus", _Plus)
+    runtime.registry.register("plus@2", _Plus)
+    runtime.load(["plus"])
+
+    def run(version: str = "") -> tuple[float, str | None]:
+        out = runtime.infer("r", _plus(10.0, version), worker="w")
+        return out["outputs"][0]["data"][0], out["parameters"].get("model_version")
+
+    try:
+        assert run() == (11.0, None)  # one version: nothing changes
+        assert runtime.key_for("plus", "2") == "plus@2" and runtime.key_for("plus", "1") == "plus"
+        with pytest.raises(UnknownModel, match="no version '3' registered .*'plus@3'"):
+            runtime.key_for("plus", "3")
+        assert runtime.load_one("plus@2")
+        assert runtime.versions_of("plus") == {"plus": "1", "plus@2": "2"}
+        # the latest by default, either by name
+        assert run() == (12.0, "2") and run("1") == (11.0, "1") and run("2") == (12.0, "2")
+        with pytest.raises(UnknownModel, match=r"no version '7' on this worker \(versions here: "
+                                               r"1, 2\)"):
+            run("7")
+        assert runtime.in_flight("plus") == 0 and runtime.in_flight("plus@2") == 0
+        # version 2 leaves: routed no more, then unloaded; version 1 serves everything
+        runtime.unhost("plus@2")
+        assert run() == (11.0, None)
+        with pytest.raises(UnknownModel, match="no version '2'"):
+            run("2")
+        runtime.unload("plus@2")
+        assert runtime.models == ["plus"] and run("1") == (11.0, "1")
+    finally:
+        runtime.close()
+
+
+def test_a_worker_announces_one_entry_per_model_with_its_versions(tmp_path) -> None:
+    from asyncinfer.worker.worker import announced_models
+
+    settings = dataclasses.replace(Settings.from_env(device="cpu"), models=("plus",),
+                                   metrics_port=0, model_dir="")
+    runtime = WorkerRuntime(settings)
+    runtime.registry.register("plus", _Plus)
+    runtime.registry.register("plus@10", _Plus)
+    runtime.registry.register("plus@2", _Plus)
+    runtime.load(["plus"])
+    try:
+        runtime.load_one("plus@10")
+        runtime.load_one("plus@2")
+        [meta] = announced_models(runtime.by_model(), set())
+        assert meta["name"] == "plus" and meta["versions"] == ["1", "2", "10"]
+        [meta] = announced_models(runtime.by_model(), {"plus@10"})
+        assert meta["versions"] == ["1", "2"]
+        assert announced_models(runtime.by_model(), {"plus", "plus@2", "plus@10"}) == []
+    finally:
+        runtime.close()
