@@ -40,7 +40,9 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-FACTORIES = TEST_FACTORIES + ",big=tests.support.model_control:Big"
+FACTORIES = TEST_FACTORIES + (",big=tests.support.model_control:Big,"
+                              "affine@2=tests.support.model_control:make_affine_v2,"
+                              "gated@2=tests.support.model_control:make_gated_v2")
 HOST = socket.gethostname()
 
 
@@ -309,3 +311,100 @@ def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_pa
         client.close()
         a.stop()
         b.stop()
+
+
+def test_two_versions_side_by_side_routed_by_version(fleet) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    worker, gateway, client = fleet
+    http = httpclient.InferenceServerClient(gateway.http_url, network_timeout=120.0)
+    grpc = grpcclient.InferenceServerClient(gateway.grpc_url)
+    x = np.array([[1.0, 2.0, 3.0]], np.float64)
+
+    def y(version: str = "", over_grpc: bool = False) -> list:
+        lib = grpcclient if over_grpc else httpclient
+        inp = lib.InferInput("x", [1, 3], "FP64")
+        inp.set_data_from_numpy(x)
+        result = (grpc if over_grpc else http).infer("affine", [inp], model_version=version)
+        return result.as_numpy("y").tolist()
+
+    try:
+        # Given affine (version 1) and its version 2 loaded beside it
+        assert client.load_model("affine").ok
+        loaded = _post(gateway.http_url, "/v2/repository/models/affine/load",
+                       {"parameters": {"version": "2"}})
+        assert loaded["ok"] and loaded["workers"][0]["version"] == "2"
+        rows = [(r["name"], r["version"], r["state"]) for r in http.get_model_repository_index()]
+        assert ("affine", "1", "READY") in rows and ("affine", "2", "READY") in rows
+        assert http.get_model_metadata("affine")["versions"] == ["1", "2"]
+        # Then each version answers its own calls, and a call naming none gets the latest
+        v1, v2 = (x * 3 + 1).tolist(), (x * 3 + 2).tolist()
+        assert y("1") == v1 and y("2") == v2 and y() == v2
+        assert y("1", over_grpc=True) == v1 and y("2", over_grpc=True) == v2
+        assert client.infer("affine", {"x": x}, timeout_s=60, version=1)["y"].tolist() == v1
+        with pytest.raises(InferenceServerException, match="has no version '3'"):
+            y("3")
+        # When version 1 is unloaded, version 2 serves on, and version 1 is unavailable
+        unloaded = client.unload_model("affine", version="1")
+        assert unloaded.ok, unloaded.message()
+        assert y() == v2 and y("2") == v2
+        rows = {r["version"]: r["state"] for r in http.get_model_repository_index()
+                if r["name"] == "affine"}
+        assert rows == {"2": "READY"}
+        with pytest.raises(InferenceServerException, match="has no version '1'"):
+            y("1")
+        failed = client.load_model("affine", version="9")
+        assert not failed.ok and "no version '9' registered" in failed.message()
+    finally:
+        http.close()
+        grpc.close()
+
+
+def test_a_version_unloads_without_losing_a_request(redis_db, tmp_path) -> None:
+    r = redis_db.client
+    r.set("gv:gate", "closed")
+    # Given a worker hosting gated (version 1, its gate closed) and gated version 2 (open)
+    worker = _worker(redis_db.url, tmp_path, "a", "gated,gated@2", GATED_REDIS_URL=redis_db.url,
+                     GATED_PREFIX="gv")
+    client = _client(redis_db.url)
+    try:
+        assert client.models()["gated"].versions == ["1", "2"]
+        # version 1 holds the device with request 0; requests 1-5 for version 1 wait for it
+        pinned = [client.submit("gated", {"index": np.array([[0.0]])}, version=1)]
+        wait_for(lambda: r.get("gv:blocked"), 60, "request 0 on the device")
+        pinned += [client.submit("gated", {"index": np.array([[float(i)]])}, version=1)
+                   for i in range(1, 6)]
+        inspect = client.app.control.inspect(destination=[f"a@{HOST}"], timeout=2.0)
+        wait_for(lambda: len((inspect.reserved() or {}).get(f"a@{HOST}") or []) >= 4, 60,
+                 "version 1's requests waiting")
+        # When version 1 is unloaded (it waits for its requests)
+        unloaded: list = []
+        unloading = threading.Thread(target=lambda: unloaded.append(client.unload_model(
+            "gated", version="1", grace_s=120, timeout_s=180)))
+        unloading.start()
+        wait_for(lambda: client.models()["gated"].versions == ["2"], 60,
+                 "version 1 left the catalogue")
+        # Then requests naming no version run on version 2 meanwhile, and version 1 is refused
+        latest = [client.submit("gated", {"index": np.array([[float(i)]])}) for i in range(6, 11)]
+        assert [int(f.result(timeout=60)["output"].item()) for f in latest] == list(range(6, 11))
+        assert {f.result(timeout=60).raw["parameters"]["model_version"] for f in latest} == {"2"}
+        late = client.submit("gated", {"index": np.array([[11.0]])}, version=1)
+        with pytest.raises(Exception, match="has no version '1'"):
+            late.result(timeout=60)
+        # and once its device is free, what version 1 had taken ends there, each request once
+        r.set("gv:gate", "open")
+        unloading.join(180)
+        assert unloaded[0].ok, unloaded[0].message()
+        answers = [f.result(timeout=60) for f in pinned]
+        assert [int(a["output"].item()) for a in answers] == list(range(6))
+        assert {a.raw["parameters"]["model_version"] for a in answers} == {"1"}
+        assert {int(k): int(v) for k, v in r.hgetall("gv:executions").items()} == {
+            i: 1 for i in range(6)}
+        assert {int(k): int(v) for k, v in r.hgetall("gv-v2:executions").items()} == {
+            i: 1 for i in range(6, 11)}
+    finally:
+        r.set("gv:gate", "open")
+        client.close()
+        worker.stop()

@@ -38,3 +38,22 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"process {pid} has no VmRSS")
+
+
+def make_affine_v2() -> Model:
+    """Version 2 of the tests' ``affine`` (``x`` FP64 [n, 3] → ``y`` = 3x + 2)."""
+    from tests.support.models import make_affine
+
+    model = make_affine()
+    forward = model.forward
+    model.forward = lambda batch: {"y": forward(batch)["y"] + 1}  # type: ignore[method-assign]
+    return model
+
+
+def make_gated_v2() -> Model:
+    """Version 2 of the tests' ``gated``: its own gate and executions (``<prefix>-v2:…``)."""
+    from tests.support.models import Gated
+
+    model = Gated()
+    model.prefix += "-v2"
+    return model
