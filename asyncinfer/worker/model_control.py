@@ -19,6 +19,11 @@ answered here (up to ``grace_s``); then the runner stops and its memory is given
 collected, the accelerator's cache emptied, the heap trimmed: engine/freeing.py). No request is
 lost or answered twice: each one is answered here, or back on its queue, untouched.
 
+**Versions** (model_versions.py): version ``v`` of ``m`` is registered as ``m@v`` and loaded
+beside the others, in a runner of its own, on the one queue ``infer.m``. Unloading one version
+while others stay leaves the queue taken: the version is routed no more, what it took runs to its
+end, nothing is given back (it would come back here).
+
 Both run in Celery's consumer thread (remote control commands do), one at a time per worker. Model
 control needs the fast consumer (the default on a Redis broker); a worker fed by Celery's consumer
 (RabbitMQ, ``ASYNCINFER_CONSUMER=celery``) refuses it, saying so.
