@@ -181,9 +181,11 @@ def _unload_version(worker: Worker, consumer: Any, model: str, key: str,
     version = runtime.by_model()[key].model.version
     runtime.unhost(key)
     worker.announce_now()  # the catalogue's versions without it (it is leaving)
-    # a trip through the consumer thread: what it was starting is submitted (and counted) now
+    # a trip through the consumer thread: what it was starting is handed to a runner now; what
+    # it starts from now on does not go to this version
     consumer.set_queues(consumer.queues)
-    left = _finish(lambda: runtime.in_flight(key), f"{model} version {version}", grace_s)
+    started = consumer.started_of(model)  # this version's among them, the others' too
+    left = _finish(lambda: consumer.still_held(started), f"{model} version {version}", grace_s)
     runtime.unload(key)
     log.info("model %s version %s unloaded (model control); its other versions serve", model,
              version)

@@ -23,7 +23,13 @@ from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
-from asyncinfer.model_versions import PARAMETER, latest, sorted_versions, split_key, version_key
+from asyncinfer.model_versions import (
+    PARAMETER,
+    sorted_versions,
+    split_key,
+    version_key,
+    version_order,
+)
 from asyncinfer.models.files import FILE_SUFFIXES
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
@@ -63,6 +69,8 @@ class WorkerRuntime:
         self._hosted: list[str] | None = None
         #: Requests handed to each runner and not yet done (a version's unload waits for them).
         self._in_flight: dict[str, int] = {}
+        #: Model → its hosted runners' (key, version), the latest last (how requests route).
+        self._routes: dict[str, list[tuple[str, str]]] = {}
         self._count_lock = threading.Lock()
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
@@ -118,21 +126,27 @@ class WorkerRuntime:
     def _route(self, model: str, version: str, request_id: str | None) -> str:
         """The key of the runner a request for ``model`` (``version``) goes to: among the
         versions of ``model`` loaded and hosted here, that version, else the latest."""
-        runners = self._runners
-        if model in runners and not version and self._hosted is None:
-            return model  # the common case: one version, hosted since the start
-        hosted = self._hosted
-        versions = {key: r.model.version for key, r in list(runners.items())
-                    if split_key(key)[0] == model and (hosted is None or key in hosted)}
-        if not versions:
-            return model
+        versions = self._routes.get(model)
+        if versions is None:
+            return model  # not loaded (yet): loaded on first use, if hosted
         if version:
-            for key, v in versions.items():
+            for key, v in versions:
                 if v == version:
                     return key
             raise self._no_version(model, version, request_id)
-        newest = latest(versions.values())
-        return next(key for key, v in versions.items() if v == newest)
+        return versions[-1][0]  # the latest
+
+    def _reroute(self) -> None:
+        """(Under the lock, after a load, unhost or unload.) Model → its hosted runners'
+        ``(key, version)``, the latest last."""
+        hosted = self._hosted
+        routes: dict[str, list[tuple[str, str]]] = {}
+        for key, runner in self._runners.items():
+            if hosted is None or key in hosted:
+                routes.setdefault(split_key(key)[0], []).append((key, runner.model.version))
+        for versions in routes.values():
+            versions.sort(key=lambda kv: version_order(kv[1]))
+        self._routes = routes
 
     def _no_version(self, model: str, version: str, request_id: str | None) -> UnknownModel:
         who = f"request {request_id}: " if request_id else ""
@@ -166,10 +180,6 @@ class WorkerRuntime:
         return {key: r.model.version for key, r in list(self._runners.items())
                 if split_key(key)[0] == model}
 
-    def in_flight(self, key: str) -> int:
-        """Requests handed to runner ``key`` and not yet done."""
-        return self._in_flight.get(key, 0)
-
     def _build(self, model: str, request_id: str | None = None) -> ModelRunner:
         instance = self.registry.create(model, request_id)
         name, version = split_key(model)
@@ -184,6 +194,7 @@ class WorkerRuntime:
         runner.start()
         log.info("model %s loaded on %s", model, self.device.label)
         self._runners[model] = runner
+        self._reroute()
         return runner
 
     def load_one(self, model: str) -> bool:
@@ -228,6 +239,7 @@ class WorkerRuntime:
     def _host(self, model: str) -> None:
         hosted = list(self.settings.models if self._hosted is None else self._hosted)
         self._hosted = hosted + [model] if model not in hosted else hosted
+        self._reroute()
 
     def unhost(self, model: str) -> None:
         """Host ``model`` no more: a request for it is refused from now on (its runner stays until
@@ -235,12 +247,14 @@ class WorkerRuntime:
         with self._lock:
             hosted = self.settings.models if self._hosted is None else self._hosted
             self._hosted = [m for m in hosted if m != model]
+            self._reroute()
 
     def unload(self, model: str) -> bool:
         """Stop ``model``'s runner (what still waits in its batcher fails: withdraw it first) and
         free its memory; False when it was not loaded."""
         with self._lock:
             runner = self._runners.pop(model, None)
+            self._reroute()
         if runner is None:
             return False
         runner.close()
@@ -300,20 +314,7 @@ class WorkerRuntime:
             future = runner.submit(request, received_at=received_at,
                                    expires_in_s=expires_in_s, time_limits=time_limits,
                                    alone=alone, priority=priority, on_part=on_part)
-        self._count(key, future)
         return request, future
-
-    def _count(self, key: str, future: Future[Completed]) -> None:
-        """Count ``future`` in flight on runner ``key`` until it is done."""
-        counts, lock = self._in_flight, self._count_lock
-        with lock:
-            counts[key] = counts.get(key, 0) + 1
-
-        def done(_: Future[Completed]) -> None:
-            with lock:
-                counts[key] -= 1
-
-        future.add_done_callback(done)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,
@@ -347,6 +348,7 @@ class WorkerRuntime:
         """Stop every runner."""
         with self._lock:
             runners, self._runners = list(self._runners.values()), {}
+            self._routes = {}
         for runner in runners:
             runner.close()
         self.timer.close()

@@ -242,6 +242,16 @@ class FastConsumer(PipelineConsumer):
         self._restore(back)
         return len(back)
 
+    def started_of(self, model: str) -> set[int]:
+        """The requests of ``model`` it holds, handed to a runner or about to be (not those
+        waiting for their eta): their identities, for :meth:`still_held`."""
+        return {id(h.delivery) for h in self.holdings.held()
+                if model_from_queue(h.delivery.queue) == model and h.state != SCHEDULED}
+
+    def still_held(self, which: set[int]) -> int:
+        """How many of ``which`` (:meth:`started_of`) it still holds (not yet answered)."""
+        return sum(1 for h in self.holdings.held() if id(h.delivery) in which)
+
     def held_of(self, model: str) -> int:
         """How many requests of ``model`` it holds (taken, not yet answered)."""
         return sum(1 for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model)
