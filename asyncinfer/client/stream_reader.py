@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,8 @@ FINAL_STATES = (states.SUCCESS, states.FAILURE, states.REVOKED)
 READ_COUNT = 256
 #: The longest one XREAD blocks (seconds), whatever ``check_s`` says.
 MAX_BLOCK_S = 10.0
+#: How long past what it was asked to block Redis may take to answer (seconds).
+REPLY_MARGIN_S = 10.0
 
 
 class StreamMalformed(AsyncInferError, ValueError):
@@ -272,8 +274,12 @@ class StreamProgress:
 def revoked_error(request_id: str, reason: str) -> RequestRevoked:
     """RequestRevoked (RequestExpired for an expired one) naming ``request_id``."""
     reason = reason.strip() or "revoked"
-    kind = RequestExpired if reason.startswith("expired") else RequestRevoked
-    return kind(f"request {request_id}: {reason}" if reason.startswith(("revoked", "expired"))
+    named = reason.startswith(f"request {request_id}:")
+    said = reason[len(f"request {request_id}:"):].strip() if named else reason
+    kind = RequestExpired if said.startswith("expired") else RequestRevoked
+    if named:
+        return kind(reason)
+    return kind(f"request {request_id}: {reason}" if said.startswith(("revoked", "expired"))
                 else f"request {request_id}: revoked ({reason})")
 
 
@@ -469,7 +475,13 @@ class StreamReader(_Reading):
 
 class AsyncStreamReader(_Reading):
     """``async for`` the parts of one request's stream (a ``redis.asyncio`` client of the result
-    backend)."""
+    backend, made without a ``socket_timeout``: each command is bounded here instead).
+
+    Why: with redis-py 8.1 a ``socket_timeout`` on a pooled connection can swallow the cancelling
+    of the task that awaits a command sent right after another one (the task reads on, and its
+    request is never revoked); ``asyncio.wait_for`` around the command keeps both the bound and
+    the cancel.
+    """
 
     def __aiter__(self) -> AsyncIterator[StreamPart]:
         return self._read()
@@ -484,9 +496,10 @@ class AsyncStreamReader(_Reading):
                     next_check = time.monotonic() + self.check_s
                     parts = await self._check()
                 else:
-                    parts = progress.take_reply(await self.client.xread(
-                        {progress.key: progress.last_id}, count=READ_COUNT,
-                        block=self._block_ms()))
+                    block_ms = self._block_ms()
+                    parts = progress.take_reply(await self._reply(self.client.xread(
+                        {progress.key: progress.last_id}, count=READ_COUNT, block=block_ms),
+                        block_ms / 1000))
                 self._answered()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 await asyncio.sleep(self._failed(exc))
@@ -507,10 +520,20 @@ class AsyncStreamReader(_Reading):
         self._check_lost()
         pipe = self.client.pipeline(transaction=False)
         self._looks(pipe)
-        replies = await pipe.execute()
-        reply = await self.client.xread({self.progress.key: self.progress.last_id},
-                                        count=READ_COUNT)
+        replies = await self._reply(pipe.execute())
+        reply = await self._reply(self.client.xread(
+            {self.progress.key: self.progress.last_id}, count=READ_COUNT))
         return self._judge(replies, reply)
+
+    async def _reply(self, command: Awaitable[Any], blocks_s: float = 0.0) -> Any:
+        """``command``'s reply, or redis.TimeoutError when Redis has not answered within
+        ``blocks_s`` (what it was asked to block) + :data:`REPLY_MARGIN_S`. The client's own
+        socket timeout is off (see :class:`AsyncStreamReader`)."""
+        try:
+            return await asyncio.wait_for(command, blocks_s + REPLY_MARGIN_S)
+        except asyncio.TimeoutError:
+            raise redis.TimeoutError(f"no reply from Redis within "
+                                     f"{blocks_s + REPLY_MARGIN_S:g} s") from None
 
     async def _stored_failure(self) -> tuple[str, Any] | None:
         final = self.progress.final
@@ -519,7 +542,7 @@ class AsyncStreamReader(_Reading):
         give_up = time.monotonic() + self.failure_wait_s
         while True:
             try:
-                payload = await self.client.get(self.result_key)
+                payload = await self._reply(self.client.get(self.result_key))
             except (redis.ConnectionError, redis.TimeoutError):
                 payload = None
             if payload is not None:

@@ -237,7 +237,9 @@ class Streams:
         loop = asyncio.get_running_loop()
         client = self._by_loop.get(loop)
         if client is None:
-            client = self._by_loop[loop] = redis.asyncio.Redis.from_url(self.url, **self._timeouts)
+            # no socket_timeout: the reader bounds each command itself (AsyncStreamReader)
+            client = self._by_loop[loop] = redis.asyncio.Redis.from_url(
+                self.url, socket_connect_timeout=self._timeouts["socket_connect_timeout"])
         return client
 
     def result_key(self, request_id: str) -> str:
