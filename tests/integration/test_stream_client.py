@@ -8,6 +8,7 @@ another."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import subprocess
@@ -129,6 +130,15 @@ def test_leaving_the_with_block_revokes(client: Client) -> None:
     with client.stream("echo-stream", text(["x"], ENDLESS)) as parts:
         assert next(parts).index == 1
     revoked_in_the_end(client, parts.request_id)
+
+
+def test_an_unfinished_stream_garbage_collected_revokes(client: Client) -> None:
+    stream = client.stream("echo-stream", text(["y"], ENDLESS))
+    assert next(stream).index == 1
+    request_id = stream.request_id
+    del stream
+    gc.collect()
+    revoked_in_the_end(client, request_id)
 
 
 def test_concurrent_streams_each_get_their_own_parts(client: Client) -> None:
