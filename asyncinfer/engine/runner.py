@@ -150,7 +150,11 @@ class ModelRunner:
         self.model.load(self.device.torch_device)
         compile_model(self.model, self.device.torch_device, self.options)
         warm_up(self.model, self.device, self.options)
-        self.graphs = capture_graphs(self.model, self.device, self.options)
+        if self._decoupled and self.options.graph_batch_sizes:
+            log.warning("model %s: graph_batch_sizes ignored: it streams (decoupled), its steps "
+                        "run eager", self.model.name)
+        elif not self._decoupled:
+            self.graphs = capture_graphs(self.model, self.device, self.options)
         for t in self._threads:
             t.start()
         return self

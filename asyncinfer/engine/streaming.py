@@ -63,14 +63,14 @@ def run_stream(model: Model, device: Device, items: Sequence[WorkItem], batch: B
             _cancel_unwanted(model, rows, is_revoked, closing)
             if not rows.state.live():
                 break
-            try:
-                step = next(generator)
-            except StopIteration:
-                break
-            steps += 1
-            with device.on_stream(stream):
+            with device.on_stream(stream):  # the step's work and its copy on one stream
+                try:
+                    step = next(generator)
+                except StopIteration:
+                    break
                 host = {name: device.to_host(v) for name, v in step.outputs.items()}
                 event = device.record_event(stream)
+            steps += 1
             if event is not None:
                 event.synchronize()
             with settling():
@@ -135,10 +135,18 @@ def _hand_out(model: Model, rows: _Rows, step: StreamStep, outputs: Batch) -> No
         for name, piece in pieces.items():
             rows.parts[r].setdefault(name, []).append(piece)
         rows.counts[r] += 1
-        if item.on_part is not None:
-            binary = item.request.binary_output
-            item.on_part(rows.counts[r], [output_tensor(name, piece, binary)
+        if item.on_part is None:
+            continue
+        try:
+            item.on_part(rows.counts[r], [output_tensor(name, piece, item.request.binary_output)
                                           for name, piece in pieces.items()])
+        except Exception as exc:  # noqa: BLE001 - a part that cannot be handed fails its row only
+            err = ModelError(f"request {item.request.id}: part {rows.counts[r]} of model "
+                             f"'{model.name}' could not be handed over ({type(exc).__name__}: "
+                             f"{exc})")
+            err.__cause__ = exc
+            settle(item.future, exc=err)
+            rows.state.cancelled.add(r)
 
 
 def _row(value: Any, j: int) -> Any:
