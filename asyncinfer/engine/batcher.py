@@ -63,6 +63,9 @@ class WorkItem:
     passed: int = 0
     #: ...by its place in the order items were put (the batcher numbers them).
     arrival: int = 0
+    #: Its host's trace tag (opaque here: the worker's message headers), handed back in its
+    #: batch's record when the runner records batches (tracing); None: none.
+    trace: Any = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

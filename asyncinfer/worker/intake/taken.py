@@ -28,3 +28,6 @@ class TakenMessage(Message):
     message: Any = None
     #: Its response cache entry, to fill with its answer ('' for none: response_cache.py).
     cache_key: str = ""
+    #: The device batch it ran in (engine/completion.py's BatchRecord), when tracing records
+    #: batches; None otherwise.
+    batch: Any = None
