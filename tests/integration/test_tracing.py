@@ -2,8 +2,8 @@
 exporting over OTLP/HTTP to a collector in the test process (tests/support/tracing.py).
 
 A request keeps one trace from the caller's span through the gateway, the queue, its device batch
-and its result write; a chain keeps one across its three stages; with tracing off neither a worker nor a client imports
-any tracing code.
+and its result write; a chain keeps one across its three stages; with tracing off neither a
+worker nor a client imports any tracing code.
 """
 
 from __future__ import annotations
