@@ -289,3 +289,34 @@ def test_with_tracing_off_no_process_imports_tracing(
     # of OpenTelemetry beyond those its libraries import, none of asyncinfer's span code
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["0", "0", "0"]
+
+
+def test_asyncinfer_runs_without_opentelemetry_installed() -> None:
+    # Given a Python in which OpenTelemetry cannot be imported (as without the tracing extra)
+    script = (
+        "import sys\n"
+        "class Missing:\n"
+        "    def find_spec(self, name, *args):\n"
+        "        if name.split('.')[0] == 'opentelemetry':\n"
+        "            raise ImportError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "import asyncinfer.client, asyncinfer.gateway.server, asyncinfer.worker.launch\n"
+        "from asyncinfer.client import Client\n"
+        "from asyncinfer.config.settings import Settings\n"
+        "from asyncinfer.tracing import tracing_for\n"
+        "c = Client(broker_url='redis://127.0.0.1:1/0')\n"
+        "message = c.submission('identity', [1.0], check=False).message('reply', None)\n"
+        "print(c.sender.tracing, 'traceparent' in message)\n"
+        "try:\n"
+        "    tracing_for(Settings(tracing='otlp'))\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=worker_env("redis://127.0.0.1:1/0"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # Then it imports, builds requests, and runs with tracing off; asking for tracing says what
+    # to install
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "None False"
+    assert lines[1].startswith("ASYNCINFER_TRACING=otlp needs OpenTelemetry, which is not installed")
+    assert lines[1].endswith("pip install 'asyncinfer[tracing]'")
