@@ -124,6 +124,7 @@ def traced_client(traced_db: RedisDatabase, traced_worker: WorkerProcess,
         yield client
     finally:
         client.close()
+        client.sender.tracing.flush()  # while the collector still listens
 
 
 def assert_worker_spans(spans: dict[str, CollectedSpan], parent: CollectedSpan | str,
