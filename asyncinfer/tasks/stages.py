@@ -35,14 +35,16 @@ __all__ = ["preprocess", "postprocess"]
 @contextmanager
 def _traced(task: Task, name: str) -> Iterator[None]:
     """The stage's span (tracing on), child of the trace context its message carries: the
-    chain's one trace (client.submit_staged puts it on every stage's message)."""
+    chain's one trace (client.submit_staged puts it on every stage's message). A message without
+    one is not traced, as on a device worker (worker/output/trace_spans.py)."""
     tracing = tracing_for(worker_of(task.app).settings)
-    if tracing is None:
+    request = task.request
+    parent = None if tracing is None else trace_fields(
+        {TRACEPARENT: getattr(request, TRACEPARENT, None),
+         TRACESTATE: getattr(request, TRACESTATE, None)})
+    if tracing is None or parent is None:
         yield
         return
-    request = task.request
-    parent = trace_fields({TRACEPARENT: getattr(request, TRACEPARENT, None),
-                           TRACESTATE: getattr(request, TRACESTATE, None)})
     span = tracing.start(name, parent, kind="consumer",
                          attributes={"messaging.message.id": str(request.id),
                                      "asyncinfer.worker": str(request.hostname or "")})
