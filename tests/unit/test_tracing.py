@@ -266,3 +266,14 @@ def test_a_future_ends_the_client_span(exported: tuple[Tracing, InMemorySpanExpo
     assert ended.parent.span_id == int(SPAN_ID, 16)
     assert ended.status.status_code == StatusCode.ERROR
     assert ended.attributes["messaging.destination.name"] == "infer.identity"
+
+
+def test_an_unsampled_caller_is_not_recorded(
+        exported: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = exported
+    now = time.perf_counter()
+    unsampled = f"00-{TRACE_ID}-{SPAN_ID}-00"  # the caller decided not to record this trace
+    d = _taken("a", {TRACEPARENT: unsampled}, time.time() - 0.1, now)
+    d.batch = BatchRecord("m", "cpu", 1, now, now, 0.0, now, ["a"], [d.headers])
+    WorkerSpans(tracing, "w@h").record([Outcome(d, states.SUCCESS, {})], now, now)
+    assert exporter.get_finished_spans() == ()
