@@ -71,10 +71,12 @@ class Tracing:
         span = trace.get_current_span()
         return self.fields_of(span) if span.get_span_context().is_valid else None
 
-    def link(self, fields: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None
-             ) -> Link | None:
-        """A link to the span ``fields`` name (None when they name none)."""
-        context = self.context_of(fields)
+    def link(self, fields: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None,
+             *, context: Any = None) -> Link | None:
+        """A link to the span ``fields`` name, or (``context``) the current span of that
+        context; None when they name none."""
+        if context is None:
+            context = self.context_of(fields)
         if context is None:
             return None
         return Link(trace.get_current_span(context).get_span_context(), attributes)
@@ -83,11 +85,14 @@ class Tracing:
 
     def start(self, name: str, parent: Mapping[str, str] | None = None, *, kind: str = "internal",
               start_ns: int | None = None, attributes: Mapping[str, Any] | None = None,
-              links: Sequence[Link | None] = (), current_parent: bool = False) -> Any:
-        """A started span ``name``, child of the span ``parent`` names (with ``current_parent``
-        and no ``parent``: of the calling code's current span; else the root of a new trace).
-        End it with ``span.end()`` (``end_time=`` nanoseconds for one recorded after the fact)."""
-        context = self.context_of(parent)
+              links: Sequence[Link | None] = (), current_parent: bool = False,
+              context: Any = None) -> Any:
+        """A started span ``name``, child of the span ``parent`` names, or of ``context``'s
+        (:meth:`context_of`, read once for many spans); with ``current_parent`` and neither: of
+        the calling code's current span; else the root of a new trace. End it with
+        ``span.end()`` (``end_time=`` nanoseconds for one recorded after the fact)."""
+        if context is None:
+            context = self.context_of(parent)
         if context is None and not current_parent:
             context = otel_context.Context()  # a root, whatever is current
         return self.tracer.start_span(name, context=context, kind=KINDS[kind],

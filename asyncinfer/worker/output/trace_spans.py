@@ -57,22 +57,23 @@ class WorkerSpans:
         and ``write_ended`` (``perf_counter`` readings). Never raises: a trace must not cost a
         result."""
         offset_s = time.time() - time.perf_counter()
+        contexts = _Contexts(self.tracing)  # each request's trace context, read once
         for outcome in outcomes:
             try:
                 self._request(outcome, len(outcomes), _ns(write_started, offset_s),
-                              _ns(write_ended, offset_s), offset_s)
+                              _ns(write_ended, offset_s), offset_s, contexts)
             except Exception:  # noqa: BLE001 - tracing is a courtesy
                 log.debug("request %s: recording its spans failed",
                           outcome.delivery.request_id, exc_info=True)
 
     def _request(self, outcome: Any, written: int, write_start_ns: int, write_end_ns: int,
-                 offset_s: float) -> None:
+                 offset_s: float, contexts: _Contexts) -> None:
         d = outcome.delivery
         batch = d.batch
         if batch is not None and not batch.recorded:
             batch.recorded = True
-            self._batch(batch, offset_s)
-        parent = trace_fields(d.headers)
+            self._batch(batch, offset_s, contexts)
+        parent = contexts.of(d.headers)
         if parent is None:
             return
         common = {"messaging.message.id": d.request_id, "messaging.destination.name": d.queue,
@@ -80,29 +81,30 @@ class WorkerSpans:
         sent = (d.envelope.get("properties") or {}).get(SENT_AT)
         if isinstance(sent, (int, float)) and d.received_at:
             start_ns = int(sent * 1e9)
-            span = self.tracing.start(QUEUE_SPAN, parent, kind="consumer", start_ns=start_ns,
+            span = self.tracing.start(QUEUE_SPAN, context=parent, kind="consumer",
+                                      start_ns=start_ns,
                                       attributes={**common, "asyncinfer.retries": int(
                                           d.headers.get("retries") or 0)})
             # another host's clock sent it: never a span that ends before it starts
             span.end(end_time=max(start_ns, _ns(d.received_at, offset_s)))
-        span = self.tracing.start(WRITE_SPAN, parent, start_ns=write_start_ns,
+        span = self.tracing.start(WRITE_SPAN, context=parent, start_ns=write_start_ns,
                                   attributes={**common, "asyncinfer.state": outcome.state,
                                               "asyncinfer.written": written})
         if outcome.state == states.FAILURE:
             self.tracing.fail(span, str(outcome.result) or type(outcome.result).__name__)
         span.end(end_time=write_end_ns)
 
-    def _batch(self, batch: Any, offset_s: float) -> None:
+    def _batch(self, batch: Any, offset_s: float, contexts: _Contexts) -> None:
         """The spans of one device batch: under its first traced request, linked to all."""
-        traced = [(request_id, fields)
+        traced = [(request_id, context)
                   for request_id, tag in zip(batch.request_ids, batch.traces, strict=True)
-                  if (fields := trace_fields(tag)) is not None]
+                  if (context := contexts.of(tag)) is not None]
         if not traced:
             return
-        links = [self.tracing.link(fields, {"messaging.message.id": request_id})
-                 for request_id, fields in traced]
+        links = [self.tracing.link(None, {"messaging.message.id": request_id}, context=context)
+                 for request_id, context in traced]
         span = self.tracing.start(
-            BATCH_SPAN, traced[0][1], start_ns=_ns(batch.started, offset_s), links=links,
+            BATCH_SPAN, context=traced[0][1], start_ns=_ns(batch.started, offset_s), links=links,
             attributes={"asyncinfer.model": batch.model, "asyncinfer.device": batch.device,
                         "asyncinfer.batch_size": batch.rows,
                         "asyncinfer.batch_requests": len(batch.request_ids),
@@ -115,3 +117,22 @@ class WorkerSpans:
                                               attributes={"asyncinfer.device": batch.device})
             device.end(end_time=_ns(end, offset_s))
         span.end(end_time=_ns(batch.finished, offset_s))
+
+
+class _Contexts:
+    """The parent contexts of the trace tags (message headers) of one write, each read once
+    (a request's headers serve its own spans and its batch's link)."""
+
+    def __init__(self, tracing: Any) -> None:
+        self.tracing = tracing
+        self._read: dict[int, tuple[Any, Any]] = {}
+
+    def of(self, headers: Any) -> Any:
+        """The context the trace context in ``headers`` names (None: none)."""
+        if not headers:
+            return None
+        found = self._read.get(id(headers))
+        if found is None or found[0] is not headers:
+            found = self._read[id(headers)] = (headers, self.tracing.context_of(
+                trace_fields(headers)))
+        return found[1]
