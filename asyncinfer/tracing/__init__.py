@@ -10,8 +10,8 @@ exported as the mode says (provider.py).
 Who records what (docs/operations.md, *Tracing*): the client its ``asyncinfer.submit``
 (client/submit_span.py), the gateway its ``asyncinfer.gateway.infer`` (gateway/service.py), the
 worker ``asyncinfer.queue``, ``asyncinfer.batch``, ``asyncinfer.device`` and
-``asyncinfer.write`` on its result writer's thread (worker/output/trace_spans.py), the CPU stages
-of a chain theirs (tasks/stages.py).
+``asyncinfer.write`` after each result write, on a thread of their own
+(worker/output/trace_spans.py), the CPU stages of a chain theirs (tasks/stages.py).
 """
 
 from __future__ import annotations

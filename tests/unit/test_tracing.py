@@ -5,6 +5,7 @@ exporter)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -171,7 +172,9 @@ def test_the_worker_records_queue_batch_device_and_write_under_the_callers_span(
     outcomes = [Outcome(a, states.SUCCESS, {}), Outcome(b, states.FAILURE, ModelError("boom")),
                 Outcome(c, states.SUCCESS, {})]
     # When the writer has written them
-    WorkerSpans(tracing, "w@h").record(outcomes, now + 0.04, now + 0.05)
+    recorder = WorkerSpans(tracing, "w@h")
+    recorder.hand_over(outcomes, now + 0.04, now + 0.05)  # as the writer does, after its write
+    recorder.close()  # made on its own thread: wait for them
     spans = exporter.get_finished_spans()
     # Then: a's queue and write, b's write, one batch and its device; nothing of c's own
     names = sorted(s.name for s in spans)
@@ -215,6 +218,7 @@ def test_a_batch_is_recorded_once_across_writes(
     spans = WorkerSpans(tracing, "w@h")
     spans.record([Outcome(a, states.SUCCESS, {})], now, now)
     spans.record([Outcome(b, states.SUCCESS, {})], now, now)
+    spans.close()
     names = [s.name for s in exporter.get_finished_spans()]
     assert names.count("asyncinfer.batch") == 1 and names.count("asyncinfer.write") == 2
 
@@ -224,7 +228,9 @@ def test_a_span_that_cannot_be_made_costs_no_result(
     tracing, _ = exported
     d = _taken("a", {TRACEPARENT: PARENT}, None, time.perf_counter())
     d.batch = object()  # not a batch record: recording it raises inside
-    WorkerSpans(tracing, "w@h").record([Outcome(d, states.SUCCESS, {})], 0.0, 0.0)  # no raise
+    spans = WorkerSpans(tracing, "w@h")
+    spans.record([Outcome(d, states.SUCCESS, {})], 0.0, 0.0)  # no raise
+    spans.close()
 
 
 # -- a chain's next stage carries the trace ------------------------------------------------------
@@ -275,5 +281,21 @@ def test_an_unsampled_caller_is_not_recorded(
     unsampled = f"00-{TRACE_ID}-{SPAN_ID}-00"  # the caller decided not to record this trace
     d = _taken("a", {TRACEPARENT: unsampled}, time.time() - 0.1, now)
     d.batch = BatchRecord("m", "cpu", 1, now, now, 0.0, now, ["a"], [d.headers])
-    WorkerSpans(tracing, "w@h").record([Outcome(d, states.SUCCESS, {})], now, now)
+    spans = WorkerSpans(tracing, "w@h")
+    spans.record([Outcome(d, states.SUCCESS, {})], now, now)
+    spans.close()
     assert exporter.get_finished_spans() == ()
+
+
+def test_written_batches_past_the_bound_are_dropped_not_held(
+        exported: tuple[Tracing, InMemorySpanExporter], monkeypatch: pytest.MonkeyPatch) -> None:
+    tracing, exporter = exported
+    gate = threading.Event()
+    spans = WorkerSpans(tracing, "w@h")
+    monkeypatch.setattr(spans, "record", lambda *args: gate.wait(10))  # the thread is busy
+    spans.hand_over([], 0.0, 0.0)  # taken by the thread, which waits
+    for _ in range(WorkerSpans.max_waiting + 5):  # the queue fills, then 5 more
+        spans.hand_over([], 0.0, 0.0)
+    assert 5 <= spans.dropped <= 6  # (the first may still be in the queue when the rest come)
+    gate.set()
+    spans.close()

@@ -215,6 +215,8 @@ class ResultWriter:
         """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self.spans is not None:
+            self.spans.close()
 
     def _run(self) -> None:
         stopping = False
@@ -250,8 +252,8 @@ class ResultWriter:
         for outcome in batch:
             if outcome.embed:
                 self._call_links(outcome)
-        if self.spans is not None:  # after the answers are out: spans are no one's wait
-            self.spans.record(batch, write_started, write_ended)
+        if self.spans is not None:  # made on the spans' own thread: no write waits for them
+            self.spans.hand_over(batch, write_started, write_ended)
 
     def _store_all(self, batch: list[Outcome]) -> None:
         """Store ``batch``, trying again until Redis takes it. A transaction Redis refuses for

@@ -3,9 +3,9 @@ thread (tracing on: ``ASYNCINFER_TRACING``).
 
 Nothing is recorded on the requests' path: the take time, the batch's times (its
 :class:`~asyncinfer.engine.completion.BatchRecord`) and the write's are ``perf_counter`` readings
-taken anyway; after each write the writer hands its outcomes here, and the spans are made with
-explicit start and end times, then exported by the provider's own thread. So the device thread
-never waits on OpenTelemetry, and the writer only for the making of the spans.
+taken anyway; after each write the writer hands its outcomes to this module's thread (a queue
+put), which makes the spans with explicit start and end times; the provider's own thread exports
+them. So neither the device thread nor the writer waits on OpenTelemetry.
 
 Per request that carries a trace context (the ``traceparent`` header: wire/trace_context.py),
 children of the caller's span:
@@ -24,6 +24,8 @@ caller decides; an unsampled ``traceparent`` is honoured the same way by the sam
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from typing import Any
 
@@ -46,11 +48,40 @@ def _ns(perf_s: float, offset_s: float) -> int:
 
 class WorkerSpans:
     """Records the spans of worker ``worker``'s written requests through ``tracing``
-    (:class:`~asyncinfer.tracing.spans.Tracing`)."""
+    (:class:`~asyncinfer.tracing.spans.Tracing`), on a thread of its own: the writer hands each
+    written batch over (:meth:`hand_over`, a queue put) and goes on to the next write."""
+
+    #: Written batches waiting for their spans at most; past it a batch's spans are dropped (as
+    #: the exporter drops spans past its own queue) rather than held without bound.
+    max_waiting = 1024
 
     def __init__(self, tracing: Any, worker: str) -> None:
         self.tracing = tracing
         self.worker = worker
+        #: Written batches whose spans were dropped (the queue was full).
+        self.dropped = 0
+        self._waiting: queue.Queue[tuple[list[Any], float, float] | None] = queue.Queue(
+            self.max_waiting)
+        self._thread = threading.Thread(target=self._run, name="asyncinfer-spans", daemon=True)
+        self._thread.start()
+
+    def hand_over(self, outcomes: list[Any], write_started: float, write_ended: float) -> None:
+        """(The writer's, after each write.) :meth:`record` ``outcomes`` on this thread."""
+        try:
+            self._waiting.put_nowait((outcomes, write_started, write_ended))
+        except queue.Full:
+            self.dropped += 1
+            log.debug("the spans of %d requests were dropped (%d written batches wait for theirs)",
+                      len(outcomes), self.max_waiting)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Record what was handed over, then stop."""
+        self._waiting.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._waiting.get()) is not None:
+            self.record(*item)
 
     def record(self, outcomes: list[Any], write_started: float, write_ended: float) -> None:
         """The spans of ``outcomes`` (result writer outcomes), written between ``write_started``
