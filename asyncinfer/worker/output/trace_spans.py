@@ -1,5 +1,5 @@
-"""A worker's spans of the requests it answered, recorded after the fact on the result writer's
-thread (tracing on: ``ASYNCINFER_TRACING``).
+"""A worker's spans of the requests it answered, recorded after the fact, after each result
+write, on a thread of their own (tracing on: ``ASYNCINFER_TRACING``).
 
 Nothing is recorded on the requests' path: the take time, the batch's times (its
 :class:`~asyncinfer.engine.completion.BatchRecord`) and the write's are ``perf_counter`` readings
