@@ -25,6 +25,7 @@ from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
 from asyncinfer.client.streams import AsyncResponseStream, OnInterrupted, ResponseStream, Streams
+from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
     CPU_QUEUE,
@@ -220,15 +221,26 @@ class Client:
         self.check_model(model, request_id)
         payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
-        options = {"serializer": serializer}
+        options: dict[str, Any] = {"serializer": serializer}
         group = self._group_for(model)  # with routes, the CPU stages run on the model's broker too
+        tracing, span = group.sender.tracing, None
+        if tracing is not None:  # every stage's message carries the chain's one span
+            span = start_span_for(tracing, request_id, cpu_queue, PREPROCESS_TASK, model)
+            options["headers"] = tracing.fields_of(span)
         app = group.app
         flow = (app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
                 | app.signature(TASK_NAME, queue=queue_for(model), **options)
                 | app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
         future = group.sender.future_of(request_id)
         group.sender.watcher.watch(request_id, future._settle)
-        flow.apply_async()
+        try:
+            flow.apply_async()
+        except BaseException as exc:
+            if span is not None:
+                end_with_error(tracing, span, exc)
+            raise
+        if span is not None:
+            end_with_future(tracing, span, future)
         return future
 
     def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,

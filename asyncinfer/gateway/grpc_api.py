@@ -35,6 +35,7 @@ from asyncinfer.gateway.tensors import (
 from asyncinfer.wire.datatypes import spec_for
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
+from asyncinfer.wire.trace_context import trace_fields_of_pairs
 
 __all__ = ["start_grpc", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
 
@@ -242,6 +243,7 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         # Typed contents are converted element by element, raw ones checked (BOOL bytes, BYTES
         # length prefixes): off the loop when there is much of either.
         call = await off_loop_if_large(request.ByteSize(), _call, request, timeout_s)
+        call.trace = trace_fields_of_pairs(context.invocation_metadata())  # a traceparent, if any
         return _infer_response(await service.infer(call))
 
     async def model_statistics(request: pb.ModelStatisticsRequest,

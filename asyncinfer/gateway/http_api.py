@@ -23,6 +23,7 @@ from aiohttp import web
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
+from asyncinfer.wire.trace_context import trace_fields
 
 __all__ = ["make_app", "start_http"]
 
@@ -115,6 +116,7 @@ async def infer(request: web.Request) -> web.StreamResponse:
             body = await asyncio.get_running_loop().run_in_executor(None, _inflate, encoding, body,
                                                                     limit)
         call = await off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
+        call.trace = trace_fields(request.headers)  # the caller's traceparent, if any
         result = await service.infer(call)
         out, json_length = await off_loop_if_large(
             sum(len(o.raw) for o in result.outputs), render_infer_result, call, result)

@@ -33,11 +33,14 @@ from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
-__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large"]
+__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
+           "GATEWAY_SPAN"]
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "asyncinfer"
+#: The gateway's span of an infer call (tracing on).
+GATEWAY_SPAN = "asyncinfer.gateway.infer"
 #: What ``GET /v2`` and ServerMetadata advertise.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
@@ -114,7 +117,7 @@ class Service:
     #: names reads the catalogue at most 1 / MISS_REREAD_S times a second, not once per call.
     MISS_REREAD_S = 0.05
 
-    def __init__(self, client: Client, *, version: str = "") -> None:
+    def __init__(self, client: Client, *, version: str = "", tracing: Any = None) -> None:
         self.client = client
         self.version = version
         self._catalogue: dict[str, CatalogueEntry] = {}
@@ -129,6 +132,9 @@ class Service:
         self.in_flight = 0
         #: Set when the gateway stops: calls cut off then are not revoked.
         self.stopping = False
+        #: OpenTelemetry (``ASYNCINFER_TRACING``, asyncinfer/tracing): each infer call's server
+        #: span; None: off.
+        self.tracing = tracing
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -281,6 +287,7 @@ class Service:
         """
         started = time.perf_counter()
         status = 200
+        span = None if self.tracing is None else self._start_span(call)
         self.in_flight += 1
         try:
             return await self._infer(call)
@@ -294,6 +301,25 @@ class Service:
         finally:
             self.in_flight -= 1
             self.on_infer(call, status, time.perf_counter() - started)
+            if span is not None:
+                self._end_span(span, status)
+
+    def _start_span(self, call: InferCall) -> Any:
+        """The call's server span, child of the caller's trace context (a new trace without
+        one); the request carries the span's context on (``call.trace``)."""
+        assert self.tracing is not None
+        span = self.tracing.start(GATEWAY_SPAN, call.trace, kind="server", attributes={
+            "rpc.system": call.protocol, "asyncinfer.model": call.model,
+            "asyncinfer.model_version": call.version, "asyncinfer.request_id": call.id})
+        call.trace = self.tracing.fields_of(span)
+        return span
+
+    def _end_span(self, span: Any, status: int) -> None:
+        assert self.tracing is not None
+        span.set_attribute("asyncinfer.status_code", status)
+        if status >= 400:
+            self.tracing.fail(span, f"answered {status}")
+        span.end()
 
     async def _send(self, model: str, inputs: list[dict[str, Any]],
                     options: dict[str, Any]) -> InferFuture:
@@ -326,7 +352,8 @@ class Service:
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
         sent = await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
-            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
+            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority,
+            "trace": call.trace})
         if self._handover is None:  # the loop's, made on its first call
             self._handover = Handover(asyncio.get_running_loop())
         try:

@@ -72,3 +72,24 @@ def test_a_batch_that_runs_alone_waits_for_what_ran_before_it_and_no_more() -> N
     release.join()
     holdings.resume(retry)  # due again: it waits for the device, launched no more
     assert holdings.settle({"alone"}, timeout_s=0.05) == 0
+
+
+def test_a_launch_marks_each_held_copy_of_its_requests_and_a_release_forgets_only_its_own() -> None:
+    from asyncinfer.worker.intake.holdings import Holdings
+
+    holdings = Holdings(128)
+    first, again, other = _taken("dup"), _taken("dup"), _taken("other")  # "dup" held twice
+    holdings.add(first, again, other)
+    holdings.launched({"dup"})
+    assert {h.delivery.request_id: h.launched for h in holdings.held() if h.delivery is other} == {
+        "other": False}
+    assert [h.launched for h in holdings.held() if h.delivery.request_id == "dup"] == [True, True]
+    assert holdings.find("dup") is first
+    holdings.release([first])
+    assert holdings.find("dup") is again  # the other copy is still held, and found
+    assert holdings.settle({"other"}, timeout_s=0.05) == 1
+    holdings.release([again])
+    assert holdings.find("dup") is None
+    assert holdings.settle({"other"}, timeout_s=0.05) == 0
+    holdings.launched({"dup", "never-held"})  # nothing held under them: nothing to mark
+    assert [h.launched for h in holdings.held()] == [False]

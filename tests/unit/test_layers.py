@@ -68,6 +68,9 @@ PLACES: dict[str, str] = {
     "asyncinfer.celery_amqp": "config",  # the app's AMQP (what it publishes)
     "asyncinfer.kombu_connection": "config",  # the app's connections
     "asyncinfer.replies": "config",  # the app's result backends announce on reply channels
+    # OpenTelemetry when asked for (None when off): what the client, the worker and the
+    # gateway record their spans with, from the settings and the wire's trace context
+    "asyncinfer.tracing": "config",
     "asyncinfer.client": "client",
     "asyncinfer.engine": "engine",
     "asyncinfer.models": "engine",  # what the engine runs: no Celery, no Redis

@@ -53,6 +53,9 @@ class Holdings:
         self._held: dict[int, Holding] = {}
         #: TakenMessage tags by request ID, for what goes onto the device (the leases' marks).
         self._tags: dict[str, str] = {}
+        #: What is held, by request ID (one request may be held twice: a duplicate delivery), so
+        #: that a batch's launch marks its requests without a look at everything held.
+        self._by_request: dict[str, list[Holding]] = {}
         self._in_flight = 0
         self._cond = threading.Condition()
 
@@ -69,7 +72,8 @@ class Holdings:
         with self._cond:
             for d in deliveries:
                 if id(d) not in self._held:
-                    self._held[id(d)] = Holding(d)
+                    holding = self._held[id(d)] = Holding(d)
+                    self._by_request.setdefault(d.request_id, []).append(holding)
                     self._in_flight += 1
                     if d.tag and d.request_id and d.message is None:  # the lists' bookkeeping
                         self._tags[d.request_id] = d.tag
@@ -83,9 +87,10 @@ class Holdings:
 
     def launched(self, request_ids: set[str]) -> None:
         """The requests ``request_ids`` go onto the device in a batch."""
+        by_request = self._by_request
         with self._cond:
-            for holding in self._held.values():
-                if holding.delivery.request_id in request_ids:
+            for request_id in request_ids:
+                for holding in by_request.get(request_id, ()):
                     holding.launched = True
 
     def settle(self, but: set[str], timeout_s: float) -> int:
@@ -129,6 +134,8 @@ class Holdings:
         with self._cond:
             for d in deliveries:
                 holding = self._held.pop(id(d), None)
+                if holding is not None:
+                    self._unindex(holding)
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
                 elif holding is not None and d.message is not None:
@@ -138,6 +145,15 @@ class Holdings:
             self._cond.notify_all()
         if scheduled and self._on_scheduled is not None:
             self._on_scheduled(-scheduled)
+
+    def _unindex(self, holding: Holding) -> None:
+        request_id = holding.delivery.request_id
+        same = self._by_request.get(request_id)
+        if same is None:
+            return
+        same[:] = [h for h in same if h is not holding]
+        if not same:
+            del self._by_request[request_id]
 
     def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
         """Wait until fewer than ``max_in_flight`` are in flight (or ``stopping()``); the room."""
@@ -176,4 +192,6 @@ class Holdings:
 
     def find(self, request_id: str) -> TakenMessage | None:
         """The held message of ``request_id``, if any."""
-        return next((h.delivery for h in self.held() if h.delivery.request_id == request_id), None)
+        with self._cond:
+            same = self._by_request.get(request_id)
+            return same[0].delivery if same else None
