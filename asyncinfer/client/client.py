@@ -402,7 +402,8 @@ class Client:
     def aread_stream(self, request_id: str, *, model: str | None = None, after: int = 0,
                      timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
                      check_s: float = 1.0) -> AsyncResponseStream:
-        """:meth:`read_stream` in asyncio: ``async for part in client.aread_stream(id)``."""
+        """:meth:`read_stream` in asyncio: ``async for part in client.aread_stream(id)``.
+        ``on_interrupted`` is called on the loop's thread."""
         return self._streams_for(model).aread(request_id, after=after, timeout_s=timeout_s,
                                               on_interrupted=on_interrupted, check_s=check_s)
 

@@ -51,7 +51,7 @@ from asyncinfer.errors import (
 from asyncinfer.keys import LEASES_KEY
 from asyncinfer.wire.stream import FINAL, PART, START, StreamEntry, decode_entry, parse_id, stream_key
 
-__all__ = ["Interruption", "StreamMalformed", "StreamProgress", "StreamReader",
+__all__ = ["Interruption", "StreamMalformed", "StreamProgress", "StreamReader", "block_s_of",
            "AsyncStreamReader", "Stored", "FINAL_STATES"]
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,8 @@ def _entries(entries: Any) -> Any:
     return entries
 
 
-def _waits(check_s: float) -> float:
+def block_s_of(check_s: float) -> float:
+    """How long one XREAD blocks for ``check_s`` (ValueError unless it is above 0)."""
     if check_s <= 0:
         raise ValueError(f"check_s must be above 0, got {check_s!r}")
     return min(check_s, MAX_BLOCK_S)
@@ -323,7 +324,7 @@ class _Reading:
         self.progress = StreamProgress(request_id, after=after, on_interrupted=on_interrupted)
         self.result_key = result_key
         self.stored = stored
-        self.check_s = _waits(check_s)
+        self.check_s = block_s_of(check_s)
         self.timeout_s = timeout_s
         self.lost = lost
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s

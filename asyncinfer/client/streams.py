@@ -35,6 +35,7 @@ from asyncinfer.client.stream_reader import (
     Stored,
     StreamProgress,
     StreamReader,
+    block_s_of,
 )
 from asyncinfer.connections import is_redis_url, redis_client
 from asyncinfer.errors import AsyncInferError, RequestLost
@@ -312,6 +313,7 @@ class Streams:
         """:meth:`stream` in asyncio: the request is sent at the stream's first ``__anext__``."""
         request_id = request_id or uuid4_text()
         self._usable(request_id)
+        block_s_of(check_s)  # bad arguments raise here, not at the first read
         interruptions: list[Interruption] = []
         sent: list[InferFuture] = []
 
@@ -345,6 +347,7 @@ class Streams:
             return aiter(reader), lambda: reader.ended
 
         StreamProgress(request_id, after=after)  # bad arguments raise here, not at the first read
+        block_s_of(check_s)
         return AsyncResponseStream(request_id, opening, interruptions=interruptions)
 
     def _async_reader(self, request_id: str, after: int, check_s: float,
@@ -356,10 +359,16 @@ class Streams:
             if on_interrupted is not None:
                 on_interrupted(interruption)
 
-        options = self._reader_options(request_id, after, check_s, noted, timeout_s, lost)
         client = self.for_running_loop()
         if client is None:  # Sentinel: the blocking reader, in the loop's executor
+            loop = asyncio.get_running_loop()
+
+            def on_loop(interruption: Interruption) -> None:  # told on the loop's thread
+                loop.call_soon_threadsafe(noted, interruption)
+
+            options = self._reader_options(request_id, after, check_s, on_loop, timeout_s, lost)
             return _InThreads(StreamReader(self.blocking(), request_id, **options))
+        options = self._reader_options(request_id, after, check_s, noted, timeout_s, lost)
         return AsyncStreamReader(client, request_id, **options)
 
     # -- closing -------------------------------------------------------------------------------

@@ -301,6 +301,12 @@ def test_bad_arguments_are_refused_at_once(client) -> None:
         client.read_stream("x", after=-1)
     with pytest.raises(ValueError, match="check_s must be above 0"):
         client.read_stream("x", check_s=0)
+    with pytest.raises(ValueError, match="after must be a part number"):
+        client.aread_stream("x", after=-1)
+    with pytest.raises(ValueError, match="check_s must be above 0"):
+        client.aread_stream("x", check_s=-1)
+    with pytest.raises(ValueError, match="check_s must be above 0"):
+        client.astream("echo-stream", {"text_input": ["a"]}, check_s=0)
 
 
 def test_aread_stream_reads_in_order_and_reports_interruptions(db, client) -> None:
