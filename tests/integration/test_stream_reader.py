@@ -344,3 +344,53 @@ def test_aread_stream_raises_what_the_sync_reader_raises(db, client) -> None:
         asyncio.run(read("async-2"))
     with pytest.raises(ModelError, match="request async-3"):
         asyncio.run(read("async-3"))
+
+
+def test_a_reader_whose_connection_is_cut_goes_on_after_the_last_part(db, client) -> None:
+    # Given a reader that has read part 1
+    s = Stream(db.client, "cut-1")
+    s.start()
+    s.parts(1)
+    parts = client.read_stream("cut-1", check_s=0.05)
+    assert next(parts).index == 1
+    # When Redis drops the reader's connection (every other one on this database), and the
+    # worker goes on
+    own = db.client.client_id()
+    cut = [c["id"] for c in db.client.client_list()
+           if int(c["db"]) == db.number and int(c["id"]) != own]
+    assert cut
+    for client_id in cut:
+        db.client.client_kill_filter(_id=client_id)
+    s.parts(2, 3)
+    s.final()
+    # Then the reader goes on from part 2: none lost, none twice
+    assert [p.index for p in parts] == [2, 3]
+
+
+def test_aread_stream_in_threads_tells_interruptions_on_the_loop(db, client, monkeypatch) -> None:
+    # (the form a Sentinel result backend reads in: the blocking reader in the loop's executor)
+    from asyncinfer.client.streams import Streams
+
+    monkeypatch.setattr(Streams, "for_running_loop", lambda self: None)
+    s = Stream(db.client, "threads-1")
+    s.start("tag-t")
+    s.parts(1)
+    threads: list[str] = []
+
+    def interrupted(interruption: Interruption) -> None:
+        import threading
+
+        threads.append(threading.current_thread().name)
+        s.start("", attempt=2)
+        s.parts(2)
+        s.final()
+
+    async def read() -> tuple[list[int], str]:
+        import threading
+
+        stream = client.aread_stream("threads-1", check_s=0.05, on_interrupted=interrupted)
+        return [p.index async for p in stream], threading.current_thread().name
+
+    got, loop_thread = asyncio.run(read())
+    assert got == [1, 2]
+    assert threads == [loop_thread]
