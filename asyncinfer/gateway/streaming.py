@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client.responses import InferFuture
+from asyncinfer.client.stream_reader import Interruption
 from asyncinfer.gateway.service import (
     GatewayError,
     Service,
@@ -108,8 +109,8 @@ async def _parts(service: Service, call: InferCall, entry: CatalogueEntry
     events: asyncio.Queue[Any] = asyncio.Queue()
     wanted = None if call.outputs is None else {o.name for o in call.outputs}
 
-    def on_interrupted(*info: Any) -> None:
-        events.put_nowait(Interrupted(sent.id, _interrupted_message(sent.id, info)))
+    def on_interrupted(interruption: Interruption) -> None:
+        events.put_nowait(Interrupted(sent.id, _interrupted_message(interruption)))
 
     reader = asyncio.create_task(_read(service, sent, call.model, on_interrupted, events))
     answer = service.wait(sent)  # its end: a refusal (queue full, expired) before any part
@@ -135,7 +136,8 @@ async def _parts(service: Service, call: InferCall, entry: CatalogueEntry
             service.revoke(sent)
 
 
-async def _read(service: Service, sent: InferFuture, model: str, on_interrupted: Any,
+async def _read(service: Service, sent: InferFuture, model: str,
+                on_interrupted: Callable[[Interruption], None],
                 events: asyncio.Queue[Any]) -> None:
     """Every part of ``sent``'s stream into ``events``, then ``_END`` (or the error)."""
     try:
@@ -183,8 +185,8 @@ def _outputs(request_id: str, outputs: Mapping[str, Mapping[str, Any]],
             if wanted is None or name in wanted]
 
 
-def _interrupted_message(request_id: str, info: tuple[Any, ...]) -> str:
-    detail = "; ".join(str(x) for x in info if x not in (None, ""))
-    return (f"request {request_id}: interrupted, its worker stopped mid-stream"
-            f"{f' ({detail})' if detail else ''}; it goes back to its queue and the stream "
-            f"resumes from the next part")
+def _interrupted_message(interruption: Interruption) -> str:
+    worker = f"its worker {interruption.worker}" if interruption.worker else "its worker"
+    return (f"request {interruption.request_id}: interrupted after part {interruption.after_part}: "
+            f"{worker} stopped mid-stream ({interruption.reason}); the request goes back to its "
+            f"queue and its stream resumes with the next part")
