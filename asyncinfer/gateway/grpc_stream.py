@@ -143,9 +143,8 @@ def _ids(request: pb.ModelInferRequest, *, final: bool) -> pb.ModelInferResponse
 
 def _error(request: pb.ModelInferRequest, message: str, *, final: bool = True
            ) -> pb.ModelStreamInferResponse:
-    """An error response that names its request."""
-    name = f"request {request.id or '(no id)'}"
-    if not message.startswith("request "):
-        message = f"{name}: {message}"
+    """An error response that names its request (its ``id``, or the one it was given)."""
+    if f"request {request.id}" not in message if request.id else "request " not in message:
+        message = f"request {request.id or '(no id)'}: {message}"
     return pb.ModelStreamInferResponse(error_message=message,
                                        infer_response=_ids(request, final=final))
