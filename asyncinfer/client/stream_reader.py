@@ -220,9 +220,11 @@ class StreamProgress:
         interruption = Interruption(self.request_id, start.fields.get("worker", ""),
                                     start.fields.get("tag", ""), attempt, self.last_part, reason)
         self.interruptions.append(interruption)
-        log.warning("request %s: its run on worker %s (attempt %s) was interrupted after part %d: "
-                    "%s; waiting for it to run again", self.request_id, interruption.worker or "?",
-                    attempt, self.last_part, reason)
+        # said once: by the caller's hook when it has one
+        log.log(logging.DEBUG if self._on_interrupted else logging.WARNING,
+                "request %s: its run on worker %s (attempt %s) was interrupted after part %d: %s; "
+                "waiting for it to run again", self.request_id, interruption.worker or "?",
+                attempt, self.last_part, reason)
         if self._on_interrupted is not None:
             try:
                 self._on_interrupted(interruption)

@@ -19,6 +19,8 @@ live ``response_cache_ttl_s`` and a model keeps at most ``response_cache_max_ent
 ``dead_letter`` keeps each request of the model that fails for good in
 ``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
+``stream_max_parts`` (a decoupled model's; default 10000): the entries a request's stream holds at
+most (wire/stream.py); past it the oldest are trimmed.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class ModelOptions:
     #: level (kombu's priority step 0, 3, 6, 9) → ``max_queue_size``, ``default_timeout_s``.
     #: Read by the client at submit. Empty: none.
     priority_queue_policy: tuple[tuple[int, LevelPolicy], ...] = ()
+    #: A decoupled model's requests: the entries (parts, ``start`` and ``final`` markers) each
+    #: one's stream holds at most; past it the oldest are trimmed (wire/stream.py).
+    stream_max_parts: int = 10000
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -113,6 +118,9 @@ class ModelOptions:
             raise ValueError(f"dead_letter_ttl_s must be a finite number >= 0, got {ttl_s!r}")
         object.__setattr__(self, "priority_queue_policy",
                            parse_priority_policy(self.priority_queue_policy))
+        max_parts = self.stream_max_parts
+        if not isinstance(max_parts, int) or isinstance(max_parts, bool) or max_parts < 1:
+            raise ValueError(f"stream_max_parts must be an integer >= 1, got {max_parts!r}")
         passes = self.max_priority_passes
         if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
             raise ValueError(f"max_priority_passes must be an integer >= 1, got {passes!r}")

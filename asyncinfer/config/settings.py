@@ -216,7 +216,9 @@ class Settings:
         "on Redis; a request passed over by this many batches counts as the best: the bound on a "
         "low level's wait in the worker; default 8), `priority_queue_policy` (Triton's: level 0, 3, 6 or 9 → "
         "`max_queue_size` of that level's list, over it QueueFull / 429, and `default_timeout_s`, "
-        "the expiry of its requests sent without one; default none); key `\"*\"` "
+        "the expiry of its requests sent without one; default none), `stream_max_parts` (a "
+        "decoupled model's: the entries each request's stream holds at most, the oldest trimmed; "
+        "default 10000); key `\"*\"` "
         "applies to every model. E.g. `{\"*\": {\"max_delay_ms\": 5}, "
         "\"mlp\": {\"max_batch_size\": 64}}`.")
     state_dir: str = _setting(

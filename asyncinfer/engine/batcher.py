@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,6 +63,10 @@ class WorkItem:
     passed: int = 0
     #: ...by its place in the order items were put (the batcher numbers them).
     arrival: int = 0
+    #: A decoupled model's request: where each part goes as it is made, ``on_part(index,
+    #: outputs)`` (index 1-based, outputs its v2 tensors; engine/streaming.py). None: nobody
+    #: listens (its one answer, the parts joined, still completes its future).
+    on_part: Callable[[int, list[Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

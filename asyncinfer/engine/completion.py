@@ -18,7 +18,7 @@ from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.models.base import Batch
 from asyncinfer.wire.protocol import Request, Tensor, datatype_of
 
-__all__ = ["Completed", "deliver", "rows_of", "settle", "split_rows"]
+__all__ = ["Completed", "deliver", "output_tensor", "rows_of", "settle", "split_rows"]
 
 
 @dataclass
@@ -58,7 +58,7 @@ def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: st
     for i, item in enumerate(items):
         if item.future.done():  # revoked after its batch was formed
             continue
-        result = [_output(name, parts[i], item.request.binary_output)
+        result = [output_tensor(name, parts[i], item.request.binary_output)
                   for name, parts in pieces.items()]
         settle(item.future, Completed(
             outputs=result, batch_size=total,
@@ -82,7 +82,9 @@ def split_rows(value: Any, rows: list[int]) -> list[Any]:
     return list(torch.split(value, rows))
 
 
-def _output(name: str, value: Any, binary: bool) -> Tensor:
+def output_tensor(name: str, value: Any, binary: bool) -> Tensor:
+    """Output ``name`` of a request as a v2 tensor (a numpy array of numbers as torch's; BYTES
+    stays a numpy object array)."""
     if isinstance(value, np.ndarray) and value.dtype != object:
         value = torch.from_numpy(value)
     datatype = "BYTES" if isinstance(value, np.ndarray) else datatype_of(value)

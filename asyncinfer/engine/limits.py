@@ -5,7 +5,9 @@ The soft limit fails the request with :class:`~asyncinfer.errors.SoftTimeLimit` 
 the hard limit fails a request still waiting with :class:`~asyncinfer.errors.HardTimeLimit`, and one
 whose batch is still on the device means the device is wedged: whoever serves the requests is told
 (``on_wedged``), and from then on the requests still waiting are left unanswered, to be redelivered
-once the process is replaced.
+once the process is replaced. A decoupled model's request is checked between its steps
+(engine/streaming.py): its hard limit fails it wherever it is, and its row stops at the next step
+(a single step that never returns is not caught).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ class LimitWatch:
     """Watches the time limits of ``model``'s requests on ``timer``; ``on_wedged()`` gives whom to
     tell when a batch overruns its hard limit on the device."""
 
-    def __init__(self, model: str, timer: Timer | None, on_wedged: Callable[[], WedgedHandler]) -> None:
+    def __init__(self, model: str, timer: Timer | None, on_wedged: Callable[[], WedgedHandler],
+                 decoupled: bool = False) -> None:
         self.model = model
+        #: The model streams (its batches stay on the device step after step).
+        self.decoupled = decoupled
         self.timer = timer
         self.on_wedged = on_wedged
         #: Set once a batch overran its hard time limit on the device: the process is being
@@ -58,7 +63,9 @@ class LimitWatch:
         where = "its batch is still on the device" if item.on_device else "waiting for the device"
         exc = HardTimeLimit(f"request {item.request.id}: time limit ({limits.hard_s:g} s) "
                             f"exceeded on model '{self.model}' ({where})")
-        if item.on_device:  # the device has not come back in time: it is wedged
+        if item.on_device and self.decoupled:  # its row stops at the next step
+            settle(item.future, exc=exc)
+        elif item.on_device:  # the device has not come back in time: it is wedged
             log.critical("model %s: %s; the device is wedged", self.model, exc)
             self.wedged = True
             self.on_wedged()(item, exc)

@@ -8,7 +8,9 @@ and a completion stage (blocks on the event — never spins — runs :meth:`Mode
 each request exactly its own rows). With ``graph_batch_sizes`` each instance replays its own
 captured graphs instead of the eager forward (engine/graphs.py). With ``pipelined=False`` one
 thread runs the three stages of a batch one after another. When a batch raises, each of its
-requests runs alone (eager), so one bad request does not fail the others.
+requests runs alone (eager), so one bad request does not fail the others. A decoupled model's
+batch runs its steps on the device thread instead of one forward (engine/streaming.py), each
+step's parts handed to their requests as they come.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from asyncinfer.engine.gate import DeviceGate
 from asyncinfer.engine.graphs import GraphSet, capture_graphs
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
 from asyncinfer.engine.limits import LimitWatch
+from asyncinfer.engine.streaming import run_stream
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
@@ -66,6 +69,8 @@ class _Job:
     #: When it went onto the device, and how long the device took with it.
     launched: float = 0.0
     device_s: float | None = None
+    #: A decoupled model's batch, streamed: its requests are answered already.
+    streamed: bool = False
 
 
 class ModelRunner:
@@ -94,7 +99,10 @@ class ModelRunner:
         fixed = hooks if isinstance(hooks, DeviceHooks) else DeviceHooks()
         self._hooks: Callable[[], DeviceHooks] = hooks if callable(hooks) else (lambda: fixed)
         #: The requests' time limits, on the timer.
-        self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged)
+        self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged,
+                                 decoupled=model.decoupled)
+        #: Whether the model answers in steps (Model.stream): one row per request.
+        self._decoupled = model.decoupled
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
                                max_cost_ratio=opts.cost_ratio(device.is_accelerator),
@@ -150,7 +158,8 @@ class ModelRunner:
     def submit(self, request: Request, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None, alone: bool = False,
-               priority: int = 0) -> Future[Completed]:
+               priority: int = 0,
+               on_part: Callable[[int, list[Any]], None] | None = None) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
         ``received_at`` (a ``time.perf_counter()`` reading) starts the request's ``queue_ms``;
@@ -159,6 +168,8 @@ class ModelRunner:
         fail with :class:`SoftTimeLimit` / :class:`HardTimeLimit` (see
         :mod:`asyncinfer.policy.time_limits`). An ``alone`` request runs in a batch of its own.
         ``priority`` (Celery's, 0-9; 0 first) decides which waiting requests batch first.
+        ``on_part(index, outputs)``: a decoupled model's parts of the request, as they come
+        (index 1-based; outputs its v2 tensors); such a request holds exactly one row.
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if forward_only:  # a prepared request carries the preprocess's tensors, checked as such
@@ -166,6 +177,10 @@ class ModelRunner:
         else:
             self.model.validate(request)
         rows = rows_of(request)
+        if self._decoupled and rows != 1:
+            raise InvalidRequest(
+                f"request {request.id}: model '{self.model.name}' streams its answers (decoupled): "
+                f"a request holds exactly one row, not {rows}")
         if rows > self.max_batch_size:
             raise InvalidRequest(
                 f"request {request.id}: {rows} rows exceed max_batch_size {self.max_batch_size} "
@@ -173,7 +188,8 @@ class ModelRunner:
         item = WorkItem(request=request, rows=rows,
                         signature=(forward_only, self.model.signature(request)), alone=alone,
                         priority=priority,
-                        cost=self.model.row_cost(request) if self.options.group_by_cost else None)
+                        cost=self.model.row_cost(request) if self.options.group_by_cost else None,
+                        on_part=on_part)
         if received_at is not None:
             item.received_at = received_at
         if expires_in_s is not None:
@@ -302,6 +318,9 @@ class ModelRunner:
         job.data = batch if _forward_only(job) else self.model.preprocess(batch)
 
     def _launch(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
+        if self._decoupled:
+            self._launch_stream(job, stream)
+            return
         alone = any(item.alone for item in job.items)
         with self._gate.enter(alone):
             for item in job.items:
@@ -321,6 +340,33 @@ class ModelRunner:
             elif alone:  # alone until the device is done with it
                 job.event.synchronize()
 
+    def _launch_stream(self, job: _Job, stream: Any) -> None:
+        """A decoupled model's batch: its steps, one after another, on the device thread; each
+        request is answered when its row finishes (or is cancelled)."""
+        with self._gate.enter(any(item.alone for item in job.items)):
+            for item in job.items:
+                item.on_device = True
+            self._hooks().on_launch(job.items)
+            job.launched = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    with self.device.on_stream(stream):
+                        on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
+                    run_stream(self.model, self.device, job.items, on_device, stream,
+                               is_revoked=self.is_revoked, closing=lambda: self._closing,
+                               started=job.started, settling=self._hooks().settling)
+            finally:
+                _off_device(job.items)
+            job.device_s = time.perf_counter() - job.launched
+            job.streamed = True
+            job.data = {}
+        self.batch_s = (job.device_s if self.batch_s is None
+                        else 0.8 * self.batch_s + 0.2 * job.device_s)
+        self.on_batch(self.model.name, self.device.label, len(job.items),
+                      time.perf_counter() - job.started,
+                      [job.started - item.received_at for item in job.items],
+                      (job.launched - job.started, job.device_s, 0.0))
+
     def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:
         try:
             if job.event is not None:
@@ -330,6 +376,8 @@ class ModelRunner:
             _off_device(job.items)
             if on_host is not None:
                 on_host()
+        if job.streamed:  # answered step by step already
+            return
         with torch.inference_mode():
             outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
         self._deliver_batch(job.items, outputs, job.started, job.device_s, job.launched)

@@ -5,7 +5,8 @@ the caching allocator grows) and the first call is slow everywhere (lazy initial
 warm-up the first user requests pay for it — Triton's ``model_warmup``, TorchServe's recurring
 complaint. A model that declares its inputs (``Model.inputs``) is run on a batch of zeros (text
 ``"warm up"`` for BYTES) of each size: its ``preferred_batch_sizes``, else the powers of two up to
-``max_batch_size`` and that size itself. The ``warmup`` model option (default on) turns it off.
+``max_batch_size`` and that size itself (a decoupled model: the first step of its
+:meth:`Model.stream`). The ``warmup`` model option (default on) turns it off.
 A warm-up that raises is logged and the worker serves anyway.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.device import Device
-from asyncinfer.models.base import Batch, Model
+from asyncinfer.models.base import Batch, Model, StreamRows
 from asyncinfer.wire.protocol import decode_request
 
 __all__ = ["warmup_sizes", "example_batch", "warm_up"]
@@ -70,7 +71,9 @@ def warm_up(model: Model, device: Device, options: ModelOptions) -> dict[int, fl
             with torch.inference_mode():
                 data = model.preprocess(batch)
                 with device.on_stream(stream):
-                    outputs = model.forward({n: device.to_device(v) for n, v in data.items()})
+                    on_device = {n: device.to_device(v) for n, v in data.items()}
+                    outputs = (_first_step(model, on_device, rows) if model.decoupled
+                               else model.forward(on_device))
                     host = {n: device.to_host(v) for n, v in outputs.items()}
                     event = device.record_event(stream)
                 if event is not None:
@@ -84,3 +87,16 @@ def warm_up(model: Model, device: Device, options: ModelOptions) -> dict[int, fl
     log.info("model %s warmed up at batch sizes %s in %.0f ms", model.name,
              ", ".join(map(str, times)), sum(times.values()))
     return times
+
+
+def _first_step(model: Model, batch: Batch, rows: int) -> Batch:
+    """The outputs of a decoupled model's first step over ``batch`` (its generator closed
+    after it)."""
+    steps = iter(model.stream(batch, StreamRows(rows)))
+    try:
+        step = next(steps, None)
+        return dict(step.outputs) if step is not None else {}
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()

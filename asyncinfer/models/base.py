@@ -139,13 +139,14 @@ class Model:
 
     def metadata(self, options: ModelOptions) -> dict[str, Any]:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
-        outputs with -1 for the batch dimension; none for a model that declares none) and the
-        batching it serves with."""
+        outputs with -1 for the batch dimension; none for a model that declares none), the
+        batching it serves with, and whether it streams its answers (``decoupled``: Triton's
+        ``model_transaction_policy``)."""
         inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape) for n, s in (self.inputs or {}).items()]
         outputs = [_tensor_metadata(n, s.datatype, s.row_shape) for n, s in (self.outputs or {}).items()]
         return {"name": self.name, "versions": [self.version], "platform": self.platform,
                 "inputs": inputs, "outputs": outputs, "max_batch_size": options.max_batch_size,
-                "batchable": self.batchable}
+                "batchable": self.batchable, "decoupled": self.decoupled}
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""

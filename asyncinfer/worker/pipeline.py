@@ -15,7 +15,9 @@ settle → write.
    ``WorkerLost``, one that saw any runs in a device batch of its own.
 5. **decode** — arguments and payload limit (wire/envelope.py), the v2 request
    (wire/protocol.py); bad input fails naming the request and the rule.
-6. **batch, run** — the model's runner (engine/): batcher, device, time limits.
+6. **batch, run** — the model's runner (engine/): batcher, device, time limits. A decoupled
+   model's request gets its stream's ``start`` first, and each part goes to the writer as its
+   step is made (engine/streaming.py, output/stream_write.py).
 7. **settle** — outcomes.py: success, failure, revocation or retry (the task's retry options and
    the fleet's retry budget), announced once (lifecycle.py: log line, metrics, events).
 8. **write** — result_writer.py: results, acknowledgements, retries and dead letters in one round
@@ -231,6 +233,13 @@ class Pipeline:
                 batcher.release()
         self.events.flush()
 
+    def _stream(self, d: TakenMessage, max_parts: int) -> Callable[[int, list[Any]], None]:
+        """``d`` goes to a decoupled model: its stream gets a ``start`` now, each part as it is
+        made, and a ``final`` with its outcome (result_writer.py); where its parts go."""
+        d.stream_max_parts = max_parts
+        self.writer.stream_start(d, self.hostname)
+        return lambda index, outputs: self.writer.stream_part(d, index, outputs)
+
     def _resume(self, d: TakenMessage) -> None:
         if self.stopping():  # left held: sent back to its queue at shutdown
             return
@@ -278,7 +287,8 @@ class Pipeline:
                 d.request_id, v2, received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
-                alone=policy.deaths.alone(d.deaths), priority=priority_in(d.envelope.get("properties")))
+                alone=policy.deaths.alone(d.deaths), priority=priority_in(d.envelope.get("properties")),
+                streaming=lambda max_parts: self._stream(d, max_parts))
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)
             return

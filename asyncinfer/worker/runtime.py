@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,7 +28,10 @@ from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import is_revoked
 from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["WorkerRuntime"]
+__all__ = ["WorkerRuntime", "PartCallback"]
+
+#: Where a decoupled model's request's parts go: ``(index, v2 output tensors)``.
+PartCallback = Callable[[int, list[Any]], None]
 
 log = logging.getLogger(__name__)
 
@@ -131,19 +134,25 @@ class WorkerRuntime:
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None,
-               alone: bool = False, priority: int = 0) -> tuple[Request, Future[Completed]]:
+               alone: bool = False, priority: int = 0,
+               streaming: Callable[[int], PartCallback] | None = None,
+               ) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device (``alone``: in a batch of
-        its own; ``priority``: Celery's, 0 first); InvalidRequest if bad."""
+        its own; ``priority``: Celery's, 0 first); InvalidRequest if bad. For a decoupled
+        model, ``streaming(stream_max_parts)`` is called first (before the request is decoded)
+        and gives where its parts go."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
             raise AssertionError("unreachable")
         runner = self.runner(model, request_id)
+        on_part = (streaming(runner.options.stream_max_parts)
+                   if streaming is not None and runner.model.decoupled else None)
         with runner.batcher.arriving():  # a forming batch may wait for this request
             request = decode_request(request_id, kwargs)
             return request, runner.submit(request, received_at=received_at,
                                           expires_in_s=expires_in_s, time_limits=time_limits,
-                                          alone=alone, priority=priority)
+                                          alone=alone, priority=priority, on_part=on_part)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,

