@@ -5,7 +5,8 @@ which flags; what is revoked). The real fleet: tests/integration/test_gateway_st
 
 Model ``steps`` is decoupled: each word of ``text_input`` is one part; the word ``!interrupt``
 reports an interruption instead, ``!fail`` ends the request with a model error, ``!wait``
-waits until cancelled, ``!after:<word>`` until another request's part ``<word>`` was made. Model ``echo`` does not stream.
+waits until cancelled, ``!after:<word>`` until another request's part ``<word>`` was made.
+Model ``echo`` does not stream.
 """
 
 from __future__ import annotations
