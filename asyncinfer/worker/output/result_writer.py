@@ -131,8 +131,10 @@ class ResultWriter:
         self.store = StoreScript(broker, self.expires_s)
         #: Decoupled models' streams, where the results live (stream_write.py).
         self.streams = StreamScript(self.results, self.expires_s)
-        #: Stream entries of the batch being written, not yet appended.
+        #: Stream entries of the batch being written, not yet appended; whether a try to append
+        #: them failed (Redis may have run it).
         self._appends: list[StreamAppend] = []
+        self._appends_tried = False
         #: Successful answers of response-cached models, written with their part.
         self._cache_writes = cache_write.CacheWrites(app)
         self._started: tuple[str, str, str] | None = None
@@ -265,7 +267,7 @@ class ResultWriter:
                 self._write(batch, appends)
 
     def _write(self, batch: list[Outcome], appends: list[StreamAppend] | None = None) -> None:
-        self._appends = appends or []
+        self._appends, self._appends_tried = appends or [], False
         self._store_all(batch)
         if not batch:
             return
@@ -346,8 +348,9 @@ class ResultWriter:
         appends = self._appends + finals
         if not appends:
             return
-        _, errors = self.streams(appends)
-        self._appends = []
+        again, self._appends_tried = self._appends_tried, True
+        _, errors = self.streams(appends, again=again)
+        self._appends, self._appends_tried = [], False
         for error in errors:
             log.error("a stream append was refused by Redis: %s", error)
 

@@ -11,9 +11,11 @@ is stored.
 The append script keeps the contract whatever comes twice: part ``n`` is appended (ID ``n-0``)
 only when the stream's last ID is below it, so a request run again after its worker died (or
 after its batch raised and it ran alone) skips the parts already there; ``start`` and ``final``
-get ``<last part>-<last seq + 1>`` (``0-1`` on an empty stream); a ``start`` equal to the last
-entry (the same worker, tag and attempt: a write tried again) is not appended twice; nothing is
-appended after a ``final``, so a second ``final`` is dropped. Each append trims the stream to its
+get ``<last part>-<last seq + 1>`` (``0-1`` on an empty stream); nothing is appended after a
+``final``, so a second ``final`` is dropped. A call tried again after Redis failed to answer (it
+may have run) skips a ``start`` that is already the stream's latest ``start`` among the entries
+the call could have appended (the same worker, tag and attempt), so that a lost reply does not
+read as an interrupted run. Each append trims the stream to its
 model's ``stream_max_parts`` (exact ``MAXLEN``) and sets its expiry to the results' (none when
 results never expire). Plain ``XADD`` with explicit IDs, ``XREVRANGE``, ``EXPIRE``: Redis 5, 6
 and 7. A key that is not a stream is reported and skipped, the rest written.
@@ -39,15 +41,30 @@ from asyncinfer.worker.output.store import as_out_of_memory, error_texts
 
 __all__ = ["StreamAppend", "StreamScript", "start_entry", "part_entry", "final_entry", "attempt_of"]
 
-# ARGV: seconds a stream lives (0: for ever), then seven values per entry: the stream's key, the
+# ARGV: seconds a stream lives (0: for ever), how many entries back a start looks for itself (0:
+# not a call tried again), then seven values per entry: the stream's key, the
 # kind, the part number ('0' for a marker), the most entries the stream holds, and three values:
 # a part's data ('', ''), a start's worker, tag and attempt, a final's status and error (''; its
 # ``parts`` is the stream's last part number). Returns how many entries were appended, then the
 # error replies of keys that are no streams.
 _APPEND = r"""
-local ttl = tonumber(ARGV[1])
+local ttl, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local appended, errors = 0, {}
-for i = 2, #ARGV, 7 do
+local function fields_of(raw)
+  local fields = {}
+  for j = 1, #raw, 2 do fields[raw[j]] = raw[j + 1] end
+  return fields
+end
+local function started_already(key, worker, tag, attempt)
+  for _, entry in ipairs(redis.call('XREVRANGE', key, '+', '-', 'COUNT', window)) do
+    local f = fields_of(entry[2])
+    if f['kind'] == 'start' then
+      return f['worker'] == worker and f['tag'] == tag and f['attempt'] == attempt
+    end
+  end
+  return false
+end
+for i = 3, #ARGV, 7 do
   local key, kind, n, maxlen = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local a, b, c = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local last = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
@@ -59,8 +76,7 @@ for i = 2, #ARGV, 7 do
       local id = last[1][1]
       local dash = string.find(id, '-', 1, true)
       part, seq = string.sub(id, 1, dash - 1), tonumber(string.sub(id, dash + 1))
-      local raw = last[1][2]
-      for j = 1, #raw, 2 do fields[raw[j]] = raw[j + 1] end
+      fields = fields_of(last[1][2])
     end
     local id, entry = nil, nil
     if fields['kind'] == 'final' then
@@ -68,8 +84,7 @@ for i = 2, #ARGV, 7 do
     elseif kind == 'part' then
       if tonumber(part) < tonumber(n) then id, entry = n .. '-0', {'kind', 'part', 'data', a} end
     elseif kind == 'start' then
-      if not (fields['kind'] == 'start' and fields['worker'] == a and fields['tag'] == b
-              and fields['attempt'] == c) then
+      if window == 0 or #last == 0 or not started_already(key, a, b, c) then
         id, entry = part .. '-' .. (seq + 1), {'kind', 'start', 'worker', a, 'tag', b, 'attempt', c}
       end
     elseif kind == 'final' then
@@ -144,10 +159,12 @@ class StreamScript:
         self._script = client.register_script(_APPEND)
         self.expires_s = expires_s
 
-    def __call__(self, appends: Sequence[StreamAppend], client: Any = None) -> tuple[int, list[str]]:
+    def __call__(self, appends: Sequence[StreamAppend], client: Any = None, *,
+                 again: bool = False) -> tuple[int, list[str]]:
         """Append ``appends`` in order on ``client`` (default: the client it was registered on):
-        how many were appended, and the errors of keys that are no streams."""
-        args: list[Any] = [self.expires_s]
+        how many were appended, and the errors of keys that are no streams. ``again``: a call
+        tried again after Redis failed to answer (it may have run)."""
+        args: list[Any] = [self.expires_s, len(appends) + 1 if again else 0]
         for e in appends:
             args += [e.key, e.kind, e.part, e.max_parts, *e.values]
         try:
