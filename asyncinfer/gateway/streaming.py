@@ -109,8 +109,15 @@ async def _parts(service: Service, call: InferCall, entry: CatalogueEntry
     events: asyncio.Queue[Any] = asyncio.Queue()
     wanted = None if call.outputs is None else {o.name for o in call.outputs}
 
+    loop = asyncio.get_running_loop()
+
     def on_interrupted(interruption: Interruption) -> None:
-        events.put_nowait(Interrupted(sent.id, _interrupted_message(interruption)))
+        # on the loop (the asyncio reader) or in its executor (Sentinel's blocking reader)
+        event = Interrupted(sent.id, _interrupted_message(interruption))
+        if _on_loop(loop):
+            events.put_nowait(event)
+        else:
+            loop.call_soon_threadsafe(events.put_nowait, event)
 
     reader = asyncio.create_task(_read(service, sent, call.model, on_interrupted, events))
     answer = service.wait(sent)  # its end: a refusal (queue full, expired) before any part
@@ -131,6 +138,8 @@ async def _parts(service: Service, call: InferCall, entry: CatalogueEntry
                                    outputs=_outputs(sent.id, event.outputs, wanted)))
     finally:
         reader.cancel()
+        if answer.done() and not answer.cancelled():
+            answer.exception()  # seen: the reader told the same end
         answer.cancel()
         if not finished:  # the caller went away, or a part could not be shown
             service.revoke(sent)
@@ -173,6 +182,13 @@ async def _next(events: asyncio.Queue[Any], answer: asyncio.Future[Any], request
     finally:
         if not getter.done():
             getter.cancel()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _failed(answer: asyncio.Future[Any]) -> bool:

@@ -27,7 +27,8 @@ import tritonclient.grpc as grpcclient
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client.responses import StreamPart
 from asyncinfer.client.stream_reader import Interruption
-from asyncinfer.errors import ModelError
+from asyncinfer.errors import ModelError, QueueFull
+from asyncinfer.gateway import streaming
 from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, list_from_raw
@@ -108,7 +109,10 @@ class FakeService:
         return sent
 
     def wait(self, sent: Any) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().create_future()  # answered by the stream's end only
+        answer = asyncio.get_running_loop().create_future()  # answered by the stream's end only
+        if sent.id.startswith("refused"):  # refused once handed over: no stream ever comes
+            answer.set_exception(QueueFull(f"request {sent.id}: the queue of model 'steps' is full"))
+        return answer
 
     def revoke(self, sent: Any) -> None:
         self.revoked.put(sent.id)
@@ -237,3 +241,14 @@ def test_cancelling_the_stream_revokes_every_request_still_running(served: Serve
     revoked = {served.fake.revoked.get(timeout=10), served.fake.revoked.get(timeout=10)}
     assert revoked == {"w1", "w2"}
     assert served.fake.revoked.empty()  # not the request that had ended
+
+
+def test_a_request_refused_after_it_was_handed_over_is_told(served: Served,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a request whose send fails once handed to the publisher: its stream never comes
+    monkeypatch.setattr(streaming, "READER_GRACE_S", 0.05)
+    served.send("refused-1", "!wait")
+    # Then its answer's error is the response, once the reader had its chance
+    assert served.take(1)[0][1] == "request refused-1: the queue of model 'steps' is full"
+    served.client.stop_stream()
+    assert served.fake.ended == [("refused-1", 429)] and served.fake.revoked.empty()
