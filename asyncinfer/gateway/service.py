@@ -34,7 +34,7 @@ from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
-           "GATEWAY_SPAN"]
+           "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTE
 
 #: Parameters the gateway itself consumes; the others travel to the worker with the request.
 _OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
-                   "headers", "sequence_id", "sequence_start", "sequence_end"}
+                   "headers", "sequence_id", "sequence_start", "sequence_end",
+                   "triton_enable_empty_final_response"}
 
 T = TypeVar("T")
 
@@ -248,7 +249,8 @@ class Service:
 
     async def model_config(self, model: str, version: str = "") -> dict[str, Any]:
         """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
-        inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension)."""
+        inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension), and
+        ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
         entry = await self.entry(model, version)
         meta = entry.metadata
         batchable = bool(meta.get("batchable", True))
@@ -256,7 +258,8 @@ class Service:
                 "backend": SERVER_NAME,
                 "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
                 "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
-                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []]}
+                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []],
+                "model_transaction_policy": {"decoupled": is_decoupled(entry)}}
 
     async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
         """Triton's statistics (``{"model_stats": [...]}``) of ``model``, or of every model the
@@ -333,8 +336,14 @@ class Service:
             return await aio.publish(sender, lambda: sender.submit(model, inputs, **options))
         return sender.submit(model, inputs, **options)
 
-    async def _infer(self, call: InferCall) -> InferResult:
-        entry = await self.entry(call.model, call.version)
+    async def submit(self, call: InferCall, entry: CatalogueEntry) -> InferFuture:
+        """Check ``call`` against ``entry`` (its model's catalogue entry) and send it as one
+        request; the future ends with its answer (or why it was refused).
+
+        Raises:
+            GatewayError: 400 for a call without inputs, or asking for an output the model does
+                not declare, or with a bad ``priority`` or ``timeout``.
+        """
         priority = _priority(call)
         expires_s = _expires_s(call)
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
@@ -350,24 +359,32 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
-        sent = await self._send(call.model, inputs, {
+        return await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
             "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority,
             "trace": call.trace})
+
+    def wait(self, sent: InferFuture) -> asyncio.Future[Any]:
+        """A loop future that ends as ``sent`` does (cancelling it leaves the request alone)."""
         if self._handover is None:  # the loop's, made on its first call
             self._handover = Handover(asyncio.get_running_loop())
+        return self._handover.wait(sent)
+
+    def revoke(self, sent: InferFuture) -> None:
+        """Revoke ``sent`` because its caller went away (a broadcast through the broker, off the
+        loop); a gateway that stops leaves its requests to run (a caller may ask again by ID)."""
+        if not self.stopping:
+            asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+
+    async def _infer(self, call: InferCall) -> InferResult:
+        entry = await self.entry(call.model, call.version)
+        sent = await self.submit(call, entry)
         try:
-            response = await self._handover.wait(sent)
+            response = await self.wait(sent)
         except TaskRevokedError as exc:  # the worker's answer for a revoked or expired request
-            if "expired" in str(exc):
-                raise GatewayError(504, f"request {sent.id}: expired before a worker ran it "
-                                        f"(parameter 'timeout' or the deadline)") from None
-            raise GatewayError(499, f"request {sent.id}: revoked ({exc})") from None
-        except asyncio.CancelledError:
-            # the caller went away: revoke it (a broadcast through the broker, off the loop);
-            # a gateway that stops leaves its requests to run (a caller may ask again by ID)
-            if not self.stopping:
-                asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+            raise revoked_error(sent.id, exc) from None
+        except asyncio.CancelledError:  # the caller went away
+            self.revoke(sent)
             raise
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
@@ -381,11 +398,26 @@ class Service:
         chosen = [outputs[n] for n in (wanted if wanted is not None else list(outputs))]
         return InferResult(model_name=call.model, model_version=call.version or entry.versions[0],
                            id=str(raw["id"]) if call.id else "",
-                           outputs=[_output(raw["id"], o) for o in chosen],
+                           outputs=[output_tensor(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))
 
 
-def _output(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+def revoked_error(request_id: str, exc: BaseException) -> GatewayError:
+    """The answer to Celery's TaskRevokedError for a request: 504 when it expired, else 499."""
+    if "expired" in str(exc):
+        return GatewayError(504, f"request {request_id}: expired before a worker ran it "
+                                 f"(parameter 'timeout' or the deadline)")
+    return GatewayError(499, f"request {request_id}: revoked ({exc})")
+
+
+def is_decoupled(entry: CatalogueEntry) -> bool:
+    """Whether the model answers in steps (the catalogue's ``decoupled``: Triton's decoupled
+    transaction policy)."""
+    return bool(entry.metadata.get("decoupled", False))
+
+
+def output_tensor(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+    """An output of a response (raw or JSON data) as an :class:`OutputTensor`."""
     data = output["data"]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],
