@@ -2,6 +2,9 @@
 and the asyncio forms."""
 
 from asyncinfer.client.client import Client
-from asyncinfer.client.responses import InferFuture, InferResponse
+from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart
+from asyncinfer.client.stream_reader import Interruption
+from asyncinfer.client.streams import AsyncResponseStream, ResponseStream
 
-__all__ = ["Client", "InferFuture", "InferResponse"]
+__all__ = ["Client", "InferFuture", "InferResponse", "StreamPart", "ResponseStream",
+           "AsyncResponseStream", "Interruption"]

@@ -26,6 +26,7 @@ from typing import Any, TypeVar, Union
 from asyncinfer.client.outgoing import Outgoing
 from asyncinfer.client.responses import InferFuture, InferResponse
 from asyncinfer.client.sender import Sender
+from asyncinfer.client.submit_span import end_with_error, end_with_future, start_submit_span
 from asyncinfer.errors import RequestTimeout
 
 __all__ = ["publish", "submit", "send_on_loop", "wait_response", "amap", "as_completed"]
@@ -60,6 +61,8 @@ async def submit(sender: Sender, model: str, inputs: Any, options: dict[str, Any
     running loop, without blocking it: on the loop itself (:func:`send_on_loop`) when the inputs
     are small and the unknown-model check needs no catalogue read, else in the executor."""
     if nbytes(inputs) > ON_LOOP_BYTES or not sender.knows_now(model):
+        if sender.tracing is not None and options.get("trace") is None:  # the executor has none
+            options = {**options, "trace": sender.tracing.current_fields()}
         return await publish(sender, lambda: sender.submit(model, inputs, **options).sent())
     return await send_on_loop(sender, sender.submission(model, inputs, **options))
 
@@ -87,17 +90,29 @@ async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
     request is revoked."""
     publisher = sender.loop_publishers.for_running_loop()
     if publisher is None:
+        if sender.tracing is not None and outgoing.trace is None:  # the executor has no context
+            outgoing.trace = sender.tracing.current_fields()
         return await publish(sender, lambda: sender.send_watched(outgoing).sent())
-    message = outgoing.message(sender.watcher.channel, sender.settings.max_payload_bytes)
-    future = sender.watched(outgoing)
+    span = None if sender.tracing is None else start_submit_span(sender.tracing, outgoing)
+    try:
+        message = outgoing.message(sender.watcher.channel, sender.settings.max_payload_bytes)
+        future = sender.watched(outgoing)
+    except BaseException as exc:
+        if span is not None:
+            end_with_error(sender.tracing, span, exc)
+        raise
+    if span is not None:
+        end_with_future(sender.tracing, span, future)
     try:
         status = await publisher.publish(message=message, **sender.publish_options(outgoing))
     except asyncio.CancelledError:
         sender.watcher.unwatch(outgoing.request_id)
         asyncio.get_running_loop().run_in_executor(None, future.cancel)  # a revoke: a broadcast
         raise
-    except BaseException:
+    except BaseException as exc:
         sender.watcher.unwatch(outgoing.request_id)
+        if span is not None and not future.done():  # its span ends with it
+            future.set_exception(exc)
         raise
     sender.sent(outgoing, status)
     return future

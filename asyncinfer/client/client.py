@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
+from asyncinfer.client.streams import AsyncResponseStream, OnInterrupted, ResponseStream, Streams
+from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
     CPU_QUEUE,
@@ -45,7 +48,7 @@ from asyncinfer.repository import (
 )
 from asyncinfer.wire.messages import uuid4_text
 
-__all__ = ["Client", "InferFuture", "InferResponse"]
+__all__ = ["Client", "InferFuture", "InferResponse", "ResponseStream", "AsyncResponseStream"]
 
 
 class Client:
@@ -81,6 +84,9 @@ class Client:
         self._broker = self.sender.broker
         #: Every broker's group (None: one broker, and no lookup per call).
         self._routes = RoutedGroups(routes, self.settings, self._group) if routes else None
+        #: Each broker group's streams (client/streams.py), made on first use.
+        self._streams: dict[int, Streams] = {}
+        self._streams_lock = threading.Lock()
 
     def sender_for(self, model: str) -> Sender:
         """The sender of ``model``'s broker (:attr:`sender` without routes)."""
@@ -273,15 +279,26 @@ class Client:
         self.check_model(model, request_id)
         payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
-        options = {"serializer": serializer}
+        options: dict[str, Any] = {"serializer": serializer}
         group = self._group_for(model)  # with routes, the CPU stages run on the model's broker too
+        tracing, span = group.sender.tracing, None
+        if tracing is not None:  # every stage's message carries the chain's one span
+            span = start_span_for(tracing, request_id, cpu_queue, PREPROCESS_TASK, model)
+            options["headers"] = tracing.fields_of(span)
         app = group.app
         flow = (app.signature(PREPROCESS_TASK, kwargs=payload, queue=cpu_queue, **options)
                 | app.signature(TASK_NAME, queue=queue_for(model), **options)
                 | app.signature(POSTPROCESS_TASK, queue=cpu_queue, task_id=request_id, **options))
         future = group.sender.future_of(request_id)
         group.sender.watcher.watch(request_id, future._settle)
-        flow.apply_async()
+        try:
+            flow.apply_async()
+        except BaseException as exc:
+            if span is not None:
+                end_with_error(tracing, span, exc)
+            raise
+        if span is not None:
+            end_with_future(tracing, span, future)
         return future
 
     def send(self, task: str, queue: str, kwargs: dict[str, Any], *, request_id: str | None = None,
@@ -379,6 +396,75 @@ class Client:
             raise RequestTimeout(f"request {request_id}: no result within {timeout_s:g} s; "
                                  f"{where}") from None
 
+    # -- streaming responses (docs/streaming.md; client/streams.py) ---------------------------------
+
+    def _streams_for(self, model: str | None) -> Streams:
+        group = self._group_for(model)
+        with self._streams_lock:
+            streams = self._streams.get(id(group))
+            if streams is None:
+                streams = self._streams[id(group)] = Streams(group)
+            return streams
+
+    def stream(self, model: str, inputs: Any, *, parameters: Mapping[str, Any] | None = None,
+               request_id: str | None = None, priority: int | None = None,
+               timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
+               check_s: float = 1.0, **options: Any) -> ResponseStream:
+        """Send one request and read its response in parts, as its model makes them::
+
+            with client.stream("echo-stream", {"text_input": ["a b c"]}) as parts:
+                for part in parts:
+                    print(part.index, part["text_output"])
+
+        The request is sent as :meth:`submit` sends it (its other ``options``; this returns once
+        it is on its queue, or raises what refused it). Each part (a
+        :class:`~asyncinfer.client.responses.StreamPart`) comes once, in order, even when its
+        worker dies and the request runs again (``on_interrupted`` is called then, and
+        ``stream.interruptions`` lists it). The iteration ends after the last part, or raises the
+        request's error (a revoked request: :class:`~asyncinfer.errors.RequestRevoked`),
+        :class:`~asyncinfer.errors.StreamTruncated` (parts trimmed before they were read), or
+        :class:`~asyncinfer.errors.RequestTimeout` when it has not ended within ``timeout_s``.
+        A model that does not stream gives its one answer as one part.
+
+        Leaving the stream before its end (``close()``, the end of its ``with``, garbage
+        collection) revokes the request. ``check_s``: how often, between parts, the reader looks
+        at the request's lease and stored result (docs/streaming.md).
+        """
+        return self._streams_for(model).stream(
+            model, inputs, request_id=request_id, timeout_s=timeout_s,
+            on_interrupted=on_interrupted, check_s=check_s,
+            options={"parameters": parameters, "priority": priority, **options})
+
+    def read_stream(self, request_id: str, *, model: str | None = None, after: int = 0,
+                    timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
+                    check_s: float = 1.0) -> ResponseStream:
+        """The parts of a request sent by anyone, from its first (a late reader gets every part
+        the stream holds), or those after part ``after`` (a reader that lost its connection goes
+        on where it was). Sends nothing; closing it revokes nothing. ``model``: with routes, the
+        request's model (its broker). Otherwise as :meth:`stream`."""
+        return self._streams_for(model).read(request_id, after=after, timeout_s=timeout_s,
+                                             on_interrupted=on_interrupted, check_s=check_s)
+
+    def astream(self, model: str, inputs: Any, *, parameters: Mapping[str, Any] | None = None,
+                request_id: str | None = None, priority: int | None = None,
+                timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
+                check_s: float = 1.0, **options: Any) -> AsyncResponseStream:
+        """:meth:`stream` in asyncio: ``async for part in client.astream(model, inputs)``. The
+        request is sent at the first ``__anext__`` (or ``async with``), without blocking the
+        loop; cancelling the task that reads it, or ``aclose()`` before its end, revokes it."""
+        return self._streams_for(model).astream(
+            model, inputs, request_id=request_id, timeout_s=timeout_s,
+            on_interrupted=on_interrupted, check_s=check_s,
+            options={"parameters": parameters, "priority": priority, **options})
+
+    def aread_stream(self, request_id: str, *, model: str | None = None, after: int = 0,
+                     timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
+                     check_s: float = 1.0) -> AsyncResponseStream:
+        """:meth:`read_stream` in asyncio: ``async for part in client.aread_stream(id)``.
+        ``on_interrupted`` is called on the loop's thread."""
+        return self._streams_for(model).aread(request_id, after=after, timeout_s=timeout_s,
+                                              on_interrupted=on_interrupted, check_s=check_s)
+
     # -- asyncio (asyncinfer.client.aio): the same calls from a coroutine, never blocking the loop ------
 
     async def asubmit(self, model: str, inputs: Any, **options: Any) -> asyncio.Future[InferResponse]:
@@ -416,10 +502,16 @@ class Client:
         """:meth:`close` from a coroutine (also closes the running loop's own connections)."""
         for group in self._groups():
             await group.sender.loop_publishers.aclose()
+        for streams in list(self._streams.values()):
+            await streams.aclose()
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
         """Stop the result watcher and release connections (every broker's, with routes)."""
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for one in streams:
+            one.close()
         for group in self._groups():
             group.close()
 

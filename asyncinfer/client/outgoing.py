@@ -52,6 +52,10 @@ class Outgoing:
     soft_time_limit_s: float | None = None
     time_limit_s: float | None = None
     priority: int = 0
+    #: The W3C trace context the message carries (``traceparent``, ``tracestate``: its parent
+    #: span, wire/trace_context.py); None: none. With tracing on, the sender replaces it with
+    #: its submit span's (asyncinfer/tracing).
+    trace: dict[str, str] | None = None
 
     @classmethod
     def infer(cls, model: str, inputs: Any, request_id: str, claim: bool, serializer: str, *,
@@ -79,7 +83,7 @@ class Outgoing:
                             kwargsrepr=f"{{'model': {self.kwargs.get('model')!r}, ...}}",
                             max_body_bytes=max_body_bytes, time_limit_s=self.time_limit_s,
                             soft_time_limit_s=self.soft_time_limit_s, priority=self.priority,
-                            reply_to=reply_to)
+                            reply_to=reply_to, trace=self.trace)
 
     def send_task_options(self, reply_to: str) -> dict[str, Any]:
         """Celery's ``send_task`` arguments for the same request (brokers other than Redis)."""
@@ -87,4 +91,4 @@ class Outgoing:
                 "serializer": self.serializer, "link": self.link, "link_error": self.link_error,
                 "expires": self.expires, "time_limit": self.time_limit_s,
                 "soft_time_limit": self.soft_time_limit_s, "priority": self.priority,
-                "headers": {REPLY_TO: reply_to}}
+                "headers": {REPLY_TO: reply_to, **(self.trace or {})}}

@@ -18,7 +18,7 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
-from asyncinfer.errors import RequestTimeout
+from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX, UNACKED_KEY
 from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
 from asyncinfer.wire.result_json import decode_result
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from asyncinfer.client.result_watcher import ResultWatcher
 
-__all__ = ["InferFuture", "InferResponse", "whereabouts"]
+__all__ = ["InferFuture", "InferResponse", "StreamPart", "stored_outcome", "whereabouts"]
 
 
 class InferResponse:
@@ -65,6 +65,61 @@ class InferResponse:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{n}: {o['datatype']}{o['shape']}" for n, o in self.outputs.items())
         return f"InferResponse(id={self.id!r}, model={self.model_name!r}, outputs={{{shapes}}})"
+
+
+class StreamPart:
+    """One part of a streaming request (docs/streaming.md): ``part["name"]`` is that output as a
+    numpy array, with the request's one row first."""
+
+    def __init__(self, request_id: str, index: int, outputs: list[dict[str, Any]]) -> None:
+        self.request_id = request_id
+        #: Its number in the request's stream (1-based).
+        self.index = index
+        #: Output name → its v2 tensor (``name``, ``datatype``, ``shape``, ``data``).
+        self.outputs: dict[str, dict[str, Any]] = {o["name"]: o for o in outputs}
+
+    def _output(self, name: str | None) -> dict[str, Any]:
+        if name is None:
+            return next(iter(self.outputs.values()))
+        try:
+            return self.outputs[name]
+        except KeyError:
+            raise KeyError(f"request {self.request_id}: part {self.index} has no output {name!r} "
+                           f"(outputs: {', '.join(self.outputs)})") from None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return output_to_numpy(self._output(name))
+
+    def as_numpy(self, name: str | None = None) -> np.ndarray:
+        """Output ``name`` (default: the first) as a numpy array."""
+        return output_to_numpy(self._output(name))
+
+    def as_json(self) -> dict[str, Any]:
+        """The part as JSON data: ``request_id``, ``index``, ``outputs`` (v2 tensors)."""
+        return {"request_id": self.request_id, "index": self.index,
+                "outputs": list(self.outputs.values())}
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{n}: {o['datatype']}{o['shape']}" for n, o in self.outputs.items())
+        return f"StreamPart(request_id={self.request_id!r}, index={self.index}, outputs={{{shapes}}})"
+
+
+def stored_outcome(app: Celery, request_id: str, meta: Mapping[str, Any]) -> Any:
+    """What a request's stored final state (a result meta: ``status``, ``result``) comes to, as
+    its future settles it: the response (SUCCESS; an :class:`InferResponse` when the result is
+    one), or the exception its ``result()`` raises (returned, not raised); a REVOKED is Celery's
+    ``TaskRevokedError``."""
+    status = meta.get("status")
+    if status == states.SUCCESS:
+        result = meta["result"]
+        is_response = isinstance(result, dict) and "outputs" in result and "id" in result
+        return InferResponse(result) if is_response else result
+    stored = app.backend.exception_to_python(meta.get("result"))
+    if status == states.REVOKED and not isinstance(stored, TaskRevokedError):
+        return TaskRevokedError(f"request {request_id} was revoked")
+    if not isinstance(stored, BaseException):
+        return AsyncInferError(f"request {request_id}: ended {status} ({stored!r})")
+    return stored
 
 
 class InferFuture(concurrent.futures.Future[InferResponse]):
@@ -147,17 +202,11 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
     def _settle(self, meta: dict[str, Any]) -> None:
         if self.done():
             return
-        status = meta.get("status")
-        if status == states.SUCCESS:
-            result = meta["result"]
-            is_response = isinstance(result, dict) and "outputs" in result and "id" in result
-            self.set_result(InferResponse(result) if is_response else result)
-        elif status == states.REVOKED:
-            stored = self._app.backend.exception_to_python(meta.get("result"))
-            self.set_exception(stored if isinstance(stored, TaskRevokedError)
-                               else TaskRevokedError(f"request {self.id} was revoked"))
+        outcome = stored_outcome(self._app, self.id, meta)
+        if meta.get("status") == states.SUCCESS:
+            self.set_result(outcome)
         else:
-            self.set_exception(self._app.backend.exception_to_python(meta.get("result")))
+            self.set_exception(outcome)
 
     def __repr__(self) -> str:
         return f"<InferFuture {self.id} {self._state}>"

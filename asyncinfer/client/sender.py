@@ -26,12 +26,14 @@ from asyncinfer.client.outgoing import Outgoing
 from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.result_watcher import ResultWatcher
+from asyncinfer.client.submit_span import end_with_error, end_with_future, start_submit_span
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable
 from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.messages import uuid4_text
 
@@ -48,6 +50,8 @@ class Sender:
         self.settings = settings
         self.app = app
         self.known = known
+        #: OpenTelemetry, when ``ASYNCINFER_TRACING`` asks for it (None: off, nothing imported).
+        self.tracing = tracing_for(settings)
         # The ResultWatcher subscribes to each request's result; Celery's own result consumer
         # would subscribe a second time on every send. AsyncResult.get() still subscribes itself.
         self.app.backend.on_task_call = _skip_on_task_call
@@ -142,7 +146,21 @@ class Sender:
         On a Redis broker the request goes out in the next group (:attr:`grouped`): this returns
         before it is on its queue, and a refusal (the queue full past its timeout, the broker
         unreachable, ...) ends the future with that error; ``future.sent()`` waits for the push
-        and raises it. On another broker it is sent before this returns (errors raised here)."""
+        and raises it. On another broker it is sent before this returns (errors raised here).
+        With tracing on, the request's ``asyncinfer.submit`` span (client/submit_span.py) starts
+        here and ends with its future."""
+        if self.tracing is None:
+            return self._send_watched(outgoing)
+        span = start_submit_span(self.tracing, outgoing)
+        try:
+            future = self._send_watched(outgoing)
+        except BaseException as exc:
+            end_with_error(self.tracing, span, exc)
+            raise
+        end_with_future(self.tracing, span, future)
+        return future
+
+    def _send_watched(self, outgoing: Outgoing) -> InferFuture:
         if self.grouped is None:
             future = self.watched(outgoing)
             try:

@@ -232,6 +232,13 @@ class Settings:
         0, "ASYNCINFER_METRICS_PORT",
         "Port on which each worker serves Prometheus metrics at `/metrics` (`asyncinfer worker "
         "--metrics-port`); 0: not served.")
+    tracing: str = _setting(
+        "off", "ASYNCINFER_TRACING",
+        "OpenTelemetry traces across the queue (the `tracing` extra; docs/operations.md, "
+        "*Tracing*): `off` (nothing imported, nothing recorded), `otlp` (spans exported over "
+        "OTLP/HTTP to `OTEL_EXPORTER_OTLP_ENDPOINT`, default `http://localhost:4318`), `console` "
+        "(spans printed as JSON lines on stdout) or `global` (spans handed to the tracer "
+        "provider the application set up itself). Clients, gateways and workers each read it.")
     catalogue_ttl_s: float = _setting(
         15.0, "ASYNCINFER_CATALOGUE_TTL_S",
         "Seconds a worker's entry in the model catalogue lives; it announces its models every third "

@@ -11,7 +11,10 @@ from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
 from asyncinfer.redis_urls import URL_EXAMPLES, is_redis_url
 
-__all__ = ["check_settings"]
+__all__ = ["check_settings", "TRACING_MODES"]
+
+#: What ``ASYNCINFER_TRACING`` may say (asyncinfer/tracing).
+TRACING_MODES = ("off", "otlp", "console", "global")
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -29,6 +32,9 @@ def check_settings(settings: Any) -> None:
             raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(settings, name)!r}")
     if settings.consumer not in ("fast", "celery"):
         raise ValueError(f"consumer must be 'fast' or 'celery', got {settings.consumer!r}")
+    if settings.tracing not in TRACING_MODES:
+        raise ValueError(f"ASYNCINFER_TRACING must be one of {', '.join(TRACING_MODES)}, got "
+                         f"{settings.tracing!r}")
     parse_model_options(settings.model_options)  # raises ValueError when malformed
     for route in parse_routes(settings.broker_routes):  # raises ValueError when malformed
         if not settings.result_backend and not is_redis_url(route.url):

@@ -67,6 +67,9 @@ class WorkItem:
     #: outputs)`` (index 1-based, outputs its v2 tensors; engine/streaming.py). None: nobody
     #: listens (its one answer, the parts joined, still completes its future).
     on_part: Callable[[int, list[Any]], None] | None = None
+    #: Its host's trace tag (opaque here: the worker's message headers), handed back in its
+    #: batch's record when the runner records batches (tracing); None: none.
+    trace: Any = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

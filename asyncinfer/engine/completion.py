@@ -18,7 +18,28 @@ from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.models.base import Batch
 from asyncinfer.wire.protocol import Request, Tensor, datatype_of
 
-__all__ = ["Completed", "deliver", "output_tensor", "rows_of", "settle", "split_rows"]
+__all__ = ["BatchRecord", "Completed", "deliver", "output_tensor", "rows_of", "settle", "split_rows"]
+
+
+@dataclass(eq=False)
+class BatchRecord:
+    """One device batch as its host's tracing records it (made only when the runner is asked to:
+    ``record_batches``): its model, device, rows and times (``time.perf_counter()`` readings),
+    and each request's trace tag (:attr:`WorkItem.trace <asyncinfer.engine.batcher.WorkItem>`,
+    opaque here), in the batch's order."""
+
+    model: str
+    device: str
+    rows: int
+    #: When it was formed, went onto the device (None: not known), and was delivered.
+    started: float
+    launched: float | None
+    device_s: float | None
+    finished: float
+    request_ids: list[str]
+    traces: list[Any]
+    #: Set by whoever records it, once (a batch's requests may be written in two parts).
+    recorded: bool = False
 
 
 @dataclass
@@ -29,16 +50,19 @@ class Completed:
     batch_size: int
     queue_ms: float
     compute_ms: float
+    #: Its batch, for tracing (None unless the runner records batches).
+    batch: BatchRecord | None = None
 
 
 def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: str, device: str,
             on_batch: BatchObserver, launched: float | None = None,
-            device_s: float | None = None) -> None:
+            device_s: float | None = None, record: bool = False) -> None:
     """Give each request of a finished batch exactly its own rows of ``outputs`` (those already
     answered, by a revoke or a time limit, are skipped); ModelError if an output's rows do not add
     up to the batch. ``launched`` (a ``perf_counter`` reading) and ``device_s``: when the batch
     went onto the device and how long it took there (None: not known; its whole time counts as
-    the device's)."""
+    the device's). ``record``: each request's :class:`Completed` carries its batch's
+    :class:`BatchRecord` (tracing)."""
     finished = time.perf_counter()
     rows = [item.rows for item in items]
     total = sum(rows)
@@ -55,6 +79,9 @@ def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: st
     infer_s = min(device_s, compute_s - input_s) if device_s is not None else compute_s - input_s
     on_batch(model, device, total, compute_s, [started - item.received_at for item in items],
              (input_s, infer_s, max(0.0, compute_s - input_s - infer_s)))
+    batch = (BatchRecord(model, device, total, started, launched or None, device_s, finished,
+                         [item.request.id for item in items], [item.trace for item in items])
+             if record else None)
     for i, item in enumerate(items):
         if item.future.done():  # revoked after its batch was formed
             continue
@@ -62,7 +89,7 @@ def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: st
                   for name, parts in pieces.items()]
         settle(item.future, Completed(
             outputs=result, batch_size=total,
-            queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms))
+            queue_ms=(started - item.received_at) * 1000.0, compute_ms=compute_ms, batch=batch))
 
 
 def rows_of(request: Request) -> int:

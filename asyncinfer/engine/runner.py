@@ -79,8 +79,11 @@ class ModelRunner:
     def __init__(self, model: Model, device: Device, options: ModelOptions | None = None, *,
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
                  is_transient: Transient = is_transient, on_batch: BatchObserver | None = None,
-                 hooks: DeviceHooks | Callable[[], DeviceHooks] | None = None) -> None:
+                 hooks: DeviceHooks | Callable[[], DeviceHooks] | None = None,
+                 record_batches: bool = False) -> None:
         self.model = model
+        #: Each request's result carries its batch's record (tracing: engine/completion.py).
+        self.record_batches = record_batches
         self.device = device
         opts = options or model.options
         if not model.batchable:  # batches of one row: a graph, if asked for, of that size only
@@ -162,7 +165,7 @@ class ModelRunner:
     def submit(self, request: Request, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None, alone: bool = False,
-               priority: int = 0,
+               priority: int = 0, trace: Any = None,
                on_part: Callable[[int, list[Any]], None] | None = None) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
 
@@ -174,6 +177,7 @@ class ModelRunner:
         ``priority`` (Celery's, 0-9; 0 first) decides which waiting requests batch first.
         ``on_part(index, outputs)``: a decoupled model's parts of the request, as they come
         (index 1-based; outputs its v2 tensors); such a request holds exactly one row.
+        ``trace``: the host's trace tag of the request, handed back in its batch's record.
         """
         forward_only = request.parameters.get("stage") == FORWARD_STAGE
         if forward_only:  # a prepared request carries the preprocess's tensors, checked as such
@@ -191,7 +195,7 @@ class ModelRunner:
                 f"of model '{self.model.name}'")
         item = WorkItem(request=request, rows=rows,
                         signature=(forward_only, self.model.signature(request)), alone=alone,
-                        priority=priority,
+                        priority=priority, trace=trace,
                         cost=self.model.row_cost(request) if self.options.group_by_cost else None,
                         on_part=on_part)
         if received_at is not None:
@@ -447,7 +451,7 @@ class ModelRunner:
             self.batch_s = device_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * device_s
         with self._hooks().settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch,
-                    launched, device_s)
+                    launched, device_s, self.record_batches)
 
 
 def _forward_only(job: _Job) -> bool:

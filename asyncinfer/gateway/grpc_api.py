@@ -3,8 +3,8 @@
 Triton's clients (``tritonclient.grpc``, perf_analyzer, ...) call it as they call Triton: the
 messages (proto/inference.proto) carry Triton's field numbers, and the methods are registered
 under Triton's service name. Only the calls the gateway can answer are registered (health,
-metadata, model config, infer, model statistics); any other method of the service
-(RepositoryIndex, shared memory, streaming, ...) gets gRPC's own UNIMPLEMENTED.
+metadata, model config, infer, streaming infer (grpc_stream.py), model statistics); any other
+method of the service (RepositoryIndex, shared memory, ...) gets gRPC's own UNIMPLEMENTED.
 
 Errors are aborts with the gRPC code :class:`~asyncinfer.gateway.service.GatewayError` maps to
 (429 → RESOURCE_EXHAUSTED also sends ``retry-after`` trailing metadata, in seconds). A client
@@ -22,19 +22,11 @@ import grpc
 from google.protobuf.message import Message
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.gateway.binary import check_binary_input, check_request_id, check_unique_names
+from asyncinfer.gateway.grpc_messages import infer_call, infer_response
+from asyncinfer.gateway.grpc_stream import stream_infer_handler
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
-from asyncinfer.gateway.tensors import (
-    InferCall,
-    InferResult,
-    InputTensor,
-    RequestedOutput,
-    raw_from_list,
-)
-from asyncinfer.wire.datatypes import spec_for
-from asyncinfer.wire.envelope import printable
-from asyncinfer.wire.payloads import check_shape
+from asyncinfer.wire.trace_context import trace_fields_of_pairs
 
 __all__ = ["start_grpc", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
 
@@ -45,127 +37,11 @@ SERVICE_NAME = "inference.GRPCInferenceService"
 #: Largest message either way by default (gRPC's own default, 4 MiB, is too small for tensors).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-#: The ``InferTensorContents`` field that holds each datatype's elements (Triton's choice);
-#: FP16 and BF16 have none and travel in ``raw_input_contents`` only.
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-
-_INT64_MAX = 2**63 - 1
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-# -- requests and responses ----------------------------------------------------------------------
-
-def _value(parameter: pb.InferParameter) -> Any:
-    """The plain Python value of an ``InferParameter`` (None when none of its fields is set)."""
-    which = parameter.WhichOneof("parameter_choice")
-    return None if which is None else getattr(parameter, which)
-
-
-def _set_value(parameter: pb.InferParameter, value: Any) -> None:
-    """Store ``value`` in the ``InferParameter`` field of its type (text for anything else)."""
-    if isinstance(value, bool):
-        parameter.bool_param = value
-    elif isinstance(value, int) and value > _INT64_MAX:
-        parameter.uint64_param = value
-    elif isinstance(value, int):
-        parameter.int64_param = value
-    elif isinstance(value, float):
-        parameter.double_param = value
-    else:
-        parameter.string_param = str(value)
-
-
-def _contents_list(where: str, tensor: pb.ModelInferRequest.InferInputTensor) -> list[Any]:
-    """The elements an input carries in its typed ``contents`` (the field its datatype uses).
-
-    Raises:
-        InvalidRequest: Elements in a field that is not the datatype's (or any, for FP16/BF16).
-    """
-    field = _CONTENTS_FIELD.get(tensor.datatype)
-    others = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
-    if others:
-        hint = (f"{tensor.datatype} data travels in raw_input_contents only" if field is None
-                else f"{tensor.datatype} data belongs in {field}")
-        raise InvalidRequest(f"{where}: has {', '.join(others)} ({hint})")
-    return [] if field is None else list(getattr(tensor.contents, field))
-
-
-def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
-    """The request's inputs, their data in the v2 binary form, checked as the worker would check
-    them (so that a request that breaks a rule is never sent).
-
-    Raises:
-        InvalidRequest: An input without a name, or two with the same name; an unknown datatype
-            or a bad shape; raw contents for some inputs only, typed contents beside raw ones,
-            shared memory (not served here); raw or typed contents that do not fit the datatype
-            and shape.
-    """
-    request_id = request.id or "(no id)"
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidRequest(f"request {request_id}: {len(raw)} raw_input_contents for "
-                             f"{len(request.inputs)} inputs (give one per input, or none)")
-    tensors = []
-    for i, tensor in enumerate(request.inputs):
-        if not tensor.name:
-            raise InvalidRequest(f"request {request_id}: input #{i} needs a name")
-        where = f"request {request_id}: input '{printable(tensor.name, 100)}'"
-        if "shared_memory_region" in tensor.parameters:
-            raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
-        spec_for(tensor.datatype, where)
-        shape = list(check_shape(where, list(tensor.shape)))
-        if raw:
-            if tensor.contents.ListFields():
-                raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
-                                     f"(give one or the other)")
-            data = raw[i]
-            check_binary_input(where, tensor.datatype, shape, data)
-        else:
-            data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
-        tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
-    check_unique_names(f"request {request_id}", [t.name for t in tensors])
-    return tensors
-
-
-def _call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
-    """The :class:`InferCall` of a ModelInfer request; ``timeout_s``: the client's deadline."""
-    check_request_id(request.id)
-    parameters = {k: v for k, p in request.parameters.items() if (v := _value(p)) is not None}
-    outputs = None
-    if request.outputs:
-        outputs = []
-        for output in request.outputs:
-            if "shared_memory_region" in output.parameters:
-                raise InvalidRequest(f"request {request.id or '(no id)'}: output '{output.name}': "
-                                     f"shared memory is not supported")
-            outputs.append(RequestedOutput(output.name))
-    return InferCall(model=request.model_name, version=request.model_version, id=request.id,
-                     inputs=_inputs(request), parameters=parameters, outputs=outputs,
-                     timeout_s=timeout_s, protocol="grpc")
-
-
-def _infer_response(result: InferResult) -> pb.ModelInferResponse:
-    """The ModelInferResponse of a result: every output's data in ``raw_output_contents`` (where
-    tritonclient reads it), the worker's parameters (worker, device, batch_size, ...) as values."""
-    response = pb.ModelInferResponse(model_name=result.model_name,
-                                     model_version=result.model_version, id=result.id)
-    for name, value in result.parameters.items():
-        if value is not None:
-            _set_value(response.parameters[name], value)
-    for output in result.outputs:
-        response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
-        response.raw_output_contents.append(output.raw)
-    return response
-
+# -- metadata ------------------------------------------------------------------------------------
 
 def _tensor_metadata(tensor: Mapping[str, Any]) -> pb.ModelMetadataResponse.TensorMetadata:
     return pb.ModelMetadataResponse.TensorMetadata(
@@ -185,7 +61,9 @@ def _model_config(config: Mapping[str, Any]) -> pb.ModelConfig:
         input=[pb.ModelInput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
                              dims=[int(d) for d in t["dims"]]) for t in config.get("input", [])],
         output=[pb.ModelOutput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
-                               dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])])
+                               dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])],
+        model_transaction_policy=pb.ModelTransactionPolicy(
+            decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False))))
 
 
 def _statistics_response(model_stats: list[Mapping[str, Any]]) -> pb.ModelStatisticsResponse:
@@ -250,8 +128,9 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         timeout_s = context.time_remaining()
         # Typed contents are converted element by element, raw ones checked (BOOL bytes, BYTES
         # length prefixes): off the loop when there is much of either.
-        call = await off_loop_if_large(request.ByteSize(), _call, request, timeout_s)
-        return _infer_response(await service.infer(call))
+        call = await off_loop_if_large(request.ByteSize(), infer_call, request, timeout_s)
+        call.trace = trace_fields_of_pairs(context.invocation_metadata())  # a traceparent, if any
+        return infer_response(await service.infer(call))
 
     async def model_statistics(request: pb.ModelStatisticsRequest,
                                context: Any) -> pb.ModelStatisticsResponse:
@@ -325,11 +204,13 @@ def _unary(method: Handler) -> Handler:
 
 def make_handler(service: Service) -> grpc.GenericRpcHandler:
     """The generic handler of ``inference.GRPCInferenceService`` for ``service``'s calls."""
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+    handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _unary(method), request_deserializer=request_type.FromString,
             response_serializer=response_type.SerializeToString)
-        for name, (method, request_type, response_type) in _methods(service).items()})
+        for name, (method, request_type, response_type) in _methods(service).items()}
+    handlers["ModelStreamInfer"] = stream_infer_handler(service)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 async def start_grpc(service: Service, host: str, port: int, *,

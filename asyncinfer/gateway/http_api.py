@@ -1,4 +1,5 @@
-"""The v2 REST front (aiohttp): health, server and model metadata, model config, infer.
+"""The v2 REST front (aiohttp): health, server and model metadata, model config, infer, and
+Triton's generate extension (``generate``, and ``generate_stream`` as server-sent events).
 
 Errors are ``{"error": "..."}`` with the status :class:`~asyncinfer.gateway.service.GatewayError`
 carries (429 adds ``Retry-After``); aiohttp's own refusals (no such route 404, method 405, body
@@ -14,6 +15,7 @@ cancels its handler (``handler_cancellation``), and the service revokes its requ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import zlib
 from typing import Any
@@ -22,7 +24,11 @@ from aiohttp import web
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
+from asyncinfer.gateway.generate import generate_call, generate_response
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
+from asyncinfer.gateway.streaming import Interrupted, stream
+from asyncinfer.gateway.tensors import InferCall
+from asyncinfer.wire.trace_context import trace_fields
 
 __all__ = ["make_app", "start_http"]
 
@@ -163,6 +169,7 @@ async def infer(request: web.Request) -> web.StreamResponse:
             body = await asyncio.get_running_loop().run_in_executor(None, _inflate, encoding, body,
                                                                     limit)
         call = await off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
+        call.trace = trace_fields(request.headers)  # the caller's traceparent, if any
         result = await service.infer(call)
         out, json_length = await off_loop_if_large(
             sum(len(o.raw) for o in result.outputs), render_infer_result, call, result)
@@ -178,6 +185,88 @@ async def infer(request: web.Request) -> web.StreamResponse:
     accepted = request.headers.get("Accept-Encoding", "")
     if "gzip" in accepted or "deflate" in accepted:
         response.enable_compression()
+    return response
+
+
+async def _generate_call(request: web.Request) -> InferCall:
+    """The call of a generate request (Triton's generate extension: gateway/generate.py).
+
+    Raises:
+        GatewayError: 404 for an unknown model, 413 for a body over the limit, 415 for a
+            compressed body (generate takes identity bodies only, as Triton's does).
+        InvalidRequest: a body that is not a generate request.
+    """
+    service = request.app[_SERVICE]
+    model, version = _model(request)
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise GatewayError(415, f"request body has Content-Encoding {encoding!r:.40}; generate "
+                                f"takes identity bodies only")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise GatewayError(413, f"request body is larger than the gateway's limit of "
+                                f"{request.app[_MAX_BODY]} bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)") from None
+    entry = await service.entry(model, version)
+    return await off_loop_if_large(len(body), generate_call, model, version, body,
+                                   list(entry.metadata.get("inputs") or []))
+
+
+async def generate(request: web.Request) -> web.Response:
+    """``POST …/generate``: the request's one answer (a decoupled model's parts joined)."""
+    try:
+        call = await _generate_call(request)
+        result = await request.app[_SERVICE].infer(call)
+        return _json(await off_loop_if_large(sum(len(o.raw) for o in result.outputs),
+                                             generate_response, result))
+    except InvalidRequest as exc:
+        return _error(GatewayError(400, str(exc)))
+    except GatewayError as exc:
+        return _error(exc)
+
+
+def _event(body: Any, kind: str = "") -> bytes:
+    """One server-sent event: ``data: <json>``, after ``event: <kind>`` when given."""
+    head = f"event: {kind}\n" if kind else ""
+    return f"{head}data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    """``POST …/generate_stream``: server-sent events, one ``data:`` event per part in order;
+    ``event: interrupted`` when the request's worker died and it resumes; an error after the
+    first event is ``data: {"error": ...}``, then the end. An error before any event is a JSON
+    error with its status, as ``generate``'s. A client that hangs up revokes the request (its
+    handler is cancelled, or its write fails: either closes the stream, which revokes)."""
+    response: web.StreamResponse | None = None
+    try:
+        call = await _generate_call(request)
+        async with contextlib.aclosing(stream(request.app[_SERVICE], call)) as events:
+            async for event in events:
+                if isinstance(event, Interrupted):
+                    chunk = _event({**({"id": call.id} if call.id else {}),
+                                    "interrupted": event.message}, "interrupted")
+                else:
+                    chunk = _event(generate_response(event.result))
+                if response is None:
+                    response = await _start_events(request)
+                await response.write(chunk)
+    except (InvalidRequest, GatewayError) as exc:
+        error = exc if isinstance(exc, GatewayError) else GatewayError(400, str(exc))
+        if response is None:
+            return _error(error)
+        await response.write(_event({"error": error.message}))
+    except ConnectionResetError:  # the client hung up; closing the stream revoked the request
+        return response or web.Response(status=499)
+    if response is None:  # a stream without parts
+        response = await _start_events(request)
+    await response.write_eof()
+    return response
+
+
+async def _start_events(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
     return response
 
 
@@ -258,6 +347,10 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
         web.post("/v2/repository/models/{model}/unload", unload_model),
         web.post("/v2/models/{model}/infer", infer),
         web.post("/v2/models/{model}/versions/{version}/infer", infer),
+        web.post("/v2/models/{model}/generate", generate),
+        web.post("/v2/models/{model}/versions/{version}/generate", generate),
+        web.post("/v2/models/{model}/generate_stream", generate_stream),
+        web.post("/v2/models/{model}/versions/{version}/generate_stream", generate_stream),
     ])
     return app
 

@@ -73,7 +73,7 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     client = Client(settings=settings)
-    service = Service(client, version=__version__)
+    service = Service(client, version=__version__, tracing=client.sender.tracing)
     await service.start()
     metrics = GatewayMetrics(lambda model: client.sender_for(model).broker, service.known_models,
                              lambda: service.in_flight)

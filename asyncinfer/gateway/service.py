@@ -35,11 +35,14 @@ from asyncinfer.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, UNLOAD
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import DATATYPES
 
-__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large"]
+__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
+           "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor"]
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "asyncinfer"
+#: The gateway's span of an infer call (tracing on).
+GATEWAY_SPAN = "asyncinfer.gateway.infer"
 #: What ``GET /v2`` and ServerMetadata advertise.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
@@ -54,7 +57,8 @@ GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTE
 
 #: Parameters the gateway itself consumes; the others travel to the worker with the request.
 _OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
-                   "headers", "sequence_id", "sequence_start", "sequence_end"}
+                   "headers", "sequence_id", "sequence_start", "sequence_end",
+                   "triton_enable_empty_final_response"}
 
 T = TypeVar("T")
 
@@ -116,7 +120,7 @@ class Service:
     #: names reads the catalogue at most 1 / MISS_REREAD_S times a second, not once per call.
     MISS_REREAD_S = 0.05
 
-    def __init__(self, client: Client, *, version: str = "") -> None:
+    def __init__(self, client: Client, *, version: str = "", tracing: Any = None) -> None:
         self.client = client
         self.version = version
         self._catalogue: dict[str, CatalogueEntry] = {}
@@ -131,6 +135,9 @@ class Service:
         self.in_flight = 0
         #: Set when the gateway stops: calls cut off then are not revoked.
         self.stopping = False
+        #: OpenTelemetry (``ASYNCINFER_TRACING``, asyncinfer/tracing): each infer call's server
+        #: span; None: off.
+        self.tracing = tracing
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -244,7 +251,8 @@ class Service:
 
     async def model_config(self, model: str, version: str = "") -> dict[str, Any]:
         """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
-        inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension)."""
+        inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension), and
+        ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
         entry = await self.entry(model, version)
         meta = entry.metadata
         batchable = bool(meta.get("batchable", True))
@@ -252,7 +260,8 @@ class Service:
                 "backend": SERVER_NAME,
                 "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
                 "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
-                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []]}
+                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []],
+                "model_transaction_policy": {"decoupled": is_decoupled(entry)}}
 
     async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
         """Triton's statistics (``{"model_stats": [...]}``) of ``model``, or of every model the
@@ -324,6 +333,7 @@ class Service:
         """
         started = time.perf_counter()
         status = 200
+        span = None if self.tracing is None else self._start_span(call)
         self.in_flight += 1
         try:
             return await self._infer(call)
@@ -337,6 +347,25 @@ class Service:
         finally:
             self.in_flight -= 1
             self.on_infer(call, status, time.perf_counter() - started)
+            if span is not None:
+                self._end_span(span, status)
+
+    def _start_span(self, call: InferCall) -> Any:
+        """The call's server span, child of the caller's trace context (a new trace without
+        one); the request carries the span's context on (``call.trace``)."""
+        assert self.tracing is not None
+        span = self.tracing.start(GATEWAY_SPAN, call.trace, kind="server", attributes={
+            "rpc.system": call.protocol, "asyncinfer.model": call.model,
+            "asyncinfer.model_version": call.version, "asyncinfer.request_id": call.id})
+        call.trace = self.tracing.fields_of(span)
+        return span
+
+    def _end_span(self, span: Any, status: int) -> None:
+        assert self.tracing is not None
+        span.set_attribute("asyncinfer.status_code", status)
+        if status >= 400:
+            self.tracing.fail(span, f"answered {status}")
+        span.end()
 
     async def _send(self, model: str, inputs: list[dict[str, Any]],
                     options: dict[str, Any]) -> InferFuture:
@@ -350,8 +379,14 @@ class Service:
             return await aio.publish(sender, lambda: sender.submit(model, inputs, **options))
         return sender.submit(model, inputs, **options)
 
-    async def _infer(self, call: InferCall) -> InferResult:
-        entry = await self.entry(call.model, call.version)
+    async def submit(self, call: InferCall, entry: CatalogueEntry) -> InferFuture:
+        """Check ``call`` against ``entry`` (its model's catalogue entry) and send it as one
+        request; the future ends with its answer (or why it was refused).
+
+        Raises:
+            GatewayError: 400 for a call without inputs, or asking for an output the model does
+                not declare, or with a bad ``priority`` or ``timeout``.
+        """
         priority = _priority(call)
         expires_s = _expires_s(call)
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
@@ -369,23 +404,32 @@ class Service:
         parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
         if call.version:  # /versions/{v}/infer: that version runs it
             parameters[PARAMETER] = call.version
-        sent = await self._send(call.model, inputs, {
+        return await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
-            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority})
+            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority,
+            "trace": call.trace})
+
+    def wait(self, sent: InferFuture) -> asyncio.Future[Any]:
+        """A loop future that ends as ``sent`` does (cancelling it leaves the request alone)."""
         if self._handover is None:  # the loop's, made on its first call
             self._handover = Handover(asyncio.get_running_loop())
+        return self._handover.wait(sent)
+
+    def revoke(self, sent: InferFuture) -> None:
+        """Revoke ``sent`` because its caller went away (a broadcast through the broker, off the
+        loop); a gateway that stops leaves its requests to run (a caller may ask again by ID)."""
+        if not self.stopping:
+            asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+
+    async def _infer(self, call: InferCall) -> InferResult:
+        entry = await self.entry(call.model, call.version)
+        sent = await self.submit(call, entry)
         try:
-            response = await self._handover.wait(sent)
+            response = await self.wait(sent)
         except TaskRevokedError as exc:  # the worker's answer for a revoked or expired request
-            if "expired" in str(exc):
-                raise GatewayError(504, f"request {sent.id}: expired before a worker ran it "
-                                        f"(parameter 'timeout' or the deadline)") from None
-            raise GatewayError(499, f"request {sent.id}: revoked ({exc})") from None
-        except asyncio.CancelledError:
-            # the caller went away: revoke it (a broadcast through the broker, off the loop);
-            # a gateway that stops leaves its requests to run (a caller may ask again by ID)
-            if not self.stopping:
-                asyncio.get_running_loop().run_in_executor(None, sent.cancel)
+            raise revoked_error(sent.id, exc) from None
+        except asyncio.CancelledError:  # the caller went away
+            self.revoke(sent)
             raise
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
@@ -401,7 +445,7 @@ class Service:
                            model_version=call.version or str((raw.get("parameters") or {}).get(
                                PARAMETER) or entry.versions[-1]),
                            id=str(raw["id"]) if call.id else "",
-                           outputs=[_output(raw["id"], o) for o in chosen],
+                           outputs=[output_tensor(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))
 
 
@@ -453,7 +497,22 @@ def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> d
     return options
 
 
-def _output(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+def revoked_error(request_id: str, exc: BaseException) -> GatewayError:
+    """The answer to Celery's TaskRevokedError for a request: 504 when it expired, else 499."""
+    if "expired" in str(exc):
+        return GatewayError(504, f"request {request_id}: expired before a worker ran it "
+                                 f"(parameter 'timeout' or the deadline)")
+    return GatewayError(499, f"request {request_id}: revoked ({exc})")
+
+
+def is_decoupled(entry: CatalogueEntry) -> bool:
+    """Whether the model answers in steps (the catalogue's ``decoupled``: Triton's decoupled
+    transaction policy)."""
+    return bool(entry.metadata.get("decoupled", False))
+
+
+def output_tensor(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+    """An output of a response (raw or JSON data) as an :class:`OutputTensor`."""
     data = output["data"]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],

@@ -51,6 +51,8 @@ class InferCall:
         outputs: the outputs asked for; None for all.
         timeout_s: the caller's own deadline (a gRPC deadline), if any.
         protocol: the front it came through (``http`` or ``grpc``), for the metrics.
+        trace: the caller's W3C trace context (``traceparent``, ``tracestate``: an HTTP header,
+            gRPC metadata), None for none; the request carries it on (wire/trace_context.py).
     """
 
     model: str
@@ -61,6 +63,7 @@ class InferCall:
     outputs: list[RequestedOutput] | None = None
     timeout_s: float | None = None
     protocol: str = "grpc"
+    trace: dict[str, str] | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncinfer.ops.cli_io import (
     declared_inputs,
+    print_part,
     print_response,
     read_inputs,
     with_datatype_hint,
@@ -89,15 +90,38 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_infer(args: argparse.Namespace) -> int:
     from asyncinfer.errors import InvalidRequest
 
+    if args.stream and args.output != "json":
+        raise SystemExit("asyncinfer infer: --stream prints each part as it arrives; "
+                         "--output npy is for one response (drop one of them)")
+    if args.json and not args.stream:
+        raise SystemExit("asyncinfer infer: --json is for --stream (one JSON object per part); "
+                         "a whole response is printed as JSON already")
     with _client(args) as client:
         inputs, parameters = read_inputs(args.input, args.datatype,
                                           declared_inputs(client, args.model))
         try:
+            if args.stream:
+                return _infer_stream(client, args, inputs, parameters)
             response = client.infer(args.model, inputs, parameters=parameters,
                                     timeout_s=args.timeout_s)
         except InvalidRequest as exc:
             raise with_datatype_hint(exc, args.datatype) from None
         print_response(response, args)
+    return 0
+
+
+def _infer_stream(client: Any, args: argparse.Namespace, inputs: Any, parameters: Any) -> int:
+    """``infer --stream``: each part on its own line as it arrives; an interruption (its worker
+    died, the request runs again) on stderr."""
+    def interrupted(interruption: Any) -> None:
+        print(f"asyncinfer infer: request {interruption.request_id}: interrupted after part "
+              f"{interruption.after_part} ({interruption.reason}); waiting for it to run again",
+              file=sys.stderr, flush=True)
+
+    with client.stream(args.model, inputs, parameters=parameters, timeout_s=args.timeout_s,
+                       on_interrupted=interrupted) as parts:
+        for part in parts:
+            print_part(part, args)
     return 0
 
 
@@ -193,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "infer":
             p.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait")
             _output_options(p)
+            p.add_argument("--stream", action="store_true",
+                           help="print each part of the response as it arrives, one line per "
+                                "part (a decoupled model's; any other's one answer is one part)")
+            p.add_argument("--json", action="store_true",
+                           help="with --stream: each part as one JSON object (request_id, "
+                                "index, outputs)")
         else:
             p.add_argument("--request-id", help="request ID (default: a new UUID)")
         p.set_defaults(func=func)

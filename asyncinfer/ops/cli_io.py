@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["read_inputs", "declared_inputs", "print_response", "with_datatype_hint"]
+__all__ = ["read_inputs", "declared_inputs", "print_response", "print_part", "with_datatype_hint"]
 
 #: A model's refusal of a datatype (models/base.py), which ``--datatype`` answers for list inputs.
 _DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+)")
@@ -65,6 +65,30 @@ def print_response(response: Any, args: argparse.Namespace) -> None:
         print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
     else:
         print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
+
+
+def print_part(part: Any, args: argparse.Namespace) -> None:
+    """One part of a streamed response on one line, as soon as it arrives: ``<index>
+    <name>=<values as JSON> ...`` (BYTES as text where it is UTF-8), or ``--json``: the part as
+    one JSON object (``request_id``, ``index``, ``outputs``: its v2 tensors)."""
+    if getattr(args, "json", False):
+        print(json.dumps(part.as_json(), separators=(",", ":"), default=_bytes_as_list), flush=True)
+        return
+    values = " ".join(f"{name}=" + json.dumps(_as_text(part[name].tolist()), ensure_ascii=False,
+                                              default=_bytes_as_list) for name in part.outputs)
+    print(f"{part.index} {values}", flush=True)
+
+
+def _as_text(value: Any) -> Any:
+    """``value`` (nested lists) with UTF-8 bytes as text."""
+    if isinstance(value, list):
+        return [_as_text(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError:
+            return value
+    return value
 
 
 def _without_pickle(name: str, value: Any) -> Any:

@@ -9,6 +9,8 @@ like any others; only its forward runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from celery import Task
 from asyncinfer.celery_app import app
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
 from asyncinfer.models.base import Model
+from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.protocol import (
     FORWARD_STAGE,
     decode_request,
@@ -24,9 +27,35 @@ from asyncinfer.wire.protocol import (
     request_kwargs,
     tensor_from_value,
 )
+from asyncinfer.wire.trace_context import TRACEPARENT, TRACESTATE, trace_fields
 from asyncinfer.worker.worker import worker_of
 
 __all__ = ["preprocess", "postprocess"]
+
+@contextmanager
+def _traced(task: Task, name: str) -> Iterator[None]:
+    """The stage's span (tracing on), child of the trace context its message carries: the
+    chain's one trace (client.submit_staged puts it on every stage's message). A message without
+    one is not traced, as on a device worker (worker/output/trace_spans.py)."""
+    tracing = tracing_for(worker_of(task.app).settings)
+    request = task.request
+    parent = None if tracing is None else trace_fields(
+        {TRACEPARENT: getattr(request, TRACEPARENT, None),
+         TRACESTATE: getattr(request, TRACESTATE, None)})
+    if tracing is None or parent is None:
+        yield
+        return
+    span = tracing.start(name, parent, kind="consumer",
+                         attributes={"messaging.message.id": str(request.id),
+                                     "asyncinfer.worker": str(request.hostname or "")})
+    try:
+        yield
+    except BaseException as exc:
+        tracing.fail(span, exc)
+        raise
+    finally:
+        span.end()
+
 
 def _cpu_model(task: Task, name: str, request_id: str) -> Model:
     """The model's instance for CPU stages in this process (loaded once, on the CPU)."""
@@ -41,11 +70,12 @@ def _encode(values: dict[str, Any], binary: bool) -> list[dict[str, Any]]:
 def preprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Run the model's preprocess on one v2 request; return the prepared v2 request."""
     request_id = str(self.request.id)
-    request = decode_request(request_id, request_kwargs(request_id, args, kwargs))
-    model = _cpu_model(self, request.model, request_id)
-    model.validate(request)
-    with torch.inference_mode():
-        prepared = model.preprocess({t.name: t.value for t in request.inputs})
+    with _traced(self, PREPROCESS_TASK):
+        request = decode_request(request_id, request_kwargs(request_id, args, kwargs))
+        model = _cpu_model(self, request.model, request_id)
+        model.validate(request)
+        with torch.inference_mode():
+            prepared = model.preprocess({t.name: t.value for t in request.inputs})
     return {"model": request.model, "inputs": _encode(prepared, request.binary_output),
             "parameters": {**request.parameters, "stage": FORWARD_STAGE}}
 
@@ -54,12 +84,14 @@ def preprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
 def postprocess(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Run the model's postprocess on the forward-only v2 response of ``asyncinfer.infer``."""
     request_id = str(self.request.id)
-    response = request_kwargs(request_id, args, kwargs)
-    model_name = response.get("model_name")
-    forward = decode_request(request_id, {"model": model_name, "inputs": response.get("outputs")})
-    model = _cpu_model(self, forward.model, request_id)
-    with torch.inference_mode():
-        outputs = model.postprocess({t.name: t.value for t in forward.inputs})
+    with _traced(self, POSTPROCESS_TASK):
+        response = request_kwargs(request_id, args, kwargs)
+        model_name = response.get("model_name")
+        forward = decode_request(request_id, {"model": model_name,
+                                              "inputs": response.get("outputs")})
+        model = _cpu_model(self, forward.model, request_id)
+        with torch.inference_mode():
+            outputs = model.postprocess({t.name: t.value for t in forward.inputs})
     parameters = dict(response.get("parameters") or {})
     parameters["stages"] = [PREPROCESS_TASK, "asyncinfer.infer", POSTPROCESS_TASK]
     return {"model_name": forward.model, "id": request_id,

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -37,13 +38,15 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
                  expires_s: float | None = None, kwargsrepr: str = "",
                  max_body_bytes: int | None = None,
                  time_limit_s: float | None = None, soft_time_limit_s: float | None = None,
-                 priority: int = 0, reply_to: str | None = None) -> str:
+                 priority: int = 0, reply_to: str | None = None,
+                 trace: Mapping[str, str] | None = None) -> str:
     """The kombu envelope of a Celery protocol-2 task message, ready to LPUSH on ``queue``.
 
     The same message ``app.send_task(task, kwargs=kwargs, task_id=request_id, queue=queue)``
     would publish, built without Celery's per-send machinery (``time_limit_s`` and
     ``soft_time_limit_s`` are ``apply_async``'s ``time_limit`` and ``soft_time_limit``;
-    ``reply_to`` is the request's reply channel, wire/reply.py).
+    ``reply_to`` is the request's reply channel, wire/reply.py; ``trace``: the W3C trace context
+    fields to carry as headers, wire/trace_context.py).
     InvalidRequest when its body (as it lies in the envelope) is longer than ``max_body_bytes``.
     """
     embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None, **(embed or {})}
@@ -75,6 +78,7 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
             "argsrepr": "()", "kwargsrepr": kwargsrepr, "origin": _ORIGIN, "ignore_result": False,
             "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
             **({REPLY_TO: reply_to} if reply_to else {}),
+            **(trace or {}),
         },
         "properties": {
             "correlation_id": request_id, "reply_to": "", "delivery_mode": 2,

@@ -126,9 +126,10 @@ def decode_entry(entry_id: str | bytes, raw: Mapping[Any, Any]) -> StreamEntry:
     outputs: list[dict[str, Any]] = []
     if kind == PART:
         data = json.loads(fields.pop("data", "") or "{}")
-        outputs = data.get("outputs") if isinstance(data, dict) else None
-        if not isinstance(outputs, list):
+        found = data.get("outputs") if isinstance(data, dict) else None
+        if not isinstance(found, list):
             raise ValueError(f"stream entry {_text(entry_id)}: a part's data must be "
                              f'{{"outputs": [...]}}')
+        outputs = found
     fields.pop("kind", None)
     return StreamEntry(_text(entry_id), kind, part, outputs, fields)

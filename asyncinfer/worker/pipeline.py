@@ -81,12 +81,13 @@ class Pipeline:
     """What happens to the requests one consumer takes, from the take to the write.
 
     ``stopping()``: whether the consumer stops (a request whose ``eta`` comes then stays held,
-    and is given back with the rest).
+    and is given back with the rest). ``traced``: tracing is on (each request's headers go to the
+    device with it, as its trace tag).
     """
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, policy: Policy, *, hostname: str,
                  holdings: Holdings, outcomes: Outcomes, writer: ResultWriter, events: TaskEvents,
-                 stopping: Callable[[], bool]) -> None:
+                 stopping: Callable[[], bool], traced: bool = False) -> None:
         self.app = app
         self.runtime = runtime
         self.policy = policy
@@ -98,6 +99,9 @@ class Pipeline:
         self.stopping = stopping
         #: First attempts, counted towards the fleet's retry budget off the requests' path.
         self.first_attempts = FirstAttempts(policy.retries)
+        #: Whether requests carry their headers to the device as their trace tag (tracing on:
+        #: their batch's record names them; the result writer records the spans).
+        self.traced = traced
 
     # -- 1-3: take, parse, answered before ---------------------------------------------------------
 
@@ -288,6 +292,7 @@ class Pipeline:
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
                 alone=policy.deaths.alone(d.deaths), priority=priority_in(d.envelope.get("properties")),
+                trace=headers if self.traced else None,
                 streaming=lambda max_parts: self._stream(d, max_parts))
         except AsyncInferError as exc:
             self.outcomes.fail(d, exc, embed)

@@ -188,7 +188,8 @@ class WorkerRuntime:
         options = self.settings.options_for(model, instance.options)
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            is_transient=is_transient, on_batch=self.metrics.record_batch,
-                           hooks=lambda: self.hooks)  # whoever serves its requests, now
+                           hooks=lambda: self.hooks,  # whoever serves its requests, now
+                           record_batches=self.settings.tracing != "off")
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()
@@ -294,12 +295,14 @@ class WorkerRuntime:
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None,
                alone: bool = False, priority: int = 0,
+               trace: Any = None,
                streaming: Callable[[int], PartCallback] | None = None,
                ) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device (``alone``: in a batch of
-        its own; ``priority``: Celery's, 0 first); InvalidRequest if bad. For a decoupled
-        model, ``streaming(stream_max_parts)`` is called first (before the request is decoded)
-        and gives where its parts go."""
+        its own; ``priority``: Celery's, 0 first; ``trace``: its trace tag, handed back in its
+        batch's record when tracing); InvalidRequest if bad. For a decoupled model,
+        ``streaming(stream_max_parts)`` is called first (before the request is decoded) and
+        gives where its parts go."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
@@ -311,10 +314,10 @@ class WorkerRuntime:
             request = decode_request(request_id, kwargs)
             if key != model or PARAMETER in request.parameters:  # versions: say which ran it
                 request.parameters[PARAMETER] = runner.model.version
-            future = runner.submit(request, received_at=received_at,
-                                   expires_in_s=expires_in_s, time_limits=time_limits,
-                                   alone=alone, priority=priority, on_part=on_part)
-        return request, future
+            return request, runner.submit(request, received_at=received_at,
+                                          expires_in_s=expires_in_s, time_limits=time_limits,
+                                          alone=alone, priority=priority, trace=trace,
+                                          on_part=on_part)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,
               expires_in_s: float | None = None,

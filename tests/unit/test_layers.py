@@ -69,6 +69,9 @@ PLACES: dict[str, str] = {
     "asyncinfer.celery_amqp": "config",  # the app's AMQP (what it publishes)
     "asyncinfer.kombu_connection": "config",  # the app's connections
     "asyncinfer.replies": "config",  # the app's result backends announce on reply channels
+    # OpenTelemetry when asked for (None when off): what the client, the worker and the
+    # gateway record their spans with, from the settings and the wire's trace context
+    "asyncinfer.tracing": "config",
     "asyncinfer.client": "client",
     # model control across the fleet: the broadcasts a client, the gateway and the CLI send
     "asyncinfer.repository": "client",

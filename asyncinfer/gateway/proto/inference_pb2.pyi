@@ -276,20 +276,22 @@ class ModelOutput(_message.Message):
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output")
+    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "model_transaction_policy")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     backend: str
     max_batch_size: int
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ...) -> None: ...
+    model_transaction_policy: ModelTransactionPolicy
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
 
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -376,6 +378,20 @@ class ModelStatisticsResponse(_message.Message):
     MODEL_STATS_FIELD_NUMBER: _ClassVar[int]
     model_stats: _containers.RepeatedCompositeFieldContainer[ModelStatistics]
     def __init__(self, model_stats: _Optional[_Iterable[_Union[ModelStatistics, _Mapping]]] = ...) -> None: ...
+
+class ModelTransactionPolicy(_message.Message):
+    __slots__ = ("decoupled",)
+    DECOUPLED_FIELD_NUMBER: _ClassVar[int]
+    decoupled: bool
+    def __init__(self, decoupled: _Optional[bool] = ...) -> None: ...
+
+class ModelStreamInferResponse(_message.Message):
+    __slots__ = ("error_message", "infer_response")
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    error_message: str
+    infer_response: ModelInferResponse
+    def __init__(self, error_message: _Optional[str] = ..., infer_response: _Optional[_Union[ModelInferResponse, _Mapping]] = ...) -> None: ...
 
 class ModelRepositoryParameter(_message.Message):
     __slots__ = ("bool_param", "int64_param", "string_param", "bytes_param")

@@ -26,6 +26,7 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import Wedge
+from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.messages import envelope_text
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
@@ -34,6 +35,7 @@ from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -72,16 +74,18 @@ class PipelineConsumer:
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
                                      metrics=runtime.metrics)
+        tracing = tracing_for(runtime.settings)  # None: off, nothing imported
         self.writer = ResultWriter(app, results, worker=hostname,
                                    before_write=lambda batch: self.outcomes.before_write(batch),
                                    on_written=lambda batch: self.outcomes.written(batch),
-                                   shared=shared)
+                                   shared=shared,
+                                   spans=WorkerSpans(tracing, hostname) if tracing else None)
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         self._stopping = threading.Event()
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
-                                 stopping=self._stopping.is_set)
+                                 stopping=self._stopping.is_set, traced=tracing is not None)
 
     def received(self, message: Any) -> None:
         """(Celery's consumer, for each message of this pipeline: worker/intake/celery_consumer.py.)

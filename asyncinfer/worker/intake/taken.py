@@ -32,3 +32,6 @@ class TakenMessage(Message):
     #: (the model's ``stream_max_parts``). 0: it has no stream (its model answers at once, or it
     #: never reached one).
     stream_max_parts: int = 0
+    #: The device batch it ran in (engine/completion.py's BatchRecord), when tracing records
+    #: batches; None otherwise.
+    batch: Any = None

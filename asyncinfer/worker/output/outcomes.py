@@ -107,7 +107,9 @@ class Outcomes:
                 self.fail(d, as_celery(exc), embed)
             return
         try:
-            response = self.response(request, future.result(), self.settlement.hostname)
+            done = future.result()
+            d.batch = getattr(done, "batch", None)  # its device batch, for tracing (None: off)
+            response = self.response(request, done, self.settlement.hostname)
         except Exception as err:  # noqa: BLE001
             self.fail(d, err, embed)
             return

@@ -45,6 +45,7 @@ from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
+from asyncinfer.wire.trace_context import trace_fields
 from asyncinfer.worker import dead_letters
 from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.intake.taken import TakenMessage
@@ -107,8 +108,10 @@ class ResultWriter:
                  on_written: Callable[[list[Outcome]], None] | None = None, *,
                  worker: str = "",
                  before_write: Callable[[list[Outcome]], None] | None = None,
-                 shared: bool | None = None) -> None:
+                 shared: bool | None = None, spans: Any = None) -> None:
         self.app = app
+        #: Records the spans of each written batch (trace_spans.py), with tracing on; None: off.
+        self.spans = spans
         #: The worker's name, which its dead letters give.
         self.worker = worker
         self.backend = app.backend
@@ -240,6 +243,8 @@ class ResultWriter:
         """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self.spans is not None:
+            self.spans.close()
 
     def _run(self) -> None:
         stopping = False
@@ -268,10 +273,12 @@ class ResultWriter:
 
     def _write(self, batch: list[Outcome], appends: list[StreamAppend] | None = None) -> None:
         self._appends, self._appends_tried = appends or [], False
+        write_started = time.perf_counter() if self.spans is not None else 0.0
         self._store_all(batch)
         if not batch:
             return
         self._wait_replicas(batch)
+        write_ended = time.perf_counter() if self.spans is not None else 0.0
         delivered = [(o.delivery, o.retry) for o in batch if o.delivery.message is not None]
         if delivered:  # kombu's messages: acknowledged through kombu, now they are stored
             kombu_acks.acknowledge(self.app, delivered)
@@ -279,6 +286,8 @@ class ResultWriter:
         for outcome in batch:
             if outcome.embed:
                 self._call_links(outcome)
+        if self.spans is not None:  # made on the spans' own thread: no write waits for them
+            self.spans.hand_over(batch, write_started, write_ended)
 
     def _store_all(self, batch: list[Outcome]) -> None:
         """Store ``batch``, trying again until Redis takes it. A transaction Redis refuses for
@@ -433,7 +442,8 @@ class ResultWriter:
         root_id = d.headers.get("root_id") or d.request_id
         try:
             if outcome.state == states.SUCCESS:
-                send_callbacks(self.app, embed, d.request_id, root_id, outcome.result)
+                send_callbacks(self.app, embed, d.request_id, root_id, outcome.result,
+                               trace_fields(d.headers))
             elif outcome.state == states.FAILURE or isinstance(outcome.result, TaskRevokedError):
                 send_errbacks(self.app, embed.get("errbacks"), d.request_id, root_id)
                 # As Celery does: the tasks a chain would have run next fail with this error too,

@@ -1,0 +1,452 @@
+"""Streaming responses on the client's side: :class:`ResponseStream` and
+:class:`AsyncResponseStream`, what ``client.stream`` / ``client.astream`` (send a request and read
+its parts) and ``client.read_stream`` / ``client.aread_stream`` (read any request's parts) return.
+
+A request is sent as every request is (``Client.submit``: the same message; a worker streams every
+request of a decoupled model) and its parts are read from its stream (client/stream_reader.py).
+A model the catalogue knows not to stream (its metadata's ``decoupled`` false or absent) is not
+read at all: its one answer, when its future has it, is the stream's one part. Leaving a stream
+of a request it sent before its end (``close()``, the end of its ``with``, garbage collection;
+``aclose()`` or a cancelled task in asyncio) revokes the request, as ``InferFuture.cancel()``
+does; a stream that only reads (``read_stream``) revokes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import redis
+import redis.asyncio
+from celery import states
+from celery.exceptions import TaskRevokedError
+
+from asyncinfer.client import aio
+from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart, stored_outcome
+from asyncinfer.client.result_watcher import result_key_prefix
+from asyncinfer.client.stream_reader import (
+    MAX_BLOCK_S,
+    AsyncStreamReader,
+    Interruption,
+    Stored,
+    StreamProgress,
+    StreamReader,
+    block_s_of,
+)
+from asyncinfer.connections import is_redis_url, redis_client
+from asyncinfer.errors import AsyncInferError, RequestLost
+from asyncinfer.redis_urls import is_sentinel_url
+from asyncinfer.wire.messages import uuid4_text
+from asyncinfer.wire.result_json import decode_result
+
+if TYPE_CHECKING:
+    from asyncinfer.client.brokers import BrokerGroup
+
+__all__ = ["ResponseStream", "AsyncResponseStream", "Streams", "Interruption", "OnInterrupted"]
+
+log = logging.getLogger(__name__)
+
+#: What ``on_interrupted`` is called with.
+OnInterrupted = Callable[[Interruption], Any]
+
+
+class ResponseStream:
+    """The parts of one request as they are made: ``for part in stream`` (each a
+    :class:`~asyncinfer.client.responses.StreamPart`, in order, each once); a context manager.
+
+    It ends after the request's last part, or raises the request's error (as its future would;
+    a revoked request: :class:`~asyncinfer.errors.RequestRevoked`). Closing it before then
+    revokes the request when this stream sent it.
+    """
+
+    def __init__(self, request_id: str, parts: Iterator[StreamPart], *,
+                 ended: Callable[[], bool], interruptions: list[Interruption],
+                 revoke: Callable[[], Any] | None = None) -> None:
+        self.request_id = request_id
+        #: Every interruption reported so far (its worker died or froze; it runs again).
+        self.interruptions = interruptions
+        self._parts = parts
+        self._ended = ended
+        self._revoke = revoke
+        self._closed = False
+
+    def __iter__(self) -> ResponseStream:
+        return self
+
+    def __next__(self) -> StreamPart:
+        if self._closed:
+            raise StopIteration
+        return next(self._parts)
+
+    @property
+    def ended(self) -> bool:
+        """The request's end was seen: nothing more will come."""
+        return self._ended()
+
+    def close(self) -> None:
+        """Stop reading; a request this stream sent and that has not ended is revoked."""
+        if self._closed:
+            return
+        self._closed = True
+        close = getattr(self._parts, "close", None)
+        if close is not None:
+            close()
+        if self._revoke is not None and not self._ended():
+            self._revoke()
+
+    def __enter__(self) -> ResponseStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - nothing to raise to at garbage collection
+                pass
+
+    def __repr__(self) -> str:
+        return f"<ResponseStream {self.request_id}{' ended' if self._ended() else ''}>"
+
+
+class AsyncResponseStream:
+    """``async for part in stream``: :class:`ResponseStream` in asyncio (an async context
+    manager). A stream that sends its request sends it at the first ``__anext__`` (or
+    ``async with``); cancelling the task that reads it, or ``aclose()`` before the end, revokes
+    the request."""
+
+    def __init__(self, request_id: str,
+                 opening: Callable[[], Awaitable[tuple[AsyncIterator[StreamPart],
+                                                       Callable[[], bool]]]], *,
+                 interruptions: list[Interruption],
+                 revoke: Callable[[], Any] | None = None) -> None:
+        self.request_id = request_id
+        #: Every interruption reported so far (its worker died or froze; it runs again).
+        self.interruptions = interruptions
+        self._opening: Callable[..., Awaitable[Any]] | None = opening
+        self._parts: AsyncIterator[StreamPart] | None = None
+        self._ended: Callable[[], bool] = lambda: False
+        self._revoke = revoke
+        self._closed = False
+
+    async def _open(self) -> AsyncIterator[StreamPart]:
+        if self._parts is None:
+            assert self._opening is not None
+            opening, self._opening = self._opening, None
+            self._parts, self._ended = await opening()
+        return self._parts
+
+    def __aiter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __anext__(self) -> StreamPart:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            parts = await self._open()
+            return await parts.__anext__()
+        except asyncio.CancelledError:
+            self._closed = True
+            self._revoke_soon()
+            raise
+
+    @property
+    def ended(self) -> bool:
+        """The request's end was seen: nothing more will come."""
+        return self._ended()
+
+    def _revoke_soon(self) -> None:
+        """Revoke (a broadcast: in the executor) when this stream sent a request not ended."""
+        if self._revoke is not None and self._parts is not None and not self._ended():
+            asyncio.get_running_loop().run_in_executor(None, self._revoke)
+
+    async def aclose(self) -> None:
+        """Stop reading; a request this stream sent and that has not ended is revoked."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._parts is not None:
+            aclose = getattr(self._parts, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self._revoke is not None and not self._ended():
+                await asyncio.get_running_loop().run_in_executor(None, self._revoke)
+
+    async def __aenter__(self) -> AsyncResponseStream:
+        await self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or getattr(self, "_parts", None) is None:
+            return
+        if self._revoke is not None and not self._ended():
+            try:
+                self._revoke()
+            except Exception:  # noqa: BLE001 - nothing to raise to at garbage collection
+                pass
+
+    def __repr__(self) -> str:
+        return f"<AsyncResponseStream {self.request_id}{' ended' if self._ended() else ''}>"
+
+
+class Streams:
+    """One broker group's streams: the result backend's Redis connections that readers block on
+    (a blocking client, one ``redis.asyncio`` client per event loop) and the four calls."""
+
+    def __init__(self, group: BrokerGroup) -> None:
+        self.group = group
+        settings = group.settings
+        self.url = str(group.app.conf.result_backend)
+        #: Every read blocks at most MAX_BLOCK_S; a reply may take a connect's time more.
+        self._timeouts: dict[str, Any] = {
+            "socket_connect_timeout": settings.connect_timeout_s,
+            "socket_timeout": MAX_BLOCK_S + max(settings.connect_timeout_s, 1.0) + 5}
+        self._blocking: redis.Redis | None = None
+        self._lock = threading.Lock()
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary())
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _usable(self, request_id: str) -> None:
+        if not is_redis_url(self.url):
+            raise AsyncInferError(f"request {request_id}: streaming responses are read from the "
+                                  f"result backend's Redis, and this client's result backend is "
+                                  f"not Redis ({self.url.split(':', 1)[0]}://)")
+
+    def blocking(self) -> redis.Redis:
+        """The blocking client that sync readers read on (made on first use)."""
+        with self._lock:
+            if self._blocking is None:
+                self._blocking = redis_client(self.url, self.group.settings, **self._timeouts)
+            return self._blocking
+
+    def for_running_loop(self) -> Any | None:
+        """The running loop's ``redis.asyncio`` client (None for a Sentinel URL: read in
+        threads)."""
+        if is_sentinel_url(self.url):
+            return None
+        loop = asyncio.get_running_loop()
+        client = self._by_loop.get(loop)
+        if client is None:
+            # no socket_timeout: the reader bounds each command itself (AsyncStreamReader)
+            client = self._by_loop[loop] = redis.asyncio.Redis.from_url(
+                self.url, socket_connect_timeout=self._timeouts["socket_connect_timeout"])
+        return client
+
+    def result_key(self, request_id: str) -> str:
+        return result_key_prefix(self.group.app.backend) + request_id
+
+    def stored(self, request_id: str) -> Stored:
+        """A stored result payload of ``request_id`` → (status, its outcome)."""
+        app = self.group.app
+
+        def outcome(payload: Any) -> tuple[str, Any]:
+            meta = decode_result(app.backend, payload)
+            status = str(meta.get("status") or "")
+            if status not in states.READY_STATES:
+                return status, None
+            return status, stored_outcome(app, request_id, meta)
+
+        return outcome
+
+    def decoupled(self, model: str) -> bool | None:
+        """Whether the catalogue says ``model`` streams (its metadata's ``decoupled``); None when
+        it does not know the model (or cannot be read)."""
+        catalogue = self.group.catalogue
+        if catalogue is None:
+            return None
+        try:
+            entry = catalogue.read().get(model)
+        except redis.RedisError:
+            return None
+        return None if entry is None else bool(entry.metadata.get("decoupled"))
+
+    def _reader_options(self, request_id: str, after: int, check_s: float,
+                        on_interrupted: OnInterrupted | None, timeout_s: float | None,
+                        lost: Callable[[], BaseException | None] | None) -> dict[str, Any]:
+        return {"result_key": self.result_key(request_id), "stored": self.stored(request_id),
+                "after": after, "check_s": check_s, "on_interrupted": on_interrupted,
+                "timeout_s": timeout_s, "lost": lost}
+
+    # -- blocking ------------------------------------------------------------------------------
+
+    def stream(self, model: str, inputs: Any, *, request_id: str | None, timeout_s: float | None,
+               on_interrupted: OnInterrupted | None, check_s: float,
+               options: dict[str, Any]) -> ResponseStream:
+        """Send a request (``Sender.submit``'s ``options``) and read its parts."""
+        request_id = request_id or uuid4_text()
+        self._usable(request_id)
+        decoupled = self.decoupled(model)
+        future = self.group.sender.submit(model, inputs, request_id=request_id, **options).sent()
+        if decoupled is False:
+            return ResponseStream(request_id, _one_part(future, timeout_s),
+                                  ended=future.done, interruptions=[], revoke=future.cancel)
+        reader = StreamReader(self.blocking(), request_id, **self._reader_options(
+            request_id, 0, check_s, on_interrupted, timeout_s, _lost(future)))
+        return ResponseStream(request_id, iter(reader), ended=lambda: reader.ended,
+                              interruptions=reader.interruptions, revoke=future.cancel)
+
+    def read(self, request_id: str, *, after: int, timeout_s: float | None,
+             on_interrupted: OnInterrupted | None, check_s: float) -> ResponseStream:
+        """Read ``request_id``'s parts after part ``after``; sends and revokes nothing."""
+        self._usable(request_id)
+        reader = StreamReader(self.blocking(), request_id, **self._reader_options(
+            request_id, after, check_s, on_interrupted, timeout_s, None))
+        return ResponseStream(request_id, iter(reader), ended=lambda: reader.ended,
+                              interruptions=reader.interruptions)
+
+    # -- asyncio -------------------------------------------------------------------------------
+
+    def astream(self, model: str, inputs: Any, *, request_id: str | None,
+                timeout_s: float | None, on_interrupted: OnInterrupted | None, check_s: float,
+                options: dict[str, Any]) -> AsyncResponseStream:
+        """:meth:`stream` in asyncio: the request is sent at the stream's first ``__anext__``."""
+        request_id = request_id or uuid4_text()
+        self._usable(request_id)
+        block_s_of(check_s)  # bad arguments raise here, not at the first read
+        interruptions: list[Interruption] = []
+        sent: list[InferFuture] = []
+
+        async def opening() -> tuple[AsyncIterator[StreamPart], Callable[[], bool]]:
+            loop = asyncio.get_running_loop()
+            decoupled = await loop.run_in_executor(None, self.decoupled, model)
+            future = await aio.submit(self.group.sender, model, inputs,
+                                      {**options, "request_id": request_id})
+            sent.append(future)
+            if decoupled is False:
+                return _one_part_async(future, timeout_s), future.done
+            reader = self._async_reader(request_id, 0, check_s, on_interrupted, timeout_s,
+                                        _lost(future), interruptions)
+            return aiter(reader), lambda: reader.ended
+
+        def revoke() -> None:
+            for future in sent:
+                future.cancel()
+
+        return AsyncResponseStream(request_id, opening, interruptions=interruptions, revoke=revoke)
+
+    def aread(self, request_id: str, *, after: int, timeout_s: float | None,
+              on_interrupted: OnInterrupted | None, check_s: float) -> AsyncResponseStream:
+        """:meth:`read` in asyncio."""
+        self._usable(request_id)
+        interruptions: list[Interruption] = []
+
+        async def opening() -> tuple[AsyncIterator[StreamPart], Callable[[], bool]]:
+            reader = self._async_reader(request_id, after, check_s, on_interrupted, timeout_s,
+                                        None, interruptions)
+            return aiter(reader), lambda: reader.ended
+
+        StreamProgress(request_id, after=after)  # bad arguments raise here, not at the first read
+        block_s_of(check_s)
+        return AsyncResponseStream(request_id, opening, interruptions=interruptions)
+
+    def _async_reader(self, request_id: str, after: int, check_s: float,
+                      on_interrupted: OnInterrupted | None, timeout_s: float | None,
+                      lost: Callable[[], BaseException | None] | None,
+                      interruptions: list[Interruption]) -> Any:
+        def noted(interruption: Interruption) -> None:
+            interruptions.append(interruption)
+            if on_interrupted is not None:
+                on_interrupted(interruption)
+
+        client = self.for_running_loop()
+        if client is None:  # Sentinel: the blocking reader, in the loop's executor
+            loop = asyncio.get_running_loop()
+
+            def on_loop(interruption: Interruption) -> None:  # told on the loop's thread
+                loop.call_soon_threadsafe(noted, interruption)
+
+            options = self._reader_options(request_id, after, check_s, on_loop, timeout_s, lost)
+            return _InThreads(StreamReader(self.blocking(), request_id, **options))
+        options = self._reader_options(request_id, after, check_s, noted, timeout_s, lost)
+        return AsyncStreamReader(client, request_id, **options)
+
+    # -- closing -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the running loop's connections."""
+        client = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    def close(self) -> None:
+        """Close the blocking client's connections."""
+        with self._lock:
+            client, self._blocking = self._blocking, None
+        if client is not None:
+            client.close()
+
+
+class _InThreads:
+    """A blocking reader read from a coroutine, one part per executor call."""
+
+    def __init__(self, reader: StreamReader) -> None:
+        self.reader = reader
+
+    @property
+    def ended(self) -> bool:
+        return self.reader.ended
+
+    async def __aiter__(self) -> AsyncIterator[StreamPart]:
+        loop = asyncio.get_running_loop()
+        parts = iter(self.reader)
+        done = object()
+        while True:
+            part = await loop.run_in_executor(None, next, parts, done)
+            if part is done:
+                return
+            assert isinstance(part, StreamPart)
+            yield part
+
+
+def _lost(future: InferFuture) -> Callable[[], BaseException | None]:
+    """What ends a reading of ``future``'s request without a stored result: the broker lost it
+    (RequestLost, from the client's lost check)."""
+
+    def lost() -> BaseException | None:
+        if not future.done() or future.cancelled():
+            return None
+        error = future.exception(0)
+        return error if isinstance(error, RequestLost) else None
+
+    return lost
+
+
+def _as_part(request_id: str, response: Any) -> StreamPart:
+    if not isinstance(response, InferResponse):
+        raise AsyncInferError(f"request {request_id}: its result is not a v2 response "
+                              f"({type(response).__name__}), so it has no part to show")
+    return StreamPart(request_id, 1, list(response.outputs.values()))
+
+
+def _one_part(future: InferFuture, timeout_s: float | None) -> Iterator[StreamPart]:
+    """A model that does not stream: its one answer as the one part."""
+    try:
+        response = future.result(timeout=timeout_s)
+    except TaskRevokedError as exc:
+        raise _stream_error(future.id, exc) from exc
+    yield _as_part(future.id, response)
+
+
+async def _one_part_async(future: InferFuture,
+                          timeout_s: float | None) -> AsyncIterator[StreamPart]:
+    try:
+        response = await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
+    except TaskRevokedError as exc:
+        raise _stream_error(future.id, exc) from exc
+    yield _as_part(future.id, response)
+
+
+def _stream_error(request_id: str, exc: BaseException) -> BaseException:
+    """A future's error as a stream raises it (Celery's TaskRevokedError: RequestRevoked)."""
+    return StreamProgress(request_id).as_error(exc)

@@ -1,0 +1,144 @@
+"""The gRPC front's infer messages: a ModelInferRequest as the gateway's :class:`InferCall`, an
+:class:`InferResult` as a ModelInferResponse (used by ModelInfer and ModelStreamInfer alike).
+
+Inputs are checked here as the worker would check them (so that a request that breaks a rule is
+never sent); data travels as the v2 binary form (``raw_input_contents``), typed ``contents``
+converted to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.binary import check_binary_input, check_request_id, check_unique_names
+from asyncinfer.gateway.proto import inference_pb2 as pb
+from asyncinfer.gateway.tensors import (
+    InferCall,
+    InferResult,
+    InputTensor,
+    RequestedOutput,
+    raw_from_list,
+)
+from asyncinfer.wire.datatypes import spec_for
+from asyncinfer.wire.envelope import printable
+from asyncinfer.wire.payloads import check_shape
+
+__all__ = ["parameter_value", "set_parameter", "infer_call", "infer_response"]
+
+#: The ``InferTensorContents`` field that holds each datatype's elements (Triton's choice);
+#: FP16 and BF16 have none and travel in ``raw_input_contents`` only.
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+_INT64_MAX = 2**63 - 1
+
+
+def parameter_value(parameter: pb.InferParameter) -> Any:
+    """The plain Python value of an ``InferParameter`` (None when none of its fields is set)."""
+    which = parameter.WhichOneof("parameter_choice")
+    return None if which is None else getattr(parameter, which)
+
+
+def set_parameter(parameter: pb.InferParameter, value: Any) -> None:
+    """Store ``value`` in the ``InferParameter`` field of its type (text for anything else)."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int) and value > _INT64_MAX:
+        parameter.uint64_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def _contents_list(where: str, tensor: pb.ModelInferRequest.InferInputTensor) -> list[Any]:
+    """The elements an input carries in its typed ``contents`` (the field its datatype uses).
+
+    Raises:
+        InvalidRequest: Elements in a field that is not the datatype's (or any, for FP16/BF16).
+    """
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    others = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    if others:
+        hint = (f"{tensor.datatype} data travels in raw_input_contents only" if field is None
+                else f"{tensor.datatype} data belongs in {field}")
+        raise InvalidRequest(f"{where}: has {', '.join(others)} ({hint})")
+    return [] if field is None else list(getattr(tensor.contents, field))
+
+
+def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
+    """The request's inputs, their data in the v2 binary form, checked as the worker would check
+    them (so that a request that breaks a rule is never sent).
+
+    Raises:
+        InvalidRequest: An input without a name, or two with the same name; an unknown datatype
+            or a bad shape; raw contents for some inputs only, typed contents beside raw ones,
+            shared memory (not served here); raw or typed contents that do not fit the datatype
+            and shape.
+    """
+    request_id = request.id or "(no id)"
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"request {request_id}: {len(raw)} raw_input_contents for "
+                             f"{len(request.inputs)} inputs (give one per input, or none)")
+    tensors = []
+    for i, tensor in enumerate(request.inputs):
+        if not tensor.name:
+            raise InvalidRequest(f"request {request_id}: input #{i} needs a name")
+        where = f"request {request_id}: input '{printable(tensor.name, 100)}'"
+        if "shared_memory_region" in tensor.parameters:
+            raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
+        spec_for(tensor.datatype, where)
+        shape = list(check_shape(where, list(tensor.shape)))
+        if raw:
+            if tensor.contents.ListFields():
+                raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
+                                     f"(give one or the other)")
+            data = raw[i]
+            check_binary_input(where, tensor.datatype, shape, data)
+        else:
+            data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
+        tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+    check_unique_names(f"request {request_id}", [t.name for t in tensors])
+    return tensors
+
+
+def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
+    """The :class:`InferCall` of a ModelInfer request; ``timeout_s``: the client's deadline."""
+    check_request_id(request.id)
+    parameters = {k: v for k, p in request.parameters.items() if (v := parameter_value(p)) is not None}
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for output in request.outputs:
+            if "shared_memory_region" in output.parameters:
+                raise InvalidRequest(f"request {request.id or '(no id)'}: output '{output.name}': "
+                                     f"shared memory is not supported")
+            outputs.append(RequestedOutput(output.name))
+    return InferCall(model=request.model_name, version=request.model_version, id=request.id,
+                     inputs=_inputs(request), parameters=parameters, outputs=outputs,
+                     timeout_s=timeout_s, protocol="grpc")
+
+
+def infer_response(result: InferResult) -> pb.ModelInferResponse:
+    """The ModelInferResponse of a result: every output's data in ``raw_output_contents`` (where
+    tritonclient reads it), the worker's parameters (worker, device, batch_size, ...) as values."""
+    response = pb.ModelInferResponse(model_name=result.model_name,
+                                     model_version=result.model_version, id=result.id)
+    for name, value in result.parameters.items():
+        if value is not None:
+            set_parameter(response.parameters[name], value)
+    for output in result.outputs:
+        response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+        response.raw_output_contents.append(output.raw)
+    return response
