@@ -1,7 +1,7 @@
 """The built-in streaming model ``echo-stream``: a text generator's behaviour, deterministic.
 
 ``text_input`` BYTES (one string per request: shape [1], or [1, 1]) and optionally
-``max_tokens`` INT32 (shape [1] or [1, 1], >= 1). It streams back the words of ``text_input``,
+``max_tokens`` INT32 (or any integer datatype; shape [1] or [1, 1], >= 1). It streams back the words of ``text_input``,
 one word per step as ``text_output`` BYTES [1, 1] per part: the words once, or cyclically until
 ``max_tokens`` words when given. Each step takes :attr:`EchoStream.step_s` (simulated decode
 time: one sleep per step for the whole batch). Rows of one batch finish at different steps; a
@@ -23,6 +23,9 @@ from asyncinfer.wire.protocol import Request
 
 __all__ = ["EchoStream"]
 
+#: ``max_tokens`` in any integer datatype (a Python int arrives as INT64); INT32 is the declared one.
+_INTEGERS = ("INT32", "INT64", "INT16", "INT8", "UINT32", "UINT64", "UINT16", "UINT8")
+
 
 class EchoStream(Model):
     """Streams the words of its input back, one per step (see the module's text)."""
@@ -30,7 +33,7 @@ class EchoStream(Model):
     name = "echo-stream"
     decoupled = True
     platform = "python"
-    inputs = {"text_input": InputSpec(("BYTES",), ()), "max_tokens": InputSpec(("INT32",), ())}
+    inputs = {"text_input": InputSpec(("BYTES",), ()), "max_tokens": InputSpec(_INTEGERS, ())}
     outputs = {"text_output": OutputSpec("BYTES", (1,))}
     #: Seconds each step takes (simulated decode time), once per step for the whole batch.
     step_s: float = 0.01
