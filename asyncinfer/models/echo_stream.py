@@ -1,12 +1,11 @@
 """The built-in streaming model ``echo-stream``: a text generator's behaviour, deterministic.
-
-``text_input`` BYTES (one string per request: shape [1], or [1, 1]) and optionally
-``max_tokens`` INT32 (or any integer datatype; shape [1] or [1, 1], >= 1). It streams back the
-words of ``text_input``, one word per step as ``text_output`` BYTES [1, 1] per part: the words
-once, or cyclically until ``max_tokens`` words when given. Each step takes :attr:`EchoStream.step_s` (simulated decode
-time: one sleep per step for the whole batch). Rows of one batch finish at different steps; a
-cancelled row is no longer computed. Its joined answer is ``text_output`` BYTES [1]: the words
-joined with single spaces.
+``text_input`` BYTES (one string per request: shape [1], or [1, 1]) and optionally ``max_tokens``
+INT32 (or any integer datatype; shape [1] or [1, 1], >= 1). It streams back the words of
+``text_input``, one word per step as ``text_output`` BYTES [1, 1] per part: the words once, or
+cyclically until ``max_tokens`` words when given. Each step takes :attr:`EchoStream.step_s`
+(simulated decode time: one sleep per step for the whole batch). Rows of one batch finish at
+different steps; a cancelled row is no longer computed. Its joined answer is ``text_output`` BYTES
+[1]: the words joined with single spaces.
 """
 
 from __future__ import annotations
