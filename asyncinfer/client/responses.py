@@ -31,7 +31,33 @@ if TYPE_CHECKING:
 __all__ = ["InferFuture", "InferResponse", "StreamPart", "stored_outcome", "whereabouts"]
 
 
-class InferResponse:
+class _Outputs:
+    """Reading the v2 output tensors of :attr:`outputs` (name → tensor) as numpy arrays."""
+
+    outputs: dict[str, dict[str, Any]]
+
+    def _owner(self) -> str:
+        """Whose outputs these are, as an error names them."""
+        raise NotImplementedError
+
+    def _output(self, name: str | None) -> dict[str, Any]:
+        if name is None:
+            return next(iter(self.outputs.values()))
+        try:
+            return self.outputs[name]
+        except KeyError:
+            raise KeyError(f"{self._owner()} has no output {name!r} "
+                           f"(outputs: {', '.join(self.outputs)})") from None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return output_to_numpy(self._output(name))
+
+    def as_numpy(self, name: str | None = None) -> np.ndarray:
+        """Output ``name`` (default: the first) as a numpy array."""
+        return output_to_numpy(self._output(name))
+
+
+class InferResponse(_Outputs):
     """A v2 inference response; ``response["output"]`` is that output as a numpy array."""
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
@@ -41,21 +67,8 @@ class InferResponse:
         self.parameters: dict[str, Any] = dict(raw.get("parameters") or {})
         self.outputs: dict[str, dict[str, Any]] = {o["name"]: o for o in raw["outputs"]}
 
-    def _output(self, name: str | None) -> dict[str, Any]:
-        if name is None:
-            return next(iter(self.outputs.values()))
-        try:
-            return self.outputs[name]
-        except KeyError:
-            raise KeyError(f"response {self.id} has no output {name!r} "
-                           f"(outputs: {', '.join(self.outputs)})") from None
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return output_to_numpy(self._output(name))
-
-    def as_numpy(self, name: str | None = None) -> np.ndarray:
-        """Output ``name`` (default: the first) as a numpy array."""
-        return output_to_numpy(self._output(name))
+    def _owner(self) -> str:
+        return f"response {self.id}"
 
     def as_torch(self, name: str | None = None) -> Any:
         """Output ``name`` (default: the first) as a torch tensor (numeric outputs); the first
@@ -67,7 +80,7 @@ class InferResponse:
         return f"InferResponse(id={self.id!r}, model={self.model_name!r}, outputs={{{shapes}}})"
 
 
-class StreamPart:
+class StreamPart(_Outputs):
     """One part of a streaming request (docs/streaming.md): ``part["name"]`` is that output as a
     numpy array, with the request's one row first."""
 
@@ -78,21 +91,8 @@ class StreamPart:
         #: Output name → its v2 tensor (``name``, ``datatype``, ``shape``, ``data``).
         self.outputs: dict[str, dict[str, Any]] = {o["name"]: o for o in outputs}
 
-    def _output(self, name: str | None) -> dict[str, Any]:
-        if name is None:
-            return next(iter(self.outputs.values()))
-        try:
-            return self.outputs[name]
-        except KeyError:
-            raise KeyError(f"request {self.request_id}: part {self.index} has no output {name!r} "
-                           f"(outputs: {', '.join(self.outputs)})") from None
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return output_to_numpy(self._output(name))
-
-    def as_numpy(self, name: str | None = None) -> np.ndarray:
-        """Output ``name`` (default: the first) as a numpy array."""
-        return output_to_numpy(self._output(name))
+    def _owner(self) -> str:
+        return f"request {self.request_id}: part {self.index}"
 
     def as_json(self) -> dict[str, Any]:
         """The part as JSON data: ``request_id``, ``index``, ``outputs`` (v2 tensors)."""

@@ -16,9 +16,10 @@ gateway is ready while every broker answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from celery.exceptions import TaskRevokedError
@@ -331,13 +332,24 @@ class Service:
             GatewayError: with the status the error maps to (404 unknown model, 400 bad input,
                 429 queue full, 503 broker unreachable, 504 expired, 500 a model failure).
         """
+        span = None if self.tracing is None else self._start_span(call)
+        on_done = None if span is None else (lambda status: self._end_span(span, status))
+        with self.accounted(call, on_done):
+            return await self._infer(call)
+
+    @contextlib.contextmanager
+    def accounted(self, call: InferCall,
+                  on_done: Callable[[int], None] | None = None) -> Iterator[None]:
+        """Count ``call`` in flight while the block runs, and once it ends its status and time
+        (``on_infer``; ``on_done(status)`` too, when given): 200, 499 when the caller went away
+        (cancelled, or a stream closed early), else the status its error maps to — the error
+        is raised again as that :class:`GatewayError`."""
         started = time.perf_counter()
         status = 200
-        span = None if self.tracing is None else self._start_span(call)
         self.in_flight += 1
         try:
-            return await self._infer(call)
-        except asyncio.CancelledError:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
             status = 499
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is answered with its status
@@ -347,8 +359,8 @@ class Service:
         finally:
             self.in_flight -= 1
             self.on_infer(call, status, time.perf_counter() - started)
-            if span is not None:
-                self._end_span(span, status)
+            if on_done is not None:
+                on_done(status)
 
     def _start_span(self, call: InferCall) -> Any:
         """The call's server span, child of the caller's trace context (a new trace without

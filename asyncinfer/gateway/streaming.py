@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,7 @@ from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.stream_reader import Interruption
 from asyncinfer.gateway.service import (
-    GatewayError,
     Service,
-    error_for,
     is_decoupled,
     output_tensor,
     revoked_error,
@@ -80,26 +77,10 @@ async def stream(service: Service, call: InferCall) -> AsyncGenerator[StreamEven
     if not is_decoupled(entry):
         yield Part(await service.infer(call), whole=True)
         return
-    started = time.perf_counter()
-    status = 200
-    service.in_flight += 1
-    try:
+    with service.accounted(call):
         async with contextlib.aclosing(_parts(service, call, entry)) as parts:
             async for event in parts:
                 yield event
-    except GeneratorExit:
-        status = 499
-        raise
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as exc:  # noqa: BLE001 - every failure is answered with its status
-        error = error_for(exc)
-        status = error.status
-        raise error from (None if isinstance(exc, GatewayError) else exc)
-    finally:
-        service.in_flight -= 1
-        service.on_infer(call, status, time.perf_counter() - started)
 
 
 async def _parts(service: Service, call: InferCall, entry: CatalogueEntry

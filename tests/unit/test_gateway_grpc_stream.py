@@ -89,6 +89,8 @@ class FakeService:
     def on_infer(self, call: InferCall, status: int, seconds: float) -> None:
         self.ended.append((call.id, status))
 
+    accounted = Service.accounted  # the service's own accounting, over this fake's on_infer
+
     async def entry(self, model: str, version: str = "") -> CatalogueEntry:
         if model not in self.CATALOGUE:
             raise GatewayError(404, f"model '{model}' is unknown")
