@@ -131,8 +131,8 @@ class StreamRows:
 
 def _rows_in(value: Any) -> int:
     """The number of rows (first dimension) of an input: a tensor or a numpy array."""
-    shape = getattr(value, "shape", ())
-    return int(shape[0]) if len(shape) else -1
+    shape: tuple[int, ...] = tuple(getattr(value, "shape", ()))
+    return int(shape[0]) if shape else -1
 
 
 def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...]) -> dict[str, Any]:
