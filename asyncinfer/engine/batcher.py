@@ -216,6 +216,33 @@ class Batcher:
                 self._count_passes(batch)
             return batch
 
+    def take_joining(self, signature: Hashable, room_rows: int) -> list[WorkItem]:
+        """Without waiting: the items that join a running batch of ``signature`` (in-flight
+        batching), at most ``room_rows`` rows. They are taken in the order batches are served
+        (by level, then arrival), up to the first that cannot join (another signature, one that
+        runs ``alone``, or one that does not fit): a running batch never takes a request ahead
+        of one that would be served before it, so a stream of compatible arrivals cannot starve
+        the others (once one of them leads the queue, the batch takes no more and ends)."""
+        with self._cond:
+            if self._closed or room_rows < 1 or not self._pending:
+                return []
+            taken: list[WorkItem] = []
+            rows = 0
+            for item in self._by_level():
+                if item.signature != signature or item.alone or rows + item.rows > room_rows:
+                    break
+                taken.append(item)
+                rows += item.rows
+            if not taken:
+                return []
+            ids = {id(item) for item in taken}
+            self._pending = deque(item for item in self._pending if id(item) not in ids)
+            ranked = bool(self._ranked)
+            self._ranked -= sum(1 for item in taken if item.priority)
+            if ranked:
+                self._count_passes(taken)
+            return taken
+
     def _wait(self, wanted: int, timeout_s: float | None) -> None:
         """Wait (holding ``_cond``) until ``wanted`` more items may be pending, the last arrival
         is in, or ``timeout_s`` passes."""

@@ -10,7 +10,8 @@ captured graphs instead of the eager forward (engine/graphs.py). With ``pipeline
 thread runs the three stages of a batch one after another. When a batch raises, each of its
 requests runs alone (eager), so one bad request does not fail the others. A decoupled model's
 batch runs its steps on the device thread instead of one forward (engine/streaming.py), each
-step's parts handed to their requests as they come.
+step's parts handed to their requests as they come; with in-flight batching
+(``Model.inflight_batching``) the requests that arrive meanwhile join it between two steps.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from asyncinfer.engine.gate import DeviceGate
 from asyncinfer.engine.graphs import GraphSet, capture_graphs
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
 from asyncinfer.engine.limits import LimitWatch
-from asyncinfer.engine.streaming import run_stream
+from asyncinfer.engine.streaming import Joining, run_stream
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
@@ -71,6 +72,12 @@ class _Job:
     device_s: float | None = None
     #: A decoupled model's batch, streamed: its requests are answered already.
     streamed: bool = False
+    #: A request run again alone after its batch raised: no other request joins its stream.
+    isolated: bool = False
+    #: In-flight batching: requests taken to join the stream whose preparation raised, and the
+    #: error (each runs again alone once the stream ended).
+    unprepared: list[WorkItem] = field(default_factory=list)
+    unprepared_error: Exception | None = None
 
 
 class ModelRunner:
@@ -104,8 +111,10 @@ class ModelRunner:
         #: The requests' time limits, on the timer.
         self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged,
                                  decoupled=model.decoupled)
-        #: Whether the model answers in steps (Model.stream): one row per request.
+        #: Whether the model answers in steps (Model.stream): one row per request...
         self._decoupled = model.decoupled
+        #: ...and whether requests join its running batch between steps (in-flight batching).
+        self._inflight = model.decoupled and model.inflight_batching
         self.batcher = Batcher(opts.max_batch_size, opts.max_delay_ms, opts.preferred_batch_sizes,
                                group_by_cost=opts.group_by_cost,
                                max_cost_ratio=opts.cost_ratio(device.is_accelerator),
@@ -135,7 +144,10 @@ class ModelRunner:
         # another batch is already waiting: then handing the results (splitting them, the
         # requests' callbacks: ~0.08 ms a request) to the post thread starts the next batch
         # that much sooner (sim-slow, 256 in flight: 564 → 601 rows/s against a limit of 611).
-        self._prep_thread = opts.pipelined and _overrides(model, "preprocess")
+        # In-flight batching prepares the requests that join a stream on the device thread: a
+        # prep thread would take them out of the batcher first, for a batch of their own.
+        self._prep_thread = (opts.pipelined and _overrides(model, "preprocess")
+                             and not self._inflight)
         self._post_always = _overrides(model, "postprocess") or device.is_accelerator
         if opts.pipelined:
             self._threads = [vital_thread(self._device_loop, f"device-{name}-{i}", i)
@@ -350,8 +362,13 @@ class ModelRunner:
 
     def _launch_stream(self, job: _Job, stream: Any) -> None:
         """A decoupled model's batch: its steps, one after another, on the device thread; each
-        request is answered when its row finishes (or is cancelled)."""
-        with self._gate.enter(any(item.alone for item in job.items)):
+        request is answered when its row finishes (or is cancelled). With in-flight batching,
+        the requests that arrive meanwhile join it between steps (:meth:`_joining`)."""
+        alone = any(item.alone for item in job.items)
+        waits_s = [job.started - item.received_at for item in job.items]
+        joining = (self._joining(job, stream, waits_s)
+                   if self._inflight and not alone and not job.isolated else None)
+        with self._gate.enter(alone):
             for item in job.items:
                 item.on_device = True
             self._hooks().on_launch(job.items)
@@ -362,7 +379,11 @@ class ModelRunner:
                         on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
                     run_stream(self.model, self.device, job.items, on_device, stream,
                                is_revoked=self.is_revoked, closing=lambda: self._closing,
-                               started=job.started, settling=self._hooks().settling)
+                               started=job.started, settling=self._hooks().settling,
+                               joining=joining)
+            except Exception:
+                job.items.extend(job.unprepared)  # the batch runs again alone, these too
+                raise
             finally:
                 _off_device(job.items)
             job.device_s = time.perf_counter() - job.launched
@@ -371,9 +392,45 @@ class ModelRunner:
         self.batch_s = (job.device_s if self.batch_s is None
                         else 0.8 * self.batch_s + 0.2 * job.device_s)
         self.on_batch(self.model.name, self.device.label, len(job.items),
-                      time.perf_counter() - job.started,
-                      [job.started - item.received_at for item in job.items],
+                      time.perf_counter() - job.started, waits_s,
                       (job.launched - job.started, job.device_s, 0.0))
+        if job.unprepared and job.unprepared_error is not None:
+            self._isolate(job.unprepared, job.unprepared_error)
+
+    def _joining(self, job: _Job, stream: Any, waits_s: list[float]) -> Joining:
+        """In-flight batching: between two steps of ``job``'s stream, the requests waiting for
+        the model that may join it (same signature, in the batcher's order, up to
+        ``max_batch_size`` live rows: :meth:`Batcher.take_joining`), prepared as a batch is
+        (collated, preprocessed, on the device), marked on the device (the leases' marks)."""
+        signature = job.items[0].signature
+        forward_only = _forward_only(job)
+
+        def join(live_rows: int) -> tuple[list[WorkItem], Batch] | None:
+            room = self.max_batch_size - live_rows
+            if self._closing or room < 1:
+                return None
+            items = self._drop_revoked(self.batcher.take_joining(signature, room))
+            if not items:
+                return None
+            try:
+                batch = self._concat(items)
+                if not forward_only:
+                    batch = self.model.preprocess(batch)
+                with self.device.on_stream(stream):
+                    on_device = {name: self.device.to_device(v) for name, v in batch.items()}
+            except Exception as exc:  # noqa: BLE001 - a model may raise anything: run them alone
+                job.unprepared.extend(items)
+                job.unprepared_error = exc
+                return None
+            now = time.perf_counter()
+            for item in items:
+                item.on_device = True
+                waits_s.append(now - item.received_at)
+            self._hooks().on_launch(items)
+            job.items.extend(items)
+            return items, on_device
+
+        return join
 
     def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:
         try:
@@ -404,7 +461,8 @@ class ModelRunner:
         stream = self.device.new_stream()
         for item in items:
             try:
-                self._whole(_Job(items=[item], started=time.perf_counter()), stream)
+                self._whole(_Job(items=[item], started=time.perf_counter(), isolated=True),
+                            stream)
             except Exception as item_exc:  # noqa: BLE001
                 item.on_device = False
                 self._fail(item, item_exc)

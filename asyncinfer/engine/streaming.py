@@ -9,6 +9,12 @@ already answered, answered at once (REVOKED, expired); the model stops computing
 The generator is closed once no row is live. A generator that ends with rows still live finishes
 them as if they were ``done``.
 
+In-flight batching (``Model.inflight_batching``; the runner passes ``joining``): before each step,
+after the checks, requests waiting for the model join the batch (``StreamRows.join``: new rows
+after the last, their parts numbered from 1 like any row's), as many as ``joining`` gives for the
+rows left free; the loop ends once no row is live and none joined. A joined row's ``queue_ms`` and
+``compute_ms`` count from when it joined.
+
 A step that raises leaves the batch to the runner, which runs each request again alone (its
 parts are numbered from 1 again: whoever writes them skips those already written).
 """
@@ -30,37 +36,59 @@ from asyncinfer.engine.device import Device
 from asyncinfer.errors import ModelError, RequestExpired, RequestRevoked
 from asyncinfer.models.base import Batch, Model, StreamRows, StreamStep
 
-__all__ = ["run_stream"]
+__all__ = ["Joining", "run_stream"]
 
 log = logging.getLogger(__name__)
 
 
-class _Rows:
-    """Each row's request and its parts so far (output name → the row's pieces)."""
+#: In-flight batching: given the live rows' count, the requests that join the batch now and their
+#: inputs (preprocessed, on the device, one row each; marked on the device), or None: none.
+Joining = Callable[[int], tuple[Sequence[WorkItem], Batch] | None]
 
-    def __init__(self, items: Sequence[WorkItem]) -> None:
-        self.items = items
+
+class _Rows:
+    """Each row's request, its parts so far (output name → the row's pieces) and when it joined."""
+
+    def __init__(self, items: Sequence[WorkItem], started: float) -> None:
+        self.items = list(items)
         self.state = StreamRows(len(items))
         self.parts: list[dict[str, list[Any]]] = [{} for _ in items]
         self.counts = [0] * len(items)
+        self.started = [started] * len(items)
+
+    def join(self, items: Sequence[WorkItem], inputs: Batch) -> None:
+        """Add a row for each of ``items`` (``inputs``: theirs, one row each, in order)."""
+        added = self.state.join(inputs)
+        if len(added) != len(items):
+            raise ModelError(f"{len(items)} requests joined with inputs of {len(added)} rows")
+        now = time.perf_counter()
+        self.items.extend(items)
+        self.parts.extend({} for _ in items)
+        self.counts.extend(0 for _ in items)
+        self.started.extend(now for _ in items)
 
 
 def run_stream(model: Model, device: Device, items: Sequence[WorkItem], batch: Batch,
                stream: Any, *, is_revoked: Callable[[str], bool],
                closing: Callable[[], bool], started: float,
-               settling: Callable[[], AbstractContextManager[Any]] = nullcontext) -> int:
+               settling: Callable[[], AbstractContextManager[Any]] = nullcontext,
+               joining: Joining | None = None) -> int:
     """Run ``model``'s steps over ``batch`` (on the device already; one row per item of
     ``items``) on ``stream``, handing out parts and completing rows as they finish; returns
     how many steps ran. ``closing()``: the worker shuts down (live rows fail, saying so);
     ``started``: when the batch was formed (the requests' ``compute_ms`` count from it);
     ``settling()``: what each step's answers are given inside (a result writer gathers them:
-    one write, after the step's parts)."""
-    rows = _Rows(items)
+    one write, after the step's parts); ``joining``: in-flight batching (see the module's text)."""
+    rows = _Rows(items, started)
     steps = 0
     generator = iter(model.stream(batch, rows.state))
     try:
         while True:
             _cancel_unwanted(model, rows, is_revoked, closing)
+            if joining is not None and not closing():
+                joined = joining(len(rows.state.live()))
+                if joined is not None:
+                    rows.join(*joined)
             if not rows.state.live():
                 break
             with device.on_stream(stream):  # the step's work and its copy on one stream
@@ -76,10 +104,10 @@ def run_stream(model: Model, device: Device, items: Sequence[WorkItem], batch: B
             with settling():
                 _hand_out(model, rows, step, model.postprocess(host))
                 for r in step.done:
-                    _finish(model, rows, r, started)
+                    _finish(model, rows, r)
         with settling():
             for r in rows.state.live():  # the generator ended: what it did not finish is done
-                _finish(model, rows, r, started)
+                _finish(model, rows, r)
     finally:
         close = getattr(generator, "close", None)
         if close is not None:
@@ -156,7 +184,7 @@ def _row(value: Any, j: int) -> Any:
     return piece.clone() if isinstance(piece, torch.Tensor) else np.array(piece, copy=True)
 
 
-def _finish(model: Model, rows: _Rows, r: int, started: float) -> None:
+def _finish(model: Model, rows: _Rows, r: int) -> None:
     """Row ``r`` is done: its request completes with its parts joined."""
     if not rows.state.is_live(r):
         return
@@ -179,7 +207,7 @@ def _finish(model: Model, rows: _Rows, r: int, started: float) -> None:
         err.__cause__ = exc
         settle(item.future, exc=err)
         return
-    finished = time.perf_counter()
+    finished, started = time.perf_counter(), rows.started[r]
     settle(item.future, Completed(outputs=outputs, batch_size=rows.state.size,
                                   queue_ms=(started - item.received_at) * 1000.0,
                                   compute_ms=(finished - started) * 1000.0))

@@ -87,11 +87,38 @@ class StreamRows:
     """Which rows of a streaming batch are still wanted, as the runner sees it between steps
     (a row's request revoked, expired or past its time limit is cancelled). A model's
     :meth:`Model.stream` should stop computing a cancelled row at its next step (the runner
-    drops its outputs either way)."""
+    drops its outputs either way).
+
+    In-flight batching (:attr:`Model.inflight_batching`): between steps the runner may add rows
+    (:meth:`join`: new requests, their inputs preprocessed and on the device); ``size`` grows
+    and the new rows are live at once. The model absorbs them with :meth:`take_joined` at the
+    top of each step, before it computes the live rows; both run on the device thread, between
+    two steps, never during one."""
 
     size: int
     cancelled: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
+    #: Rows joined since the model last took them: (their row indices, their inputs).
+    _joined: list[tuple[list[int], Batch]] = field(default_factory=list, repr=False)
+
+    def join(self, inputs: Batch) -> list[int]:
+        """The runner adds the rows of ``inputs`` (one per request; every input has the same
+        number of rows, first dimension) after the last row; returns their indices."""
+        counts = {name: _rows_in(value) for name, value in inputs.items()}
+        if not counts or len(set(counts.values())) != 1 or min(counts.values()) < 1:
+            raise ValueError(f"rows to join need inputs of one number (>= 1) of rows each, "
+                             f"got {counts}")
+        added = list(range(self.size, self.size + next(iter(counts.values()))))
+        self.size += len(added)
+        self._joined.append((added, inputs))
+        return added
+
+    def take_joined(self) -> list[tuple[list[int], Batch]]:
+        """The model's side of :meth:`join`: the rows joined since the last call, in the order
+        they joined, each group as (its row indices, its inputs: row ``i`` of the inputs is row
+        ``indices[i]`` of the batch); empty when none joined."""
+        joined, self._joined = self._joined, []
+        return joined
 
     def is_live(self, row: int) -> bool:
         """Whether ``row`` is neither finished nor cancelled."""
@@ -100,6 +127,12 @@ class StreamRows:
     def live(self) -> list[int]:
         """The rows still running, in order."""
         return [r for r in range(self.size) if self.is_live(r)]
+
+
+def _rows_in(value: Any) -> int:
+    """The number of rows (first dimension) of an input: a tensor or a numpy array."""
+    shape: tuple[int, ...] = tuple(getattr(value, "shape", ()))
+    return int(shape[0]) if shape else -1
 
 
 def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -136,6 +169,13 @@ class Model:
     #: requests hold one row each; each step's outputs go to the request's stream
     #: (wire/stream.py) and its one answer is the parts joined (:meth:`join_parts`).
     decoupled: bool = False
+    #: A decoupled model only: whether requests that arrive while a batch streams join it
+    #: between two steps (in-flight, or continuous, batching: TensorRT-LLM's
+    #: ``batching_strategy: inflight_fused_batching``, vLLM's continuous batching). Its
+    #: :meth:`stream` then takes the joined rows (:meth:`StreamRows.take_joined`) at the top of
+    #: each step; without it (the default) a batch is the requests it started with, and
+    #: requests arriving meanwhile wait until every row of it finished.
+    inflight_batching: bool = False
 
     def metadata(self, options: ModelOptions) -> dict[str, Any]:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
@@ -215,7 +255,10 @@ class Model:
         :meth:`forward`): each step computes every live row at once and yields a
         :class:`StreamStep` for the rows it produced outputs for; rows finish at different
         steps. ``rows`` tells which rows are still wanted (see :class:`StreamRows`). The runner
-        closes the generator when every row is finished or cancelled."""
+        closes the generator when every row is finished or cancelled (and, with
+        :attr:`inflight_batching`, no request waits to join). With :attr:`inflight_batching`,
+        call ``rows.take_joined()`` at the top of each step and compute the joined rows from
+        that step on; a generator that ends leaves its live rows finished as they are."""
         raise NotImplementedError
 
     def join_parts(self, name: str, parts: list[Any]) -> Any:

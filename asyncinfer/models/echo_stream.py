@@ -4,8 +4,9 @@ INT32 (or any integer datatype; shape [1] or [1, 1], >= 1). It streams back the 
 ``text_input``, one word per step as ``text_output`` BYTES [1, 1] per part: the words once, or
 cyclically until ``max_tokens`` words when given. Each step takes :attr:`EchoStream.step_s`
 (simulated decode time: one sleep per step for the whole batch). Rows of one batch finish at
-different steps; a cancelled row is no longer computed. Its joined answer is ``text_output`` BYTES
-[1]: the words joined with single spaces.
+different steps; a cancelled row is no longer computed. Requests that arrive while a batch streams
+join it between two steps (in-flight batching: :attr:`Model.inflight_batching`). Its joined
+answer is ``text_output`` BYTES [1]: the words joined with single spaces.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class EchoStream(Model):
 
     name = "echo-stream"
     decoupled = True
+    inflight_batching = True
     platform = "python"
     inputs = {"text_input": InputSpec(("BYTES",), ()), "max_tokens": InputSpec(_INTEGERS, ())}
     outputs = {"text_output": OutputSpec("BYTES", (1,))}
@@ -66,14 +68,13 @@ class EchoStream(Model):
                                      f"got {limits.tolist()}")
 
     def stream(self, batch: Batch, rows: StreamRows) -> Iterator[StreamStep]:
-        texts = batch["text_input"].reshape(-1)
-        words = [_words(texts[r]) or ["?"] for r in range(rows.size)]  # warm-up: any text
-        limits = batch.get("max_tokens")
-        wanted = [len(w) for w in words]
-        if limits is not None:
-            wanted = [max(1, int(n)) for n in limits.reshape(-1).tolist()]
-        made = [0] * rows.size
+        words: list[list[str]] = []
+        wanted: list[int] = []
+        made: list[int] = []
+        _absorb(batch, words, wanted, made)
         while True:
+            for _, joined in rows.take_joined():  # rows joined since the last step (in order)
+                _absorb(joined, words, wanted, made)
             live = rows.live()  # cancelled rows are not computed
             if not live:
                 return
@@ -91,6 +92,20 @@ class EchoStream(Model):
         """``text_output`` [1]: the words of the parts joined with single spaces."""
         words = [_text(part.reshape(-1)[0]) for part in parts]
         return np.array([" ".join(words)], dtype=object)
+
+
+def _absorb(batch: Batch, words: list[list[str]], wanted: list[int], made: list[int]) -> None:
+    """Add the rows of ``batch`` (after those already there): each row's words, how many it
+    wants, none made yet."""
+    texts = batch["text_input"].reshape(-1)
+    added = [_words(text) or ["?"] for text in texts]  # warm-up: any text
+    limits = batch.get("max_tokens")
+    words.extend(added)
+    if limits is not None:
+        wanted.extend(max(1, int(n)) for n in limits.reshape(-1).tolist())
+    else:
+        wanted.extend(len(w) for w in added)
+    made.extend(0 for _ in added)
 
 
 def _text(value: Any) -> str:

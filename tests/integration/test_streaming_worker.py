@@ -226,3 +226,33 @@ def test_bad_input_of_a_decoupled_model_ends_its_stream_with_a_failure(
     assert [e.kind for e in _entries(r, future.id)] == [START, FINAL]
     r.close()
 
+
+
+def test_a_request_sent_while_another_streams_joins_its_batch_and_ends_first(
+        served: tuple[str, str, str]) -> None:
+    # In-flight batching (slow-echo is echo-stream's: Model.inflight_batching): a request that
+    # arrives while a long one streams joins the running batch between two steps, instead of
+    # waiting for the whole batch to end.
+    _, url, _ = served
+    r = redis.Redis.from_url(url)
+    with Client(broker_url=url) as client:
+        long = client.submit("slow-echo", _text("la", 1000))  # 20 s of steps
+        _wait_parts(r, long.id, 3)
+        short = client.submit("slow-echo", _text("x y", 3))  # the same signature
+        assert short.result(timeout=60)["text_output"].tolist() == ["x y x"]
+        # it finished while the long one still streams: it joined the running batch (a static
+        # batch would have kept it waiting until the long one's 1000th part and final)
+        during = _entries(r, long.id)
+        assert not any(e.kind == FINAL for e in during), during[-2:]
+        assert 3 <= len(_parts(during)) < 1000
+        assert long.cancel()
+        wait_for(lambda: any(e.kind == FINAL for e in _entries(r, long.id)), 60,
+                 "the long stream's final")
+    entries = _entries(r, short.id)
+    assert [e.kind for e in entries] == [START, PART, PART, PART, FINAL]
+    assert [_word(e) for e in _parts(entries)] == ["x", "y", "x"]
+    assert dict(entries[-1].fields) == {"status": "SUCCESS", "error": "", "parts": "3"}
+    long_entries = _entries(r, long.id)
+    assert [p.part for p in _parts(long_entries)] == list(range(1, len(_parts(long_entries)) + 1))
+    assert long_entries[-1].fields["status"] == "REVOKED"
+    r.close()
