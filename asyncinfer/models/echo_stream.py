@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec, StreamRows, StreamStep
 from asyncinfer.wire.protocol import Request
@@ -36,6 +37,10 @@ class EchoStream(Model):
     platform = "python"
     inputs = {"text_input": InputSpec(("BYTES",), ()), "max_tokens": InputSpec(_INTEGERS, ())}
     outputs = {"text_output": OutputSpec("BYTES", (1,))}
+    #: Up to 128 rows a batch: a step costs the same however many rows it computes (as a decode
+    #: step on an accelerator nearly does, up to its memory bound), so 64 concurrent streams share
+    #: one batch instead of half of them waiting for the other half's whole generation.
+    options = ModelOptions(max_batch_size=128)
     #: Seconds each step takes (simulated decode time), once per step for the whole batch.
     step_s: float = 0.01
 
