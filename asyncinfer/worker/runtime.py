@@ -67,11 +67,8 @@ class WorkerRuntime:
         self._runners: dict[str, ModelRunner] = {}
         #: What this worker hosts, once a load or unload told it (None: ``settings.models``).
         self._hosted: list[str] | None = None
-        #: Requests handed to each runner and not yet done (a version's unload waits for them).
-        self._in_flight: dict[str, int] = {}
         #: Model → its hosted runners' (key, version), the latest last (how requests route).
         self._routes: dict[str, list[tuple[str, str]]] = {}
-        self._count_lock = threading.Lock()
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
