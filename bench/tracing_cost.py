@@ -1,6 +1,6 @@
 """What tracing costs the requests' path: tracing off against on (OTLP to a local sink), in turn.
 
-    PYTHONPATH=. .venv/bin/python bench/tracing_cost.py [--rounds 3] [--requests 4000]
+    PYTHONPATH=. .venv/bin/python bench/tracing_cost.py [--rounds 3] [--requests 4000] [--sample 0.01]
 
 One embedded Redis. Each run starts a CPU worker with ``ASYNCINFER_TRACING`` off or ``otlp``
 (exporting over OTLP/HTTP to a sink process that answers 200 and keeps nothing) and drives it
@@ -60,6 +60,9 @@ def _latency(client: Client, requests: int) -> dict[str, float]:
 
 def _load(client: Client, requests: int, pids: dict[str, int]) -> dict[str, float]:
     inputs = np.random.default_rng(0).standard_normal((64, 1, 16)).astype(np.float32)
+    # one window first, unmeasured: a worker just started can leave its first window waiting
+    # about a second (its start-up's Celery mingle; a predecessor's watch of a list, still alive)
+    run_closed_loop("mlp", lambda i: client.submit("mlp", inputs[i % 64]), 512, 256)
     cpu0 = {name: process_cpu_s(pid) for name, pid in pids.items()}
     client0 = time.process_time()
     result = run_closed_loop("mlp", lambda i: client.submit("mlp", inputs[i % 64]), requests, 256)
@@ -75,7 +78,12 @@ def _run(url: str, mode: str, folder: Path, redis_pid: int, sink_port: int,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCINFER_", "OTEL_"))}
     env.update(ASYNCINFER_BROKER_URL=url, ASYNCINFER_LOG_LEVEL="warning", ASYNCINFER_TRACING=mode,
                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}")
-    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    if args.sample is not None:  # OpenTelemetry's own sampler settings, in every process
+        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+                   OTEL_TRACES_SAMPLER_ARG=str(args.sample))
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
+        if name in env:
+            os.environ[name] = env[name]
     worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",
                                "--models", "identity,mlp"], env=env,
                               stdout=open(folder / f"worker-{mode}.log", "ab"),
@@ -83,7 +91,7 @@ def _run(url: str, mode: str, folder: Path, redis_pid: int, sink_port: int,
     try:
         wait_hosted(url, "mlp", worker)
         with Client(settings=Settings(broker_url=url, tracing=mode)) as client:
-            line: dict[str, object] = {"tracing": mode}
+            line: dict[str, object] = {"tracing": mode, "sample": args.sample}
             line.update(_latency(client, args.latency_requests))
             line.update(_load(client, args.requests, {"worker": worker.pid, "redis": redis_pid}))
             return line
@@ -96,6 +104,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4000, help="per mlp run")
     parser.add_argument("--latency-requests", type=int, default=500)
+    parser.add_argument("--sample", type=float, help="trace this share of requests (a ratio "
+                        "sampler at the root; default: every one)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="tracing-bench-"))
     port, sink_port = free_port(), free_port()
@@ -103,10 +113,12 @@ def main() -> int:
                               "--appendonly", "no", "--dir", str(folder)],
                              stdout=subprocess.DEVNULL)
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(sink_port)])
-    url = f"redis://127.0.0.1:{port}/0"
+    runs = 0
     try:
         for round_ in range(args.rounds):
             for mode in ("off", "otlp") if round_ % 2 == 0 else ("otlp", "off"):
+                url = f"redis://127.0.0.1:{port}/{runs % 16}"  # a database per run: no state left
+                runs += 1
                 print(json.dumps(_run(url, mode, folder, redis.pid, sink_port, args)), flush=True)
     finally:
         stop_process(sink, 15, 10)
