@@ -353,3 +353,30 @@ def test_a_take_passes_on_the_watches_given_that_are_its_own_and_rings_one_bell(
     r.lpush(lists[1], task_message("asyncinfer.infer", "kombu", {"model": "pass"}, lists[1]))
     assert len(taker.take(lists, 8)) == 1 and taker.passed == ()
     assert r.get(WATCH_PREFIX + lists[0]) == mine.encode()
+
+
+def test_a_closing_consumer_gives_up_its_watches_and_no_one_elses(redis_db: RedisDatabase) -> None:
+    url, r = redis_db.url, redis_db.client
+    lists = priority_lists(["infer.release"])
+    wakers = _fleet(url, lists, 2)
+    threads = []
+    try:
+        # Given two idle consumers, each list watched by one of them
+        threads = [_wait_in_thread(w, 30)[0] for w in wakers]
+        wait_for(lambda: all(r.get(WATCH_PREFIX + key) for key in lists), 20, "every list watched")
+        owner = r.get(WATCH_PREFIX + lists[0])
+        closing = next(w for w in wakers if w.token.encode() == owner)
+        staying = next(w for w in wakers if w is not closing)
+        mine = {key for key in lists if r.get(WATCH_PREFIX + key) == owner}
+        theirs = set(lists) - mine
+        assert lists[0] in mine
+        # When the consumer watching the first list closes
+        closing.close()
+        # Then its watches are gone at once (not left to lapse), the other's stay
+        assert [key for key in mine if r.get(WATCH_PREFIX + key) is not None] == []
+        assert all(r.get(WATCH_PREFIX + key) == staying.token.encode() for key in theirs)
+    finally:
+        for w in wakers:
+            w.close()
+        for thread in threads:
+            thread.join(timeout=40)

@@ -74,6 +74,20 @@ end
 return 0
 """
 
+# KEYS: the watches of a consumer's lists. ARGV: its token. Deletes each one it holds (a closing
+# consumer's: its successor, a restarted worker or the same worker's new queues, claims them at
+# once instead of after their lifetime); how many.
+_RELEASE = r"""
+local released = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('DEL', key)
+    released = released + 1
+  end
+end
+return released
+"""
+
 # KEYS: the first list's watch, then the watches of other lists this consumer does not hold.
 # ARGV: the consumer's token, the first watch's lifetime, the others' (ms). The first is claimed
 # or renewed as _CLAIM does; each other one is taken only if nobody holds it. Per key, 1 when
@@ -187,6 +201,7 @@ class Waker:
         self._claim_free = client.register_script(_CLAIM_FREE)
         self._waiting = client.register_script(_WAITING)
         self._pass = client.register_script(_PASS)
+        self._release = client.register_script(_RELEASE)
 
     def start(self) -> Waker:
         connection = getattr(self.own, "connection", None)
@@ -297,13 +312,22 @@ class Waker:
                 pass
 
     def close(self) -> None:
-        """Stop the watchers (their blocked commands are cut by closing the connections)."""
+        """Stop the watchers (their blocked commands are cut by closing the connections) and give
+        up the watches this consumer holds, so that whoever waits on its lists next (a restarted
+        worker, this worker's new queues) watches them at once: a watch left to lapse kept a
+        successor from blocking on a list other than its first for up to ``block_s`` +
+        ``watch_margin_s``, and a message there waited up to a second for the successor's
+        periodic take."""
         self._closed.set()
         self._wake.set()
         with self._cond:
             self._cond.notify_all()
         for w in self._watches:
             w.called.set()
+        try:
+            self._release(keys=[w.watch_key for w in self._watches], args=[self.token])
+        except redis.RedisError as exc:  # they lapse by themselves
+            log.debug("could not give up the watches (%s)", exc)
         for client in (self.client, self.own):
             try:
                 client.connection_pool.disconnect()
