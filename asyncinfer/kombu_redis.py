@@ -4,7 +4,7 @@ Every Celery consumer of the app on a Redis broker uses it: ``ASYNCINFER_CONSUME
 prefork pool, the ``asyncinfer.cpu`` stage workers, and the Celery consumer inside a device worker
 (its control queue, mingle, gossip, kombu's restore sweep); the app's connections pick it
 (:mod:`asyncinfer.kombu_connection`). It is kombu's own transport (``kombu.transport.redis``,
-whose own tests it passes: tests/integration/test_kombu_upstream.py) with three things changed:
+whose own tests it passes: tests/integration/test_kombu_upstream.py) with four things changed:
 
 - **A queue is an open door.** Whatever is pushed on a queue (``LPUSH infer.mlp "{not json"``) is
   checked by the same rules as the fast consumer's (:func:`~asyncinfer.wire.envelope.parse_envelope`)
@@ -23,6 +23,12 @@ whose own tests it passes: tests/integration/test_kombu_upstream.py) with three 
   sets it) a message is popped and recorded in kombu's bookkeeping in one atomic step, by the
   fast consumer's take script (:mod:`asyncinfer.kombu_take`), instead of BRPOP and a record one
   round trip later.
+
+- **A freed slot is taken at once.** An acknowledgement from another thread (the pipeline's
+  writer) of a channel whose prefetch window was full wakes kombu's event loop
+  (:attr:`Transport.event_loop`), which takes again in its next turn; kombu's loop would sleep in
+  its poll until something else woke it, the device running dry meanwhile and a high-priority
+  message waiting in Redis behind the window's low ones.
 
 Without ``atomic_take``, a message BRPOP popped whose bookkeeping Redis refused (``OOM``) is held
 in memory and recorded again before the next BRPOP; like kombu's own gap between a BRPOP and its
@@ -106,6 +112,25 @@ class QoS(kombu_redis.QoS):
             virtual.QoS.ack(self, delivery_tag)
             self.channel._acks_due.append(delivery_tag)
             self.channel._refused("an acknowledgement", exc)
+        self._freed()
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        super().reject(delivery_tag, requeue)
+        self._freed()
+
+    def _freed(self) -> None:
+        """A slot of the prefetch window is free (acknowledged or rejected, from any thread: the
+        pipeline's writer acknowledges). A channel with no take in flight stopped taking because
+        its window was full, and kombu's event loop, asleep in its poll, would see the room only
+        when something else woke it (with a window of 128: a batch every 50 ms instead of 10,
+        and a high-priority message 700 ms in Redis); it is woken now, and takes what the room
+        allows in its next turn, best level first."""
+        ch = self.channel
+        if ch._in_poll:
+            return
+        loop = getattr(ch.connection, "event_loop", None)
+        if loop is not None:
+            loop.call_soon(_take_again)  # thread-safe: one wakeup, however many acks
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
         """kombu's restore sweep; skipped this time when Redis refuses it (its lock is a write)."""
@@ -319,6 +344,10 @@ class Channel(AtomicTake, kombu_redis.Channel):
                     refusal_reason(exc) or printable(exc), wait_s)
 
 
+def _take_again() -> None:
+    """Nothing: run by the woken event loop, whose next tick starts the channel's take."""
+
+
 def _kombu_loads(raw: Any) -> Any:
     """kombu's reading of a message (its JSON hooks), except that text which is not UTF-8 is
     malformed, as the fast consumer holds (kombu would replace the bytes it cannot read)."""
@@ -339,6 +368,12 @@ class Transport(kombu_redis.Transport):
     connection_errors = kombu_redis.Transport.connection_errors + REFUSED_CLASSES
     #: Set by the consumer: stores the FAILURE of a malformed message's request.
     on_malformed: OnMalformed | None = None
+    #: The event loop (Celery's hub) the transport consumes in; None when it drains without one.
+    event_loop: Any = None
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self.event_loop = loop
+        super().register_with_event_loop(connection, loop)
 
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):

@@ -5,8 +5,9 @@ trip later: a worker killed in between loses that message. With ``atomic_take`` 
 option; every worker turns it on at start, asyncinfer/worker/bootstrap.py) the project's channel takes as
 the fast consumer does (asyncinfer/worker/intake/take.py): one script pops what is waiting, up to
 the prefetch room, and records each message in kombu's ``unacked`` hash and ``unacked_index`` in
-the same atomic step; an idle channel waits without popping (``BLMOVE list list RIGHT RIGHT``, a
-no-op move of a list's tail onto itself) and takes again when it returns. So a message is at all
+the same atomic step; an idle channel (its last take popped fewer than it asked for: the lists
+were empty) waits without popping (``BLMOVE list list RIGHT RIGHT``, a no-op move of a list's
+tail onto itself) and takes again when it returns. So a message is at all
 times either on its queue or in the bookkeeping from which kombu restores it.
 
 Both commands go out on kombu's own poll connection, through kombu's event loop, in place of the
@@ -64,6 +65,8 @@ class AtomicTake:
     _take_next = _TAKE
     _take_sent = ""
     _take_sha = ""
+    #: How many messages the take in flight may pop.
+    _take_room = 1
     #: The non-popping wait: BLMOVE (Redis 6.2+), else BRPOPLPUSH (which moves the oldest message
     #: to the front of its list: the order of that one message changes, it is never lost).
     _wait_command = _WAIT
@@ -92,7 +95,7 @@ class AtomicTake:
             else:
                 args = ("BRPOPLPUSH", first, first, max(1, math.ceil(wait_s)))
         else:
-            room = ch.qos.can_consume_max_estimate() or 1
+            room = self._take_room = ch.qos.can_consume_max_estimate() or 1
             keys = take_keys(lists, ch.unacked_index_key, ch.unacked_key)
             args = (_TAKE, self._take_sha, len(keys), *keys,
                     *take_args(room, lease=self._lease_terms(control_only)))
@@ -149,7 +152,9 @@ class AtomicTake:
 
         taken = [(bytes_to_str(key).rsplit(ch.sep, 1)[0], raw, recorded)
                  for key, raw, recorded, _, _ in parse_taken(reply or ())[1]]
-        self._take_next = _TAKE if len(taken) >= (ch.qos.can_consume_max_estimate() or 1) else _WAIT
+        # fewer than it asked for: the lists are empty, it waits (the room grew meanwhile, as
+        # acknowledgements came, says nothing of the lists)
+        self._take_next = _TAKE if len(taken) >= self._take_room else _WAIT
         if not taken:
             raise virtual.Empty()
         return taken

@@ -1,10 +1,13 @@
 """The app's kombu channel takes with the atomic take script on a real Redis (asyncinfer/kombu_take.py):
 no BRPOP, every list of every queue served, each message recorded in kombu's bookkeeping before
-its consumer sees it, and nothing left recorded that nobody will acknowledge."""
+its consumer sees it, nothing left recorded that nobody will acknowledge, and in kombu's event loop
+an acknowledgement from another thread wakes the loop of a full prefetch window to take again."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Consumer, Exchange, Producer, Queue
+from kombu.asynchronous import Hub
 
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
@@ -166,3 +170,67 @@ def test_a_channel_where_no_task_is_served_waits_a_second_and_leaves_the_sweep_t
             assert bool(channel._leases.sweep_every_s) is sweeps
     finally:
         r.close()
+
+
+def test_an_acknowledgement_from_another_thread_wakes_the_loop_of_a_full_window(server) -> None:
+    # Given a channel in kombu's event loop (Celery's hub) whose prefetch window of 1 is full
+    app = _worker_app(server.url)
+    r = redis.Redis.from_url(server.url)
+    received: list[Any] = []
+    hub = Hub()
+    woken: list[bool] = []
+    stop = threading.Event()
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            channel.basic_qos(0, 1, False)
+            QUEUES[0](channel).declare()
+            producer = Producer(channel, EXCHANGE)
+            for n in (1, 2):
+                producer.publish({"n": n}, routing_key="take.a")
+            with Consumer(channel, QUEUES[:1], accept=["json"],
+                          callbacks=[lambda b, m: received.append(m)]):
+                conn.transport.register_with_event_loop(conn.connection, hub)
+                poll = hub.poller.poll
+
+                def polled(timeout: Any) -> Any:  # which polls ended by the hub's waker
+                    events = poll(timeout)
+                    waker = hub._waker.fileno() if hub._waker is not None else -1
+                    woken.append(any(fd == waker for fd, _ in events or ()))
+                    return events
+
+                hub.poller.poll = polled
+                loop = hub.create_loop()
+
+                def run() -> None:
+                    for _ in loop:
+                        if stop.is_set():
+                            return
+
+                runner = threading.Thread(target=run, daemon=True)
+                runner.start()
+                _wait_for(lambda: len(received) == 1)
+                woken_before = sum(woken)
+                # When the consumer acknowledges it from another thread (the pipeline's writer)
+                received[0].ack()
+                # Then the acknowledgement woke the loop, which took the second message
+                _wait_for(lambda: len(received) == 2)
+                assert [m.decode()["n"] for m in received] == [1, 2]
+                assert sum(woken) > woken_before, woken
+                received[1].ack()
+                stop.set()
+                hub.call_soon(lambda: None)  # wakes it to see stop
+                runner.join(timeout=30)
+        assert r.hlen("unacked") == 0
+    finally:
+        stop.set()
+        hub.close()
+        r.close()
+
+
+def _wait_for(condition: Any, timeout_s: float = 60) -> None:
+    ends = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > ends:
+            raise TimeoutError("not met in time")
+        time.sleep(0.01)

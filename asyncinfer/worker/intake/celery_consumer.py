@@ -57,6 +57,9 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     _policy: TaskPolicy | None = None
     _refused_at = 0.0
     _refusal_backoff: Backoff | None = None
+    #: The pipeline's messages kombu delivered in this turn of the event loop, handed over
+    #: together when it ends (:meth:`_hand_over`).
+    _handing: list[Any] | None = None
 
     @property
     def _refusals(self) -> Backoff:
@@ -147,7 +150,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                         f"whose pool forks (prefork): a model runs in the process that owns its "
                         f"device — run the threads or solo pool (asyncinfer worker)"))
                     return None
-                return self._pipeline().received(message)  # the one pipeline, whatever took it
+                return self._hand_over(message)  # the one pipeline, whatever took it
             body = message.body
             size = len(body) if isinstance(body, (bytes, str)) else 0
             if limit and size > limit:
@@ -163,6 +166,29 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             return handle(message)
 
         return on_task_received
+
+    def _hand_over(self, message: Any) -> None:
+        """Hand ``message`` to the pipeline with the others kombu delivers in this turn of the
+        event loop (what one take popped), once it ends: started together, they cost one round
+        trip for their STARTED states, not one each, and the channel takes again sooner — a
+        high-priority message waits in Redis while the loop hands over the take before it (at a
+        message each, 128 of them took ~100 ms: ten small batches). Without an event loop, at
+        once."""
+        hub = self.hub
+        if hub is None:
+            self._pipeline().received([message])
+            return
+        if self._handing is None:
+            self._handing = []
+        self._handing.append(message)
+        if len(self._handing) == 1:
+            hub.call_soon(self._hand_over_all)
+
+    def _hand_over_all(self) -> None:
+        """(The event loop, after the turn that delivered them.) Hand over what waits."""
+        messages, self._handing = self._handing or [], []
+        if messages:
+            self._pipeline().received(messages)
 
     def _pipeline(self) -> PipelineConsumer:
         """The consumer of this worker's pipeline: its fast consumer (an ``asyncinfer.infer``

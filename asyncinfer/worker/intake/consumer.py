@@ -87,19 +87,24 @@ class PipelineConsumer:
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
                                  stopping=self._stopping.is_set, traced=tracing is not None)
 
-    def received(self, message: Any) -> None:
-        """(Celery's consumer, for each message of this pipeline: worker/intake/celery_consumer.py.)
-        Start a message kombu delivered; one that comes while this consumer stops is left
+    def received(self, messages: list[Any]) -> None:
+        """(Celery's consumer, with the messages of this pipeline kombu delivered in one turn of
+        its event loop: worker/intake/celery_consumer.py.) Start them together, as the fast
+        consumer starts what one take popped; those that come while this consumer stops are left
         unacknowledged, for the broker to give back."""
-        if self._stopping.is_set():
+        if self._stopping.is_set() or not messages:
             return
-        queue = str((message.delivery_info or {}).get("routing_key") or "")
-        try:
-            raw = envelope_text(message)
-        except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
-            raw = f"message of {queue}: {type(exc).__name__}: {exc}"
-        self.pipeline.received([TakenMessage(raw=raw.encode(), queue=queue, message=message,
-                                             received_at=time.perf_counter())])
+        received_at = time.perf_counter()
+        deliveries = []
+        for message in messages:
+            queue = str((message.delivery_info or {}).get("routing_key") or "")
+            try:
+                raw = envelope_text(message)
+            except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
+                raw = f"message of {queue}: {type(exc).__name__}: {exc}"
+            deliveries.append(TakenMessage(raw=raw.encode(), queue=queue, message=message,
+                                           received_at=received_at))
+        self.pipeline.received(deliveries)
 
     def _on_scheduled(self, n: int) -> None:
         """``n`` more (or fewer) of kombu's held messages wait for their eta: the prefetch window

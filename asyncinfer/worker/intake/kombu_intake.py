@@ -7,8 +7,9 @@ What differs from the fast consumer (fast_consumer.py) is only the transport's p
 
 - **take**: Celery's consumer receives each message (kombu, bounded by its prefetch window:
   ``ASYNCINFER_CONCURRENCY`` × ``ASYNCINFER_PREFETCH_MULTIPLIER``) and hands it over
-  (worker/intake/celery_consumer.py) instead of to Celery's request and pool; its envelope is
-  written as the Redis lists hold it (:func:`~asyncinfer.wire.messages.envelope_text`), so every
+  (worker/intake/celery_consumer.py) instead of to Celery's request and pool, those of one turn
+  of kombu's event loop (one take) together, as the fast consumer hands over a take; its envelope
+  is written as the Redis lists hold it (:func:`~asyncinfer.wire.messages.envelope_text`), so every
   rule reads it the same way;
 - **acknowledge**: once the result writer stored a batch's results, each message is acknowledged
   through kombu, a retry published first (output/kombu_acks.py);
