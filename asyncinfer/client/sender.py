@@ -289,6 +289,8 @@ class Sender:
             self._watcher = None
         if self.broker is not None:
             self.broker.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

@@ -19,7 +19,6 @@ from celery import Task
 from asyncinfer.celery_app import app
 from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK
 from asyncinfer.models.base import Model
-from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.protocol import (
     FORWARD_STAGE,
     decode_request,
@@ -37,7 +36,7 @@ def _traced(task: Task, name: str) -> Iterator[None]:
     """The stage's span (tracing on), child of the trace context its message carries: the
     chain's one trace (client.submit_staged puts it on every stage's message). A message without
     one is not traced, as on a device worker (worker/output/trace_spans.py)."""
-    tracing = tracing_for(worker_of(task.app).settings)
+    tracing = worker_of(task.app).tracing
     request = task.request
     parent = None if tracing is None else trace_fields(
         {TRACEPARENT: getattr(request, TRACEPARENT, None),

@@ -3,9 +3,10 @@ extra installs OpenTelemetry).
 
 :func:`tracing_for` is the one door: with tracing ``off`` (the default) it returns None and
 imports nothing, so every caller pays one ``is None`` check per request and OpenTelemetry is
-never loaded. Otherwise it returns the process's :class:`~asyncinfer.tracing.spans.Tracing`
-(made once per process and mode): spans from W3C trace context fields (wire/trace_context.py),
-exported as the mode says (provider.py).
+never loaded. Otherwise it makes a :class:`~asyncinfer.tracing.spans.Tracing`: spans from W3C
+trace context fields (wire/trace_context.py), exported as the mode says (provider.py). Whoever
+makes one owns it and closes it (its exporter's thread): a client's sender, the device worker
+(``Worker.tracing``, for its consumer and its CPU stages).
 
 Who records what (docs/operations.md, *Tracing*): the client its ``asyncinfer.submit``
 (client/submit_span.py), the gateway its ``asyncinfer.gateway.infer`` (gateway/service.py), the
@@ -16,7 +17,6 @@ worker ``asyncinfer.queue``, ``asyncinfer.batch``, ``asyncinfer.device`` and
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,13 +27,9 @@ __all__ = ["tracing_for", "TRACING_EXTRA"]
 #: What to install for a mode other than ``off``.
 TRACING_EXTRA = "pip install 'asyncinfer[tracing]'"
 
-_made: dict[str, Tracing] = {}
-_lock = threading.Lock()
-
-
 def tracing_for(settings: Any) -> Tracing | None:
-    """This process's tracing under ``settings.tracing``: None for ``off`` (nothing imported),
-    else the one :class:`Tracing` of that mode in this process.
+    """Tracing under ``settings.tracing``: None for ``off`` (nothing imported), else a new
+    :class:`Tracing` of that mode, for the caller to close.
 
     Raises:
         ImportError: a mode other than ``off`` without OpenTelemetry installed (saying what to
@@ -42,16 +38,9 @@ def tracing_for(settings: Any) -> Tracing | None:
     mode = settings.tracing
     if mode == "off":
         return None
-    tracing = _made.get(mode)
-    if tracing is not None:
-        return tracing
-    with _lock:
-        tracing = _made.get(mode)
-        if tracing is None:
-            try:
-                from asyncinfer.tracing.spans import Tracing
-            except ImportError as exc:
-                raise ImportError(f"ASYNCINFER_TRACING={mode} needs OpenTelemetry, which is not "
-                                  f"installed ({exc}): {TRACING_EXTRA}") from exc
-            tracing = _made[mode] = Tracing.of_mode(mode)
-    return tracing
+    try:
+        from asyncinfer.tracing.spans import Tracing
+    except ImportError as exc:
+        raise ImportError(f"ASYNCINFER_TRACING={mode} needs OpenTelemetry, which is not "
+                          f"installed ({exc}): {TRACING_EXTRA}") from exc
+    return Tracing.of_mode(mode)

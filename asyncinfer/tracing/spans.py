@@ -38,7 +38,7 @@ def wall_ns_of(perf_s: float, offset_s: float) -> int:
 
 class Tracing:
     """Makes asyncinfer's spans on ``provider``'s tracer (:func:`~asyncinfer.tracing.tracing_for`
-    makes one per process and mode)."""
+    makes one for each owner, which closes it: :meth:`close`)."""
 
     def __init__(self, provider: Any, mode: str = "") -> None:
         self.mode = mode
@@ -49,6 +49,12 @@ class Tracing:
     @classmethod
     def of_mode(cls, mode: str) -> Tracing:
         return cls(provider_for(mode), mode)
+
+    def close(self) -> None:
+        """Export what is pending and stop the exporter's thread (a provider of its own; the
+        application's, in mode ``global``, is the application's to shut down)."""
+        if self.mode != "global":
+            self.provider.shutdown()
 
     # -- context as text -------------------------------------------------------------------------
 

@@ -31,12 +31,14 @@ from asyncinfer.model_versions import sorted_versions, split_key
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.policy import Policy
+from asyncinfer.tracing import tracing_for
 from asyncinfer.worker.announcer import Announcer, announcer_for
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
 from asyncinfer.worker.stats import StatsFlusher, flusher_for
 
 if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
     from asyncinfer.worker.intake.consumer import PipelineConsumer
 
 __all__ = ["Worker", "worker_of", "existing_worker", "attach"]
@@ -77,6 +79,7 @@ class Worker:
         self._policy: Policy | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
         self._cpu_models: dict[str, Model] = {}
+        self._tracing: Tracing | None = None
         self._lock = threading.RLock()
 
     # -- what it is made of ----------------------------------------------------------------------
@@ -206,9 +209,20 @@ class Worker:
                 "pending": runtime.pending(), "in_flight": self.in_flight(),
                 "throughput_per_s": round(self.metrics.throughput_per_s(), 2)}
 
+    @property
+    def tracing(self) -> Tracing | None:
+        """Its OpenTelemetry tracing, made at first use, when ``ASYNCINFER_TRACING`` asks for it
+        (None: off, nothing imported): its consumer's spans and its CPU stages'."""
+        if self.settings.tracing == "off":
+            return None
+        with self._lock:
+            if self._tracing is None:
+                self._tracing = tracing_for(self.settings)
+            return self._tracing
+
     def close(self) -> None:
-        """Withdraw, stop what feeds the pipeline (if no bootstep did), the runtime and the
-        metrics server."""
+        """Withdraw, stop what feeds the pipeline (if no bootstep did), the runtime, the
+        metrics server and the tracing's exporter."""
         self.withdraw()
         consumer = self.consumer
         if consumer is not None and not consumer.stopped:
@@ -221,6 +235,10 @@ class Worker:
         if flusher is not None:  # after the runtime: the last batches are counted
             flusher.stop()
         self.metrics.close()
+        with self._lock:
+            tracing, self._tracing = self._tracing, None
+        if tracing is not None:  # after the runtime: its last spans are exported
+            tracing.close()
 
 
 def announced_models(runners: dict[str, Any], leaving: set[str]) -> list[dict[str, Any]]:

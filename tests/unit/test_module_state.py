@@ -31,10 +31,6 @@ ALLOWED = {
         "guards torch.load's process-wide safe-globals list, which is torch's state, not ours",
     ("asyncinfer.worker.worker", "_making"):
         "guards the making of an app's one worker where Celery's worker_init made none",
-    ("asyncinfer.tracing", "_made"):
-        "the process's tracer provider per tracing mode, with its exporter thread: one per "
-        "process, as OpenTelemetry's own global provider, shared by every client and worker in it",
-    ("asyncinfer.tracing", "_lock"): "guards the making of that one provider",
     ("asyncinfer.wire.messages", "_random"):
         "os.urandom's bytes read ahead for request IDs: the process's randomness, as os.urandom's "
         "own; a forked child drops it",

@@ -199,7 +199,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         if consumer is None:
             consumer = KombuIntake(self.app, device_worker.runtime, hostname=self.hostname,
                                    policy=device_worker.policy,
-                                   send_events=bool(getattr(self.controller, "task_events", False)))
+                                   send_events=bool(getattr(self.controller, "task_events", False)),
+                                   tracing=device_worker.tracing)
             device_worker.serving(consumer)
         if consumer.kombu_qos is None:
             celery_consumer = self

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
@@ -26,7 +26,6 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import Wedge
-from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.messages import envelope_text
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
@@ -38,6 +37,9 @@ from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
 
 __all__ = ["PipelineConsumer", "STOP_GRACE_S"]
 
@@ -58,7 +60,8 @@ class PipelineConsumer:
     """
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
-                 send_events: bool, results: redis.Redis, shared: bool | None = None) -> None:
+                 send_events: bool, results: redis.Redis, shared: bool | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.app = app
         self.runtime = runtime
         self.hostname = hostname
@@ -74,7 +77,6 @@ class PipelineConsumer:
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
                                      metrics=runtime.metrics)
-        tracing = tracing_for(runtime.settings)  # None: off, nothing imported
         self.writer = ResultWriter(app, results, worker=hostname,
                                    before_write=lambda batch: self.outcomes.before_write(batch),
                                    on_written=lambda batch: self.outcomes.written(batch),

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import redis
 from celery import Celery
@@ -55,6 +56,9 @@ from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.intake.wake import Waker
 from asyncinfer.worker.runtime import WorkerRuntime
 
+if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
+
 __all__ = ["FastConsumer"]
 
 log = logging.getLogger(__name__)
@@ -67,11 +71,13 @@ class FastConsumer(PipelineConsumer):
     SETTLE_S = 10.0
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
-                 hostname: str, policy: Policy, send_events: bool = False) -> None:
+                 hostname: str, policy: Policy, send_events: bool = False,
+                 tracing: Tracing | None = None) -> None:
         settings = settings_of(app) or Settings.from_env()
         # The result writer's own connection: a pool check-out per command costs a poll() and
         # redis-py's argument checks (~8 % of the worker's CPU).
         super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
+                         tracing=tracing,
                          results=redis_client(app.conf.broker_url, settings,
                                               health_check_interval=30,
                                               single_connection_client=True))

@@ -24,6 +24,7 @@ What differs from the fast consumer (fast_consumer.py) is only the transport's p
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from celery import Celery
 
@@ -34,6 +35,9 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.worker.intake.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.runtime import WorkerRuntime
 
+if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
+
 __all__ = ["KombuIntake"]
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,7 @@ class KombuIntake(PipelineConsumer):
     """The pipeline of what Celery's consumer of ``app`` receives for it."""
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
-                 send_events: bool = False) -> None:
+                 send_events: bool = False, tracing: Tracing | None = None) -> None:
         settings = settings_of(app) or Settings.from_env()
         broker_url = str(app.conf.broker_url)
         on_redis = is_redis_url(broker_url)
@@ -51,6 +55,7 @@ class KombuIntake(PipelineConsumer):
         results = redis_client(broker_url if on_redis else str(app.conf.result_backend), settings,
                                health_check_interval=30, single_connection_client=True)
         super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
+                         tracing=tracing,
                          results=results, shared=None if on_redis else True)
         self.use_device(self._give_back_all)
         log.info("the pipeline serves what Celery's consumer receives on the infer queues")

@@ -174,7 +174,7 @@ class FastConsumerStep(bootsteps.StartStopStep):
             policy=device_worker.policy,
             # task events when the worker sends them (-E, ASYNCINFER_SEND_EVENTS); Celery's own
             # consumer sends the worker's heartbeats
-            send_events=bool(worker.task_events)))
+            send_events=bool(worker.task_events), tracing=device_worker.tracing))
         device_worker.serving(consumer)
         self.consumer = consumer.start()
 
