@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 from celery import Celery
 
 from asyncinfer.catalogue import CatalogueEntry
-from asyncinfer.client import aio
+from asyncinfer.client.async_calls import AsyncCalls
 from asyncinfer.client.brokers import BrokerGroup, RoutedGroups
 from asyncinfer.client.loop_publisher import LoopPublishers
+from asyncinfer.client.model_control import ModelControl
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
-from asyncinfer.client.streams import AsyncResponseStream, OnInterrupted, ResponseStream, Streams
+from asyncinfer.client.streaming import Streaming
+from asyncinfer.client.streams import AsyncResponseStream, ResponseStream, Streams
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
@@ -37,21 +39,14 @@ from asyncinfer.constants import (
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.fleet_stats import triton_stats
 from asyncinfer.model_versions import PARAMETER
-from asyncinfer.repository import (
-    DEFAULT_CONTROL_TIMEOUT_S,
-    LOAD,
-    UNLOAD,
-    ControlOutcome,
-    control,
-    repositories,
-    repository_index,
-)
 from asyncinfer.wire.messages import uuid4_text
 
 __all__ = ["Client", "InferFuture", "InferResponse", "ResponseStream", "AsyncResponseStream"]
 
 
-class Client:
+# Its model control (client/model_control.py), streaming responses (client/streaming.py) and
+# asyncio calls (client/async_calls.py) are its parts' modules.
+class Client(ModelControl, Streaming, AsyncCalls):
     """Sends ``asyncinfer.infer`` requests and waits for their results.
 
     With a routing table (``ASYNCINFER_BROKER_ROUTES``) one client serves every broker of it:
@@ -140,49 +135,6 @@ class Client:
         for name in self.models():  # those no worker counted yet: zeros
             found.setdefault(name, triton_stats(name, []))
         return [found[name] for name in sorted(found)]
-
-    # -- model control (repository.py) ------------------------------------------------------------
-
-    def load_model(self, model: str, *, version: str | int | None = None,
-                   workers: Sequence[str] = (), devices: Sequence[str] = (),
-                   timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlOutcome:
-        """Load ``model`` (``version``: that version, registered as ``model@version``) on
-        ``workers`` (default: every live device worker), or on the workers of ``devices``
-        (``cuda:0``, ``cpu``), and start serving it there; waits up to ``timeout_s`` for their
-        answers. ``outcome.ok`` when every worker asked loaded it; ``outcome.message()`` says
-        what failed where, and why."""
-        return self._control(LOAD, model, version, workers, devices, timeout_s)
-
-    def unload_model(self, model: str, *, version: str | int | None = None,
-                     workers: Sequence[str] = (), devices: Sequence[str] = (),
-                     timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
-                     grace_s: float | None = None) -> ControlOutcome:
-        """Unload ``model`` (every version; ``version``: that one, the others serving on) from
-        ``workers`` (default: every worker hosting it), or from the workers of ``devices``: each
-        stops taking its queue, gives back what it holds and has not started, finishes what is
-        on its device (up to ``grace_s``) and frees the memory."""
-        return self._control(UNLOAD, model, version, workers, devices, timeout_s, grace_s)
-
-    def _control(self, action: str, model: str, version: str | int | None,
-                 workers: Sequence[str], devices: Sequence[str], timeout_s: float,
-                 grace_s: float | None = None) -> ControlOutcome:
-        outcome = control(self.app_for(model), action, model, self.models(stale_ok=True),
-                          workers=workers, devices=devices,
-                          version="" if version is None else str(version),
-                          timeout_s=timeout_s, grace_s=grace_s)
-        group = self._group_for(model)
-        if group.known is not None:  # the unknown-model check reads the catalogue again
-            group.known.forget()
-        return outcome
-
-    def repository_index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
-        """Triton's repository index of the fleet: every model it knows or could load, per
-        version, with its state (READY, UNAVAILABLE) and why (repository.py)."""
-        entries = self.models(stale_ok=True)
-        workers: dict[str, Any] = {}
-        for app in self.apps().values():
-            workers.update(repositories(app, entries))
-        return repository_index(entries, workers, ready_only=ready_only)
 
     def knows_now(self, model: str) -> bool:
         """Whether :meth:`check_model` can judge ``model`` without reading the catalogue."""
@@ -395,108 +347,6 @@ class Client:
                 where = f"where it is could not be read ({type(exc).__name__}: {exc})"
             raise RequestTimeout(f"request {request_id}: no result within {timeout_s:g} s; "
                                  f"{where}") from None
-
-    # -- streaming responses (docs/streaming.md; client/streams.py) ---------------------------------
-
-    def _streams_for(self, model: str | None) -> Streams:
-        group = self._group_for(model)
-        with self._streams_lock:
-            streams = self._streams.get(id(group))
-            if streams is None:
-                streams = self._streams[id(group)] = Streams(group)
-            return streams
-
-    def stream(self, model: str, inputs: Any, *, parameters: Mapping[str, Any] | None = None,
-               request_id: str | None = None, priority: int | None = None,
-               timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
-               check_s: float = 1.0, **options: Any) -> ResponseStream:
-        """Send one request and read its response in parts, as its model makes them::
-
-            with client.stream("echo-stream", {"text_input": ["a b c"]}) as parts:
-                for part in parts:
-                    print(part.index, part["text_output"])
-
-        The request is sent as :meth:`submit` sends it (its other ``options``; this returns once
-        it is on its queue, or raises what refused it). Each part (a
-        :class:`~asyncinfer.client.responses.StreamPart`) comes once, in order, even when its
-        worker dies and the request runs again (``on_interrupted`` is called then, and
-        ``stream.interruptions`` lists it). The iteration ends after the last part, or raises the
-        request's error (a revoked request: :class:`~asyncinfer.errors.RequestRevoked`),
-        :class:`~asyncinfer.errors.StreamTruncated` (parts trimmed before they were read), or
-        :class:`~asyncinfer.errors.RequestTimeout` when it has not ended within ``timeout_s``.
-        A model that does not stream gives its one answer as one part.
-
-        Leaving the stream before its end (``close()``, the end of its ``with``, garbage
-        collection) revokes the request. ``check_s``: how often, between parts, the reader looks
-        at the request's lease and stored result (docs/streaming.md).
-        """
-        return self._streams_for(model).stream(
-            model, inputs, request_id=request_id, timeout_s=timeout_s,
-            on_interrupted=on_interrupted, check_s=check_s,
-            options={"parameters": parameters, "priority": priority, **options})
-
-    def read_stream(self, request_id: str, *, model: str | None = None, after: int = 0,
-                    timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
-                    check_s: float = 1.0) -> ResponseStream:
-        """The parts of a request sent by anyone, from its first (a late reader gets every part
-        the stream holds), or those after part ``after`` (a reader that lost its connection goes
-        on where it was). Sends nothing; closing it revokes nothing. ``model``: with routes, the
-        request's model (its broker). Otherwise as :meth:`stream`."""
-        return self._streams_for(model).read(request_id, after=after, timeout_s=timeout_s,
-                                             on_interrupted=on_interrupted, check_s=check_s)
-
-    def astream(self, model: str, inputs: Any, *, parameters: Mapping[str, Any] | None = None,
-                request_id: str | None = None, priority: int | None = None,
-                timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
-                check_s: float = 1.0, **options: Any) -> AsyncResponseStream:
-        """:meth:`stream` in asyncio: ``async for part in client.astream(model, inputs)``. The
-        request is sent at the first ``__anext__`` (or ``async with``), without blocking the
-        loop; cancelling the task that reads it, or ``aclose()`` before its end, revokes it."""
-        return self._streams_for(model).astream(
-            model, inputs, request_id=request_id, timeout_s=timeout_s,
-            on_interrupted=on_interrupted, check_s=check_s,
-            options={"parameters": parameters, "priority": priority, **options})
-
-    def aread_stream(self, request_id: str, *, model: str | None = None, after: int = 0,
-                     timeout_s: float | None = None, on_interrupted: OnInterrupted | None = None,
-                     check_s: float = 1.0) -> AsyncResponseStream:
-        """:meth:`read_stream` in asyncio: ``async for part in client.aread_stream(id)``.
-        ``on_interrupted`` is called on the loop's thread."""
-        return self._streams_for(model).aread(request_id, after=after, timeout_s=timeout_s,
-                                              on_interrupted=on_interrupted, check_s=check_s)
-
-    # -- asyncio (asyncinfer.client.aio): the same calls from a coroutine, never blocking the loop ------
-
-    async def asubmit(self, model: str, inputs: Any, **options: Any) -> asyncio.Future[InferResponse]:
-        """Send one request from a coroutine; return an asyncio future of its response.
-
-        Takes :meth:`submit`'s options. A small request is published by the loop itself, others
-        in the loop's default executor (:func:`asyncinfer.client.aio.submit`); the result
-        watcher thread settles the future through ``call_soon_threadsafe``. Cancelling the future
-        (or a task awaiting it) revokes the request, as ``InferFuture.cancel()`` does.
-        """
-        future = await aio.submit(self.sender_for(model), model, inputs, options)
-        return asyncio.wrap_future(future, loop=asyncio.get_running_loop())
-
-    async def ainfer(self, model: str, inputs: Any, *, timeout_s: float | None = None,
-                     **options: Any) -> InferResponse:
-        """Send one request and await its response (``TimeoutError`` after ``timeout_s``; the
-        request keeps running). Cancelling the awaiting task revokes the request."""
-        future = await aio.submit(self.sender_for(model), model, inputs, options)
-        return await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
-
-    def amap(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
-             **options: Any) -> AsyncIterator[InferResponse]:
-        """``async for response in client.amap(model, inputs)``: send every request at once,
-        yield the responses in input order (``timeout_s`` per response)."""
-        return aio.amap(self.sender_for(model), model, inputs, timeout_s, options)
-
-    def as_completed(self, futures: Iterable[aio.AnyFuture], *,
-                     timeout_s: float | None = None) -> AsyncIterator[InferResponse]:
-        """``async for response in client.as_completed(futures)``: the responses of futures from
-        :meth:`submit` or :meth:`asubmit` in completion order. A failed request raises its
-        exception from the loop; ``timeout_s`` bounds the whole iteration."""
-        return aio.as_completed(futures, timeout_s)
 
     async def aclose(self) -> None:
         """:meth:`close` from a coroutine (also closes the running loop's own connections)."""
