@@ -29,37 +29,30 @@ from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
 from asyncinfer.client.responses import InferFuture
+from asyncinfer.gateway import model_config, model_control
+from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
+from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority
 from asyncinfer.gateway.handover import Handover
-from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, raw_from_list
+from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
+from asyncinfer.gateway.model_control import control_options
+from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
 from asyncinfer.model_versions import PARAMETER
-from asyncinfer.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, UNLOAD
+from asyncinfer.repository import UNLOAD
 from asyncinfer.wire.envelope import printable
-from asyncinfer.wire.payloads import DATATYPES
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
-           "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor"]
+           "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor",
+           "control_options"]
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "asyncinfer"
 #: The gateway's span of an infer call (tracing on).
 GATEWAY_SPAN = "asyncinfer.gateway.infer"
 #: What ``GET /v2`` and ServerMetadata advertise.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
-#: The largest ``timeout`` parameter (µs) a call may give: 30 days.
-MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 #: Data above this size (bytes) is converted off the event loop: the client's own bound for
 #: encoding a request on the loop, so one size decides both.
 OFF_LOOP_BYTES = aio.ON_LOOP_BYTES
-
-#: HTTP status → gRPC status code name.
-GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-              499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
-
-#: Parameters the gateway itself consumes; the others travel to the worker with the request.
-_OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
-                   "headers", "sequence_id", "sequence_start", "sequence_end",
-                   "triton_enable_empty_final_response"}
 
 T = TypeVar("T")
 
@@ -70,43 +63,6 @@ async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size <= OFF_LOOP_BYTES:
         return fn(*args)
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-class GatewayError(Exception):
-    """An answer other than success: an HTTP ``status`` (and its gRPC code) and a message."""
-
-    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @property
-    def grpc_code(self) -> str:
-        return GRPC_CODES.get(self.status, "UNKNOWN")
-
-
-def error_for(exc: BaseException) -> GatewayError:
-    """The gateway's answer to an error a request raised (submit or result)."""
-    message = str(exc) or type(exc).__name__
-    if isinstance(exc, GatewayError):
-        return exc
-    if isinstance(exc, errors.UnknownModel):
-        return GatewayError(404, message)
-    if isinstance(exc, errors.InvalidRequest):
-        return GatewayError(400, message)
-    if isinstance(exc, errors.QueueFull):
-        return GatewayError(429, message, retry_after_s=1.0)
-    if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated,
-                        errors.RequestLost)):
-        return GatewayError(503, message)
-    if isinstance(exc, (errors.RequestExpired, errors.RequestTimeout, errors.SoftTimeLimit,
-                        errors.HardTimeLimit)) or type(exc).__name__ in (
-                            "SoftTimeLimitExceeded", "TimeLimitExceeded"):
-        return GatewayError(504, message)
-    if isinstance(exc, errors.RequestRevoked) or type(exc).__name__ == "TaskRevokedError":
-        return GatewayError(499, message)
-    return GatewayError(500, f"{type(exc).__name__}: {message}")
 
 
 class Service:
@@ -236,11 +192,7 @@ class Service:
 
     async def model_metadata(self, model: str, version: str = "") -> dict[str, Any]:
         """The v2 model metadata (``name``, ``versions``, ``platform``, ``inputs``, ``outputs``)."""
-        entry = await self.entry(model, version)
-        meta = entry.metadata
-        return {"name": model, "versions": entry.versions,
-                "platform": str(meta.get("platform", "pytorch")),
-                "inputs": list(meta.get("inputs") or []), "outputs": list(meta.get("outputs") or [])}
+        return model_config.model_metadata(model, await self.entry(model, version))
 
     async def model_ready(self, model: str, version: str = "") -> bool:
         """Whether a live worker hosts ``model`` (False for an unknown one)."""
@@ -254,15 +206,7 @@ class Service:
         """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
         inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension), and
         ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
-        entry = await self.entry(model, version)
-        meta = entry.metadata
-        batchable = bool(meta.get("batchable", True))
-        return {"name": model, "platform": str(meta.get("platform", "pytorch")),
-                "backend": SERVER_NAME,
-                "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
-                "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
-                "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []],
-                "model_transaction_policy": {"decoupled": is_decoupled(entry)}}
+        return model_config.model_config(model, await self.entry(model, version))
 
     async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
         """Triton's statistics (``{"model_stats": [...]}``) of ``model``, or of every model the
@@ -286,10 +230,7 @@ class Service:
 
     async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index: every model the fleet knows or could load, per version."""
-        try:
-            return await self._off_loop(lambda: self.client.repository_index(ready_only=ready_only))
-        except errors.BrokerUnavailable as exc:
-            raise GatewayError(503, str(exc)) from exc
+        return await model_control.repository_index(self.client, ready_only)
 
     async def control_model(self, action: str, model: str,
                             parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,18 +244,7 @@ class Service:
                 (with its reason); 503 no live worker to load it on; 504 a worker that did not
                 answer in time.
         """
-        options = control_options(model, action, parameters)
-        try:
-            outcome = await self._off_loop(lambda: (
-                self.client.load_model(model, version=options["version"],
-                                       workers=options["workers"], devices=options["devices"],
-                                       timeout_s=options["timeout_s"]) if action == LOAD else
-                self.client.unload_model(model, version=options["version"],
-                                         workers=options["workers"], devices=options["devices"],
-                                         timeout_s=options["timeout_s"],
-                                         grace_s=options["grace_s"])))
-        except errors.BrokerUnavailable as exc:
-            raise GatewayError(503, str(exc)) from exc
+        outcome = await model_control.send_control(self.client, action, model, parameters)
         await self._refresh()
         if outcome.ok:
             log.info("gateway: %s", outcome.message())
@@ -399,8 +329,8 @@ class Service:
             GatewayError: 400 for a call without inputs, or asking for an output the model does
                 not declare, or with a bad ``priority`` or ``timeout``.
         """
-        priority = _priority(call)
-        expires_s = _expires_s(call)
+        call_priority = priority(call)
+        call_expires_s = expires_s(call)
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
                   for t in call.inputs]
         if not inputs:
@@ -413,13 +343,13 @@ class Service:
                 raise GatewayError(400, f"request {call.id or '(no id)'}: model '{call.model}' has "
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
-        parameters = {k: v for k, v in call.parameters.items() if k not in _OWN_PARAMETERS}
+        parameters = {k: v for k, v in call.parameters.items() if k not in OWN_PARAMETERS}
         if call.version:  # /versions/{v}/infer: that version runs it
             parameters[PARAMETER] = call.version
         return await self._send(call.model, inputs, {
             "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
-            "binary": True, "expires": expires_s, "timeout_s": 0.0, "priority": priority,
-            "trace": call.trace})
+            "binary": True, "expires": call_expires_s, "timeout_s": 0.0,
+            "priority": call_priority, "trace": call.trace})
 
     def wait(self, sent: InferFuture) -> asyncio.Future[Any]:
         """A loop future that ends as ``sent`` does (cancelling it leaves the request alone)."""
@@ -459,110 +389,3 @@ class Service:
                            id=str(raw["id"]) if call.id else "",
                            outputs=[output_tensor(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))
-
-
-#: The parameters a load or unload takes (Triton's ``unload_dependents`` is accepted: a model here
-#: has no dependents).
-_CONTROL_PARAMETERS = {"version", "workers", "devices", "timeout_s", "grace_s",
-                       "unload_dependents"}
-
-
-def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """The workers, timeout and grace of a load or unload's parameters; GatewayError 400 for a
-    parameter it does not take (Triton's ``config`` and ``file:`` overrides among them)."""
-    where = f"{action} of model '{printable(model, 100)}'"
-    if not model:
-        raise GatewayError(400, f"{action}: a model name is needed")
-    unknown = sorted(k for k in parameters if k not in _CONTROL_PARAMETERS)
-    if unknown:
-        named = ", ".join(repr(printable(k, 40)) for k in unknown)
-        raise GatewayError(400, f"{where}: parameter {named} is not supported (supported: "
-                                f"version, workers, devices, timeout_s, grace_s; models are loaded as "
-                                f"registered, no config or file override)")
-    options: dict[str, Any] = {"timeout_s": DEFAULT_CONTROL_TIMEOUT_S, "grace_s": None}
-    version = parameters.get("version", "")
-    if isinstance(version, bool) or not isinstance(version, (str, int)) or \
-            (str(version) and not str(version).isalnum()):
-        raise GatewayError(400, f"{where}: parameter 'version' must be a version (letters and "
-                                f"digits), got {version!r:.40}")
-    options["version"] = str(version)
-    for key, what in (("workers", "worker names"), ("devices", "devices")):
-        value = parameters.get(key, "")
-        if not isinstance(value, str):
-            raise GatewayError(400, f"{where}: parameter '{key}' must be a string of "
-                                    f"comma-separated {what}, got {value!r:.60}")
-        options[key] = [w.strip() for w in value.split(",") if w.strip()]
-    if options["workers"] and options["devices"]:
-        raise GatewayError(400, f"{where}: name workers or devices, not both")
-    for key in ("timeout_s", "grace_s"):
-        value = parameters.get(key)
-        if value is None:
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = -1.0
-        if isinstance(value, bool) or not 0 < number <= 3600:
-            raise GatewayError(400, f"{where}: parameter '{key}' must be a number of seconds above "
-                                    f"0 and at most 3600, got {value!r:.40}")
-        options[key] = number
-    return options
-
-
-def revoked_error(request_id: str, exc: BaseException) -> GatewayError:
-    """The answer to Celery's TaskRevokedError for a request: 504 when it expired, else 499."""
-    if "expired" in str(exc):
-        return GatewayError(504, f"request {request_id}: expired before a worker ran it "
-                                 f"(parameter 'timeout' or the deadline)")
-    return GatewayError(499, f"request {request_id}: revoked ({exc})")
-
-
-def is_decoupled(entry: CatalogueEntry) -> bool:
-    """Whether the model answers in steps (the catalogue's ``decoupled``: Triton's decoupled
-    transaction policy)."""
-    return bool(entry.metadata.get("decoupled", False))
-
-
-def output_tensor(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
-    """An output of a response (raw or JSON data) as an :class:`OutputTensor`."""
-    data = output["data"]
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],
-                             list(output["shape"]), data)
-    return OutputTensor(str(output["name"]), str(output["datatype"]), list(output["shape"]),
-                        bytes(data))
-
-
-def _priority(call: InferCall) -> int | None:
-    value = call.parameters.get("priority")
-    if value is None:
-        return None
-    if type(value) is not int or value < 0:
-        raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'priority' must be a "
-                                f"non-negative integer, got {value!r}")
-    return min(int(value), 9)
-
-
-def _expires_s(call: InferCall) -> float | None:
-    """The request's expiry: the ``timeout`` parameter (µs, Triton's) or the caller's deadline."""
-    limits = [] if call.timeout_s is None else [call.timeout_s]
-    value = call.parameters.get("timeout")
-    if value is not None:
-        if type(value) not in (int, float) or not 0 < value <= MAX_TIMEOUT_US:
-            raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'timeout' must be "
-                                    f"a number of microseconds above 0 and at most "
-                                    f"{MAX_TIMEOUT_US} (30 days), got {value!r:.40}")
-        limits.append(float(value) / 1e6)
-    return min(limits) if limits else None
-
-
-def _config_tensor(tensor: Mapping[str, Any], batchable: bool) -> dict[str, Any]:
-    shape = list(tensor.get("shape") or [])
-    dims = shape[1:] if batchable and shape else shape
-    return {"name": tensor["name"], "data_type": "TYPE_" + _config_type(str(tensor["datatype"])),
-            "dims": dims}
-
-
-def _config_type(datatype: str) -> str:
-    """v2 datatype → the suffix of Triton's ModelConfig ``TYPE_*`` name."""
-    return {"BYTES": "STRING"}.get(datatype, datatype) if datatype in DATATYPES else datatype

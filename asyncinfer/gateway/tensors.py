@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from asyncinfer.wire.datatypes import decode_data, encode_data, spec_for
 
 __all__ = ["InputTensor", "OutputTensor", "RequestedOutput", "InferCall", "InferResult",
-           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob"]
+           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob", "output_tensor"]
 
 
 @dataclass
@@ -138,3 +139,13 @@ def _text(x: Any) -> str:
         except UnicodeDecodeError:
             return x.decode("latin-1")
     return str(x)
+
+
+def output_tensor(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
+    """An output of a response (raw or JSON data) as an :class:`OutputTensor`."""
+    data = output["data"]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],
+                             list(output["shape"]), data)
+    return OutputTensor(str(output["name"]), str(output["datatype"]), list(output["shape"]),
+                        bytes(data))

@@ -1,0 +1,58 @@
+"""The gateway's answers other than success: :class:`GatewayError` (an HTTP status, its gRPC code
+and a message) and the one each error a request raised maps to."""
+
+from __future__ import annotations
+
+from asyncinfer import errors
+
+__all__ = ["GatewayError", "GRPC_CODES", "error_for", "revoked_error"]
+
+#: HTTP status → gRPC status code name.
+GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+              499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+class GatewayError(Exception):
+    """An answer other than success: an HTTP ``status`` (and its gRPC code) and a message."""
+
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def grpc_code(self) -> str:
+        return GRPC_CODES.get(self.status, "UNKNOWN")
+
+
+def error_for(exc: BaseException) -> GatewayError:
+    """The gateway's answer to an error a request raised (submit or result)."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, errors.UnknownModel):
+        return GatewayError(404, message)
+    if isinstance(exc, errors.InvalidRequest):
+        return GatewayError(400, message)
+    if isinstance(exc, errors.QueueFull):
+        return GatewayError(429, message, retry_after_s=1.0)
+    if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated,
+                        errors.RequestLost)):
+        return GatewayError(503, message)
+    if isinstance(exc, (errors.RequestExpired, errors.RequestTimeout, errors.SoftTimeLimit,
+                        errors.HardTimeLimit)) or type(exc).__name__ in (
+                            "SoftTimeLimitExceeded", "TimeLimitExceeded"):
+        return GatewayError(504, message)
+    if isinstance(exc, errors.RequestRevoked) or type(exc).__name__ == "TaskRevokedError":
+        return GatewayError(499, message)
+    return GatewayError(500, f"{type(exc).__name__}: {message}")
+
+
+
+def revoked_error(request_id: str, exc: BaseException) -> GatewayError:
+    """The answer to Celery's TaskRevokedError for a request: 504 when it expired, else 499."""
+    if "expired" in str(exc):
+        return GatewayError(504, f"request {request_id}: expired before a worker ran it "
+                                 f"(parameter 'timeout' or the deadline)")
+    return GatewayError(499, f"request {request_id}: revoked ({exc})")
