@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer.client import aio
+from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
 from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart, stored_outcome
 from asyncinfer.client.result_watcher import result_key_prefix
@@ -72,6 +74,9 @@ class Streams:
         self._lock = threading.Lock()
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary())
+        #: What the catalogue said of each model's streaming, and when (monotonic): read again
+        #: after ``KnownModels.KNOWN_FOR_S``, not at every stream's start.
+        self._decoupled: dict[str, tuple[float, bool | None]] = {}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -119,15 +124,22 @@ class Streams:
 
     def decoupled(self, model: str) -> bool | None:
         """Whether the catalogue says ``model`` streams (its metadata's ``decoupled``); None when
-        it does not know the model (or cannot be read)."""
+        it does not know the model (or cannot be read). A model's answer is read at most every
+        ``KnownModels.KNOWN_FOR_S``."""
+        now = time.monotonic()
+        seen = self._decoupled.get(model)
+        if seen is not None and now - seen[0] < KnownModels.KNOWN_FOR_S:
+            return seen[1]
         catalogue = self.group.catalogue
         if catalogue is None:
             return None
         try:
             entry = catalogue.read().get(model)
         except redis.RedisError:
-            return None
-        return None if entry is None else bool(entry.metadata.get("decoupled"))
+            return None  # not remembered: read again next time
+        decoupled = None if entry is None else bool(entry.metadata.get("decoupled"))
+        self._decoupled[model] = (now, decoupled)
+        return decoupled
 
     def _reader_options(self, request_id: str, after: int, check_s: float,
                         on_interrupted: OnInterrupted | None, timeout_s: float | None,
