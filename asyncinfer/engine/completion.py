@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +14,12 @@ import torch
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.failures import BatchObserver
-from asyncinfer.errors import InvalidRequest, ModelError
+from asyncinfer.errors import InvalidRequest, ModelError, RequestExpired, RequestRevoked
 from asyncinfer.models.base import Batch
 from asyncinfer.wire.protocol import Request, Tensor, datatype_of
 
-__all__ = ["BatchRecord", "Completed", "deliver", "output_tensor", "rows_of", "settle", "split_rows"]
+__all__ = ["BatchRecord", "Completed", "deliver", "drop_revoked", "output_tensor", "rows_of", "settle",
+           "split_rows"]
 
 
 @dataclass(eq=False)
@@ -127,3 +128,22 @@ def settle(future: Future[Any], result: Any = None, exc: BaseException | None = 
             future.set_result(result)
     except InvalidStateError:
         pass
+
+
+def drop_revoked(items: list[WorkItem], is_revoked: Callable[[str], bool]) -> list[WorkItem]:
+    """The items still to run: not answered, not revoked, not past their ``expires`` (those are
+    answered now: REVOKED, expired)."""
+    live = []
+    now = time.perf_counter()
+    for item in items:
+        if item.future.done():
+            continue
+        if is_revoked(item.request.id):
+            settle(item.future, exc=RequestRevoked(
+                f"request {item.request.id}: revoked before it reached the device"))
+        elif item.deadline is not None and now >= item.deadline:
+            settle(item.future, exc=RequestExpired(
+                f"request {item.request.id}: expired before it reached the device"))
+        else:
+            live.append(item)
+    return live

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from asyncinfer.errors import TransientError
+from asyncinfer.errors import InvalidRequest, ModelError, TransientError, TransientModelError
 
-__all__ = ["BatchObserver", "Transient", "TRANSIENT_CAUSES", "is_transient"]
+__all__ = ["BatchObserver", "Transient", "TRANSIENT_CAUSES", "is_transient", "model_failure"]
 
 #: Decides whether a model's exception is worth retrying.
 Transient = Callable[[BaseException], bool]
@@ -34,3 +34,15 @@ TRANSIENT_CAUSES: tuple[type[BaseException], ...] = tuple(
 def is_transient(exc: BaseException) -> bool:
     """Whether a model's exception is worth retrying, as far as the engine can tell."""
     return isinstance(exc, (TransientError, *TRANSIENT_CAUSES))
+
+
+def model_failure(request_id: str, model: str, exc: Exception, transient: Transient) -> Exception:
+    """What request ``request_id`` fails with when model ``model`` raised ``exc`` running it:
+    ``exc`` itself when it is an :class:`InvalidRequest`; else a :class:`TransientModelError`
+    (``transient(exc)``) or a :class:`ModelError`, caused by ``exc``."""
+    if isinstance(exc, InvalidRequest):
+        return exc
+    kind = TransientModelError if transient(exc) else ModelError
+    err = kind(f"request {request_id}: model '{model}' raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

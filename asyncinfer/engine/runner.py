@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,24 +29,19 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.batcher import Batcher, WorkItem
 from asyncinfer.engine.compile import compile_model
-from asyncinfer.engine.completion import Completed, deliver, rows_of, settle
+from asyncinfer.engine.completion import Completed, deliver, drop_revoked, rows_of, settle
 from asyncinfer.engine.device import Device
-from asyncinfer.engine.failures import BatchObserver, Transient, is_transient
+from asyncinfer.engine.failures import BatchObserver, Transient, is_transient, model_failure
 from asyncinfer.engine.gate import DeviceGate
 from asyncinfer.engine.graphs import GraphSet, capture_graphs
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
+from asyncinfer.engine.job import Job, forward_only, off_device
 from asyncinfer.engine.limits import LimitWatch
-from asyncinfer.engine.streaming import Joining, run_stream
+from asyncinfer.engine.streaming import launch_stream
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
-from asyncinfer.errors import (
-    InvalidRequest,
-    ModelError,
-    RequestExpired,
-    RequestRevoked,
-    TransientModelError,
-)
+from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.models.base import Batch, Model
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
@@ -57,27 +51,6 @@ log = logging.getLogger(__name__)
 
 #: Batches between stages at most (the slots below are the real bound).
 _STAGE_DEPTH = 4
-
-
-@dataclass
-class _Job:
-    """One batch on its way through the stages."""
-
-    items: list[WorkItem]
-    started: float
-    data: Batch = field(default_factory=dict)
-    event: Any = None
-    #: When it went onto the device, and how long the device took with it.
-    launched: float = 0.0
-    device_s: float | None = None
-    #: A decoupled model's batch, streamed: its requests are answered already.
-    streamed: bool = False
-    #: A request run again alone after its batch raised: no other request joins its stream.
-    isolated: bool = False
-    #: In-flight batching: requests taken to join the stream whose preparation raised, and the
-    #: error (each runs again alone once the stream ended).
-    unprepared: list[WorkItem] = field(default_factory=list)
-    unprepared_error: Exception | None = None
 
 
 class ModelRunner:
@@ -132,8 +105,8 @@ class ModelRunner:
         # works, and no more: batches keep forming from what arrives while the device is busy.
         self._slots = threading.Semaphore(opts.instances + 1)
         self._closing = False
-        self._to_device: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
-        self._to_complete: queue.Queue[_Job | None] = queue.Queue(_STAGE_DEPTH)
+        self._to_device: queue.Queue[Job | None] = queue.Queue(_STAGE_DEPTH)
+        self._to_complete: queue.Queue[Job | None] = queue.Queue(_STAGE_DEPTH)
         #: Each instance's captured graphs (``graph_batch_sizes``), captured at :meth:`start`;
         #: empty: every batch runs eager.
         self.graphs: list[GraphSet] = []
@@ -244,11 +217,11 @@ class ModelRunner:
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def _next_job(self) -> _Job | None:
+    def _next_job(self) -> Job | None:
         while (batch := self.batcher.next_batch()) is not None:
-            items = self._drop_revoked(batch)
+            items = drop_revoked(batch, self.is_revoked)
             if items:
-                return _Job(items=items, started=time.perf_counter())
+                return Job(items=items, started=time.perf_counter())
         return None
 
     def _shut_out(self, item: WorkItem) -> None:
@@ -268,7 +241,7 @@ class ModelRunner:
         for _ in range(self.options.instances):
             self._to_device.put(None)
 
-    def _next_prepared(self) -> _Job | None:
+    def _next_prepared(self) -> Job | None:
         """The next batch for the device: from the prep thread, or formed and prepared here."""
         if self._prep_thread:
             return self._to_device.get()
@@ -291,7 +264,7 @@ class ModelRunner:
                 for item in job.items:
                     self._shut_out(item)
                 self._slots.release()
-            elif not self._drop_revoked(job.items):  # revoked while it was being prepared
+            elif not drop_revoked(job.items, self.is_revoked):  # revoked while it was being prepared
                 self._slots.release()
             elif not self._run_stage(job, lambda j: self._launch(j, stream, graphs)):
                 self._slots.release()
@@ -321,25 +294,25 @@ class ModelRunner:
         while (job := self._next_job()) is not None:
             self._run_stage(job, lambda j: self._whole(j, stream, graphs))
 
-    def _run_stage(self, job: _Job, stage: Callable[[_Job], None]) -> bool:
+    def _run_stage(self, job: Job, stage: Callable[[Job], None]) -> bool:
         """Run one stage; on error, run the batch's requests one by one. True to go on."""
         try:
             stage(job)
             return True
         except Exception as exc:  # noqa: BLE001 - a model may raise anything
-            _off_device(job.items)
+            off_device(job.items)
             self._isolate(job.items, exc)
             return False
 
     # -- the work of each stage ------------------------------------------------------------------
 
-    def _prepare(self, job: _Job) -> None:
+    def _prepare(self, job: Job) -> None:
         batch = self._concat(job.items)
-        job.data = batch if _forward_only(job) else self.model.preprocess(batch)
+        job.data = batch if forward_only(job) else self.model.preprocess(batch)
 
-    def _launch(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
+    def _launch(self, job: Job, stream: Any, graphs: GraphSet | None = None) -> None:
         if self._decoupled:
-            self._launch_stream(job, stream)
+            launch_stream(self, job, stream)
             return
         alone = any(item.alone for item in job.items)
         with self._gate.enter(alone):
@@ -356,98 +329,26 @@ class ModelRunner:
                 job.event = self.device.record_event(stream)
             if job.event is None:  # no event to wait on (CPU): the device is done with it
                 job.device_s = time.perf_counter() - job.launched
-                _off_device(job.items)
+                off_device(job.items)
             elif alone:  # alone until the device is done with it
                 job.event.synchronize()
 
-    def _launch_stream(self, job: _Job, stream: Any) -> None:
-        """A decoupled model's batch: its steps, one after another, on the device thread; each
-        request is answered when its row finishes (or is cancelled). With in-flight batching,
-        the requests that arrive meanwhile join it between steps (:meth:`_joining`)."""
-        alone = any(item.alone for item in job.items)
-        waits_s = [job.started - item.received_at for item in job.items]
-        joining = (self._joining(job, stream, waits_s)
-                   if self._inflight and not alone and not job.isolated else None)
-        with self._gate.enter(alone):
-            for item in job.items:
-                item.on_device = True
-            self._hooks().on_launch(job.items)
-            job.launched = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    with self.device.on_stream(stream):
-                        on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
-                    run_stream(self.model, self.device, job.items, on_device, stream,
-                               is_revoked=self.is_revoked, closing=lambda: self._closing,
-                               started=job.started, settling=self._hooks().settling,
-                               joining=joining)
-            except Exception:
-                job.items.extend(job.unprepared)  # the batch runs again alone, these too
-                raise
-            finally:
-                _off_device(job.items)
-            job.device_s = time.perf_counter() - job.launched
-            job.streamed = True
-            job.data = {}
-        self.batch_s = (job.device_s if self.batch_s is None
-                        else 0.8 * self.batch_s + 0.2 * job.device_s)
-        self.on_batch(self.model.name, self.device.label, len(job.items),
-                      time.perf_counter() - job.started, waits_s,
-                      (job.launched - job.started, job.device_s, 0.0))
-        if job.unprepared and job.unprepared_error is not None:
-            self._isolate(job.unprepared, job.unprepared_error)
-
-    def _joining(self, job: _Job, stream: Any, waits_s: list[float]) -> Joining:
-        """In-flight batching: between two steps of ``job``'s stream, the requests waiting for
-        the model that may join it (same signature, in the batcher's order, up to
-        ``max_batch_size`` live rows: :meth:`Batcher.take_joining`), prepared as a batch is
-        (collated, preprocessed, on the device), marked on the device (the leases' marks)."""
-        signature = job.items[0].signature
-        forward_only = _forward_only(job)
-
-        def join(live_rows: int) -> tuple[list[WorkItem], Batch] | None:
-            room = self.max_batch_size - live_rows
-            if self._closing or room < 1:
-                return None
-            items = self._drop_revoked(self.batcher.take_joining(signature, room))
-            if not items:
-                return None
-            try:
-                batch = self._concat(items)
-                if not forward_only:
-                    batch = self.model.preprocess(batch)
-                with self.device.on_stream(stream):
-                    on_device = {name: self.device.to_device(v) for name, v in batch.items()}
-            except Exception as exc:  # noqa: BLE001 - a model may raise anything: run them alone
-                job.unprepared.extend(items)
-                job.unprepared_error = exc
-                return None
-            now = time.perf_counter()
-            for item in items:
-                item.on_device = True
-                waits_s.append(now - item.received_at)
-            self._hooks().on_launch(items)
-            job.items.extend(items)
-            return items, on_device
-
-        return join
-
-    def _finish(self, job: _Job, on_host: Callable[[], None] | None = None) -> None:
+    def _finish(self, job: Job, on_host: Callable[[], None] | None = None) -> None:
         try:
             if job.event is not None:
                 job.event.synchronize()
                 job.device_s = time.perf_counter() - job.launched
         finally:
-            _off_device(job.items)
+            off_device(job.items)
             if on_host is not None:
                 on_host()
         if job.streamed:  # answered step by step already
             return
         with torch.inference_mode():
-            outputs = job.data if _forward_only(job) else self.model.postprocess(job.data)
+            outputs = job.data if forward_only(job) else self.model.postprocess(job.data)
         self._deliver_batch(job.items, outputs, job.started, job.device_s, job.launched)
 
-    def _whole(self, job: _Job, stream: Any, graphs: GraphSet | None = None) -> None:
+    def _whole(self, job: Job, stream: Any, graphs: GraphSet | None = None) -> None:
         self._prepare(job)
         self._launch(job, stream, graphs)
         self._finish(job)
@@ -461,40 +362,16 @@ class ModelRunner:
         stream = self.device.new_stream()
         for item in items:
             try:
-                self._whole(_Job(items=[item], started=time.perf_counter(), isolated=True),
+                self._whole(Job(items=[item], started=time.perf_counter(), isolated=True),
                             stream)
             except Exception as item_exc:  # noqa: BLE001
                 item.on_device = False
                 self._fail(item, item_exc)
 
-    def _drop_revoked(self, items: list[WorkItem]) -> list[WorkItem]:
-        """The items still to run: not revoked, not past their ``expires``."""
-        live = []
-        now = time.perf_counter()
-        for item in items:
-            if item.future.done():
-                continue
-            if self.is_revoked(item.request.id):
-                settle(item.future, exc=RequestRevoked(
-                    f"request {item.request.id}: revoked before it reached the device"))
-            elif item.deadline is not None and now >= item.deadline:
-                settle(item.future, exc=RequestExpired(
-                    f"request {item.request.id}: expired before it reached the device"))
-            else:
-                live.append(item)
-        return live
-
     def _fail(self, item: WorkItem, exc: Exception) -> None:
-        if item.future.done():
-            return
-        if isinstance(exc, InvalidRequest):
-            settle(item.future, exc=exc)
-            return
-        kind = TransientModelError if self.is_transient(exc) else ModelError
-        err = kind(f"request {item.request.id}: model '{self.model.name}' raised "
-                   f"{type(exc).__name__}: {exc}")
-        err.__cause__ = exc
-        settle(item.future, exc=err)
+        if not item.future.done():
+            settle(item.future, exc=model_failure(item.request.id, self.model.name, exc,
+                                                  self.is_transient))
 
     def _concat(self, items: Sequence[WorkItem]) -> Batch:
         first = items[0].request.inputs
@@ -512,16 +389,6 @@ class ModelRunner:
                     launched, device_s, self.record_batches)
 
 
-def _forward_only(job: _Job) -> bool:
-    """Whether the batch holds prepared requests (the stages run as separate Celery tasks)."""
-    return job.items[0].request.parameters.get("stage") == FORWARD_STAGE
-
-
 def _overrides(model: Model, method: str) -> bool:
     """Whether ``model`` has its own ``method`` (not the base class's no-op)."""
     return getattr(type(model), method) is not getattr(Model, method)
-
-
-def _off_device(items: Sequence[WorkItem]) -> None:
-    for item in items:
-        item.on_device = False

@@ -17,6 +17,9 @@ rows left free; the loop ends once no row is live and none joined. A joined row'
 
 A step that raises leaves the batch to the runner, which runs each request again alone (its
 parts are numbered from 1 again: whoever writes them skips those already written).
+
+:func:`launch_stream` is the runner's device stage for such a batch (engine/runner.py hands it
+over): the device gate, the hooks, the batch's times, and the requests that join it.
 """
 
 from __future__ import annotations
@@ -25,18 +28,22 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.engine.completion import Completed, output_tensor, settle
+from asyncinfer.engine.batcher import Batcher, WorkItem
+from asyncinfer.engine.completion import Completed, drop_revoked, output_tensor, settle
 from asyncinfer.engine.device import Device
+from asyncinfer.engine.failures import BatchObserver
+from asyncinfer.engine.gate import DeviceGate
+from asyncinfer.engine.hooks import DeviceHooks
+from asyncinfer.engine.job import Job, forward_only, off_device
 from asyncinfer.errors import ModelError, RequestExpired, RequestRevoked
 from asyncinfer.models.base import Batch, Model, StreamRows, StreamStep
 
-__all__ = ["Joining", "run_stream"]
+__all__ = ["Joining", "StreamHost", "launch_stream", "run_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,100 @@ log = logging.getLogger(__name__)
 #: In-flight batching: given the live rows' count, the requests that join the batch now and their
 #: inputs (preprocessed, on the device, one row each; marked on the device), or None: none.
 Joining = Callable[[int], tuple[Sequence[WorkItem], Batch] | None]
+
+
+class StreamHost(Protocol):
+    """What :func:`launch_stream` uses of the runner (engine/runner.py) that runs the batch."""
+
+    model: Model
+    device: Device
+    batcher: Batcher
+    max_batch_size: int
+    is_revoked: Callable[[str], bool]
+    on_batch: BatchObserver
+    batch_s: float | None
+    _gate: DeviceGate
+    _hooks: Callable[[], DeviceHooks]
+    _inflight: bool
+    _closing: bool
+
+    def _concat(self, items: Sequence[WorkItem]) -> Batch: ...
+
+    def _isolate(self, items: Sequence[WorkItem], exc: Exception) -> None: ...
+
+
+def launch_stream(runner: StreamHost, job: Job, stream: Any) -> None:
+    """A decoupled model's batch: its steps, one after another, on the device thread; each
+    request is answered when its row finishes (or is cancelled). With in-flight batching,
+    the requests that arrive meanwhile join it between steps (:func:`_joining`)."""
+    alone = any(item.alone for item in job.items)
+    waits_s = [job.started - item.received_at for item in job.items]
+    joining = (_joining(runner, job, stream, waits_s)
+               if runner._inflight and not alone and not job.isolated else None)
+    with runner._gate.enter(alone):
+        for item in job.items:
+            item.on_device = True
+        runner._hooks().on_launch(job.items)
+        job.launched = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                with runner.device.on_stream(stream):
+                    on_device = {name: runner.device.to_device(v) for name, v in job.data.items()}
+                run_stream(runner.model, runner.device, job.items, on_device, stream,
+                           is_revoked=runner.is_revoked, closing=lambda: runner._closing,
+                           started=job.started, settling=runner._hooks().settling,
+                           joining=joining)
+        except Exception:
+            job.items.extend(job.unprepared)  # the batch runs again alone, these too
+            raise
+        finally:
+            off_device(job.items)
+        job.device_s = time.perf_counter() - job.launched
+        job.streamed = True
+        job.data = {}
+    runner.batch_s = (job.device_s if runner.batch_s is None
+                      else 0.8 * runner.batch_s + 0.2 * job.device_s)
+    runner.on_batch(runner.model.name, runner.device.label, len(job.items),
+                    time.perf_counter() - job.started, waits_s,
+                    (job.launched - job.started, job.device_s, 0.0))
+    if job.unprepared and job.unprepared_error is not None:
+        runner._isolate(job.unprepared, job.unprepared_error)
+
+
+def _joining(runner: StreamHost, job: Job, stream: Any, waits_s: list[float]) -> Joining:
+    """In-flight batching: between two steps of ``job``'s stream, the requests waiting for
+    the model that may join it (same signature, in the batcher's order, up to
+    ``max_batch_size`` live rows: :meth:`Batcher.take_joining`), prepared as a batch is
+    (collated, preprocessed, on the device), marked on the device (the leases' marks)."""
+    signature = job.items[0].signature
+    prepared = forward_only(job)
+
+    def join(live_rows: int) -> tuple[list[WorkItem], Batch] | None:
+        room = runner.max_batch_size - live_rows
+        if runner._closing or room < 1:
+            return None
+        items = drop_revoked(runner.batcher.take_joining(signature, room), runner.is_revoked)
+        if not items:
+            return None
+        try:
+            batch = runner._concat(items)
+            if not prepared:
+                batch = runner.model.preprocess(batch)
+            with runner.device.on_stream(stream):
+                on_device = {name: runner.device.to_device(v) for name, v in batch.items()}
+        except Exception as exc:  # noqa: BLE001 - a model may raise anything: run them alone
+            job.unprepared.extend(items)
+            job.unprepared_error = exc
+            return None
+        now = time.perf_counter()
+        for item in items:
+            item.on_device = True
+            waits_s.append(now - item.received_at)
+        runner._hooks().on_launch(items)
+        job.items.extend(items)
+        return items, on_device
+
+    return join
 
 
 class _Rows:

@@ -10,9 +10,10 @@ unacknowledged, and kombu redelivers it after the visibility timeout. All or not
 memory refuses the script at its first write, before any acknowledgement (a delete it would
 otherwise take), so nothing is acked that is not stored.
 
-A decoupled model's requests also have their streams appended to (stream_write.py): the entries
-queued since the last write (starts, parts) and the ``final`` of each outcome, in one script call
-on the results' Redis before the results are stored; nothing is called for a batch without them.
+A decoupled model's requests also have their streams appended to (stream_appends.py,
+stream_write.py): the entries queued since the last write (starts, parts) and the ``final`` of
+each outcome, in one script call on the results' Redis before the results are stored; nothing is
+called for a batch without them. The STARTED states are written by started_states.py.
 
 Whatever Redis says (out of memory, read-only, a lost connection, a timeout), the writer keeps the
 batch and tries again with backoff, so the worker recovers by itself once Redis takes writes again;
@@ -22,9 +23,7 @@ a result that cannot be encoded becomes that request's FAILURE instead of blocki
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -39,7 +38,6 @@ from celery.exceptions import TaskRevokedError
 from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
-from asyncinfer.constants import TASK_NAME
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import result_meta
@@ -51,22 +49,14 @@ from asyncinfer.worker.intake.take import StartedText
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
 from asyncinfer.worker.output import cache_write, kombu_acks
+from asyncinfer.worker.output.started_states import StartedStates
 from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
-from asyncinfer.worker.output.stream_write import (
-    StreamAppend,
-    StreamScript,
-    final_entry,
-    part_entry,
-    start_entry,
-)
+from asyncinfer.worker.output.stream_appends import StreamAppends
+from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript, part_entry, start_entry
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 
 log = logging.getLogger(__name__)
-
-#: Where the request ID goes in the STARTED meta's text.
-_MARK = "@request-id@"
-
 
 @dataclass
 class Outcome:
@@ -132,16 +122,15 @@ class ResultWriter:
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
         self.store = StoreScript(broker, self.expires_s)
-        #: Decoupled models' streams, where the results live (stream_write.py).
+        #: Decoupled models' streams, where the results live (stream_write.py), and the entries
+        #: of the batch being written, not yet appended (stream_appends.py).
         self.streams = StreamScript(self.results, self.expires_s)
-        #: Stream entries of the batch being written, not yet appended; whether a try to append
-        #: them failed (Redis may have run it).
-        self._appends: list[StreamAppend] = []
-        self._appends_tried = False
+        self._appends = StreamAppends()
         #: Successful answers of response-cached models, written with their part.
         self._cache_writes = cache_write.CacheWrites(app)
-        self._started: tuple[str, str, str] | None = None
-        self._for_take: StartedText | None = None
+        #: The STARTED states (started_states.py).
+        self._started = StartedStates(self.backend, self.store, self.results, self.shared,
+                                      self.expires_s)
         #: Called with each batch before its first write (may change outcomes: the retry budget),
         #: and after it is written.
         self.before_write: Callable[[list[Outcome]], None] = before_write or _nothing
@@ -193,51 +182,18 @@ class ResultWriter:
     def started(self, pipe: Any, deliveries: list[TakenMessage], hostname: str) -> None:
         """Add the STARTED states of ``deliveries`` to ``pipe`` (Celery's
         ``task_track_started``), a plain pipeline of :attr:`results`, as one store call."""
-        prefix, suffix = self._started_text(hostname)
-        self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
-                                 prefix + json.dumps(d.request_id) + suffix, "", "")
-                                for d in deliveries])
+        self._started.add(pipe, deliveries, hostname)
 
     def store_started(self, deliveries: list[TakenMessage], hostname: str) -> None:
         """Store the STARTED states of ``deliveries`` now (those the take did not: a redelivered
         request not answered yet, a result backend other than the broker). A courtesy: the
         requests are safely recorded whatever Redis says."""
-        if not deliveries:
-            return
-        pipe = self.results.pipeline(transaction=False)
-        self.started(pipe, deliveries, hostname)
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
-            replies = [exc]
-        for reply in replies:
-            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted or new master
-                self.store.load(self.results)
-            elif isinstance(reply, Exception):
-                log.warning("could not store STARTED for %d requests (%s)", len(deliveries), reply)
+        self._started.store_now(deliveries, hostname)
 
     def started_for_take(self, hostname: str) -> StartedText | None:
         """What the take stores as STARTED (take.py), when it can: the results live on the
         broker."""
-        if not self.shared:
-            return None
-        if self._for_take is None:
-            head, tail = self._started_text(hostname)
-            key = self.backend.get_key_for_task("@")  # Celery refuses an empty ID
-            self._for_take = StartedText(key[:-1], head, tail, self.expires_s, TASK_NAME)
-        return self._for_take
-
-    def _started_text(self, hostname: str) -> tuple[str, str]:
-        """The stored STARTED meta around its request ID (the same for every request of this
-        worker: the meta has no date)."""
-        if self._started is None or self._started[0] != hostname:
-            text = encode_meta(self.backend, result_meta(_MARK, states.STARTED, {
-                "pid": os.getpid(), "hostname": hostname}))
-            if isinstance(text, bytes):
-                text = text.decode()
-            prefix, _, suffix = text.partition(json.dumps(_MARK))
-            self._started = (hostname, prefix, suffix)
-        return self._started[1], self._started[2]
+        return self._started.for_take(hostname)
 
     def close(self) -> None:
         """Write what is queued, then stop."""
@@ -272,7 +228,7 @@ class ResultWriter:
                 self._write(batch, appends)
 
     def _write(self, batch: list[Outcome], appends: list[StreamAppend] | None = None) -> None:
-        self._appends, self._appends_tried = appends or [], False
+        self._appends.begin(appends or [])
         write_started = time.perf_counter() if self.spans is not None else 0.0
         self._store_all(batch)
         if not batch:
@@ -328,7 +284,7 @@ class ResultWriter:
         pushes = self.broker.pipeline(transaction=True)
         self._cache_writes.clear()  # what a refused try of this part gathered
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
-        self._append_streams(part)
+        self._appends.append(part, self.streams)
         acks = entries
         if not self.shared:
             results = [(k, v, r, "") for k, v, r, _ in entries if k]
@@ -347,21 +303,6 @@ class ResultWriter:
         if acks:
             self.store(acks, pushes)
         self._execute(pushes)
-
-    def _append_streams(self, part: list[Outcome]) -> None:
-        """Append the stream entries queued (the first part of a batch) and the ``final`` of
-        each outcome of ``part`` (as it is stored now), before ``part`` is stored; raises what
-        Redis refuses, for the batch to be tried again (the appends skip what is there)."""
-        finals = [f for f in (final_entry(o.delivery, o.state, o.result) for o in part
-                              if o.delivery.stream_max_parts and o.store) if f is not None]
-        appends = self._appends + finals
-        if not appends:
-            return
-        again, self._appends_tried = self._appends_tried, True
-        _, errors = self.streams(appends, again=again)
-        self._appends, self._appends_tried = [], False
-        for error in errors:
-            log.error("a stream append was refused by Redis: %s", error)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
         """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is
