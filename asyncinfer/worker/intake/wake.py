@@ -58,80 +58,11 @@ import redis
 from asyncinfer.backoff import Backoff
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
+from asyncinfer.worker.intake.wake_scripts import CLAIM, CLAIM_FREE, PASS, RELEASE, WAITING
 
 __all__ = ["Waker"]
 
 log = logging.getLogger(__name__)
-
-# KEYS: a list's watch. ARGV: the consumer's token, the watch's lifetime (ms). 1 when this
-# consumer watches the list now (it took the watch, or renewed its own), else 0.
-_CLAIM = r"""
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-# KEYS: the watches of a consumer's lists. ARGV: its token. Deletes each one it holds (a closing
-# consumer's: its successor, a restarted worker or the same worker's new queues, claims them at
-# once instead of after their lifetime); how many.
-_RELEASE = r"""
-local released = 0
-for _, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('DEL', key)
-    released = released + 1
-  end
-end
-return released
-"""
-
-# KEYS: the first list's watch, then the watches of other lists this consumer does not hold.
-# ARGV: the consumer's token, the first watch's lifetime, the others' (ms). The first is claimed
-# or renewed as _CLAIM does; each other one is taken only if nobody holds it. Per key, 1 when
-# this consumer holds it now, else 0.
-_CLAIM_FREE = r"""
-local out = {}
-for i, key in ipairs(KEYS) do
-  local lifetime = ARGV[3]
-  if i == 1 then lifetime = ARGV[2] end
-  if redis.call('SET', key, ARGV[1], 'NX', 'PX', lifetime) then
-    out[i] = 1
-  elseif redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, lifetime)
-    out[i] = 1
-  else
-    out[i] = 0
-  end
-end
-return out
-"""
-
-# KEYS: bells' counts of waiters. ARGV: +1 or -1. Never below 0; each lapses 30 s after its last
-# change (a waiter killed while it waited counts no longer).
-_WAITING = r"""
-for _, key in ipairs(KEYS) do
-  local n = redis.call('INCRBY', key, ARGV[1])
-  if n < 0 then redis.call('SET', key, 0) end
-  redis.call('EXPIRE', key, 30)
-end
-return 0
-"""
-
-# KEYS: a list's watch, bell and count of waiters. ARGV: the consumer's token. A watcher thread
-# that fired while its consumer is busy gives the watch up and rings the bell when others wait
-# for it (1), else keeps it (0).
-_PASS = r"""
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if (tonumber(redis.call('GET', KEYS[3]) or '0') or 0) <= 0 then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('LPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], 0, 0)
-redis.call('PEXPIRE', KEYS[2], 60000)
-return 1
-"""
 
 
 class _Watch:
@@ -197,11 +128,11 @@ class Waker:
                          for i in range(1, len(self.lists))]
         #: This consumer's watch token (the take script passes the watches on with it).
         self.token = os.urandom(8).hex()
-        self._claim = client.register_script(_CLAIM)
-        self._claim_free = client.register_script(_CLAIM_FREE)
-        self._waiting = client.register_script(_WAITING)
-        self._pass = client.register_script(_PASS)
-        self._release = client.register_script(_RELEASE)
+        self._claim = client.register_script(CLAIM)
+        self._claim_free = client.register_script(CLAIM_FREE)
+        self._waiting = client.register_script(WAITING)
+        self._pass = client.register_script(PASS)
+        self._release = client.register_script(RELEASE)
 
     def start(self) -> Waker:
         connection = getattr(self.own, "connection", None)
