@@ -10,6 +10,7 @@ __all__ = [
     "AsyncInferError",
     "InvalidRequest",
     "UnknownModel",
+    "RequestIdReused",
     "ModelError",
     "QueueFull",
     "RequestRevoked",
@@ -42,6 +43,12 @@ class InvalidRequest(AsyncInferError, ValueError):
 
 class UnknownModel(InvalidRequest, LookupError):
     """The request names a model that configuration did not register."""
+
+
+class RequestIdReused(InvalidRequest):
+    """A caller-chosen request ID was sent before with a different model, version, inputs or
+    parameters; the message names the ID and what differs. Nothing was sent: an ID names one
+    request, and its answer would be the first one's."""
 
 
 class ModelError(AsyncInferError, RuntimeError):

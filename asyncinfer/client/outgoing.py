@@ -17,6 +17,7 @@ from asyncinfer.wire.envelope import check_request_id, printable
 from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.payloads import to_input_payload
 from asyncinfer.wire.reply import REPLY_TO
+from asyncinfer.wire.request_identity import identity
 
 __all__ = ["Outgoing", "input_payloads"]
 
@@ -72,6 +73,11 @@ class Outgoing:
             raise InvalidRequest(f"request {printable(self.request_id)}: priority must be an "
                                  f"integer 0 to 9, got {self.priority!r}")
         check_request_id(self.request_id)
+
+    def identity(self) -> str:
+        """What this request's ID stands for, when its caller chose the ID (the claim's value:
+        wire/request_identity.py); "" for a generated ID (it claims nothing)."""
+        return identity(self.queue, self.kwargs) if self.claim else ""
 
     def message(self, reply_to: str, max_body_bytes: int | None) -> str:
         """The kombu envelope to LPUSH on a Redis broker, naming ``reply_to`` as its reply

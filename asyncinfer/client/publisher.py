@@ -4,11 +4,12 @@ One Lua script call per queue of a group (client/grouped.py sends the groups), e
 rules run in turn, by Redis atomically:
 
 - idempotency: a request sent with a caller-chosen ID claims ``asyncinfer:request:<id>`` (TTL: the
-  result expiry; the claim holds the queue it went to). A second submit of the same ID to the same
-  queue finds the claim (or the stored result) and publishes nothing; the caller gets the first
-  request's future. The same ID sent to another queue (another model) is refused with
-  InvalidRequest: its answer would be the first model's. Generated IDs (UUID4) cannot collide and
-  claim nothing;
+  result expiry; the claim holds the request's identity: its queue and a fingerprint of its
+  version, inputs and parameters, wire/request_identity.py). A second submit of the same ID with
+  the same identity finds the claim (or the stored result) and publishes nothing; the caller gets
+  the first request's future. The same ID with another identity (another model, version, inputs
+  or parameters) is refused with RequestIdReused naming what differs: its answer would be the
+  first request's. Generated IDs (UUID4) cannot collide and claim nothing;
 - backpressure: with a ``max_queue_size``, a queue already holding that many requests takes no
   more; a request waits up to its ``timeout_s`` for room (its group puts it back, with those
   behind it), then ends with QueueFull. Nothing is dropped: a request is either on the queue or
@@ -39,12 +40,13 @@ from typing import Any
 
 from asyncinfer.config.priority_policy import level_of
 from asyncinfer.constants import model_from_queue, priority_list, priority_lists
-from asyncinfer.errors import InvalidRequest, QueueFull
+from asyncinfer.errors import QueueFull, RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX, response_cache_stats_key
+from asyncinfer.wire.request_identity import reused_message
 
 __all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments"]
 
-PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL = 1, 0, -1, -2, 2, -3
+PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL, REUSED = 1, 0, -1, -2, 2, -3, -4
 
 # One or more pushes onto one queue, in order, atomically: the same rules for each push.
 # KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
@@ -53,9 +55,12 @@ PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL = 1, 0, -1, -2, 2, -3
 # ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 # message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
 # check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none),
-# the bound of the list it goes on (its priority level's max_queue_size; 0: none).
-# Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue,
-# {-1, queue length} the queue is full, {-2, other queue} the ID was sent to another queue,
+# the bound of the list it goes on (its priority level's max_queue_size; 0: none), its identity
+# (the claim's value, wire/request_identity.py: the queue, then its fingerprint).
+# Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue
+# with the same identity (or one too bare to tell), {-1, queue length} the queue is full, {-2,
+# the claim} the ID was sent to another queue, {-4, the claim} sent to this queue with another
+# identity,
 # {-3, list length} its priority level's list is full,
 # {2, ''} answered from the response cache (stored and announced as a worker would; not pushed).
 # Once the queue is found full, no push after it in the same call passes it: the queue stays full.
@@ -73,14 +78,21 @@ local function fill(stored, id)
   end
   return table.concat(pieces, id)
 end
-for i = 0, (#ARGV - 3) / 7 - 1 do
-  local k, a = lists + 5 * i, 4 + 7 * i
+for i = 0, (#ARGV - 3) / 8 - 1 do
+  local k, a = lists + 5 * i, 4 + 8 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
     local claimed = redis.call('GET', KEYS[k + 2])
     if claimed then
-      if claimed ~= queue and claimed ~= '1' then status, detail = -2, claimed else status = 0 end
+      local mine = ARGV[a + 7]
+      if claimed == mine or claimed == queue or mine == queue or claimed == '1' then
+        status = 0
+      elseif string.sub(claimed, 1, #queue + 1) == queue .. '\31' then
+        status, detail = -4, claimed
+      else
+        status, detail = -2, claimed
+      end
     elseif redis.call('EXISTS', KEYS[k + 3]) == 1 then
       status = 0
     end
@@ -117,7 +129,7 @@ for i = 0, (#ARGV - 3) / 7 - 1 do
   end
   if not status then
     if claim_ttl > 0 then
-      redis.call('SET', KEYS[k + 2], queue, 'EX', claim_ttl)
+      redis.call('SET', KEYS[k + 2], ARGV[a + 7], 'EX', claim_ttl)
     elseif tonumber(ARGV[a + 2]) > 0 then
       redis.call('SET', KEYS[k + 2], queue, 'EX', ARGV[a + 2])
     end
@@ -152,7 +164,7 @@ class Publisher:
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
                 priority: int = 0, cache_key: str = "", reply_to: str = "",
-                level_max_queue_size: int = 0) -> _Push:
+                level_max_queue_size: int = 0, identity: str = "") -> _Push:
         """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
         ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
         under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
@@ -160,9 +172,10 @@ class Publisher:
         transport does. ``cache_key``: the request's response cache entry (response_cache.py;
         '' for none): found, the cached answer is stored under ``result_key`` and announced there
         and on ``reply_to``, and nothing is pushed (CACHED). ``level_max_queue_size``: the bound
-        of the priority level's own list (0: none)."""
+        of the priority level's own list (0: none). ``identity``: what the claimed ID stands for
+        (wire/request_identity.py; "" for the queue alone)."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority, cache_key, reply_to, level_max_queue_size)
+                     timeout_s, priority, cache_key, reply_to, level_max_queue_size, identity)
 
 
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
@@ -176,7 +189,7 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
         keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
                  push.cache_stats_key]
         args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
-                 push.result_ttl_s, push.level_max_queue_size]
+                 push.result_ttl_s, push.level_max_queue_size, push.identity]
     return keys, args
 
 
@@ -193,7 +206,7 @@ class _Push:
     def __init__(self, publisher: Any, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
                  timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "",
-                 level_max_queue_size: int = 0) -> None:
+                 level_max_queue_size: int = 0, identity: str = "") -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
         self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
@@ -205,6 +218,8 @@ class _Push:
         self.group_key = (queue, self.max_queue_size,
                           self.list_key if self.level_max_queue_size else "")
         self.claim_key = CLAIM_PREFIX + request_id
+        #: The claim's value: what the ID stands for (the queue alone when not given).
+        self.identity = identity or queue
         self.result_key = result_key or self.claim_key
         self.claim_ttl_s = publisher.claim_ttl_s if claim else 0
         self.mark_ttl_s = publisher.mark_ttl_s
@@ -223,16 +238,14 @@ class _Push:
 
     def status(self, reply: Any) -> int | None:
         """PUBLISHED or DUPLICATE; None to look again after :meth:`pause_s` (the queue is full
-        and the deadline not reached). Raises InvalidRequest for an ID sent to another queue,
-        QueueFull past the deadline."""
+        and the deadline not reached). Raises RequestIdReused for an ID sent before with another
+        identity (another queue, version, inputs or parameters), QueueFull past the deadline."""
         status = int(reply[0])
         if status >= 0:
             return status
-        if status == CONFLICT:
-            other = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            raise InvalidRequest(f"request {self.request_id}: this request ID was already sent to "
-                                 f"queue {other}; an ID names one request (for one model), so "
-                                 f"it cannot be sent to {self.queue}")
+        if status in (CONFLICT, REUSED):
+            stored = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            raise RequestIdReused(reused_message(self.request_id, self.identity, stored))
         if time.monotonic() >= self.deadline:
             depth = int(reply[1])
             if status == LEVEL_FULL:

@@ -21,6 +21,7 @@ from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.keys import CLAIM_PREFIX, UNACKED_KEY
 from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
+from asyncinfer.wire.request_identity import queue_of
 from asyncinfer.wire.result_json import decode_result
 
 if TYPE_CHECKING:
@@ -234,8 +235,9 @@ def whereabouts(request_id: str, results: Any, backend: Any, broker: Any | None)
         if needle in entry and _envelope_id(entry) == request_id:
             return (f"it is taken by a worker (unacknowledged, delivery tag "
                     f"{tag.decode(errors='replace')}) and not started yet")
-    claimed = broker.get(CLAIM_PREFIX + request_id)
-    queues = ([claimed.decode(errors="replace")] if claimed else
+    claim = broker.get(CLAIM_PREFIX + request_id)
+    claimed = queue_of(claim.decode(errors="replace")) if claim else ""
+    queues = ([claimed] if claimed else
               sorted({queue_of_list(k.decode(errors="replace"))
                       for k in broker.scan_iter(match=QUEUE_PREFIX + "*", count=1000)}))
     for key in priority_lists(queues):
@@ -246,7 +248,7 @@ def whereabouts(request_id: str, results: Any, backend: Any, broker: Any | None)
                     ahead = length - 1 - (start + offset)  # consumers pop from the tail
                     return f"it is queued on {queue_of_list(key)} ({ahead} requests ahead of it)"
     if claimed:
-        return (f"it was sent to {claimed.decode(errors='replace')} but is neither queued, taken "
+        return (f"it was sent to {claimed} but is neither queued, taken "
                 f"nor stored (in transit, or its result expired)")
     return "no request with this ID is known (no result, claim, queue entry or unacked entry)"
 

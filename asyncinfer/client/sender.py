@@ -31,13 +31,24 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.messages import uuid4_text
+from asyncinfer.wire.request_identity import reused_message, same_request
 
 __all__ = ["Sender"]
+
+# A caller-chosen ID's claim on the result backend (a broker other than Redis): nil when claimed
+# now, the stored claim when it was sent before, '' when only its result is there.
+_CLAIM = """
+local claimed = redis.call('GET', KEYS[1])
+if claimed then return claimed end
+if redis.call('EXISTS', KEYS[2]) == 1 then return '' end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return false
+"""
 
 
 class Sender:
@@ -212,7 +223,7 @@ class Sender:
     def _send(self, outgoing: Outgoing) -> None:
         """Send with Celery's ``send_task`` (a broker other than Redis)."""
         request_id = outgoing.request_id
-        if outgoing.claim and not self._claim(request_id):
+        if outgoing.claim and not self._claim(outgoing):
             # already sent, perhaps by another producer: wait on its own channel
             self.watcher.watch_own_channel(request_id)
             return
@@ -221,7 +232,8 @@ class Sender:
     def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
         """The publisher's arguments for ``outgoing`` (all but its message)."""
         return {"queue": outgoing.queue, "request_id": outgoing.request_id,
-                "claim": outgoing.claim, "priority": outgoing.priority,
+                "claim": outgoing.claim, "identity": outgoing.identity(),
+                "priority": outgoing.priority,
                 "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
                                else None),
                 "max_queue_size": self._queue_bound(outgoing.queue),
@@ -271,13 +283,21 @@ class Sender:
             self._options[queue] = options
         return options
 
-    def _claim(self, request_id: str) -> bool:
-        """Claim a caller-chosen request ID on the result backend (brokers other than Redis)."""
+    def _claim(self, outgoing: Outgoing) -> bool:
+        """Claim a caller-chosen request ID on the result backend (brokers other than Redis), in
+        one round trip; False when it was sent before as the same request. Raises
+        RequestIdReused when it was sent with another identity (wire/request_identity.py)."""
         client = self.app.backend.client
         ttl_s = max(1, int(self.settings.result_expires_s or 86400))
-        if client.exists(self.watcher.key(request_id)):
-            return False
-        return bool(client.set(CLAIM_PREFIX + request_id, "1", nx=True, ex=ttl_s))
+        mine = outgoing.identity()
+        stored = client.eval(_CLAIM, 2, CLAIM_PREFIX + outgoing.request_id,
+                             self.watcher.key(outgoing.request_id), mine, ttl_s)
+        if stored is None:
+            return True
+        stored = stored.decode() if isinstance(stored, bytes) else str(stored)
+        if stored and not same_request(mine, stored):
+            raise RequestIdReused(reused_message(outgoing.request_id, mine, stored))
+        return False
 
     def close(self) -> None:
         """Send what is still pending, stop the result watcher and close the broker's

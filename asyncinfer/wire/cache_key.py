@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from asyncinfer.keys import RESPONSE_CACHE_PREFIX
+from asyncinfer.wire.input_parts import input_parts
 
 __all__ = ["BYPASS_PARAMETER", "FORMAT_VERSION", "cache_key", "bypassed"]
 
@@ -36,7 +37,6 @@ __all__ = ["BYPASS_PARAMETER", "FORMAT_VERSION", "cache_key", "bypassed"]
 BYPASS_PARAMETER = "response_cache"
 #: Bumped when the encoding changes, so old entries are never read as new ones.
 FORMAT_VERSION = 1
-_BINARY = (bytes, bytearray, memoryview)
 
 
 def bypassed(kwargs: Mapping[str, Any]) -> bool:
@@ -60,18 +60,7 @@ def _digest(model: str, kwargs: Mapping[str, Any]) -> str:
     params = kwargs.get("parameters") or {}
     if not isinstance(params, Mapping):
         raise TypeError("parameters")
-    inputs = kwargs["inputs"]
-    if not isinstance(inputs, (list, tuple)):
-        raise TypeError("inputs")
-    described, datas = [], []
-    for item in inputs:
-        data = item["data"]
-        if isinstance(data, _BINARY):
-            kind, raw = "bytes", bytes(data)
-        else:
-            kind, raw = "json", orjson.dumps(data)
-        described.append([item["name"], item["datatype"], [int(n) for n in item["shape"]], kind])
-        datas.append(raw)
+    described, datas = input_parts(kwargs["inputs"])
     header = {"v": FORMAT_VERSION, "model": model, "version": kwargs.get("model_version"),
               "inputs": described,
               "parameters": {k: v for k, v in params.items() if k != BYPASS_PARAMETER}}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.client import Client
-from asyncinfer.errors import InvalidRequest, RequestTimeout
+from asyncinfer.errors import InvalidRequest, RequestIdReused, RequestTimeout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,13 +21,19 @@ def test_a_request_id_reused_for_another_model_is_refused(client) -> None:
     first = client.submit("identity", {"x": np.ones((1, 2), np.float32)}, request_id=rid)
     assert first.result(timeout=30)["x"].tolist() == [[1.0, 1.0]]
     # When the same ID is sent to another model
-    with pytest.raises(InvalidRequest, match=rf"request {rid}: this request ID was already sent to "
-                                             r"queue infer.identity.*cannot be sent to infer.mlp"):
+    with pytest.raises(RequestIdReused, match=rf"request {rid}: this request ID was already sent "
+                                              r"with a different model \(first sent to queue "
+                                              r"infer.identity, now to infer.mlp\)"):
         client.submit("mlp", np.ones((1, 16), np.float32), request_id=rid).sent(timeout_s=30)
-    # Then nothing waits for it, and the same model still gets the first request's answer
+    # Then nothing waits for it; the same request again gets the first one's answer
     assert list(client.watcher._callbacks).count(rid) == 0
-    again = client.submit("identity", {"x": np.zeros((1, 2), np.float32)}, request_id=rid)
+    again = client.submit("identity", {"x": np.ones((1, 2), np.float32)}, request_id=rid)
     assert again.result(timeout=30)["x"].tolist() == [[1.0, 1.0]]
+    # and other inputs under the same ID are refused, never answered with the first's outputs
+    with pytest.raises(RequestIdReused, match=rf"request {rid}: this request ID was already sent "
+                                              r"with a different inputs \(their data"):
+        client.submit("identity", {"x": np.zeros((1, 2), np.float32)},
+                      request_id=rid).result(timeout=30)
 
 
 @pytest.mark.parametrize("bad_id", ["two\nlines", "with space", "", "x" * 201, "tab\there"])

@@ -3,12 +3,16 @@ rest of the building blocks, in process: tests/unit/test_policy.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import redis
 
 from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.errors import RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.policy.retry_budget import RetryBudget
+from asyncinfer.wire.request_identity import identity
 from tests.support.databases import RedisDatabase
 from tests.support.publishing import publish_one
 
@@ -80,3 +84,42 @@ def test_publisher_sends_a_claimed_id_once(scratch: redis.Redis) -> None:
     assert publish_one(publisher, "infer.q", "done", "m3", claim=True,
                     result_key="celery-task-meta-done") == DUPLICATE
     assert scratch.llen("infer.q") == 1
+
+
+def _identity(data: list[int], **parameters: object) -> str:
+    return identity("infer.q", {"inputs": [{"name": "x", "datatype": "INT32", "shape": [len(data)],
+                                           "data": data}], "parameters": parameters})
+
+
+def test_publisher_refuses_a_claimed_id_sent_again_as_another_request(scratch: redis.Redis) -> None:
+    # Given a request sent with a caller-chosen ID
+    publisher = Publisher(scratch, claim_ttl_s=120)
+    first = _identity([1, 2, 3])
+    assert publish_one(publisher, "infer.q", "seven", "m1", claim=True, identity=first) == PUBLISHED
+    # When the same request is sent again, it is the same request: nothing more is pushed
+    assert publish_one(publisher, "infer.q", "seven", "m2", claim=True,
+                       identity=_identity([1, 2, 3])) == DUPLICATE
+    # When other data, another version or other parameters come under the same ID, each is
+    # refused naming the ID and what differs, and nothing is pushed
+    for other, what in [(_identity([10, 20, 30]), "different inputs"),
+                        (_identity([1, 2, 3], model_version="2"),
+                         "different model version (first the latest version, now version 2)"),
+                        (_identity([1, 2, 3], binary_data_output=True), "different parameters")]:
+        with pytest.raises(RequestIdReused, match=rf"^request seven: this request ID was already "
+                                                  rf"sent with a {re.escape(what)}"):
+            publish_one(publisher, "infer.q", "seven", "m3", claim=True, identity=other)
+    assert scratch.lrange("infer.q", 0, -1) == [b"m1"]
+    assert scratch.get(CLAIM_PREFIX + "seven") == first.encode()
+
+
+def test_publisher_takes_a_claim_too_bare_to_compare_as_the_same_request(
+        scratch: redis.Redis) -> None:
+    # Given claims an older client wrote (the queue alone, or "1" on another broker's backend)
+    publisher = Publisher(scratch, claim_ttl_s=120)
+    scratch.set(CLAIM_PREFIX + "old", "infer.q")
+    scratch.set(CLAIM_PREFIX + "older", "1")
+    # Then a new request under those IDs is the request they name: not pushed, not refused
+    for request_id in ("old", "older"):
+        assert publish_one(publisher, "infer.q", request_id, "m", claim=True,
+                           identity=_identity([1])) == DUPLICATE
+    assert scratch.llen("infer.q") == 0
