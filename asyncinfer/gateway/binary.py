@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import (
     InferCall,
     InferResult,
@@ -33,12 +34,11 @@ from asyncinfer.gateway.tensors import (
     raw_from_list,
 )
 from asyncinfer.wire.datatypes import spec_for
-from asyncinfer.wire.envelope import check_request_id as check_valid_id
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
 
-__all__ = ["parse_infer_body", "render_infer_result", "check_binary_input", "check_request_id",
-           "check_unique_names", "HEADER_LENGTH"]
+__all__ = ["parse_infer_body", "render_infer_result", "check_binary_input", "check_unique_names",
+           "HEADER_LENGTH"]
 
 #: The header that gives the length of the JSON part of a binary body.
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -53,13 +53,6 @@ _short = _REPR.repr
 
 def _fail(request: str, rule: str) -> InvalidRequest:
     return InvalidRequest(f"{request}: {rule}")
-
-
-def check_request_id(request_id: str) -> None:
-    """Raise InvalidRequest unless ``request_id`` is empty (none given) or a valid request ID (the
-    client's rule: :func:`~asyncinfer.wire.envelope.check_request_id`)."""
-    if request_id:
-        check_valid_id(request_id, 60)
 
 
 def check_unique_names(where: str, names: list[str]) -> None:
@@ -116,8 +109,7 @@ def parse_infer_body(model: str, version: str, body: bytes, header_length: str |
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidRequest(f"request body: 'id' must be a string, got {_short(request_id)}")
-    check_request_id(request_id)
-    where = f"request {request_id or '(no id)'}"
+    where = call_label(request_id)
     parameters = _parameters(where, header.get("parameters"), "request")
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:

@@ -8,7 +8,7 @@ from asyncinfer import errors
 __all__ = ["GatewayError", "GRPC_CODES", "error_for", "revoked_error"]
 
 #: HTTP status → gRPC status code name.
-GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
               499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
@@ -33,6 +33,8 @@ def error_for(exc: BaseException) -> GatewayError:
         return exc
     if isinstance(exc, errors.UnknownModel):
         return GatewayError(404, message)
+    if isinstance(exc, errors.RequestIdReused):  # the IETF idempotency-key draft's status
+        return GatewayError(422, message)
     if isinstance(exc, errors.InvalidRequest):
         return GatewayError(400, message)
     if isinstance(exc, errors.QueueFull):

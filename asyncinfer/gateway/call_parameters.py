@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from asyncinfer.gateway.call_errors import GatewayError
+from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall
 
 __all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "priority", "expires_s"]
@@ -14,7 +15,7 @@ MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 #: Parameters the gateway itself consumes; the others travel to the worker with the request.
 OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
                   "headers", "sequence_id", "sequence_start", "sequence_end",
-                  "triton_enable_empty_final_response"}
+                  "triton_enable_empty_final_response", "idempotency_key"}
 
 
 def priority(call: InferCall) -> int | None:
@@ -22,7 +23,7 @@ def priority(call: InferCall) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < 0:
-        raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'priority' must be a "
+        raise GatewayError(400, f"{call_label(call.id)}: parameter 'priority' must be a "
                                 f"non-negative integer, got {value!r}")
     return min(int(value), 9)
 
@@ -33,7 +34,7 @@ def expires_s(call: InferCall) -> float | None:
     value = call.parameters.get("timeout")
     if value is not None:
         if type(value) not in (int, float) or not 0 < value <= MAX_TIMEOUT_US:
-            raise GatewayError(400, f"request {call.id or '(no id)'}: parameter 'timeout' must be "
+            raise GatewayError(400, f"{call_label(call.id)}: parameter 'timeout' must be "
                                     f"a number of microseconds above 0 and at most "
                                     f"{MAX_TIMEOUT_US} (30 days), got {value!r:.40}")
         limits.append(float(value) / 1e6)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.gateway.binary import check_request_id
+from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall, InferResult, InputTensor, list_from_raw, raw_from_list
 
 __all__ = ["generate_call", "generate_response"]
@@ -54,8 +54,7 @@ def generate_call(model: str, version: str, body: bytes, inputs: list[Mapping[st
     if not isinstance(request_id, str):
         raise InvalidRequest(f"generate request for model '{model}': 'id' must be a string, got "
                              f"{type(request_id).__name__}")
-    check_request_id(request_id)
-    where = f"request {request_id or '(no id)'}"
+    where = call_label(request_id)
     nested = request.pop("parameters", None) or {}
     if not isinstance(nested, dict):
         raise InvalidRequest(f"{where}: 'parameters' must be a JSON object, got "

@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.grpc_messages import infer_call, infer_response
 from asyncinfer.gateway.grpc_stream import stream_infer_handler
+from asyncinfer.gateway.idempotency import METADATA as IDEMPOTENCY_METADATA
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 from asyncinfer.wire.trace_context import trace_fields_of_pairs
@@ -129,7 +130,9 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         # Typed contents are converted element by element, raw ones checked (BOOL bytes, BYTES
         # length prefixes): off the loop when there is much of either.
         call = await off_loop_if_large(request.ByteSize(), infer_call, request, timeout_s)
-        call.trace = trace_fields_of_pairs(context.invocation_metadata())  # a traceparent, if any
+        metadata = context.invocation_metadata() or ()
+        call.trace = trace_fields_of_pairs(metadata)  # a traceparent, if any
+        call.idempotency_key = next((str(v) for k, v in metadata if k == IDEMPOTENCY_METADATA), "")
         return infer_response(await service.infer(call))
 
     async def model_statistics(request: pb.ModelStatisticsRequest,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.gateway.binary import check_binary_input, check_request_id, check_unique_names
+from asyncinfer.gateway.binary import check_binary_input, check_unique_names
+from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.tensors import (
     InferCall,
@@ -86,16 +87,16 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
             shared memory (not served here); raw or typed contents that do not fit the datatype
             and shape.
     """
-    request_id = request.id or "(no id)"
+    where_call = call_label(request.id)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise InvalidRequest(f"request {request_id}: {len(raw)} raw_input_contents for "
+        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
                              f"{len(request.inputs)} inputs (give one per input, or none)")
     tensors = []
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
-            raise InvalidRequest(f"request {request_id}: input #{i} needs a name")
-        where = f"request {request_id}: input '{printable(tensor.name, 100)}'"
+            raise InvalidRequest(f"{where_call}: input #{i} needs a name")
+        where = f"{where_call}: input '{printable(tensor.name, 100)}'"
         if "shared_memory_region" in tensor.parameters:
             raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
         spec_for(tensor.datatype, where)
@@ -109,20 +110,19 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
         else:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
         tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
-    check_unique_names(f"request {request_id}", [t.name for t in tensors])
+    check_unique_names(where_call, [t.name for t in tensors])
     return tensors
 
 
 def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
     """The :class:`InferCall` of a ModelInfer request; ``timeout_s``: the client's deadline."""
-    check_request_id(request.id)
     parameters = {k: v for k, p in request.parameters.items() if (v := parameter_value(p)) is not None}
     outputs = None
     if request.outputs:
         outputs = []
         for output in request.outputs:
             if "shared_memory_region" in output.parameters:
-                raise InvalidRequest(f"request {request.id or '(no id)'}: output '{output.name}': "
+                raise InvalidRequest(f"{call_label(request.id)}: output '{output.name}': "
                                      f"shared memory is not supported")
             outputs.append(RequestedOutput(output.name))
     return InferCall(model=request.model_name, version=request.model_version, id=request.id,

@@ -35,6 +35,7 @@ import grpc
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.grpc_messages import infer_call, infer_response
+from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 from asyncinfer.gateway.streaming import Interrupted, stream
@@ -129,7 +130,7 @@ async def _answer(service: Service, request: pb.ModelInferRequest, timeout_s: fl
     except InvalidRequest as exc:
         put(_error(request, str(exc)))
     except Exception as exc:  # noqa: BLE001 - a bug is told to the caller, not a silent end
-        log.exception("gRPC ModelStreamInfer: request %s failed", request.id or "(no id)")
+        log.exception("gRPC ModelStreamInfer: %s failed", call_label(request.id))
         put(_error(request, f"{type(exc).__name__}: {exc}"))
 
 
@@ -144,7 +145,8 @@ def _ids(request: pb.ModelInferRequest, *, final: bool) -> pb.ModelInferResponse
 def _error(request: pb.ModelInferRequest, message: str, *, final: bool = True
            ) -> pb.ModelStreamInferResponse:
     """An error response that names its request (its ``id``, or the one it was given)."""
-    if f"request {request.id}" not in message if request.id else "request " not in message:
-        message = f"request {request.id or '(no id)'}: {message}"
+    label = call_label(request.id)
+    if label not in message if request.id else "request " not in message:
+        message = f"{label}: {message}"
     return pb.ModelStreamInferResponse(error_message=message,
                                        infer_response=_ids(request, final=final))

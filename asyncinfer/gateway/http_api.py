@@ -25,6 +25,7 @@ from aiohttp import web
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
 from asyncinfer.gateway.generate import generate_call, generate_response
+from asyncinfer.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 from asyncinfer.gateway.streaming import Interrupted, stream
 from asyncinfer.gateway.tensors import InferCall
@@ -170,6 +171,7 @@ async def infer(request: web.Request) -> web.StreamResponse:
                                                                     limit)
         call = await off_loop_if_large(len(body), parse_infer_body, model, version, body, header_length)
         call.trace = trace_fields(request.headers)  # the caller's traceparent, if any
+        call.idempotency_key = request.headers.get(IDEMPOTENCY_HEADER, "")
         result = await service.infer(call)
         out, json_length = await off_loop_if_large(
             sum(len(o.raw) for o in result.outputs), render_infer_result, call, result)
@@ -208,8 +210,10 @@ async def _generate_call(request: web.Request) -> InferCall:
         raise GatewayError(413, f"request body is larger than the gateway's limit of "
                                 f"{request.app[_MAX_BODY]} bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)") from None
     entry = await service.entry(model, version)
-    return await off_loop_if_large(len(body), generate_call, model, version, body,
+    call = await off_loop_if_large(len(body), generate_call, model, version, body,
                                    list(entry.metadata.get("inputs") or []))
+    call.idempotency_key = request.headers.get(IDEMPOTENCY_HEADER, "")
+    return call
 
 
 async def generate(request: web.Request) -> web.Response:

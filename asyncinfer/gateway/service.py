@@ -33,6 +33,7 @@ from asyncinfer.gateway import model_config, model_control
 from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
 from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority
 from asyncinfer.gateway.handover import Handover
+from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
 from asyncinfer.gateway.model_control import control_options
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
@@ -334,20 +335,21 @@ class Service:
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
                   for t in call.inputs]
         if not inputs:
-            raise GatewayError(400, f"request {call.id or '(no id)'}: a v2 request needs at least "
+            raise GatewayError(400, f"{call_label(call.id)}: a v2 request needs at least "
                                     f"one input")
         declared = [str(t["name"]) for t in entry.metadata.get("outputs") or []]
         if declared and call.outputs is not None:
             missing = [o.name for o in call.outputs if o.name not in declared]
             if missing:
-                raise GatewayError(400, f"request {call.id or '(no id)'}: model '{call.model}' has "
+                raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has "
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         parameters = {k: v for k, v in call.parameters.items() if k not in OWN_PARAMETERS}
         if call.version:  # /versions/{v}/infer: that version runs it
             parameters[PARAMETER] = call.version
         return await self._send(call.model, inputs, {
-            "request_id": call.id or None, "parameters": parameters, "serializer": "msgpack",
+            "request_id": idempotency_key(call) or None, "parameters": parameters,
+            "serializer": "msgpack",
             "binary": True, "expires": call_expires_s, "timeout_s": 0.0,
             "priority": call_priority, "trace": call.trace})
 
@@ -379,13 +381,13 @@ class Service:
         if wanted is not None:
             missing = [n for n in wanted if n not in outputs]
             if missing:
-                raise GatewayError(400, f"request {raw['id']}: model '{call.model}' has no output "
+                raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has no output "
                                         f"{', '.join(repr(m) for m in missing)} (outputs: "
                                         f"{', '.join(repr(n) for n in outputs)})")
         chosen = [outputs[n] for n in (wanted if wanted is not None else list(outputs))]
         return InferResult(model_name=call.model,
                            model_version=call.version or str((raw.get("parameters") or {}).get(
                                PARAMETER) or entry.versions[-1]),
-                           id=str(raw["id"]) if call.id else "",
+                           id=call.id,  # the caller's label, as it came
                            outputs=[output_tensor(raw["id"], o) for o in chosen],
                            parameters=dict(raw.get("parameters") or {}))

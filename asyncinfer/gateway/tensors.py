@@ -47,7 +47,8 @@ class InferCall:
 
     Args:
         model, version: from the path (``version`` "" for none).
-        id: the v2 request ``id``; when given it is the request ID (same ID, same request).
+        id: the v2 request ``id``: a label, echoed back in the response (never the request ID:
+            gateway/idempotency.py).
         parameters: the v2 request parameters (``timeout`` in µs, ``priority``, ...).
         outputs: the outputs asked for; None for all.
         timeout_s: the caller's own deadline (a gRPC deadline), if any.
@@ -65,6 +66,9 @@ class InferCall:
     timeout_s: float | None = None
     protocol: str = "grpc"
     trace: dict[str, str] | None = None
+    #: The idempotency key of the HTTP header or gRPC metadata ("" for none); the
+    #: ``idempotency_key`` parameter is read beside it (gateway/idempotency.py).
+    idempotency_key: str = ""
 
 
 @dataclass

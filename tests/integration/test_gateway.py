@@ -194,12 +194,15 @@ def test_v2_parameters_reach_the_request(gateway, redis_client) -> None:
     request_id = f"gw-params-{uuid.uuid4().hex}"
     doc = {"id": request_id, "parameters": {"priority": 3, "timeout": 30_000_000},
            "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]}
-    status, _, answer = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode())
+    idempotent = {"Idempotency-Key": request_id}
+    status, _, answer = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode(),
+                             idempotent)
     assert status == 200, answer
     assert json.loads(answer)["id"] == request_id
-    # the v2 id is the request ID: asking again gives the same request's answer
+    # the idempotency key is the request ID: asking again gives the same request's answer
     assert redis_client.exists(CLAIM_PREFIX + request_id)
-    status, _, again = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode())
+    status, _, again = _raw(gateway.http_url, "/v2/models/mlp/infer", json.dumps(doc).encode(),
+                            idempotent)
     assert status == 200 and json.loads(again)["parameters"] == json.loads(answer)["parameters"]
 
 
@@ -224,7 +227,7 @@ def test_a_client_that_disconnects_gets_its_request_revoked(gateway, client, red
     marks, blocker = _sleep_model_busy(client, redis_client)
     # When a gateway client sends a request queued behind it, then hangs up
     request_id = f"gw-hangup-{uuid.uuid4().hex}"
-    body = json.dumps({"id": request_id, "inputs": [
+    body = json.dumps({"id": "1", "parameters": {"idempotency_key": request_id}, "inputs": [
         {"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [0.0123]}]}).encode()
     sock = socket.create_connection(("127.0.0.1", gateway.http_port))
     sock.sendall(b"POST /v2/models/sleep/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -407,7 +410,8 @@ def test_grpc_cancel_revokes_the_request(gateway, grpc, client, redis_client) ->
     request_id = f"gw-grpc-cancel-{uuid.uuid4().hex}"
     x = grpcclient.InferInput("input", [1, 1], "FP32")
     x.set_data_from_numpy(np.array([[0.0456]], np.float32))
-    call = grpc.async_infer("sleep", [x], callback=lambda result, error: None, request_id=request_id)
+    call = grpc.async_infer("sleep", [x], callback=lambda result, error: None, request_id="1",
+                            headers={"idempotency-key": request_id})
     wait_for(lambda: redis_client.exists(CLAIM_PREFIX + request_id), 10, "the request sent")
     call.cancel()
     blocker.result(timeout=60)

@@ -86,7 +86,8 @@ def test_grpc_caller_is_told_and_the_parts_go_on_each_once(fleet: Fleet) -> None
         count = grpcclient.InferInput("max_tokens", [1], "INT32")
         count.set_data_from_numpy(np.array([PARTS], np.int32))
         client.async_stream_infer("echo-stream", [text, count], request_id=request_id,
-                                  enable_empty_final_response=True)
+                                  enable_empty_final_response=True,
+                                  parameters={"idempotency_key": request_id})
         words, errors, finals = [], [], []
         while len(words) < BEFORE_KILL:
             result, error = responses.get(timeout=60)
@@ -122,7 +123,8 @@ def test_sse_caller_gets_an_interrupted_event_and_the_parts_go_on(fleet: Fleet) 
     async def read() -> list[tuple[str, dict[str, Any]]]:
         events: list[tuple[str, dict[str, Any]]] = []
         kind, data = "message", ""
-        body = {"id": request_id, "text_input": " ".join(WORDS), "max_tokens": PARTS}
+        body = {"id": request_id, "idempotency_key": request_id, "text_input": " ".join(WORDS),
+                "max_tokens": PARTS}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as session:
             url = f"http://{fleet.gateway.http_url}/v2/models/echo-stream/generate_stream"
             async with session.post(url, json=body) as response:

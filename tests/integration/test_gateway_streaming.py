@@ -94,8 +94,10 @@ class Stream:
             n = grpcclient.InferInput("max_tokens", [1], "INT32")
             n.set_data_from_numpy(np.array([max_tokens], np.int32))
             inputs.append(n)
+        # the id is a label: the idempotency key makes it the request ID too (to look it up)
         self.client.async_stream_infer(model, inputs, request_id=request_id,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True,
+                                       parameters={"idempotency_key": request_id})
 
     def take(self) -> tuple[str, str, bool, list[str] | None]:
         """The next response: (id, error or '', final flag, words or None)."""
@@ -256,7 +258,8 @@ def _post(gateway: GatewayProcess, path: str, body: dict[str, Any], count: int |
 def test_generate_stream_sends_each_part_as_an_event_in_order(gateway, results) -> None:
     request_id = f"sse-order-{uuid.uuid4().hex}"
     status, kind, events = _post(gateway, "/v2/models/echo-stream/generate_stream",
-                                 {"id": request_id, "text_input": " ".join(WORDS),
+                                 {"id": request_id, "idempotency_key": request_id,
+                                  "text_input": " ".join(WORDS),
                                   "max_tokens": 40})
     assert (status, kind) == (200, "text/event-stream")
     assert [e[0] for e in events] == ["message"] * 40
@@ -278,7 +281,8 @@ def test_generate_stream_refusals_before_any_part_are_json_errors(gateway) -> No
 def test_generate_stream_a_client_that_hangs_up_has_its_request_revoked(gateway, results) -> None:
     request_id = f"sse-hangup-{uuid.uuid4().hex}"
     status, _, events = _post(gateway, "/v2/models/echo-stream/generate_stream",
-                              {"id": request_id, "text_input": " ".join(WORDS),
+                              {"id": request_id, "idempotency_key": request_id,
+                               "text_input": " ".join(WORDS),
                                "max_tokens": ENDLESS}, count=3)
     # leaving the session closed the connection after three events
     assert status == 200 and [e[1]["text_output"] for e in events] == _expected(3)
