@@ -49,6 +49,7 @@ from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from asyncinfer.backoff import Backoff
+from asyncinfer.client.celery_claims import CeleryClaims, claims_message
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.keys import LEASE_HOLDERS_KEY, LEASES_KEY
 from asyncinfer.kombu_take import AtomicTake
@@ -162,7 +163,10 @@ class Channel(AtomicTake, kombu_redis.Channel):
 
     QoS = QoS
     from_transport_options = (kombu_redis.Channel.from_transport_options  # type: ignore[assignment]
-                              + AtomicTake.OPTIONS)
+                              + AtomicTake.OPTIONS + ("claim_ttl_s",))
+    #: How long a producer's ``asyncinfer.infer`` claims its task ID (the result expiry; 0: a
+    #: day); client/celery_claims.py.
+    claim_ttl_s = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._backoff = Backoff()
@@ -170,6 +174,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
         self._unrecorded: deque[tuple[str, dict[str, Any]]] = deque()
         #: Acknowledgements Redis refused, made again before the next BRPOP.
         self._acks_due: deque[str] = deque()
+        self._claims: CeleryClaims | None = None
         super().__init__(*args, **kwargs)
 
     def close(self) -> None:
@@ -192,6 +197,23 @@ class Channel(AtomicTake, kombu_redis.Channel):
         if isinstance(client, functools.partial):  # a global key prefix
             return functools.partial(_answering(client.func), *client.args, **client.keywords)
         return _answering(client)
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """kombu's publish; a first send of an ``asyncinfer.infer`` request claims its task ID
+        in the same round trip (client/celery_claims.py): the same ID sent again as the same
+        request is not pushed again, as another request raises RequestIdReused."""
+        if (kwargs.get("_publish_batch") is not None or self._expires or self.global_keyprefix
+                or not claims_message(message)):
+            return super()._put(queue, message, **kwargs)
+        if self._claims is None:
+            self._claims = CeleryClaims(self.client, float(self.claim_ttl_s or 86400))
+        priority = self._get_message_priority(message, reverse=False)
+        with self.conn_or_acquire() as client:
+            if not self._claims.put(client, queue, message, kombu_json.dumps(message), priority):
+                client.lpush(self._q_for_pri(queue, priority), kombu_json.dumps(message))
+        return None
 
     # -- consuming -------------------------------------------------------------------------------
 

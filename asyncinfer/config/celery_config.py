@@ -68,7 +68,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         **({"redis_backend_use_ssl": backend_tls} if backend_tls else {}),
         "broker_url": broker_url,
         "result_backend": backend_url,
-        "broker_transport_options": _with_sentinel(transport, broker_url, settings),
+        # a producer's asyncinfer.infer claims its task ID for as long as a result lives
+        # (client/celery_claims.py)
+        "broker_transport_options": _with_sentinel(
+            {**transport, "claim_ttl_s": settings.result_expires_s}, broker_url, settings),
         "result_backend_transport_options": _with_sentinel(transport, backend_url, settings),
         "broker_connection_retry_on_startup": True,
         "broker_connection_timeout": settings.connect_timeout_s,

@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from asyncinfer.errors import RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
 from tests.support.processes import GatewayProcess, start_gateway
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,3 +231,49 @@ def test_http_client_ids_reused_by_tritonclient_are_answered_each(gateway: Gatew
             assert result.get_response()["id"] == "1"
     finally:
         http.close()
+
+
+def _celery_kwargs(values: list[int]) -> dict[str, Any]:
+    return {"model": "identity", "inputs": [{"name": "x", "datatype": "INT32",
+                                             "shape": [1, len(values)], "data": values}]}
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_celery_send_task_claims_its_task_id(client: Any, redis_client: Any,
+                                             serializer: str) -> None:
+    # Given a plain Celery producer's request with its own task ID, answered
+    rid = f"celery-{serializer}-{uuid.uuid4().hex}"
+    send = client.app.send_task
+    first = send("asyncinfer.infer", kwargs=_celery_kwargs([1, 2]), task_id=rid,
+                 queue="infer.identity", serializer=serializer)
+    assert first.get(timeout=30)["outputs"][0]["data"] in ([1, 2], np.array([1, 2], np.int32)
+                                                           .tobytes())
+    assert redis_client.exists(CLAIM_PREFIX + rid)
+    answered = redis_client.get(client.app.backend.get_key_for_task(rid))
+    # When the same request is sent again: not pushed again (one run, one answer)
+    again = send("asyncinfer.infer", kwargs=_celery_kwargs([1, 2]), task_id=rid,
+                 queue="infer.identity", serializer=serializer)
+    assert again.get(timeout=30) == first.get(timeout=30)
+    assert redis_client.llen("infer.identity") == 0
+    assert redis_client.get(client.app.backend.get_key_for_task(rid)) == answered
+    # When the same task ID comes with other inputs: send_task refuses at once, naming it
+    with pytest.raises(RequestIdReused, match=rf"^request {rid}: this request ID was already "
+                                              r"sent with a different inputs"):
+        send("asyncinfer.infer", kwargs=_celery_kwargs([7, 7]), task_id=rid,
+             queue="infer.identity", serializer=serializer)
+    assert redis_client.llen("infer.identity") == 0
+
+
+def test_celery_retry_of_a_claimed_request_goes_on_its_queue(client: Any) -> None:
+    # Given a claimed request, answered
+    rid = f"celery-retry-{uuid.uuid4().hex}"
+    first = client.app.send_task("asyncinfer.infer", kwargs=_celery_kwargs([3]), task_id=rid,
+                                 queue="infer.identity")
+    first.get(timeout=30)
+    done = client.app.backend.get_task_meta(rid)["date_done"]
+    # When Celery sends it again as its retry (Task.retry: the same ID, retries above 0)
+    client.app.send_task("asyncinfer.infer", kwargs=_celery_kwargs([3]), task_id=rid,
+                         queue="infer.identity", retries=1)
+    # Then it is pushed and runs again (its result stored anew)
+    wait_for(lambda: client.app.backend.get_task_meta(rid)["date_done"] != done, 30,
+             "the retry's result")
