@@ -390,4 +390,6 @@ class Service:
                                PARAMETER) or entry.versions[-1]),
                            id=call.id,  # the caller's label, as it came
                            outputs=[output_tensor(raw["id"], o) for o in chosen],
-                           parameters=dict(raw.get("parameters") or {}))
+                           # the request ID (generated, or the idempotency key): to look
+                           # it up later (asyncinfer result ID, AsyncResult)
+                           parameters={**(raw.get("parameters") or {}), "request_id": sent.id})

@@ -277,3 +277,13 @@ def test_celery_retry_of_a_claimed_request_goes_on_its_queue(client: Any) -> Non
     # Then it is pushed and runs again (its result stored anew)
     wait_for(lambda: client.app.backend.get_task_meta(rid)["date_done"] != done, 30,
              "the retry's result")
+
+
+def test_http_the_answer_names_its_request_id_to_look_it_up(gateway: GatewayProcess,
+                                                            client: Any) -> None:
+    status, answer = _post(gateway, "identity", _ints("label", [4, 2]))
+    assert status == 200
+    request_id = answer["parameters"]["request_id"]
+    assert request_id != "label"
+    stored = client.app.AsyncResult(request_id).get(timeout=30)
+    assert stored["id"] == request_id and stored["model_name"] == "identity"
