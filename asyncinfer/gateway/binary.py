@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.call_parameters import refuse_shared_memory
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import (
     InferCall,
@@ -168,6 +169,7 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
         raise _fail(at, "needs a 'datatype' string")
     shape = list(check_shape(at, item.get("shape")))
     parameters = _parameters(at, item.get("parameters"), "input")
+    refuse_shared_memory(at, parameters)
     size = parameters.get("binary_data_size")
     if size is not None:
         if type(size) is not int or size < 0:
@@ -188,9 +190,16 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
 def _requested(where: str, item: Any, everything_binary: bool) -> RequestedOutput:
     if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
         raise _fail(where, f"each of 'outputs' must be an object with a 'name', got {_short(item)}")
-    parameters = _parameters(f"{where}: output '{item['name']}'", item.get("parameters"), "output")
+    at = f"{where}: output '{printable(item['name'], 100)}'"
+    parameters = _parameters(at, item.get("parameters"), "output")
+    refuse_shared_memory(at, parameters)
     binary = parameters.get("binary_data")
-    return RequestedOutput(item["name"], bool(binary) if binary is not None else everything_binary)
+    classes = parameters.get("classification", 0)
+    if type(classes) is not int or classes < 0:  # 0: none (Triton's HTTP front reads it so)
+        raise _fail(at, f"parameter 'classification' must be a non-negative integer (how many "
+                        f"classes to return), got {_short(classes)}")
+    return RequestedOutput(item["name"], bool(binary) if binary is not None else everything_binary,
+                           classification=classes)
 
 
 def render_infer_result(call: InferCall, result: InferResult) -> tuple[bytes, int | None]:

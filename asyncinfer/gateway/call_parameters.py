@@ -1,13 +1,26 @@
 """The parameters of an infer call the gateway itself reads: its ``priority`` and its expiry
-(the ``timeout`` parameter or the caller's deadline)."""
+(the ``timeout`` parameter or the caller's deadline); and the Triton parameters it does not
+serve, each refused by name (400 / INVALID_ARGUMENT) rather than ignored: sequence batching
+(:func:`refuse_sequence`), ``triton_`` keys other than the ones served
+(:func:`refuse_triton_reserved`) and system shared memory on an input or output
+(:func:`refuse_shared_memory`). Each unserved feature is one rule in one function: serving it is
+lifting that rule. Parameters Triton does not define travel to the worker, as Triton passes them
+to the backend (the table in docs/gateway.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall
+from asyncinfer.wire.envelope import printable
 
-__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "priority", "expires_s"]
+__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "SEQUENCE_PARAMETERS", "SHARED_MEMORY_PARAMETERS",
+           "TRITON_PREFIX", "TRITON_SERVED", "priority", "expires_s", "refuse_unserved",
+           "refuse_sequence", "refuse_triton_reserved", "refuse_shared_memory"]
 
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
@@ -16,6 +29,20 @@ MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
                   "headers", "sequence_id", "sequence_start", "sequence_end",
                   "triton_enable_empty_final_response", "idempotency_key"}
+
+#: Triton's sequence extension: the request parameters of a sequence (not served). Their
+#: defaults (``sequence_id`` 0 or "", ``sequence_start`` / ``sequence_end`` false) say "no
+#: sequence" and pass: tritonclient sends them whenever a sequence_id is given.
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+#: Triton's system (and CUDA) shared-memory extension: the parameters of an input or output in a
+#: region (not served).
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_offset",
+                            "shared_memory_byte_size")
+#: Request parameter keys with this prefix are Triton's own (Triton refuses any it does not know).
+TRITON_PREFIX = "triton_"
+#: The ``triton_`` request parameters served, and the fronts they are served on (Triton's HTTP
+#: front refuses every ``triton_`` key; its gRPC front takes this one).
+TRITON_SERVED = {"triton_enable_empty_final_response": ("grpc",)}
 
 
 def priority(call: InferCall) -> int | None:
@@ -39,3 +66,75 @@ def expires_s(call: InferCall) -> float | None:
                                     f"{MAX_TIMEOUT_US} (30 days), got {value!r:.40}")
         limits.append(float(value) / 1e6)
     return min(limits) if limits else None
+
+
+def refuse_unserved(call: InferCall) -> None:
+    """Refuse a call whose request parameters ask for a Triton feature the gateway does not serve.
+
+    Raises:
+        InvalidRequest: naming the parameter (sequence batching, an unknown ``triton_`` key).
+    """
+    refuse_sequence(call.id, call.parameters)
+    refuse_triton_reserved(call.id, call.parameters, call.protocol)
+
+
+def refuse_sequence(call_id: str, parameters: Mapping[str, Any]) -> None:
+    """Sequence batching is not served: a request that says it belongs to a sequence (a
+    ``sequence_id`` other than 0 or "", or ``sequence_start`` / ``sequence_end`` other than
+    false) is refused, never run as a stateless request that would lose the sequence's state.
+    Lift this rule where sequence batching is served.
+
+    Raises:
+        InvalidRequest: naming the parameter and its value.
+    """
+    for name in SEQUENCE_PARAMETERS:
+        if name not in parameters:
+            continue
+        value = parameters[name]
+        if name == "sequence_id" and (value == "" or type(value) is int and value == 0):
+            continue
+        if name != "sequence_id" and value is False:
+            continue
+        raise InvalidRequest(
+            f"{call_label(call_id)}: sequence batching is not served: parameter '{name}' is "
+            f"{value!r:.40}; this gateway runs each request on its own, so the requests of a "
+            f"sequence would not share the model's state (send no sequence_id, or 0, and no "
+            f"sequence_start or sequence_end that is true)")
+
+
+def refuse_triton_reserved(call_id: str, parameters: Mapping[str, Any], protocol: str) -> None:
+    """Refuse a ``triton_`` request parameter the gateway does not serve on ``protocol`` (as
+    Triton refuses those it does not know), and a served one that is not a boolean.
+
+    Raises:
+        InvalidRequest: naming the parameter (Triton's words first).
+    """
+    for name, value in parameters.items():
+        if not name.startswith(TRITON_PREFIX):
+            continue
+        fronts = TRITON_SERVED.get(name)
+        if fronts is None or protocol not in fronts:
+            allowed = [k for k, on in TRITON_SERVED.items() if protocol in on]
+            raise InvalidRequest(
+                f"{call_label(call_id)}: parameter keys starting with '{TRITON_PREFIX}' are "
+                f"reserved for Triton usage and should not be specified: parameter "
+                f"'{printable(name, 60)}' is not served over {protocol.upper()} (served: "
+                f"{', '.join(allowed) or 'none'})")
+        if type(value) is not bool:
+            raise InvalidRequest(f"{call_label(call_id)}: invalid value type for '{name}' "
+                                 f"parameter, expected a boolean, got {value!r:.40}")
+
+
+def refuse_shared_memory(at: str, parameters: Collection[str]) -> None:
+    """Shared memory (Triton's system and CUDA shared-memory extensions) is not served: an input
+    or output (``at`` names it) whose parameters place it in a region is refused. Lift this rule
+    where the extension is served.
+
+    Raises:
+        InvalidRequest: naming the parameters.
+    """
+    found = [name for name in SHARED_MEMORY_PARAMETERS if name in parameters]
+    if found:
+        raise InvalidRequest(f"{at}: shared memory is not supported: parameter "
+                             f"{', '.join(repr(n) for n in found)} (this gateway serves no "
+                             f"shared-memory regions); send the data in the request")

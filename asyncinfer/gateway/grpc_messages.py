@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import check_binary_input, check_unique_names
+from asyncinfer.gateway.call_parameters import refuse_shared_memory
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.tensors import (
@@ -97,8 +98,7 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
         where = f"{where_call}: input '{printable(tensor.name, 100)}'"
-        if "shared_memory_region" in tensor.parameters:
-            raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
+        refuse_shared_memory(where, tensor.parameters)
         spec_for(tensor.datatype, where)
         shape = list(check_shape(where, list(tensor.shape)))
         if raw:
@@ -121,13 +121,28 @@ def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferC
     if request.outputs:
         outputs = []
         for output in request.outputs:
-            if "shared_memory_region" in output.parameters:
-                raise InvalidRequest(f"{call_label(request.id)}: output '{output.name}': "
-                                     f"shared memory is not supported")
-            outputs.append(RequestedOutput(output.name))
+            at = f"{call_label(request.id)}: output '{printable(output.name, 100)}'"
+            refuse_shared_memory(at, output.parameters)
+            outputs.append(RequestedOutput(output.name, classification=_classes(at, output)))
     return InferCall(model=request.model_name, version=request.model_version, id=request.id,
                      inputs=_inputs(request), parameters=parameters, outputs=outputs,
                      timeout_s=timeout_s, protocol="grpc")
+
+
+def _classes(at: str, output: pb.ModelInferRequest.InferRequestedOutputTensor) -> int:
+    """The classes an output asks for (its ``classification`` parameter; 0: none).
+
+    Raises:
+        InvalidRequest: a parameter that is not a positive integer (Triton's gRPC front's rule).
+    """
+    if "classification" not in output.parameters:
+        return 0
+    count = parameter_value(output.parameters["classification"])
+    if type(count) is not int or count <= 0:
+        raise InvalidRequest(f"{at}: invalid value for 'classification' parameter, expected a "
+                             f"positive int64_param (how many classes to return), got "
+                             f"{count!r:.40}")
+    return count
 
 
 def infer_response(result: InferResult) -> pb.ModelInferResponse:

@@ -9,7 +9,7 @@ from typing import Any
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.wire.payloads import DATATYPES
 
-__all__ = ["SERVER_NAME", "model_metadata", "model_config", "is_decoupled"]
+__all__ = ["SERVER_NAME", "model_metadata", "model_config", "is_decoupled", "label_filename"]
 
 #: The gateway's name (ServerMetadata's) and the backend its model configs name.
 SERVER_NAME = "asyncinfer"
@@ -20,12 +20,15 @@ def model_metadata(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     meta = entry.metadata
     return {"name": model, "versions": entry.versions,
             "platform": str(meta.get("platform", "pytorch")),
-            "inputs": list(meta.get("inputs") or []), "outputs": list(meta.get("outputs") or [])}
+            "inputs": list(meta.get("inputs") or []),
+            "outputs": [{k: v for k, v in t.items() if k != "labels"}  # v2 keys only
+                        for t in meta.get("outputs") or []]}
 
 
 def model_config(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
-    inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension), and
+    inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension; an
+    output with labels has ``label_filename`` and, beside it, the ``labels``), and
     ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
     meta = entry.metadata
     batchable = bool(meta.get("batchable", True))
@@ -46,8 +49,18 @@ def is_decoupled(entry: CatalogueEntry) -> bool:
 def _config_tensor(tensor: Mapping[str, Any], batchable: bool) -> dict[str, Any]:
     shape = list(tensor.get("shape") or [])
     dims = shape[1:] if batchable and shape else shape
-    return {"name": tensor["name"], "data_type": "TYPE_" + _config_type(str(tensor["datatype"])),
-            "dims": dims}
+    config = {"name": tensor["name"], "data_type": "TYPE_" + _config_type(str(tensor["datatype"])),
+              "dims": dims}
+    if tensor.get("labels"):  # no file: the model declares them (OutputSpec.labels)
+        config.update(label_filename=label_filename(str(tensor["name"])),
+                      labels=list(tensor["labels"]))
+    return config
+
+
+def label_filename(output: str) -> str:
+    """The ``label_filename`` an output with labels shows in its config: the labels travel in the
+    catalogue, not in a file; the name says whose they are."""
+    return f"{output}_labels.txt"
 
 
 def _config_type(datatype: str) -> str:

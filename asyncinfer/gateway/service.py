@@ -31,7 +31,8 @@ from asyncinfer.client.client import Client
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway import model_config, model_control
 from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
-from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority
+from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority, refuse_unserved
+from asyncinfer.gateway.classification import check_classes, classify_outputs, wants_classes
 from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 #: The gateway's span of an infer call (tracing on).
 GATEWAY_SPAN = "asyncinfer.gateway.infer"
 #: What ``GET /v2`` and ServerMetadata advertise.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository",
+              "classification"]
 #: Data above this size (bytes) is converted off the event loop: the client's own bound for
 #: encoding a request on the loop, so one size decides both.
 OFF_LOOP_BYTES = aio.ON_LOOP_BYTES
@@ -329,7 +331,10 @@ class Service:
         Raises:
             GatewayError: 400 for a call without inputs, or asking for an output the model does
                 not declare, or with a bad ``priority`` or ``timeout``.
+            InvalidRequest: a parameter of a feature not served (call_parameters.py), or classes
+                asked of an output that has none.
         """
+        refuse_unserved(call)
         call_priority = priority(call)
         call_expires_s = expires_s(call)
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
@@ -344,6 +349,7 @@ class Service:
                 raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has "
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
+        check_classes(call, entry)
         parameters = {k: v for k, v in call.parameters.items() if k not in OWN_PARAMETERS}
         if call.version:  # /versions/{v}/infer: that version runs it
             parameters[PARAMETER] = call.version
@@ -384,12 +390,16 @@ class Service:
                 raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has no output "
                                         f"{', '.join(repr(m) for m in missing)} (outputs: "
                                         f"{', '.join(repr(n) for n in outputs)})")
-        chosen = [outputs[n] for n in (wanted if wanted is not None else list(outputs))]
+        chosen = [output_tensor(raw["id"], outputs[n])
+                  for n in (wanted if wanted is not None else list(outputs))]
+        if wants_classes(call):  # Triton's classification extension (classification.py)
+            chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), classify_outputs,
+                                             call, entry, chosen)
         return InferResult(model_name=call.model,
                            model_version=call.version or str((raw.get("parameters") or {}).get(
                                PARAMETER) or entry.versions[-1]),
                            id=call.id,  # the caller's label, as it came
-                           outputs=[output_tensor(raw["id"], o) for o in chosen],
+                           outputs=chosen,
                            # the request ID (generated, or the idempotency key): to look
                            # it up later (asyncinfer result ID, AsyncResult)
                            parameters={**(raw.get("parameters") or {}), "request_id": sent.id})

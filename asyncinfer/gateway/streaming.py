@@ -27,6 +27,7 @@ from celery.exceptions import TaskRevokedError
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.stream_reader import Interruption
+from asyncinfer.gateway.classification import classify_outputs, wants_classes
 from asyncinfer.gateway.service import (
     Service,
     is_decoupled,
@@ -115,8 +116,11 @@ async def _parts(service: Service, call: InferCall, entry: CatalogueEntry
             if isinstance(event, Interrupted):
                 yield event
                 continue
+            outputs = _outputs(sent.id, event.outputs, wanted)
+            if wants_classes(call):  # Triton's classification extension, part by part
+                outputs = classify_outputs(call, entry, outputs)
             yield Part(InferResult(model_name=call.model, model_version=version, id=call.id,
-                                   outputs=_outputs(sent.id, event.outputs, wanted)))
+                                   outputs=outputs))
     finally:
         reader.cancel()
         if answer.done() and not answer.cancelled():

@@ -35,10 +35,12 @@ class InputTensor:
 
 @dataclass
 class RequestedOutput:
-    """An output the caller asked for, and whether it wants it as binary data (HTTP)."""
+    """An output the caller asked for, whether it wants it as binary data (HTTP), and how many
+    classes it wants instead of the tensor (Triton's classification extension; 0: the tensor)."""
 
     name: str
     binary: bool | None = None
+    classification: int = 0
 
 
 @dataclass

@@ -61,10 +61,19 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """One declared output: its datatype and the shape of one row (-1: any size)."""
+    """One declared output: its datatype, the shape of one row (-1: any size), and the labels of
+    its classes (index → label, as the lines of Triton's ``label_filename``; empty for none): the
+    gateway's classification extension answers ``"value:index:label"`` with them."""
 
     datatype: str
     row_shape: tuple[int, ...]
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        labels = tuple(self.labels)
+        if not all(isinstance(label, str) and "\n" not in label for label in labels):
+            raise ValueError("OutputSpec labels must be strings without line breaks")
+        object.__setattr__(self, "labels", labels)
 
 
 @dataclass
@@ -135,8 +144,10 @@ def _rows_in(value: Any) -> int:
     return int(shape[0]) if shape else -1
 
 
-def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...]) -> dict[str, Any]:
-    return {"name": name, "datatype": datatype, "shape": [-1, *row_shape]}
+def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...],
+                     labels: tuple[str, ...] = ()) -> dict[str, Any]:
+    tensor = {"name": name, "datatype": datatype, "shape": [-1, *row_shape]}
+    return {**tensor, "labels": list(labels)} if labels else tensor
 
 
 class Model:
@@ -183,7 +194,8 @@ class Model:
         batching it serves with, and whether it streams its answers (``decoupled``: Triton's
         ``model_transaction_policy``)."""
         inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape) for n, s in (self.inputs or {}).items()]
-        outputs = [_tensor_metadata(n, s.datatype, s.row_shape) for n, s in (self.outputs or {}).items()]
+        outputs = [_tensor_metadata(n, s.datatype, s.row_shape, s.labels)
+                   for n, s in (self.outputs or {}).items()]
         return {"name": self.name, "versions": [self.version], "platform": self.platform,
                 "inputs": inputs, "outputs": outputs, "max_batch_size": options.max_batch_size,
                 "batchable": self.batchable, "decoupled": self.decoupled}

@@ -296,6 +296,39 @@ REST_CASES = [
      "each of 'outputs' must be an object with a 'name', got {}"),
     ("output parameters a list", _doc(inputs=[_input()], outputs=[{"name": "x", "parameters": [1]}]),
      {}, 400, "output 'x': output 'parameters' must be an object, got list"),
+    *[(f"output classification {v!r}", _doc(inputs=[_input()], outputs=[
+        {"name": "x", "parameters": {"classification": v}}]), {}, 400,
+       f"output 'x': parameter 'classification' must be a non-negative integer (how many classes "
+       f"to return), got {v!r}") for v in (-1, "2", 2.0, True, None)],
+    # Triton parameters not served: refused by name (call_parameters.py)
+    *[(f"{name} {value!r}", _doc(parameters={name: value}, inputs=[_input()]), {}, 400,
+       f"sequence batching is not served: parameter '{name}' is {value!r}")
+      for name, value in [("sequence_id", 42), ("sequence_id", "s1"), ("sequence_id", -1),
+                          ("sequence_id", 0.0), ("sequence_id", None), ("sequence_start", True),
+                          ("sequence_end", True), ("sequence_start", 0), ("sequence_end", "false")]],
+    ("a sequence's three parameters", _doc(id="7", parameters={
+        "sequence_id": 5, "sequence_start": True, "sequence_end": False}, inputs=[_input()]), {},
+     400, "request 7: sequence batching is not served: parameter 'sequence_id' is 5"),
+    ("a triton_ parameter", _doc(parameters={"triton_anything": 1}, inputs=[_input()]), {}, 400,
+     "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
+     "specified: parameter 'triton_anything' is not served over HTTP (served: none)"),
+    ("the empty final response over HTTP", _doc(parameters={
+        "triton_enable_empty_final_response": True}, inputs=[_input()]), {}, 400,
+     "parameter 'triton_enable_empty_final_response' is not served over HTTP"),
+    *[(f"input {', '.join(given)}", _doc(inputs=[_input(parameters={
+        k: "r" if k == "shared_memory_region" else 8 for k in given})]), {}, 400,
+       f"input 'x': shared memory is not supported: parameter {', '.join(repr(k) for k in given)}")
+      for given in [("shared_memory_region",), ("shared_memory_byte_size",),
+                    ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")]],
+    ("input in shared memory without data", _doc(inputs=[{
+        "name": "x", "datatype": "FP32", "shape": [1, 2],
+        "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]), {}, 400,
+     "input 'x': shared memory is not supported: parameter 'shared_memory_region', "
+     "'shared_memory_byte_size'"),
+    ("output in shared memory", _doc(inputs=[_input()], outputs=[{"name": "x", "parameters": {
+        "shared_memory_region": "r", "shared_memory_byte_size": 8}}]), {}, 400,
+     "output 'x': shared memory is not supported: parameter 'shared_memory_region', "
+     "'shared_memory_byte_size'"),
     # Content-Encoding and size
     ("gzip bomb (100 MiB of zeros in 100 KiB)", _bomb(100), GZ, 413,
      f"request body inflates to more than the gateway's limit of {LIMIT} bytes"),
@@ -404,6 +437,16 @@ def test_a_method_http_does_not_know_gets_400(fleet: Fleet) -> None:
     pytest.param(_doc(parameters={"timeout": 30_000_000, "custom": {"nested": [1, [2]]}},
                       inputs=[_input()]), {},
                  lambda doc: doc["outputs"][0]["data"] == [1.0, 2.0], id="timeout and own parameters"),
+    *[pytest.param(_doc(parameters=parameters, inputs=[_input()]), {},
+                   lambda doc: doc["outputs"][0]["data"] == [1.0, 2.0], id=f"sequence defaults {i}")
+      for i, parameters in enumerate([
+          {"sequence_id": 0, "sequence_start": False, "sequence_end": False},
+          {"sequence_id": ""}, {"sequence_start": False}, {"headers": {"x": "y"}}])],
+    pytest.param(_doc(inputs=[_input(parameters={"content_type": "np"})],
+                      outputs=[{"name": "x", "parameters": {"content_type": "np",
+                                                            "classification": 0}}]), {},
+                 lambda doc: doc["outputs"][0]["data"] == [1.0, 2.0],
+                 id="tensor parameters Triton ignores, classification 0"),
     pytest.param(zlib.compress(_good(), wbits=31) + zlib.compress(b" ", wbits=31), GZ,
                  lambda doc: doc["outputs"][0]["data"] == [1.0, 2.0], id="gzip of two members"),
     pytest.param(zlib.compress(_good(), wbits=-15), {"Content-Encoding": "deflate"},
@@ -435,6 +478,10 @@ def _request(model: str = "parked", inputs: Any = None, raw: Any = None, **kw: A
 
 def _p(**kw: Any) -> pb.InferParameter:
     return pb.InferParameter(**kw)
+
+
+def _output(name: str = "x", **kw: Any) -> pb.ModelInferRequest.InferRequestedOutputTensor:
+    return pb.ModelInferRequest.InferRequestedOutputTensor(name=name, **kw)
 
 
 C = pb.InferTensorContents
@@ -486,7 +533,39 @@ GRPC_CASES = [
      "input 'x': duplicate input name (input #0 has it too)"),
     ("input without a name", _request(inputs=[_tensor(name="")]), INVALID, "input #0 needs a name"),
     ("shared memory", _request(inputs=[_tensor(parameters={"shared_memory_region": _p(string_param="r")})]),
-     INVALID, "shared memory is not supported"),
+     INVALID, "input 'x': shared memory is not supported: parameter 'shared_memory_region'"),
+    ("shared memory offset and size", _request(inputs=[_tensor(parameters={
+        "shared_memory_offset": _p(int64_param=0), "shared_memory_byte_size": _p(int64_param=8)})]),
+     INVALID, "input 'x': shared memory is not supported: parameter 'shared_memory_offset', "
+              "'shared_memory_byte_size'"),
+    ("output in shared memory", _request(outputs=[_output(parameters={
+        "shared_memory_region": _p(string_param="r"), "shared_memory_byte_size": _p(int64_param=8)})]),
+     INVALID, "output 'x': shared memory is not supported: parameter 'shared_memory_region', "
+              "'shared_memory_byte_size'"),
+    *[(f"output classification {name}", _request(outputs=[_output(parameters={"classification": p})]),
+       INVALID, f"output 'x': invalid value for 'classification' parameter, expected a positive "
+                f"int64_param (how many classes to return), got {shown}")
+      for name, p, shown in [("0", _p(int64_param=0), "0"), ("-2", _p(int64_param=-2), "-2"),
+                             ("a string", _p(string_param="2"), "'2'"),
+                             ("a double", _p(double_param=2.0), "2.0"),
+                             ("a bool", _p(bool_param=True), "True"), ("unset", _p(), "None")]],
+    *[(f"{name} {shown}", _request(id="q", parameters={name: p}), INVALID,
+       f"request q: sequence batching is not served: parameter '{name}' is {shown}")
+      for name, p, shown in [("sequence_id", _p(int64_param=7), "7"),
+                             ("sequence_id", _p(uint64_param=2**64 - 1), str(2**64 - 1)),
+                             ("sequence_id", _p(string_param="s1"), "'s1'"),
+                             ("sequence_id", _p(bool_param=False), "False"),
+                             ("sequence_start", _p(bool_param=True), "True"),
+                             ("sequence_end", _p(bool_param=True), "True"),
+                             ("sequence_end", _p(int64_param=0), "0")]],
+    ("a triton_ parameter", _request(parameters={"triton_anything": _p(bool_param=True)}), INVALID,
+     "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
+     "specified: parameter 'triton_anything' is not served over GRPC (served: "
+     "triton_enable_empty_final_response)"),
+    ("the empty final response a string", _request(parameters={
+        "triton_enable_empty_final_response": _p(string_param="true")}), INVALID,
+     "invalid value type for 'triton_enable_empty_final_response' parameter, expected a boolean, "
+     "got 'true'"),
     ("idempotency key with a space", _request(id="a b", parameters={
         "idempotency_key": _p(string_param="a b")}), INVALID,
      "request a b: the idempotency key 'a b' must be 1 to 200 printable characters"),
@@ -557,6 +636,18 @@ def test_grpc_parameters_of_every_type_travel_and_the_call_is_answered(infer_rpc
     assert [o.name for o in response.outputs] == ["x"]
     assert response.raw_output_contents[0] == F32
     assert response.parameters["worker"].string_param.startswith("hostile")
+
+
+@pytest.mark.parametrize("parameters", [
+    {"sequence_id": _p(int64_param=0), "sequence_start": _p(bool_param=False),
+     "sequence_end": _p(bool_param=False)},
+    {"sequence_id": _p(string_param="")},
+    {"triton_enable_empty_final_response": _p(bool_param=True)},
+], ids=["sequence defaults", "empty sequence id", "empty final response"])
+def test_grpc_default_sequence_parameters_and_the_served_triton_one_pass(
+        infer_rpc: Any, parameters: dict[str, pb.InferParameter]) -> None:
+    response = infer_rpc(_request("identity", parameters=parameters), timeout=20)
+    assert response.raw_output_contents[0] == F32
 
 
 def test_grpc_10000_inputs_are_answered(infer_rpc: Any) -> None:
