@@ -265,6 +265,13 @@ class Settings:
         "--gateway-processes`): N supervised processes share the HTTP and gRPC ports "
         "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on the metrics port "
         "+ i). 0: one process, and a port another process holds is an error.")
+    allow_client_shm: bool = _setting(
+        False, "ASYNCINFER_ALLOW_CLIENT_SHM",
+        "Whether the gateway lets callers register system shared-memory regions (Triton's "
+        "`--allow-client-shm`; `asyncinfer gateway --allow-client-shm`): a same-host caller's "
+        "tensors then travel through POSIX shared memory instead of the request body. Off by "
+        "default, as in Triton: a registered key gives its caller read and write access to that "
+        "shared-memory object as the gateway's user.")
     send_events: bool = _setting(
         True, "ASYNCINFER_SEND_EVENTS",
         "Workers send Celery task events (Celery's `worker_send_task_events`, `-E`), so Flower and "

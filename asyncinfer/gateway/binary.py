@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.gateway.call_parameters import refuse_shared_memory
 from asyncinfer.gateway.idempotency import call_label
+from asyncinfer.gateway.shared_memory import shm_reference
 from asyncinfer.gateway.tensors import (
     InferCall,
     InferResult,
@@ -169,8 +169,13 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
         raise _fail(at, "needs a 'datatype' string")
     shape = list(check_shape(at, item.get("shape")))
     parameters = _parameters(at, item.get("parameters"), "input")
-    refuse_shared_memory(at, parameters)
+    shm = shm_reference(at, parameters)
     size = parameters.get("binary_data_size")
+    if shm is not None:
+        if "data" in item or size is not None:
+            raise _fail(at, "only one of 'data', 'binary_data_size' in 'parameters', "
+                            "'shared_memory_region' in 'parameters' may be set")
+        return InputTensor(name, datatype, shape, b"", shm=shm), offset
     if size is not None:
         if type(size) is not int or size < 0:
             raise _fail(at, f"binary_data_size must be a non-negative integer, got {_short(size)}")
@@ -192,14 +197,16 @@ def _requested(where: str, item: Any, everything_binary: bool) -> RequestedOutpu
         raise _fail(where, f"each of 'outputs' must be an object with a 'name', got {_short(item)}")
     at = f"{where}: output '{printable(item['name'], 100)}'"
     parameters = _parameters(at, item.get("parameters"), "output")
-    refuse_shared_memory(at, parameters)
+    shm = shm_reference(at, parameters)
     binary = parameters.get("binary_data")
+    if shm is not None and binary:
+        raise _fail(at, "Output can't set both 'shared_memory_region' and 'binary_data'")
     classes = parameters.get("classification", 0)
     if type(classes) is not int or classes < 0:  # 0: none (Triton's HTTP front reads it so)
         raise _fail(at, f"parameter 'classification' must be a non-negative integer (how many "
                         f"classes to return), got {_short(classes)}")
     return RequestedOutput(item["name"], bool(binary) if binary is not None else everything_binary,
-                           classification=classes)
+                           classification=classes, shm=shm)
 
 
 def render_infer_result(call: InferCall, result: InferResult) -> tuple[bytes, int | None]:
@@ -209,7 +216,9 @@ def render_infer_result(call: InferCall, result: InferResult) -> tuple[bytes, in
     outputs, blobs = [], []
     for out in result.outputs:
         item: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
-        if binary_of.get(out.name, everything_binary):
+        if out.shm is not None:
+            pass  # in its shared-memory region, as Triton answers: no data, no binary part
+        elif binary_of.get(out.name, everything_binary):
             item["parameters"] = {"binary_data_size": len(out.raw)}
             blobs.append(out.raw)
         else:

@@ -15,15 +15,19 @@ GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT"
 class GatewayError(Exception):
     """An answer other than success: an HTTP ``status`` (and its gRPC code) and a message."""
 
-    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None,
+                 grpc_code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
+        #: The gRPC code where it is not the HTTP status' (GRPC_CODES): Triton's, for a call
+        #: whose code a client may read (ALREADY_EXISTS, UNIMPLEMENTED).
+        self._grpc_code = grpc_code
 
     @property
     def grpc_code(self) -> str:
-        return GRPC_CODES.get(self.status, "UNKNOWN")
+        return self._grpc_code or GRPC_CODES.get(self.status, "UNKNOWN")
 
 
 def error_for(exc: BaseException) -> GatewayError:

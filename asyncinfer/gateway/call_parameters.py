@@ -2,14 +2,13 @@
 (the ``timeout`` parameter or the caller's deadline); and the Triton parameters it does not
 serve, each refused by name (400 / INVALID_ARGUMENT) rather than ignored: sequence batching
 (:func:`refuse_sequence`), ``triton_`` keys other than the ones served
-(:func:`refuse_triton_reserved`) and system shared memory on an input or output
-(:func:`refuse_shared_memory`). Each unserved feature is one rule in one function: serving it is
+(:func:`refuse_triton_reserved`). Each unserved feature is one rule in one function: serving it is
 lifting that rule. Parameters Triton does not define travel to the worker, as Triton passes them
 to the backend (the table in docs/gateway.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import InvalidRequest
@@ -18,9 +17,9 @@ from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall
 from asyncinfer.wire.envelope import printable
 
-__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "SEQUENCE_PARAMETERS", "SHARED_MEMORY_PARAMETERS",
-           "TRITON_PREFIX", "TRITON_SERVED", "priority", "expires_s", "refuse_unserved",
-           "refuse_sequence", "refuse_triton_reserved", "refuse_shared_memory"]
+__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "SEQUENCE_PARAMETERS", "TRITON_PREFIX",
+           "TRITON_SERVED", "priority", "expires_s", "refuse_unserved", "refuse_sequence",
+           "refuse_triton_reserved"]
 
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
@@ -34,10 +33,6 @@ OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "b
 #: defaults (``sequence_id`` 0 or "", ``sequence_start`` / ``sequence_end`` false) say "no
 #: sequence" and pass: tritonclient sends them whenever a sequence_id is given.
 SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
-#: Triton's system (and CUDA) shared-memory extension: the parameters of an input or output in a
-#: region (not served).
-SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_offset",
-                            "shared_memory_byte_size")
 #: Request parameter keys with this prefix are Triton's own (Triton refuses any it does not know).
 TRITON_PREFIX = "triton_"
 #: The ``triton_`` request parameters served, and the fronts they are served on (Triton's HTTP
@@ -123,18 +118,3 @@ def refuse_triton_reserved(call_id: str, parameters: Mapping[str, Any], protocol
         if type(value) is not bool:
             raise InvalidRequest(f"{call_label(call_id)}: invalid value type for '{name}' "
                                  f"parameter, expected a boolean, got {value!r:.40}")
-
-
-def refuse_shared_memory(at: str, parameters: Collection[str]) -> None:
-    """Shared memory (Triton's system and CUDA shared-memory extensions) is not served: an input
-    or output (``at`` names it) whose parameters place it in a region is refused. Lift this rule
-    where the extension is served.
-
-    Raises:
-        InvalidRequest: naming the parameters.
-    """
-    found = [name for name in SHARED_MEMORY_PARAMETERS if name in parameters]
-    if found:
-        raise InvalidRequest(f"{at}: shared memory is not supported: parameter "
-                             f"{', '.join(repr(n) for n in found)} (this gateway serves no "
-                             f"shared-memory regions); send the data in the request")

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import Message
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway import shared_memory_api
 from asyncinfer.gateway.grpc_messages import infer_call, infer_response
 from asyncinfer.gateway.grpc_stream import stream_infer_handler
 from asyncinfer.gateway.idempotency import METADATA as IDEMPOTENCY_METADATA
@@ -211,7 +212,8 @@ def make_handler(service: Service) -> grpc.GenericRpcHandler:
         name: grpc.unary_unary_rpc_method_handler(
             _unary(method), request_deserializer=request_type.FromString,
             response_serializer=response_type.SerializeToString)
-        for name, (method, request_type, response_type) in _methods(service).items()}
+        for name, (method, request_type, response_type) in {
+            **_methods(service), **shared_memory_api.grpc_methods(service.shared_memory)}.items()}
     handlers["ModelStreamInfer"] = stream_infer_handler(service)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 

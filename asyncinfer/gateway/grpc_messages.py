@@ -12,9 +12,9 @@ from typing import Any
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.binary import check_binary_input, check_unique_names
-from asyncinfer.gateway.call_parameters import refuse_shared_memory
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
+from asyncinfer.gateway.shared_memory import shm_reference
 from asyncinfer.gateway.tensors import (
     InferCall,
     InferResult,
@@ -90,22 +90,34 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
     """
     where_call = call_label(request.id)
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    wheres = [f"{where_call}: input '{printable(t.name, 100)}'" for t in request.inputs]
+    # an input in shared memory has no raw contents: the others' are in order (Triton's rule)
+    shms = [shm_reference(where, {k: parameter_value(v) for k, v in t.parameters.items()})
+            for where, t in zip(wheres, request.inputs, strict=True)]
+    in_message = sum(shm is None for shm in shms)
+    if raw and len(raw) != in_message:
         raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
-                             f"{len(request.inputs)} inputs (give one per input, or none)")
-    tensors = []
+                             f"{in_message} inputs (give one per input not in shared memory, or "
+                             f"none)")
+    tensors, next_raw = [], 0
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
-        where = f"{where_call}: input '{printable(tensor.name, 100)}'"
-        refuse_shared_memory(where, tensor.parameters)
+        where, shm = wheres[i], shms[i]
         spec_for(tensor.datatype, where)
         shape = list(check_shape(where, list(tensor.shape)))
+        if shm is not None:
+            if tensor.contents.ListFields():
+                raise InvalidRequest(f"{where}: has both contents and 'shared_memory_region' "
+                                     f"(give one or the other)")
+            tensors.append(InputTensor(tensor.name, tensor.datatype, shape, b"", shm=shm))
+            continue
         if raw:
             if tensor.contents.ListFields():
                 raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
                                      f"(give one or the other)")
-            data = raw[i]
+            data = raw[next_raw]
+            next_raw += 1
             check_binary_input(where, tensor.datatype, shape, data)
         else:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
@@ -122,8 +134,9 @@ def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferC
         outputs = []
         for output in request.outputs:
             at = f"{call_label(request.id)}: output '{printable(output.name, 100)}'"
-            refuse_shared_memory(at, output.parameters)
-            outputs.append(RequestedOutput(output.name, classification=_classes(at, output)))
+            shm = shm_reference(at, {k: parameter_value(v) for k, v in output.parameters.items()})
+            outputs.append(RequestedOutput(output.name, classification=_classes(at, output),
+                                           shm=shm))
     return InferCall(model=request.model_name, version=request.model_version, id=request.id,
                      inputs=_inputs(request), parameters=parameters, outputs=outputs,
                      timeout_s=timeout_s, protocol="grpc")
@@ -153,7 +166,7 @@ def infer_response(result: InferResult) -> pb.ModelInferResponse:
     for name, value in result.parameters.items():
         if value is not None:
             set_parameter(response.parameters[name], value)
-    for output in result.outputs:
+    for output in result.outputs:  # one raw content each, empty for one in shared memory
         response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
         response.raw_output_contents.append(output.raw)
     return response

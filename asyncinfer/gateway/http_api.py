@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway import shared_memory_api
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
 from asyncinfer.gateway.generate import generate_call, generate_response
 from asyncinfer.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -356,6 +357,7 @@ def make_app(service: Service, *, max_body_bytes: int) -> web.Application:
         web.post("/v2/models/{model}/generate_stream", generate_stream),
         web.post("/v2/models/{model}/versions/{version}/generate_stream", generate_stream),
     ])
+    shared_memory_api.http_routes(app, service.shared_memory)
     return app
 
 

@@ -25,6 +25,7 @@ from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.http_api import start_http
 from asyncinfer.gateway.metrics import GatewayMetrics
 from asyncinfer.gateway.service import Service
+from asyncinfer.gateway.shared_memory import SharedMemory
 
 __all__ = ["Ports", "run_gateway", "CANNOT_START"]
 
@@ -73,7 +74,9 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     client = Client(settings=settings)
-    service = Service(client, version=__version__, tracing=client.sender.tracing)
+    service = Service(client, version=__version__, tracing=client.sender.tracing,
+                      shared_memory=SharedMemory(allowed=settings.allow_client_shm,
+                                                 processes=2 if reuse_port else 1))
     await service.start()
     metrics = GatewayMetrics(lambda model: client.sender_for(model).broker, service.known_models,
                              lambda: service.in_flight)

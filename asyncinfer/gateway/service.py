@@ -37,6 +37,13 @@ from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
 from asyncinfer.gateway.model_control import control_options
+from asyncinfer.gateway.shared_memory import SharedMemory
+from asyncinfer.gateway.shared_memory_tensors import (
+    in_shared_memory,
+    input_bytes,
+    read_inputs,
+    write_outputs,
+)
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
 from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import UNLOAD
@@ -52,7 +59,7 @@ log = logging.getLogger(__name__)
 GATEWAY_SPAN = "asyncinfer.gateway.infer"
 #: What ``GET /v2`` and ServerMetadata advertise.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository",
-              "classification"]
+              "system_shared_memory", "classification"]
 #: Data above this size (bytes) is converted off the event loop: the client's own bound for
 #: encoding a request on the loop, so one size decides both.
 OFF_LOOP_BYTES = aio.ON_LOOP_BYTES
@@ -80,8 +87,11 @@ class Service:
     #: names reads the catalogue at most 1 / MISS_REREAD_S times a second, not once per call.
     MISS_REREAD_S = 0.05
 
-    def __init__(self, client: Client, *, version: str = "", tracing: Any = None) -> None:
+    def __init__(self, client: Client, *, version: str = "", tracing: Any = None,
+                 shared_memory: SharedMemory | None = None) -> None:
         self.client = client
+        #: The system shared-memory regions callers registered (gateway/shared_memory.py).
+        self.shared_memory = shared_memory or SharedMemory(allowed=False)
         self.version = version
         self._catalogue: dict[str, CatalogueEntry] = {}
         self._catalogue_at = -1e9
@@ -112,6 +122,7 @@ class Service:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()
+        self.shared_memory.close()
 
     async def _every(self, period_s: float, step: Callable[[], Any]) -> None:
         while True:
@@ -335,6 +346,8 @@ class Service:
                 asked of an output that has none.
         """
         refuse_unserved(call)
+        if in_shared_memory(call):  # inputs read from the caller's regions, outputs' checked
+            await off_loop_if_large(input_bytes(call), read_inputs, self.shared_memory, call)
         call_priority = priority(call)
         call_expires_s = expires_s(call)
         inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
@@ -395,6 +408,9 @@ class Service:
         if wants_classes(call):  # Triton's classification extension (classification.py)
             chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), classify_outputs,
                                              call, entry, chosen)
+        if in_shared_memory(call):  # written to the caller's regions, not the response
+            chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), write_outputs,
+                                             self.shared_memory, call, chosen)
         return InferResult(model_name=call.model,
                            model_version=call.version or str((raw.get("parameters") or {}).get(
                                PARAMETER) or entry.versions[-1]),

@@ -34,6 +34,7 @@ from asyncinfer.gateway.service import (
     output_tensor,
     revoked_error,
 )
+from asyncinfer.gateway.shared_memory_tensors import refuse_streamed_outputs
 from asyncinfer.gateway.tensors import InferCall, InferResult
 
 __all__ = ["Part", "Interrupted", "StreamEvent", "stream"]
@@ -78,6 +79,7 @@ async def stream(service: Service, call: InferCall) -> AsyncGenerator[StreamEven
     if not is_decoupled(entry):
         yield Part(await service.infer(call), whole=True)
         return
+    refuse_streamed_outputs(call)
     with service.accounted(call):
         async with contextlib.aclosing(_parts(service, call, entry)) as parts:
             async for event in parts:

@@ -31,6 +31,9 @@ class InputTensor:
     datatype: str
     shape: list[int]
     raw: bytes
+    #: Where its data lies in a registered shared-memory region (region, offset, byte size),
+    #: read into ``raw`` before it is sent (gateway/shared_memory.py); None: in the request.
+    shm: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -41,6 +44,9 @@ class RequestedOutput:
     name: str
     binary: bool | None = None
     classification: int = 0
+    #: Where to write its data (region, offset, byte size) instead of the response; None: the
+    #: response.
+    shm: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -81,6 +87,9 @@ class OutputTensor:
     datatype: str
     shape: list[int]
     raw: bytes
+    #: Written to this shared-memory region (region, offset, byte size) instead of the response
+    #: (``raw`` then empty).
+    shm: tuple[str, int, int] | None = None
 
 
 @dataclass

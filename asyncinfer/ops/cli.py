@@ -285,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on "
                         "the metrics port + i). Default ASYNCINFER_GATEWAY_PROCESSES, else one "
                         "process, and a port another process holds is an error")
+    p.add_argument("--allow-client-shm", action="store_true", default=None,
+                   help="let same-host callers register system shared-memory regions for their "
+                        "tensors (Triton's --allow-client-shm; default ASYNCINFER_ALLOW_CLIENT_SHM, "
+                        "off)")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # --processes' children
     p.set_defaults(func=cmd_gateway)
 

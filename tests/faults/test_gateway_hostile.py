@@ -316,19 +316,25 @@ REST_CASES = [
         "triton_enable_empty_final_response": True}, inputs=[_input()]), {}, 400,
      "parameter 'triton_enable_empty_final_response' is not served over HTTP"),
     *[(f"input {', '.join(given)}", _doc(inputs=[_input(parameters={
-        k: "r" if k == "shared_memory_region" else 8 for k in given})]), {}, 400,
-       f"input 'x': shared memory is not supported: parameter {', '.join(repr(k) for k in given)}")
-      for given in [("shared_memory_region",), ("shared_memory_byte_size",),
-                    ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")]],
-    ("input in shared memory without data", _doc(inputs=[{
+        k: "r" if k == "shared_memory_region" else 8 for k in given})]), {}, 400, f"input 'x': {says}")
+      for given, says in [
+          (("shared_memory_region",), "'shared_memory_region' needs 'shared_memory_byte_size'"),
+          (("shared_memory_byte_size",), "'shared_memory_byte_size' or 'shared_memory_offset' "
+                                         "without 'shared_memory_region'"),
+          (("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"),
+           "only one of 'data', 'binary_data_size' in 'parameters', 'shared_memory_region' in "
+           "'parameters' may be set")]],
+    ("input in a region never registered", _doc(inputs=[{
         "name": "x", "datatype": "FP32", "shape": [1, 2],
         "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]), {}, 400,
-     "input 'x': shared memory is not supported: parameter 'shared_memory_region', "
-     "'shared_memory_byte_size'"),
-    ("output in shared memory", _doc(inputs=[_input()], outputs=[{"name": "x", "parameters": {
-        "shared_memory_region": "r", "shared_memory_byte_size": 8}}]), {}, 400,
-     "output 'x': shared memory is not supported: parameter 'shared_memory_region', "
-     "'shared_memory_byte_size'"),
+     "input 'x': Unable to find system shared memory region: 'r'"),
+    ("output in a region never registered", _doc(inputs=[_input()], outputs=[{
+        "name": "x", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]),
+     {}, 400, "output 'x': Unable to find system shared memory region: 'r'"),
+    ("output in a region and binary", _doc(inputs=[_input()], outputs=[{
+        "name": "x", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8,
+                                    "binary_data": True}}]),
+     {}, 400, "output 'x': Output can't set both 'shared_memory_region' and 'binary_data'"),
     # Content-Encoding and size
     ("gzip bomb (100 MiB of zeros in 100 KiB)", _bomb(100), GZ, 413,
      f"request body inflates to more than the gateway's limit of {LIMIT} bytes"),
@@ -532,16 +538,19 @@ GRPC_CASES = [
     ("duplicate input names", _request(inputs=[_tensor(), _tensor()]), INVALID,
      "input 'x': duplicate input name (input #0 has it too)"),
     ("input without a name", _request(inputs=[_tensor(name="")]), INVALID, "input #0 needs a name"),
-    ("shared memory", _request(inputs=[_tensor(parameters={"shared_memory_region": _p(string_param="r")})]),
-     INVALID, "input 'x': shared memory is not supported: parameter 'shared_memory_region'"),
+    ("shared memory without its size", _request(inputs=[_tensor(parameters={
+        "shared_memory_region": _p(string_param="r")})]),
+     INVALID, "input 'x': 'shared_memory_region' needs 'shared_memory_byte_size'"),
     ("shared memory offset and size", _request(inputs=[_tensor(parameters={
         "shared_memory_offset": _p(int64_param=0), "shared_memory_byte_size": _p(int64_param=8)})]),
-     INVALID, "input 'x': shared memory is not supported: parameter 'shared_memory_offset', "
-              "'shared_memory_byte_size'"),
-    ("output in shared memory", _request(outputs=[_output(parameters={
+     INVALID, "input 'x': 'shared_memory_byte_size' or 'shared_memory_offset' without "
+              "'shared_memory_region'"),
+    ("input in a region never registered", _request(inputs=[_tensor(parameters={
+        "shared_memory_region": _p(string_param="r"), "shared_memory_byte_size": _p(int64_param=8)})],
+        raw=[]), INVALID, "input 'x': Unable to find system shared memory region: 'r'"),
+    ("output in a region never registered", _request(outputs=[_output(parameters={
         "shared_memory_region": _p(string_param="r"), "shared_memory_byte_size": _p(int64_param=8)})]),
-     INVALID, "output 'x': shared memory is not supported: parameter 'shared_memory_region', "
-              "'shared_memory_byte_size'"),
+     INVALID, "output 'x': Unable to find system shared memory region: 'r'"),
     *[(f"output classification {name}", _request(outputs=[_output(parameters={"classification": p})]),
        INVALID, f"output 'x': invalid value for 'classification' parameter, expected a positive "
                 f"int64_param (how many classes to return), got {shown}")

@@ -26,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 from asyncinfer.fleet_stats import triton_stats
 from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
+from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor
 
 pytestmark = pytest.mark.timeout(10)
@@ -60,6 +61,7 @@ class FakeService:
         self.calls: list[InferCall] = []
         self.started = threading.Event()
         self.cancelled = threading.Event()
+        self.shared_memory = SharedMemory(allowed=False)
 
     def live(self) -> bool:
         return True
@@ -243,11 +245,22 @@ def _without_zeros(value: Any) -> Any:
 
 
 def test_methods_not_served_are_unimplemented(served: Served) -> None:
-    for call in (lambda: served.client.get_cuda_shared_memory_status(),
-                 lambda: served.client.get_system_shared_memory_status()):
+    for call in (lambda: served.client.get_trace_settings(),
+                 lambda: served.client.get_log_settings()):
         with pytest.raises(InferenceServerException) as exc:
             call()
         assert _status(exc) == "StatusCode.UNIMPLEMENTED"
+
+
+def test_shared_memory_status_answers_and_registering_is_off_by_default(served: Served) -> None:
+    assert list(served.client.get_system_shared_memory_status().regions) == []
+    assert list(served.client.get_cuda_shared_memory_status().regions) == []
+    served.client.unregister_cuda_shared_memory()  # nothing registered: nothing to do
+    with pytest.raises(InferenceServerException) as exc:
+        served.client.register_system_shared_memory("r", "/nothing", 16)
+    assert _status(exc) == "StatusCode.UNIMPLEMENTED"
+    assert exc.value.message().startswith("Client shared memory is disabled. Start the server "
+                                          "with '--allow-client-shm=true' to enable.")
 
 
 # -- infer ---------------------------------------------------------------------------------------
@@ -373,12 +386,17 @@ def test_malformed_contents_are_invalid_argument(served: Served, request_: Any, 
     assert served.fake.calls == []
 
 
-def test_shared_memory_is_refused(served: Served) -> None:
-    tensor = grpcclient.InferInput("x", [1, 4], "FP32").set_shared_memory("region", 16)
-    with pytest.raises(InferenceServerException) as exc:
-        served.client.infer("echo", [tensor])
-    assert _status(exc) == "StatusCode.INVALID_ARGUMENT"
-    assert "shared memory is not supported" in str(exc.value.message())
+def test_an_input_in_shared_memory_reaches_the_service_as_its_region(served: Served) -> None:
+    # the other input's raw contents are the only ones sent (Triton's rule): they stay its own
+    in_region = grpcclient.InferInput("x", [1, 4], "FP32").set_shared_memory("region", 16, 32)
+    sent = grpcclient.InferInput("y", [1], "INT32").set_data_from_numpy(np.array([7], np.int32))
+    output = grpcclient.InferRequestedOutput("x")
+    output.set_shared_memory("out", 16)
+    served.client.infer("echo", [in_region, sent], outputs=[output])
+    call = served.fake.calls[-1]
+    assert [(t.name, t.shm, t.raw) for t in call.inputs] == [
+        ("x", ("region", 32, 16), b""), ("y", None, np.array([7], np.int32).tobytes())]
+    assert [(o.name, o.shm) for o in call.outputs or []] == [("x", ("out", 0, 16))]
 
 
 @pytest.mark.parametrize(("model", "code"), [("missing", "NOT_FOUND"), ("bad", "INVALID_ARGUMENT"),

@@ -31,6 +31,7 @@ from asyncinfer.errors import ModelError, QueueFull
 from asyncinfer.gateway import streaming
 from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
+from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, list_from_raw
 
 pytestmark = pytest.mark.timeout(20)
@@ -81,6 +82,7 @@ class FakeService:
     def __init__(self) -> None:
         self.client = FakeReader()
         self.stopping = False
+        self.shared_memory = SharedMemory(allowed=False)
         self.in_flight = 0
         self.revoked: queue.Queue[str] = queue.Queue()
         self.ended: list[tuple[str, int]] = []
