@@ -60,7 +60,7 @@ from triton_examples_models import FACTORIES  # noqa: E402  (this folder, put on
 #: hard-code them).
 HTTP_PORT, GRPC_PORT = 8000, 8001
 #: Gateway flags an example needs, added when ``asyncinfer gateway --help`` lists them.
-WANTED_GATEWAY_FLAGS = (("--model-control-mode", "explicit"),)
+WANTED_GATEWAY_FLAGS = (("--model-control-mode", "explicit"), ("--allow-client-shm", None))
 IMAGE = "{image}"  # an argument replaced by the path of the generated test image
 
 
@@ -356,7 +356,7 @@ class Fleet:
         help_text = subprocess.run([*py, "gateway", "--help"], capture_output=True, text=True,
                                    env=self.env(), cwd=self.package_root, timeout=60).stdout
         self.gateway_flags = [part for flag, value in WANTED_GATEWAY_FLAGS if flag in help_text
-                              for part in (flag, value)]
+                              for part in (flag, value) if part is not None]
         self._spawn("gateway", [*py, "gateway", "--host", "127.0.0.1", "--http-port",
                                 str(HTTP_PORT), "--grpc-port", str(GRPC_PORT), "--metrics-port",
                                 "0", *self.gateway_flags])
