@@ -211,33 +211,19 @@ class SimpleStringDynaSequence(SimpleSequence):
 class RepeatInt32(Model):
     """The python backend's decoupled ``repeat_int32`` (``max_batch_size: 0``): INT32 IN [n],
     UINT32 DELAY [n] and WAIT [1] → one response per element of IN, OUT [1] = IN[i] and
-    IDX [1] = i, DELAY[i] ms apart, then WAIT ms before the request ends.
-
-    Here every input's first dimension is its rows, and a streaming request holds one row: a
-    request whose inputs differ in their first dimension (IN [4] beside WAIT [1]) cannot be
-    expressed, and :meth:`validate` refuses it naming why. A request of one element each streams
-    as Triton would."""
+    IDX [1] = i, DELAY[i] ms apart, then WAIT ms before the request ends. No batch dimension
+    (``batch_dimension = False``): each request runs whole, its inputs as sent."""
 
     name = "repeat_int32"
     platform = "python"
     decoupled = True
-    batchable = False
-    inputs = {"IN": InputSpec(("INT32",), ()), "DELAY": InputSpec(("UINT32",), ()),
-              "WAIT": InputSpec(("UINT32",), ())}
-    outputs = {"OUT": OutputSpec("INT32", ()), "IDX": OutputSpec("UINT32", ())}
-    options = ModelOptions(max_batch_size=1, warmup=False)
+    batch_dimension = False
+    inputs = {"IN": InputSpec(("INT32",), (-1,)), "DELAY": InputSpec(("UINT32",), (-1,)),
+              "WAIT": InputSpec(("UINT32",), (1,))}
+    outputs = {"OUT": OutputSpec("INT32", (1,)), "IDX": OutputSpec("UINT32", (1,))}
+    options = ModelOptions(warmup=False)
     #: Longest DELAY / WAIT honoured, in ms (the examples ask for up to 1000 each).
     max_sleep_ms = 1000
-
-    def validate(self, request: Request) -> None:
-        leading = {t.name: t.shape[0] if t.shape else 1 for t in request.inputs}
-        if len(set(leading.values())) > 1:
-            raise InvalidRequest(
-                f"request {request.id}: model '{self.name}' takes inputs without a batch "
-                f"dimension (Triton's max_batch_size 0) of different first dimensions "
-                f"({', '.join(f'{n} [{d}]' for n, d in leading.items())}); asyncinfer reads "
-                f"every input's first dimension as its rows")
-        super().validate(request)
 
     def stream(self, batch: Batch, rows: StreamRows) -> Iterator[StreamStep]:
         values = _np(batch["IN"]).reshape(-1)
@@ -300,24 +286,29 @@ class ImageClassifier(Model):
 
     def forward(self, batch: Batch) -> Batch:
         images = batch[self.input_name].float()
+        if not self.batch_dimension:  # one image, as sent
+            images = images.unsqueeze(0)
         dims = (1, 2) if self.channels_last else (2, 3)
         means = images.mean(dim=dims)  # [n, 3]
-        return {self.output_name: torch.softmax(means @ self.projection, dim=1)}
+        scores = torch.softmax(means @ self.projection, dim=1)
+        return {self.output_name: scores if self.batch_dimension else scores[0]}
 
 
 class DensenetOnnx(ImageClassifier):
     """``densenet_onnx``: FP32 data_0 [n, 3, 224, 224] (NCHW) → FP32 fc6_1 [n, 1000], labels
-    densenet_labels.txt. Triton's config had ``max_batch_size: 0`` (data_0 [3, 224, 224], what
-    grpc_client.py sends) and has 1 today (image_client.py reads which and sends either); here
-    the closest is a batched model of one row at most."""
+    densenet_labels.txt. Triton's example config has ``max_batch_size: 0`` (data_0 [3, 224,
+    224], what grpc_client.py sends; image_client.py reads the config and sends the same): no
+    batch dimension here either."""
 
     name = "densenet_onnx"
     platform = "onnxruntime_onnx"
+    batch_dimension = False
     input_name, output_name = "data_0", "fc6_1"
     channels_last, classes = False, 1000
     inputs = {"data_0": InputSpec(("FP32",), (3, 224, 224))}
-    outputs = {"fc6_1": OutputSpec("FP32", (1000,))}
-    options = ModelOptions(max_batch_size=1, warmup=False)
+    outputs = {"fc6_1": OutputSpec("FP32", (1000,), tuple(f"DENSENET_ONNX_CLASS_{i}"
+                                                          for i in range(1000)))}
+    options = ModelOptions(warmup=False)
 
 
 class InceptionGraphdef(ImageClassifier):
@@ -330,7 +321,8 @@ class InceptionGraphdef(ImageClassifier):
     input_name, output_name = "input", "InceptionV3/Predictions/Softmax"
     channels_last, classes = True, 1001
     inputs = {"input": InputSpec(("FP32",), (299, 299, 3))}
-    outputs = {"InceptionV3/Predictions/Softmax": OutputSpec("FP32", (1001,))}
+    outputs = {"InceptionV3/Predictions/Softmax": OutputSpec(
+        "FP32", (1001,), tuple(f"INCEPTION_GRAPHDEF_CLASS_{i}" for i in range(1001)))}
     options = _OPTIONS
 
 

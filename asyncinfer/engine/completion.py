@@ -57,17 +57,18 @@ class Completed:
 
 def deliver(items: Sequence[WorkItem], outputs: Batch, started: float, model: str, device: str,
             on_batch: BatchObserver, launched: float | None = None,
-            device_s: float | None = None, record: bool = False) -> None:
+            device_s: float | None = None, record: bool = False, whole: bool = False) -> None:
     """Give each request of a finished batch exactly its own rows of ``outputs`` (those already
     answered, by a revoke or a time limit, are skipped); ModelError if an output's rows do not add
     up to the batch. ``launched`` (a ``perf_counter`` reading) and ``device_s``: when the batch
     went onto the device and how long it took there (None: not known; its whole time counts as
     the device's). ``record``: each request's :class:`Completed` carries its batch's
-    :class:`BatchRecord` (tracing)."""
+    :class:`BatchRecord` (tracing). ``whole``: the batch is one request of a model without a
+    batch dimension (Triton's ``max_batch_size: 0``), which gets the outputs as they are."""
     finished = time.perf_counter()
     rows = [item.rows for item in items]
     total = sum(rows)
-    for name, value in outputs.items():
+    for name, value in outputs.items() if not whole else ():
         got = len(value) if isinstance(value, np.ndarray) else (
             int(value.shape[0]) if value.dim() else -1)
         if got != total:

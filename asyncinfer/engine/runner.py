@@ -66,7 +66,8 @@ class ModelRunner:
         self.record_batches = record_batches
         self.device = device
         opts = options or model.options
-        if not model.batchable:  # batches of one row: a graph, if asked for, of that size only
+        if not model.batchable or not model.batch_dimension:  # batches of one request: a graph,
+            # if asked for, of that size only
             opts = opts.merged({"max_batch_size": 1, "max_delay_ms": 0.0, "preferred_batch_sizes": (),
                                 "graph_batch_sizes": (1,) if opts.graph_batch_sizes else ()})
         self.options = opts
@@ -169,7 +170,9 @@ class ModelRunner:
             self.model.validate_forward(request)
         else:
             self.model.validate(request)
-        rows = rows_of(request)
+        # a model without a batch dimension (Triton's max_batch_size 0) takes each request
+        # whole, alone: one "row" however its inputs' first dimensions differ
+        rows = rows_of(request) if self.model.batch_dimension else 1
         if self._decoupled and rows != 1:
             raise InvalidRequest(
                 f"request {request.id}: model '{self.model.name}' streams its answers (decoupled): "
@@ -386,7 +389,8 @@ class ModelRunner:
             self.batch_s = device_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * device_s
         with self._hooks().settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch,
-                    launched, device_s, self.record_batches)
+                    launched, device_s, self.record_batches,
+                    whole=not self.model.batch_dimension)
 
 
 def _overrides(model: Model, method: str) -> bool:

@@ -46,7 +46,8 @@ def example_batch(model: Model, rows: int) -> Batch | None:
         return None
     inputs: list[dict[str, Any]] = []
     for name, spec in model.inputs.items():
-        shape = [rows, *(1 if d == -1 else d for d in spec.row_shape)]
+        shape = [*([rows] if model.batch_dimension else []),
+                 *(1 if d == -1 else d for d in spec.row_shape)]
         count = math.prod(shape)
         datatype = spec.datatypes[0]
         element: Any = {"BYTES": "warm up", "BOOL": False}.get(datatype, 0)
@@ -64,7 +65,7 @@ def warm_up(model: Model, device: Device, options: ModelOptions) -> dict[int, fl
         return times
     stream = device.new_stream()
     try:
-        for rows in warmup_sizes(options, model.batchable):
+        for rows in warmup_sizes(options, model.batchable and model.batch_dimension):
             batch = example_batch(model, rows)
             assert batch is not None  # the model declares inputs
             began = time.perf_counter()

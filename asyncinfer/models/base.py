@@ -28,17 +28,21 @@ class InputSpec:
     row_shape: tuple[int, ...]
     allow_nonfinite: bool = True
 
-    def check(self, request_id: str, name: str, datatype: str, shape: tuple[int, ...]) -> None:
-        """Raise InvalidRequest when an input of this datatype and shape does not fit."""
+    def check(self, request_id: str, name: str, datatype: str, shape: tuple[int, ...],
+              batch_dimension: bool = True) -> None:
+        """Raise InvalidRequest when an input of this datatype and shape does not fit (without
+        ``batch_dimension``, :attr:`row_shape` is the input's whole shape: Triton's
+        ``max_batch_size: 0``)."""
         if datatype not in self.datatypes:
             raise InvalidRequest(
                 f"request {request_id}: input '{name}': datatype {datatype} is not accepted "
                 f"(accepted: {', '.join(self.datatypes)})")
-        row = shape[1:]
+        row = tuple(shape[1:] if batch_dimension else shape)
         fits = row == self.row_shape or len(row) == len(self.row_shape) and all(
             want in (-1, got) for want, got in zip(self.row_shape, row, strict=True))
         if not fits:
-            wanted = ["n", *("any" if d == -1 else str(d) for d in self.row_shape)]
+            wanted = (["n"] if batch_dimension else []) + [
+                "any" if d == -1 else str(d) for d in self.row_shape]
             raise InvalidRequest(
                 f"request {request_id}: input '{name}': shape {list(shape)} does not match "
                 f"[{', '.join(wanted)}]")
@@ -145,8 +149,9 @@ def _rows_in(value: Any) -> int:
 
 
 def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...],
-                     labels: tuple[str, ...] = ()) -> dict[str, Any]:
-    tensor = {"name": name, "datatype": datatype, "shape": [-1, *row_shape]}
+                     labels: tuple[str, ...] = (), batch_dimension: bool = True) -> dict[str, Any]:
+    tensor = {"name": name, "datatype": datatype,
+              "shape": [-1, *row_shape] if batch_dimension else list(row_shape)}
     return {**tensor, "labels": list(labels)} if labels else tensor
 
 
@@ -163,6 +168,13 @@ class Model:
     name: str = ""
     #: Whether rows of different requests may run in one forward call.
     batchable: bool = True
+    #: Whether the first dimension of every input is the batch's rows (Triton's
+    #: ``max_batch_size`` above 0). False is Triton's ``max_batch_size: 0``: the inputs have no
+    #: batch dimension — an :class:`InputSpec`'s ``row_shape`` (and an :class:`OutputSpec`'s) is
+    #: then the tensor's whole shape, and inputs may differ in their first dimension — and each
+    #: request runs alone, its tensors as sent to :meth:`forward` (or :meth:`stream`), its outputs
+    #: returned as the model made them (a decoupled model's step outputs: one part each).
+    batch_dimension: bool = True
     #: Declared inputs; None means any names, datatypes and shapes.
     inputs: Mapping[str, InputSpec] | None = None
     #: Declared inputs of :meth:`forward` for a model with its own :meth:`preprocess` (what the
@@ -193,12 +205,16 @@ class Model:
         outputs with -1 for the batch dimension; none for a model that declares none), the
         batching it serves with, and whether it streams its answers (``decoupled``: Triton's
         ``model_transaction_policy``)."""
-        inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape) for n, s in (self.inputs or {}).items()]
-        outputs = [_tensor_metadata(n, s.datatype, s.row_shape, s.labels)
+        batched = self.batch_dimension
+        inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape, batch_dimension=batched)
+                  for n, s in (self.inputs or {}).items()]
+        outputs = [_tensor_metadata(n, s.datatype, s.row_shape, s.labels, batched)
                    for n, s in (self.outputs or {}).items()]
         return {"name": self.name, "versions": [self.version], "platform": self.platform,
-                "inputs": inputs, "outputs": outputs, "max_batch_size": options.max_batch_size,
-                "batchable": self.batchable, "decoupled": self.decoupled}
+                "inputs": inputs, "outputs": outputs,
+                "max_batch_size": options.max_batch_size if batched else 0,
+                "batchable": self.batchable and batched, "batch_dimension": batched,
+                "decoupled": self.decoupled}
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""
@@ -206,7 +222,7 @@ class Model:
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest when ``request`` does not fit the declared inputs."""
         if self.inputs is not None:
-            _check_inputs(request, self.name, self.inputs, "model")
+            _check_inputs(request, self.name, self.inputs, "model", self.batch_dimension)
 
     def validate_forward(self, request: Request) -> None:
         """Raise InvalidRequest when a request for the forward stage alone (already preprocessed)
@@ -224,7 +240,8 @@ class Model:
             raise InvalidRequest(
                 f"request {request.id}: model '{self.name}' declares no forward_inputs, so it does not "
                 f"serve the forward stage alone; send the request without parameters.stage")
-        _check_inputs(request, self.name, self.forward_inputs, "forward stage of model")
+        _check_inputs(request, self.name, self.forward_inputs, "forward stage of model",
+                      self.batch_dimension)
 
     def signature(self, request: Request) -> Hashable:
         """Requests with equal signatures may share a batch (default: same names, datatypes and
@@ -285,7 +302,8 @@ class Model:
         return torch.cat(parts, dim=1) if parts[0].dim() >= 2 else torch.stack(parts, dim=1)
 
 
-def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], what: str) -> None:
+def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], what: str,
+                  batch_dimension: bool = True) -> None:
     """Raise InvalidRequest unless ``request`` has exactly the inputs ``specs`` declare, each fitting
     its spec (datatype, row shape, NaN/Inf); ``what`` names whose inputs they are in the error."""
     given = {t.name for t in request.inputs}
@@ -300,5 +318,5 @@ def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], 
             raise InvalidRequest(
                 f"request {request.id}: input '{t.name}' is not an input of {what} "
                 f"'{model}' (inputs: {', '.join(repr(n) for n in specs)})")
-        spec.check(request.id, t.name, t.datatype, t.shape)
+        spec.check(request.id, t.name, t.datatype, t.shape, batch_dimension)
         spec.check_values(request.id, t.name, t.value)
