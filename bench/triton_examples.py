@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     probe = subprocess.run([args.python, "-c", "import attrdict, PIL, tritonclient.grpc, "
                             "tritonclient.http"], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": args.client_pythonpath})
+                           env={**os.environ, "PYTHONPATH": _client_path(args)})
     if probe.returncode:
         print(f"warning: the examples' interpreter lacks a module they import "
               f"({probe.stderr.strip().splitlines()[-1]}); image_client.py over HTTP needs "
@@ -386,12 +386,19 @@ class Fleet:
                 proc.wait(10)
 
 
+def _client_path(args: argparse.Namespace) -> str:
+    """The examples' PYTHONPATH: the shim (attrdict on this Python: triton_examples_shim/), then
+    ``--client-pythonpath``."""
+    return os.pathsep.join(p for p in (str(HERE / "triton_examples_shim"),
+                                       args.client_pythonpath) if p)
+
+
 def _run_one(run: Run, examples: Path, image: Path, work: Path, logs: Path,
              args: argparse.Namespace) -> Result:
     argv = [args.python, str(examples / run.script),
             *(str(image) if a == IMAGE else a for a in run.args)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
-    env["PYTHONPATH"] = args.client_pythonpath
+    env["PYTHONPATH"] = _client_path(args)
     env["PYTHONUNBUFFERED"] = "1"
     began = time.monotonic()
     rc: int | None
