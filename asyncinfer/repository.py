@@ -10,6 +10,19 @@ workers that did not answer in time (their load or unload goes on; the catalogue
 ``asyncinfer models`` show when it is done). A worker that is no device worker (a CPU stages'
 worker) is skipped when no workers were named.
 
+**A command goes only to a worker that listens.** On Redis, Celery's broadcast is a ``PUBLISH``:
+a worker whose control channel is not subscribed at that moment never gets it, and nothing says
+so — the caller would wait out its whole timeout for an answer that cannot come, and the worker
+would do nothing. That moment exists: a starting worker is in the model catalogue (its models
+ready, so the target of an unload) a few seconds before its Celery consumer subscribes, and a
+worker whose consumer reconnects to the broker is deaf meanwhile. So each worker asked must first
+answer a ``ping`` (the load's ping of the fleet counts; a ping lost the same way is sent again —
+after ``ASK_TIMEOUT_S``, then twice as long each time, never more than a quarter of the time
+left — until the timeout), and gets the command once it did; the workers that answered first do
+not wait for the others. A worker that answered no ping
+by the timeout is sent the command then, without waiting for its answer (one busy with another
+load runs it when done), and is reported as not answering.
+
 The index (:func:`repository_index`, Triton's ``RepositoryIndex``): every model the fleet knows,
 one row per version — READY while a live worker hosts it; UNAVAILABLE, with the reason, when it is
 known (announced within ``ASYNCINFER_MODEL_RETENTION_S``) but no live worker hosts it, or when a
@@ -18,6 +31,7 @@ live worker could load it and none has.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +50,11 @@ READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
 #: How long the workers have to answer a ping or the index's question (seconds).
 ASK_TIMEOUT_S = 1.0
+#: The longest wait for one round of pings to the workers a command waits for (seconds): the
+#: first round waits ``ASK_TIMEOUT_S``, each next one twice as long, up to this.
+MAX_ASK_S = 4.0
+#: The shortest round of pings worth sending (seconds).
+MIN_ASK_S = 0.05
 
 _COMMANDS = {LOAD: "asyncinfer_load_model", UNLOAD: "asyncinfer_unload_model"}
 _REPOSITORY = "asyncinfer_repository"
@@ -109,13 +128,11 @@ class ControlOutcome:
                 "missing": list(self.missing), "skipped": [a.worker for a in self.skipped]}
 
 
-def live_workers(app: Celery, entries: Mapping[str, CatalogueEntry],
-                 ping_timeout_s: float = ASK_TIMEOUT_S) -> list[str]:
-    """Every live worker: those that answer a ping, and those the catalogue lists as hosts."""
-    names = {h.worker for e in entries.values() for h in e.hosts}
-    for reply in app.control.ping(timeout=ping_timeout_s) or []:
-        names.update(reply)
-    return sorted(names)
+def _pongs(app: Celery, timeout_s: float, destination: Sequence[str] | None = None) -> set[str]:
+    """The workers (of ``destination``; None: all) that answer a ping within ``timeout_s``."""
+    replies = app.control.ping(destination=list(destination) if destination else None,
+                               timeout=timeout_s) or []
+    return {worker for reply in replies for worker in reply}
 
 
 def targets_for(action: str, model: str, entries: Mapping[str, CatalogueEntry],
@@ -157,15 +174,22 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
         raise ValueError(f"model control: a model name is needed, got {model!r}")
     if workers and devices:
         raise ValueError("model control: name workers or devices, not both")
+    deadline = time.monotonic() + timeout_s
     named = list(dict.fromkeys(w for w in workers if w))
+    listening: set[str] = set()  # workers that just answered: their control channel is open
     if devices:
         wanted = set(devices)
-        named = sorted(w for w, info in repositories(app).items() if info.get("device") in wanted)
+        found_on = repositories(app)
+        listening = set(found_on)
+        named = sorted(w for w, info in found_on.items() if info.get("device") in wanted)
         if not named:
             return ControlOutcome(model, action, nobody=(
                 f"no live device worker on {', '.join(sorted(wanted))} answered"))
-    targets = named or targets_for(action, model, entries,
-                                   live_workers(app, entries) if action == LOAD else (), version)
+    live: list[str] = []
+    if action == LOAD and not named:  # every live worker: those that answer, those listed
+        listening = _pongs(app, ASK_TIMEOUT_S)
+        live = sorted(listening | {h.worker for e in entries.values() for h in e.hosts})
+    targets = named or targets_for(action, model, entries, live, version)
     if not targets:
         return ControlOutcome(model, action, nobody=(
             "no live worker answered" if action == LOAD
@@ -175,9 +199,7 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
         arguments["version"] = str(version)
     if action == UNLOAD and grace_s is not None:
         arguments["grace_s"] = float(grace_s)
-    replies = app.control.broadcast(_COMMANDS[action], arguments=arguments, destination=targets,
-                                    reply=True, timeout=timeout_s, limit=len(targets)) or []
-    found = outcomes_of(replies)
+    found = _send_when_listening(app, _COMMANDS[action], arguments, targets, listening, deadline)
     answers = [found[w] for w in targets if w in found]
     skipped: list[WorkerOutcome] = []
     if not named:  # asked by default: a worker that runs no model is no failure
@@ -186,6 +208,41 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
     return ControlOutcome(model, action, tuple(answers),
                           tuple(w for w in targets if w not in found), tuple(skipped),
                           version=version)
+
+
+def _send_when_listening(app: Celery, command: str, arguments: Mapping[str, Any],
+                         targets: Sequence[str], listening: set[str],
+                         deadline: float) -> dict[str, WorkerOutcome]:
+    """Send ``command`` to each of ``targets`` once it has answered a ping (``listening``: those
+    that just answered one), and wait until ``deadline`` (``time.monotonic()``) for the answers;
+    the outcomes, by worker (see the module documentation: a broadcast to a worker that does not
+    listen is lost)."""
+    found: dict[str, WorkerOutcome] = {}
+    ready = [w for w in targets if w in listening]
+    pending = [w for w in targets if w not in listening]
+    wait_s, first = ASK_TIMEOUT_S, True
+    while True:
+        # a round of pings: who listens now (a round takes at most a quarter of the time left,
+        # so that those that answer keep the rest for their command)
+        round_s = min(wait_s, (deadline - time.monotonic()) / 4)
+        if pending and (round_s >= MIN_ASK_S or first):
+            first = False
+            answered = _pongs(app, max(round_s, 0.0), pending)
+            wait_s = min(2 * wait_s, MAX_ASK_S)
+            ready += [w for w in pending if w in answered]
+            pending = [w for w in pending if w not in answered]
+        if ready:  # the command, to those that listen, all at once; their answers awaited
+            replies = app.control.broadcast(
+                command, arguments=dict(arguments), destination=sorted(ready), reply=True,
+                timeout=max(deadline - time.monotonic(), 0.0), limit=len(ready)) or []
+            found.update(outcomes_of(replies))
+            ready = []
+        if not pending or (deadline - time.monotonic()) / 4 < MIN_ASK_S:
+            break
+    if pending:  # never answered: told anyway (one busy elsewhere does it when free), not awaited
+        app.control.broadcast(command, arguments=dict(arguments), destination=pending,
+                              reply=False)
+    return found
 
 
 def repositories(app: Celery, entries: Mapping[str, CatalogueEntry] | None = None,

@@ -257,6 +257,13 @@ class Settings:
     gateway_metrics_port: int = _setting(
         8002, "ASYNCINFER_GATEWAY_METRICS_PORT",
         "Port of the gateway's Prometheus metrics at `/metrics` (0: not served).")
+    model_control_mode: str = _setting(
+        "none", "ASYNCINFER_MODEL_CONTROL_MODE",
+        "Whether the gateway serves repository load and unload (Triton's `--model-control-mode`; "
+        "`asyncinfer gateway --model-control-mode`, `asyncinfer up --model-control-mode`): "
+        "`none` refuses them (HTTP 400, gRPC `UNAVAILABLE`, Triton's words), `explicit` serves "
+        "them. The repository index is served either way; `asyncinfer models load|unload` and "
+        "`Client.load_model` / `unload_model` do not go through a gateway.")
     gateway: bool = _setting(
         True, "ASYNCINFER_GATEWAY", "Whether `asyncinfer up` starts a gateway (`up --no-gateway`).")
     gateway_processes: int = _setting(

@@ -11,10 +11,13 @@ from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
 from asyncinfer.redis_urls import URL_EXAMPLES, is_redis_url
 
-__all__ = ["check_settings", "TRACING_MODES"]
+__all__ = ["check_settings", "TRACING_MODES", "MODEL_CONTROL_MODES"]
 
 #: What ``ASYNCINFER_TRACING`` may say (asyncinfer/tracing).
 TRACING_MODES = ("off", "otlp", "console", "global")
+#: What ``ASYNCINFER_MODEL_CONTROL_MODE`` may say: Triton's ``--model-control-mode`` names, less
+#: ``poll`` (a fleet has no repository folder to poll).
+MODEL_CONTROL_MODES = ("none", "explicit")
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -35,6 +38,10 @@ def check_settings(settings: Any) -> None:
     if settings.tracing not in TRACING_MODES:
         raise ValueError(f"ASYNCINFER_TRACING must be one of {', '.join(TRACING_MODES)}, got "
                          f"{settings.tracing!r}")
+    if settings.model_control_mode not in MODEL_CONTROL_MODES:
+        raise ValueError(f"ASYNCINFER_MODEL_CONTROL_MODE (or --model-control-mode) must be one of "
+                         f"{', '.join(MODEL_CONTROL_MODES)} (Triton's poll is not served), got "
+                         f"{settings.model_control_mode!r}")
     parse_model_options(settings.model_options)  # raises ValueError when malformed
     for route in parse_routes(settings.broker_routes):  # raises ValueError when malformed
         if not settings.result_backend and not is_redis_url(route.url):

@@ -1,5 +1,7 @@
 """Model control through the gateway (Triton's repository extension: repository.py): the index,
-and a load or unload's parameters checked and sent to the fleet."""
+and a load or unload's parameters checked and sent to the fleet — only when the gateway's operator
+allows it (Triton's ``--model-control-mode``: ``explicit``; by default, ``none``, a load or unload
+is refused and the index is still served)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,30 @@ from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, ControlOutcome
 from asyncinfer.wire.envelope import printable
 
-__all__ = ["control_options", "repository_index", "send_control"]
+__all__ = ["control_options", "repository_index", "send_control", "check_allowed", "NOT_ALLOWED",
+           "EXPLICIT"]
+
+#: The model control mode that lets the gateway load and unload (Triton's name).
+EXPLICIT = "explicit"
+#: Triton's words when its model control mode refuses a load or unload (tools match on them).
+NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
 
 #: The parameters a load or unload takes (Triton's ``unload_dependents`` is accepted: a model here
 #: has no dependents).
 _CONTROL_PARAMETERS = {"version", "workers", "devices", "timeout_s", "grace_s",
                        "unload_dependents"}
+
+
+def check_allowed(mode: str, action: str) -> None:
+    """Nothing when ``mode`` (the gateway's ``model_control_mode``) allows a load or unload; else
+    GatewayError 400 (gRPC ``UNAVAILABLE``, Triton's code) in Triton's words, then how to allow it."""
+    if mode == EXPLICIT:
+        return
+    raise GatewayError(
+        400, f"{NOT_ALLOWED}: this gateway's model control mode is '{mode}', so it refuses a "
+             f"repository {action}; its operator allows load and unload by starting it with "
+             f"--model-control-mode {EXPLICIT} (or ASYNCINFER_MODEL_CONTROL_MODE={EXPLICIT}; "
+             f"`asyncinfer up --model-control-mode {EXPLICIT}`)", grpc_code="UNAVAILABLE")
 
 
 def control_options(model: str, action: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,8 +98,11 @@ async def send_control(client: Client, action: str, model: str,
     parameters) and wait for the workers' answers; the outcome, whatever it is.
 
     Raises:
-        GatewayError: 400 a parameter the gateway does not take; 503 the broker unreachable.
+        GatewayError: 400 model control not allowed (the client's settings:
+            ``model_control_mode``, the gateway's own), or a parameter the gateway does not take;
+            503 the broker unreachable.
     """
+    check_allowed(client.settings.model_control_mode, action)
     options = control_options(model, action, parameters)
     try:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: (

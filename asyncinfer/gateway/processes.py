@@ -75,6 +75,8 @@ def run_gateway_processes(settings: Settings, ports: Ports, processes: int) -> i
     env = dict(os.environ)
     if settings.broker_url:  # the URL this process settled on, not a second guess in each child
         env["ASYNCINFER_BROKER_URL"] = settings.broker_url
+    # what the supervisor's flag or environment chose, for every child
+    env["ASYNCINFER_MODEL_CONTROL_MODE"] = settings.model_control_mode
     children = [Child(name=f"gateway process {i}", argv=_argv(child_ports(ports, i)), env=env)
                 for i in range(processes)]
     supervisor = Supervisor(children, grace_s=3 * GRACE_S)

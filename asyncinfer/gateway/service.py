@@ -254,9 +254,10 @@ class Service:
         answers, ``grace_s`` (an unload) how long its requests on a device may finish.
 
         Raises:
-            GatewayError: 400 a parameter the gateway does not take, or a worker that failed
-                (with its reason); 503 no live worker to load it on; 504 a worker that did not
-                answer in time.
+            GatewayError: 400 model control not allowed (the gateway's ``model_control_mode`` is
+                not ``explicit``: gRPC ``UNAVAILABLE``, as Triton answers), a parameter the
+                gateway does not take, or a worker that failed (with its reason); 503 no live
+                worker to load it on; 504 a worker that did not answer in time.
         """
         outcome = await model_control.send_control(self.client, action, model, parameters)
         await self._refresh()

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from asyncinfer.config.settings_checks import MODEL_CONTROL_MODES
 from asyncinfer.ops.cli_io import (
     declared_inputs,
     print_part,
@@ -77,7 +78,8 @@ def _gateway_flags(args: argparse.Namespace) -> dict[str, Any]:
     """``up``'s gateway flags as settings overrides (None: the environment's or the default)."""
     return {"gateway": False if args.no_gateway else None, "http_port": args.http_port,
             "grpc_port": args.grpc_port, "gateway_metrics_port": args.gateway_metrics_port,
-            "gateway_processes": args.gateway_processes}
+            "gateway_processes": args.gateway_processes,
+            "model_control_mode": args.model_control_mode}
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -188,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-processes", type=_positive, metavar="N",
                    help="serve the gateway from N processes sharing its ports (default "
                         "ASYNCINFER_GATEWAY_PROCESSES, else one)")
+    p.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES,
+                   help="whether the gateway serves repository load and unload (Triton's "
+                        "--model-control-mode; default ASYNCINFER_MODEL_CONTROL_MODE, else none: "
+                        "refused)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the 'asyncinfer up' running in the background")
@@ -289,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let same-host callers register system shared-memory regions for their "
                         "tensors (Triton's --allow-client-shm; default ASYNCINFER_ALLOW_CLIENT_SHM, "
                         "off)")
+    p.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES,
+                   help="explicit: serve repository load and unload (HTTP POST "
+                        "/v2/repository/models/M/load|unload, gRPC RepositoryModelLoad|Unload); "
+                        "none: refuse them, as Triton's --model-control-mode does (the index is "
+                        "served either way). Default ASYNCINFER_MODEL_CONTROL_MODE, else none")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # --processes' children
     p.set_defaults(func=cmd_gateway)
 

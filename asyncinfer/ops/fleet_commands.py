@@ -125,7 +125,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from asyncinfer.gateway.server import Ports, run_gateway
 
     settings = Settings.from_env(broker_url=args.broker_url,
-                                 allow_client_shm=getattr(args, "allow_client_shm", None))
+                                 allow_client_shm=getattr(args, "allow_client_shm", None),
+                                 model_control_mode=getattr(args, "model_control_mode", None))
     ports = Ports(args.host or settings.gateway_host,
                   *(settings_value if flag is None else flag for flag, settings_value in (
                       (args.http_port, settings.http_port), (args.grpc_port, settings.grpc_port),

@@ -55,7 +55,8 @@ def gateway_child(settings: Settings, env: dict[str, str]) -> Child:
     """The supervised ``asyncinfer gateway`` of ``up`` (its ports: the settings')."""
     argv = [sys.executable, "-m", "asyncinfer", "gateway", "--host", settings.gateway_host,
             "--http-port", str(settings.http_port), "--grpc-port", str(settings.grpc_port),
-            "--metrics-port", str(settings.gateway_metrics_port)]
+            "--metrics-port", str(settings.gateway_metrics_port),
+            "--model-control-mode", settings.model_control_mode]
     if settings.gateway_processes:
         argv += ["--processes", str(settings.gateway_processes)]
     return Child(name="gateway", argv=argv, env=env)

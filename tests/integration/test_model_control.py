@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
@@ -32,6 +34,7 @@ from tests.support.processes import (
     TEST_FACTORIES,
     GatewayProcess,
     WorkerProcess,
+    launch_worker,
     start_gateway,
     start_worker,
     worker_env,
@@ -67,7 +70,8 @@ def fleet(redis_db, tmp_path) -> Iterator[tuple[WorkerProcess, GatewayProcess, C
     gateway = None
     client = _client(redis_db.url)
     try:
-        gateway = start_gateway(redis_db.url, tmp_path / "gateway.log")
+        gateway = start_gateway(redis_db.url, tmp_path / "gateway.log",
+                                "--model-control-mode", "explicit")
         yield worker, gateway, client
     finally:
         client.close()
@@ -168,7 +172,7 @@ def test_an_unload_under_a_stream_of_requests_loses_none_and_runs_none_twice(
     # Given worker b hosting sleep, and worker a hosting identity only
     b = _worker(redis_db.url, tmp_path, "b", "sleep")
     a = _worker(redis_db.url, tmp_path, "a", "identity")
-    gateway = start_gateway(redis_db.url, tmp_path / "gateway.log")
+    gateway = start_gateway(redis_db.url, tmp_path / "gateway.log", "--model-control-mode", "explicit")
     client = _client(redis_db.url)
     http = httpclient.InferenceServerClient(gateway.http_url, network_timeout=120.0)
     try:
@@ -411,4 +415,135 @@ def test_a_version_unloads_without_losing_a_request(redis_db, tmp_path) -> None:
     finally:
         r.set("gv:gate", "open")
         client.close()
+        worker.stop()
+
+
+# -- the first control call, and model control only when allowed --------------------------------
+
+def _status(url: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{url}{path}", data=body,
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw or b"{}")
+    except ValueError:
+        return status, {"body": raw.decode(errors="replace")}
+
+
+def _starting_worker(url: str, tmp_path: Path) -> WorkerProcess:
+    """``asyncinfer worker --models identity,mlp`` with its default hostname, not waited for: it
+    is in the catalogue, its models ready, a few seconds before it listens to control."""
+    return launch_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                         "identity,mlp", ASYNCINFER_MODEL_FACTORIES=FACTORIES)
+
+
+def test_a_fresh_gateway_unloads_at_once_from_a_worker_it_just_saw(redis_db, tmp_path) -> None:
+    # Given a fresh gateway that allows model control, and a worker starting behind it
+    gateway = start_gateway(redis_db.url, tmp_path / "gateway.log",
+                            "--model-control-mode", "explicit")
+    worker = _starting_worker(redis_db.url, tmp_path)
+    try:
+        # When the gateway says mlp is ready (a client's cue), and it is unloaded at once: the
+        # gateway's first control call
+        wait_for(lambda: _status(gateway.http_url, "/v2/models/mlp/ready")[0] == 200, 90,
+                 "mlp ready on the gateway", poll_s=0.02)
+        listening = " ready." in worker.log()
+        began = time.monotonic()
+        status, answer = _status(gateway.http_url, "/v2/repository/models/mlp/unload", b"{}")
+        took_s = time.monotonic() - began
+        # Then it reaches the worker and is answered (not a 504 after the whole timeout)
+        assert status == 200, answer
+        assert answer["ok"] is True and [w["worker"] for w in answer["workers"]] == [f"cpu@{HOST}"]
+        assert answer["workers"][0]["models"] == ["identity"]
+        assert "model mlp unloaded (model control)" in worker.log()
+        assert _status(gateway.http_url, "/v2/models/mlp/ready")[0] == 503
+        # and the next call is answered too
+        status, answer = _status(gateway.http_url, "/v2/repository/models/identity/unload",
+                                 b"{}")
+        assert status == 200 and answer["workers"][0]["models"] == []
+        print(f"first unload answered in {took_s:.2f} s; the worker listened already: {listening}")
+    finally:
+        gateway.stop()
+        worker.stop()
+
+
+def test_a_clients_first_call_unloads_from_a_worker_it_just_saw(redis_db, tmp_path) -> None:
+    # Given a fresh client and a worker starting
+    client = _client(redis_db.url)
+    worker = _starting_worker(redis_db.url, tmp_path)
+    try:
+        # When the catalogue lists the worker hosting mlp, and the client's first control call
+        # unloads it at once
+        def hosted() -> list[str]:
+            entry = client.models().get("mlp")
+            return [h.worker for h in entry.hosts] if entry is not None else []
+
+        assert wait_for(hosted, 90, "mlp in the catalogue", poll_s=0.02) == [f"cpu@{HOST}"]
+        listening = " ready." in worker.log()
+        outcome = client.unload_model("mlp", timeout_s=60)
+        # Then the worker gets it and answers
+        assert outcome.ok, outcome.message()
+        assert [a.worker for a in outcome.answers] == [f"cpu@{HOST}"] and not outcome.missing
+        assert outcome.answers[0].reply["models"] == ["identity"]
+        assert hosted() == []
+        assert client.load_model("mlp", workers=[f"cpu@{HOST}"]).ok
+        print(f"the worker listened already: {listening}")
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_load_and_unload_are_refused_unless_the_gateway_allows_them(redis_db, tmp_path) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    triton = "explicit model load / unload is not allowed if polling is enabled: "
+    how = "--model-control-mode explicit (or ASYNCINFER_MODEL_CONTROL_MODE=explicit"
+    worker = _worker(redis_db.url, tmp_path, "a", "identity,mlp")
+    # Given a gateway started without --model-control-mode (Triton's default, none)
+    closed = start_gateway(redis_db.url, tmp_path / "closed.log")
+    opened = None
+    http = httpclient.InferenceServerClient(closed.http_url, network_timeout=120.0)
+    grpc = grpcclient.InferenceServerClient(closed.grpc_url)
+    client = _client(redis_db.url)
+    try:
+        # When a load or an unload is asked over HTTP, Then 400 in Triton's words, saying how
+        for action in ("load", "unload"):
+            status, body = _status(closed.http_url, f"/v2/repository/models/mlp/{action}",
+                                   b'{"parameters": {"workers": "nobody"}}')
+            assert status == 400
+            assert body["error"].startswith(triton) and how in body["error"]
+            assert f"refuses a repository {action}" in body["error"]
+        with pytest.raises(InferenceServerException) as refused:
+            http.unload_model("mlp")
+        assert refused.value.status() == "400" and refused.value.message().startswith(triton)
+        # and over gRPC: UNAVAILABLE, Triton's code, with the same words
+        for call in (grpc.load_model, grpc.unload_model):
+            with pytest.raises(InferenceServerException) as refused:
+                call("mlp")
+            assert refused.value.status() == "StatusCode.UNAVAILABLE"
+            assert refused.value.message().startswith(triton) and how in refused.value.message()
+        # Then nothing was unloaded, and the index is still served, on both fronts
+        assert [h.worker for h in client.models()["mlp"].hosts] == [f"a@{HOST}"]
+        assert _index(http.get_model_repository_index())["mlp"] == ("READY", "")
+        assert {m.name: m.state for m in grpc.get_model_repository_index().models}["mlp"] == \
+            "READY"
+        # When another gateway's operator allows it through the setting, Then it serves them
+        opened = start_gateway(redis_db.url, tmp_path / "opened.log",
+                               ASYNCINFER_MODEL_CONTROL_MODE="explicit")
+        status, body = _status(opened.http_url, "/v2/repository/models/mlp/unload", b"{}")
+        assert status == 200 and body["ok"] is True, body
+        assert [h.worker for h in client.models()["mlp"].hosts] == []
+    finally:
+        http.close()
+        grpc.close()
+        client.close()
+        closed.stop()
+        if opened is not None:
+            opened.stop()
         worker.stop()

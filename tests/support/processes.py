@@ -97,11 +97,12 @@ class GatewayProcess(WorkerProcess):
         self.grpc_url = f"127.0.0.1:{grpc_port}"
 
 
-def start_gateway(redis_url: str, log_path: Path, **env: str) -> GatewayProcess:
-    """Start ``asyncinfer gateway`` on three free ports and wait until it serves."""
+def start_gateway(redis_url: str, log_path: Path, *args: str, **env: str) -> GatewayProcess:
+    """Start ``asyncinfer gateway`` (with ``args``: ``--model-control-mode explicit``, say) on
+    three free ports and wait until it serves."""
     ports = [int(p) for p in gateway_ports_env().values()]
     argv = [sys.executable, "-m", "asyncinfer", "gateway", "--http-port", str(ports[0]),
-            "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+            "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), *args]
     proc = GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
                           grpc_port=ports[1], metrics_port=ports[2])
     proc.wait_ready(60.0)

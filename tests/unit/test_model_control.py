@@ -4,6 +4,7 @@ targets and outcomes, the repository index, the gateway's load parameters."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import Any
 
@@ -127,18 +128,37 @@ def test_targets_outcomes_and_messages() -> None:
 
 
 class _Control:
-    """Celery's ``app.control`` as far as :func:`control` uses it."""
+    """Celery's ``app.control`` as far as :func:`control` uses it: ``pongs`` answer a ping of
+    every worker, a worker with a reply answers a ping naming it and its command, except while
+    ``deaf`` counts its pings down (its control channel not subscribed yet: what is sent to it
+    meanwhile is lost, as a PUBLISH nobody hears)."""
 
-    def __init__(self, pongs: list[str], replies: dict[str, dict]) -> None:
+    def __init__(self, pongs: list[str], replies: dict[str, dict],
+                 deaf: dict[str, int] | None = None) -> None:
         self.pongs, self.replies, self.sent = pongs, replies, []
+        self.deaf = dict(deaf or {})
+        self.pinged: list[list[str]] = []
 
-    def ping(self, timeout: float) -> list[dict]:
-        return [{w: {"ok": "pong"}} for w in self.pongs]
+    def ping(self, destination: list[str] | None = None, timeout: float = 1.0) -> list[dict]:
+        if destination is None:
+            return [{w: {"ok": "pong"}} for w in self.pongs]
+        self.pinged.append(list(destination))
+        heard = []
+        for w in destination:
+            if self.deaf.get(w, 0) > 0:
+                self.deaf[w] -= 1
+            elif w in self.replies:
+                heard.append(w)
+        if len(heard) < len(destination):
+            time.sleep(timeout)  # a ping waits for those that do not answer
+        return [{w: {"ok": "pong"}} for w in heard]
 
-    def broadcast(self, command: str, **kwargs: Any) -> list[dict]:
+    def broadcast(self, command: str, **kwargs: Any) -> list[dict] | None:
         self.sent.append((command, kwargs))
+        if not kwargs.get("reply"):
+            return None
         return [{w: self.replies[w]} for w in kwargs["destination"] or self.replies
-                if w in self.replies]
+                if w in self.replies and not self.deaf.get(w)]
 
 
 class _App:
@@ -150,11 +170,17 @@ def test_control_asks_every_live_worker_and_skips_those_that_run_no_model() -> N
     replies = {"a@h": {"ok": True}, "c@h": {"ok": True},
                "cpu@h": {"ok": False, "error": "it is no device worker", "device_worker": False}}
     fake = _Control(["c@h", "cpu@h"], replies)
-    outcome = control(_App(fake), LOAD, "x", _entries(), timeout_s=5)  # type: ignore[arg-type]
+    outcome = control(_App(fake), LOAD, "x", _entries(), timeout_s=0.5)  # type: ignore[arg-type]
+    # the catalogue's hosts that did not answer the fleet's ping are pinged by name first; the
+    # command goes at once to those that listen (b@h never answers: it gets it, unawaited, at
+    # the deadline)
+    assert fake.pinged[0] == ["a@h", "b@h"] and all(p == ["b@h"] for p in fake.pinged[1:])
     command, sent = fake.sent[0]
     assert command == "asyncinfer_load_model" and sent["arguments"] == {"model": "x"}
-    assert sent["destination"] == ["a@h", "b@h", "c@h", "cpu@h"] and sent["limit"] == 4
-    assert sent["timeout"] == 5 and sent["reply"] is True
+    assert sent["destination"] == ["a@h", "c@h", "cpu@h"] and sent["limit"] == 3
+    assert 0 < sent["timeout"] <= 0.5 and sent["reply"] is True
+    assert fake.sent[-1] == ("asyncinfer_load_model", {"arguments": {"model": "x"},
+                                                       "destination": ["b@h"], "reply": False})
     assert outcome.missing == ("b@h",) and [a.worker for a in outcome.skipped] == ["cpu@h"]
     assert [a.worker for a in outcome.answers] == ["a@h", "c@h"] and not outcome.ok
     # named workers: only those, and a worker that runs no model is a failure then
@@ -175,6 +201,20 @@ def test_control_asks_every_live_worker_and_skips_those_that_run_no_model() -> N
                    devices=["npu:3"]).nobody == "no live device worker on npu:3 answered"
     with pytest.raises(ValueError, match="load or unload"):
         control(_App(fake), "reload", "x", _entries())  # type: ignore[arg-type]
+
+
+def test_a_command_waits_until_each_worker_listens_and_is_never_sent_into_the_void() -> None:
+    # Given a@h in the catalogue but deaf to its first two pings (a starting worker whose control
+    # channel is not subscribed yet: a command sent then would be lost), b@h listening
+    fake = _Control([], {"a@h": {"ok": True}, "b@h": {"ok": True}}, deaf={"a@h": 2})
+    # When mlp is unloaded from both
+    outcome = control(_App(fake), UNLOAD, "mlp", _entries(), timeout_s=30)  # type: ignore[arg-type]
+    # Then b@h gets it at once, a@h once it answered a ping, and both answered
+    assert outcome.ok, outcome.message()
+    assert [a.worker for a in outcome.answers] == ["a@h", "b@h"]
+    assert fake.pinged == [["a@h", "b@h"], ["a@h"], ["a@h"]]
+    assert [(c, s["destination"]) for c, s in fake.sent] == [
+        ("asyncinfer_unload_model", ["b@h"]), ("asyncinfer_unload_model", ["a@h"])]
 
 
 def test_the_repository_index_in_tritons_form() -> None:
@@ -283,3 +323,22 @@ def test_a_worker_announces_one_entry_per_model_with_its_versions(tmp_path) -> N
         assert announced_models(runtime.by_model(), {"plus", "plus@2", "plus@10"}) == []
     finally:
         runtime.close()
+
+
+def test_the_gateway_refuses_load_and_unload_unless_its_mode_is_explicit() -> None:
+    from asyncinfer.gateway.model_control import NOT_ALLOWED, check_allowed
+
+    # Given the default mode (none), a load and an unload are refused in Triton's words, saying how
+    # to allow them (Triton answers UNAVAILABLE over gRPC)
+    for action in ("load", "unload"):
+        with pytest.raises(GatewayError) as refused:
+            check_allowed(Settings().model_control_mode, action)
+        assert refused.value.status == 400 and refused.value.grpc_code == "UNAVAILABLE"
+        assert refused.value.message.startswith(
+            "explicit model load / unload is not allowed if polling is enabled: ")
+        assert NOT_ALLOWED == "explicit model load / unload is not allowed if polling is enabled"
+        assert f"refuses a repository {action}" in refused.value.message
+        assert "--model-control-mode explicit" in refused.value.message
+        assert "ASYNCINFER_MODEL_CONTROL_MODE=explicit" in refused.value.message
+    # When the operator chose explicit, Then nothing is refused
+    check_allowed(Settings(model_control_mode="explicit").model_control_mode, "unload")

@@ -111,6 +111,8 @@ def test_unparsable_values_name_the_variable(var: str, raw: str) -> None:
     ({}, {"lease_s": -1.0}, "lease_s"),
     ({"ASYNCINFER_MAX_WORKER_DEATHS": "-1"}, {}, "max_worker_deaths"),
     ({}, {"hold_batches": -2}, "hold_batches"),
+    ({"ASYNCINFER_MODEL_CONTROL_MODE": "poll"}, {}, "ASYNCINFER_MODEL_CONTROL_MODE"),
+    ({}, {"model_control_mode": "EXPLICIT"}, "--model-control-mode"),
 ])
 def test_invalid_values_name_the_field(env: dict[str, str], overrides: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -32,3 +32,20 @@ def test_up_refuses_a_routing_table(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("ASYNCINFER_BROKER_ROUTES", "mlp=redis://127.0.0.1:1/0")
     assert run_up() == CANNOT_START
     assert "ASYNCINFER_BROKER_ROUTES is set" in capsys.readouterr().err
+
+
+def test_up_passes_its_model_control_mode_to_its_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given no flag and no setting, up's gateway refuses model control (Triton's default, none)
+    monkeypatch.delenv("ASYNCINFER_MODEL_CONTROL_MODE", raising=False)
+
+    def mode(argv: list[str]) -> str:
+        child = gateway_child(Settings.from_env(**_gateway_flags(build_parser().parse_args(argv))),
+                              {})
+        return child.argv[child.argv.index("--model-control-mode") + 1]
+
+    assert mode(["up"]) == "none"
+    # When `up --model-control-mode explicit`, or the setting, Then its gateway serves it
+    assert mode(["up", "--model-control-mode", "explicit"]) == "explicit"
+    monkeypatch.setenv("ASYNCINFER_MODEL_CONTROL_MODE", "explicit")
+    assert mode(["up"]) == "explicit"
+    assert mode(["up", "--model-control-mode", "none"]) == "none"  # the flag wins
