@@ -313,7 +313,7 @@ class Service:
         assert self.tracing is not None
         span = self.tracing.start(GATEWAY_SPAN, call.trace, kind="server", attributes={
             "rpc.system": call.protocol, "asyncinfer.model": call.model,
-            "asyncinfer.model_version": call.version, "asyncinfer.request_id": call.id})
+            "asyncinfer.model_version": call.version, "asyncinfer.call_id": call.id})
         call.trace = self.tracing.fields_of(span)
         return span
 
