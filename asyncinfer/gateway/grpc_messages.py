@@ -21,6 +21,7 @@ from asyncinfer.gateway.tensors import (
     RequestedOutput,
     raw_from_list,
 )
+from asyncinfer.wire import triton_words
 from asyncinfer.wire.datatypes import spec_for
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
@@ -89,27 +90,33 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
     """
     where_call = call_label(request.id)
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
-                             f"{len(request.inputs)} inputs (give one per input, or none)")
+    model = printable(request.model_name, 100)
     tensors = []
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
-        where = f"{where_call}: input '{printable(tensor.name, 100)}'"
+        name = printable(tensor.name, 100)
+        where = f"{where_call}: input '{name}'"
         if "shared_memory_region" in tensor.parameters:
             raise InvalidRequest(f"{where}: shared memory is not supported; send the data")
+        if raw and tensor.contents.ListFields():  # Triton's first check of an input's data
+            raise InvalidRequest(f"{triton_words.contents_and_raw(name, model)} ({where_call}: "
+                                 f"give an input's data in one or the other)")
+        if raw and i >= len(raw):
+            raise InvalidRequest(f"{triton_words.no_input_data(name, model)} ({where_call}: "
+                                 f"{len(raw)} raw_input_contents for {len(request.inputs)} "
+                                 f"inputs; give one per input, or none)")
         spec_for(tensor.datatype, where)
         shape = list(check_shape(where, list(tensor.shape)))
         if raw:
-            if tensor.contents.ListFields():
-                raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
-                                     f"(give one or the other)")
             data = raw[i]
             check_binary_input(where, tensor.datatype, shape, data)
         else:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
         tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+    if len(raw) > len(request.inputs):
+        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
+                             f"{len(request.inputs)} inputs (give one per input, or none)")
     check_unique_names(where_call, [t.name for t in tensors])
     return tensors
 

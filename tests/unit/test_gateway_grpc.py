@@ -358,11 +358,22 @@ def test_typed_contents_become_raw_data(served: Served) -> None:
      "INT32 data belongs in int_contents"),
     (_contents_request(("x", "INT32", [1], {"int_contents": [1]}), ("y", "INT32", [1], {}),
                        raw=[b"\x00" * 4, b"\x00" * 4]),
-     "has both contents and raw_input_contents[0]"),
+     # Triton's words first (grpc_explicit_int_content_client.py looks for them)
+     "contents field must not be specified when using raw_input_contents for 'x' for model "
+     "'echo' (request c1: give an input's data in one or the other)"),
+    # as grpc_explicit_int_content_client.py sends it: typed contents on the first input, raw
+    # contents for one input only; Triton's first rule broken is the first input's
+    (_contents_request(("x", "INT32", [1], {"int_contents": [1]}), ("y", "INT32", [1], {}),
+                       raw=[b"\x00" * 4]),
+     "contents field must not be specified when using raw_input_contents for 'x' for model 'echo'"),
     (_contents_request(("x", "INT32", [1], {}), ("y", "INT32", [1], {}), raw=[b"\x00" * 4]),
-     "1 raw_input_contents for 2 inputs"),
+     "unable to find data for input tensor 'y' for model 'echo' in request (request c1: 1 "
+     "raw_input_contents for 2 inputs; give one per input, or none)"),
+    (_contents_request(("x", "INT32", [1], {}), raw=[b"\x00" * 4, b"\x00" * 4]),
+     "request c1: 2 raw_input_contents for 1 inputs (give one per input, or none)"),
     (_contents_request(("x", "NOPE", [1], {})), "input 'x'"),
-], ids=["out-of-range", "count", "fp16-typed", "wrong-field", "mixed", "raw-count", "datatype"])
+], ids=["out-of-range", "count", "fp16-typed", "wrong-field", "mixed", "mixed-short", "raw-count",
+        "raw-extra", "datatype"])
 def test_malformed_contents_are_invalid_argument(served: Served, request_: Any, says: str) -> None:
     channel, stub = served.stub()
     with channel, pytest.raises(grpc.RpcError) as exc:
