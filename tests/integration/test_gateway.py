@@ -88,7 +88,8 @@ def test_health_and_metadata_as_the_v2_spec_says(http, gateway) -> None:
     assert not http.is_model_ready("mlp", "7")
     config = http.get_model_config("mlp")
     assert config["max_batch_size"] == 32
-    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [16]}]
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [16],
+                                "format": "FORMAT_NONE"}]
     status, _, body = _raw(gateway.http_url, "/v2/models/nosuchmodel")
     assert status == 404 and "nosuchmodel" in json.loads(body)["error"]
 

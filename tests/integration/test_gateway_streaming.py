@@ -37,6 +37,9 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
+#: A model whose input declares Triton's ``format`` (NCHW).
+CHANNEL_MEANS_FACTORY = "channel-means=tests.support.models:ChannelMeans"
+
 #: The words ``text_input`` holds; part ``i`` (0-based) is ``WORDS[i % 10]``.
 WORDS = [f"w{i}" for i in range(10)]
 #: Parts enough for a stream that outlives anything the test does meanwhile (never let run out).
@@ -46,11 +49,13 @@ ENDLESS = 100_000
 @pytest.fixture(scope="module")
 def stream_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[WorkerProcess]:
-    """A worker hosting echo-stream and square (decoupled) and identity (not)."""
+    """A worker hosting echo-stream and square (decoupled), identity and channel-means (not;
+    channel-means declares its input's format)."""
     proc = start_worker(redis_url, tmp_path_factory.mktemp("stream-worker") / "worker.log",
-                        "--device", "cpu", "--models", "echo-stream,identity,square",
+                        "--device", "cpu", "--models", "echo-stream,identity,square,channel-means",
                         "--concurrency", "8", "--hostname", "stream-cpu@%h",
-                        ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},{SQUARE_FACTORY}")
+                        ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},{SQUARE_FACTORY},"
+                                                   f"{CHANNEL_MEANS_FACTORY}")
     try:
         yield proc
     finally:
@@ -405,6 +410,38 @@ def test_model_config_says_which_models_are_decoupled(gateway) -> None:
         assert not client.get_model_config("identity").config.model_transaction_policy.decoupled
     finally:
         client.close()
+
+
+def test_model_config_gives_each_inputs_format_as_triton_does(gateway) -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    # HTTP: Triton's JSON config names every input's format, FORMAT_NONE when it has none
+    status, _, config = _post_get(gateway, "/v2/models/channel-means/config")
+    assert status == 200
+    assert config["input"] == [{"name": "pixels", "data_type": "TYPE_FP32", "dims": [3, 2, 2],
+                                "format": "FORMAT_NCHW"}]
+    assert config["output"] == []  # it declares none (an output has no format in Triton)
+    status, _, config = _post_get(gateway, "/v2/models/square/config")
+    assert config["input"] == [{"name": "IN", "data_type": "TYPE_INT32", "dims": [], "format":
+                                "FORMAT_NONE"}]
+    # the v2 metadata has no such key
+    status, _, meta = _post_get(gateway, "/v2/models/channel-means")
+    assert meta["inputs"] == [{"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 2, 2]}]
+    # gRPC: Triton's ModelInput.format (field 3), read with Triton's own model_config.proto
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        (pixels,) = client.get_model_config("channel-means").config.input
+        assert (pixels.name, list(pixels.dims), pixels.format) == (
+            "pixels", [3, 2, 2], model_config_pb2.ModelInput.FORMAT_NCHW)
+        (count,) = client.get_model_config("square").config.input
+        assert count.format == model_config_pb2.ModelInput.FORMAT_NONE
+        # and the model serves as declared
+        x = grpcclient.InferInput("pixels", [1, 3, 2, 2], "FP32")
+        x.set_data_from_numpy(np.arange(12, dtype=np.float32).reshape(1, 3, 2, 2))
+        means = client.infer("channel-means", [x]).as_numpy("means")
+    finally:
+        client.close()
+    np.testing.assert_array_equal(means, [[1.5, 5.5, 9.5]])
 
 
 def _post_get(gateway: GatewayProcess, path: str) -> tuple[int, str, Any]:

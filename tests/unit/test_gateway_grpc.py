@@ -34,7 +34,7 @@ METADATA = {"name": "echo", "versions": ["1"], "platform": "pytorch",
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
             "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}]}
 CONFIG = {"name": "echo", "platform": "pytorch", "backend": "asyncinfer", "max_batch_size": 8,
-          "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+          "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4], "format": "FORMAT_NCHW"}],
           "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": [4]}]}
 #: Two workers' counts of ``echo`` as fleet_stats.FleetStats.read gives them.
 STATS_WORKERS = [
@@ -178,12 +178,13 @@ def test_model_config(served: Served) -> None:
     config = served.client.get_model_config("echo").config
     assert (config.name, config.platform, config.backend, config.max_batch_size) == (
         "echo", "pytorch", "asyncinfer", 8)
-    assert [(t.name, t.data_type, list(t.dims)) for t in config.input] == [
-        ("x", model_config_pb2.TYPE_FP32, [4])]
+    # read with Triton's own model_config.proto: its ModelInput.format is field 3, as ours
+    assert [(t.name, t.data_type, list(t.dims), t.format) for t in config.input] == [
+        ("x", model_config_pb2.TYPE_FP32, [4], model_config_pb2.ModelInput.FORMAT_NCHW)]
     assert [(t.name, t.data_type, list(t.dims)) for t in config.output] == [
         ("y", model_config_pb2.TYPE_STRING, [4])]
-    assert served.client.get_model_config("echo", as_json=True)["config"]["input"][0][
-        "data_type"] == "TYPE_FP32"
+    as_json = served.client.get_model_config("echo", as_json=True)["config"]["input"][0]
+    assert (as_json["data_type"], as_json["format"]) == ("TYPE_FP32", "FORMAT_NCHW")
 
 
 def test_unknown_model_is_not_found(served: Served) -> None:
