@@ -22,9 +22,10 @@ missing model:
   by :meth:`RepeatInt32.validate`, naming the feature.
 - ``square_int32``: a request with ``IN = 0`` finishes with no response (Triton sends only the
   empty final flag).
-- the image models: Triton's configs give ``format`` (NCHW / NHWC) and ``label_filename``; a model
-  here cannot declare either yet, and classification is not served, so the labels below are what
-  a classification extension would answer with (:attr:`ImageClassifier.labels`).
+- the image models: Triton's configs give ``format`` (NCHW / NHWC), which the stand-ins declare
+  on their input as Triton's do, and ``label_filename``; classification is not served yet, so the
+  labels below are what a classification extension would answer with
+  (:attr:`ImageClassifier.labels`).
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ class DensenetOnnx(ImageClassifier):
     batch_dimension = False
     input_name, output_name = "data_0", "fc6_1"
     channels_last, classes = False, 1000
-    inputs = {"data_0": InputSpec(("FP32",), (3, 224, 224))}
+    inputs = {"data_0": InputSpec(("FP32",), (3, 224, 224), format="NCHW")}
     outputs = {"fc6_1": OutputSpec("FP32", (1000,), tuple(f"DENSENET_ONNX_CLASS_{i}"
                                                           for i in range(1000)))}
     options = ModelOptions(warmup=False)
@@ -320,7 +321,7 @@ class InceptionGraphdef(ImageClassifier):
     platform = "tensorflow_graphdef"
     input_name, output_name = "input", "InceptionV3/Predictions/Softmax"
     channels_last, classes = True, 1001
-    inputs = {"input": InputSpec(("FP32",), (299, 299, 3))}
+    inputs = {"input": InputSpec(("FP32",), (299, 299, 3), format="NHWC")}
     outputs = {"InceptionV3/Predictions/Softmax": OutputSpec(
         "FP32", (1001,), tuple(f"INCEPTION_GRAPHDEF_CLASS_{i}" for i in range(1001)))}
     options = _OPTIONS

@@ -47,6 +47,7 @@ from asyncinfer.gateway.shared_memory_tensors import (
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
 from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import UNLOAD
+from asyncinfer.wire import triton_words
 from asyncinfer.wire.envelope import printable
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
@@ -189,19 +190,26 @@ class Service:
         ``MISS_REREAD_S``).
 
         Raises:
-            GatewayError: 404 when the fleet does not know it, or not that version.
+            GatewayError: 400 for a version string that names no version; 404 when the fleet
+                does not know the model, or not that version. Each message starts with
+                Triton's words (wire/triton_words.py).
         """
+        if version and not triton_words.is_version(version):  # checked first, as Triton does
+            raise GatewayError(400, f"{triton_words.bad_version(printable(version, 40))}: a "
+                                    f"version is letters and digits (model "
+                                    f"'{printable(model, 100)}')")
         entry = self._catalogue.get(model)
         if entry is None:
             await self._refresh_once()
             entry = self._catalogue.get(model)
         if entry is None:
             known = ", ".join(self._catalogue) or "none"
-            raise GatewayError(404, f"model '{printable(model, 100)}' is unknown: no worker "
-                                    f"announced it (known: {known})")
+            raise GatewayError(404, f"{triton_words.unknown_model(printable(model, 100))}: no "
+                                    f"worker announced it (known: {known})")
         if version and version not in entry.versions:
-            raise GatewayError(404, f"model '{model}' has no version '{printable(version, 40)}' "
-                                    f"(versions: {', '.join(entry.versions)})")
+            unknown = triton_words.unknown_model(model, printable(version, 40))
+            raise GatewayError(404, f"{unknown}: the fleet has versions "
+                                    f"{', '.join(entry.versions)} of it")
         return entry
 
     async def model_metadata(self, model: str, version: str = "") -> dict[str, Any]:
@@ -397,14 +405,14 @@ class Service:
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
         outputs = {o["name"]: o for o in raw["outputs"]}
-        if wanted is not None:
+        if wanted is not None and outputs:  # none at all: a decoupled request without a part
             missing = [n for n in wanted if n not in outputs]
             if missing:
                 raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has no output "
                                         f"{', '.join(repr(m) for m in missing)} (outputs: "
                                         f"{', '.join(repr(n) for n in outputs)})")
         chosen = [output_tensor(raw["id"], outputs[n])
-                  for n in (wanted if wanted is not None else list(outputs))]
+                  for n in (wanted if wanted is not None and outputs else list(outputs))]
         if wants_classes(call):  # Triton's classification extension (classification.py)
             chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), classify_outputs,
                                              call, entry, chosen)
