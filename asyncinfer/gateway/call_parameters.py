@@ -12,10 +12,11 @@ __all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "priority", "expires_s"]
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 
-#: Parameters the gateway itself consumes; the others travel to the worker with the request.
+#: Parameters the gateway itself consumes; the others travel to the worker with the request
+#: (``sequence_id``, ``sequence_start``, ``sequence_end`` among them: the publish routes the
+#: request to its sequence's worker, whose model gets them as its control inputs).
 OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
-                  "headers", "sequence_id", "sequence_start", "sequence_end",
-                  "triton_enable_empty_final_response", "idempotency_key"}
+                  "headers", "triton_enable_empty_final_response", "idempotency_key"}
 
 
 def priority(call: InferCall) -> int | None:
