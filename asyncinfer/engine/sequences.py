@@ -19,6 +19,7 @@ that fails leaves its sequence's state as it was.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -115,7 +116,7 @@ class SequenceBook:
             seq.waiting.append(item)
             seq.last_used = self._clock()
             ready = self._next(seq)
-        item.future.add_done_callback(lambda _f, key=flags.key, done=item: self._done(key, done))
+        item.future.add_done_callback(functools.partial(self._on_done, flags.key, item))
         if ready is not None:
             self._put(ready)
 
@@ -194,6 +195,9 @@ class SequenceBook:
                 seq.running = item
                 return item
         return None
+
+    def _on_done(self, key: str, item: WorkItem, _future: Any) -> None:
+        self._done(key, item)
 
     def _done(self, key: str, item: WorkItem) -> None:
         """``item``'s future is done: its sequence's next request may go; a sequence ended (or

@@ -22,6 +22,7 @@ takes from. So each worker hosting a stateful model:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -203,7 +204,7 @@ class SequencePins:
             taken = self.taker.take([pin.split("\t", 1)[0]], self.sweep_batch, lease=self.lease)
             if not taken:
                 continue
-            self.refuse(taken, lambda d, v2, m=model, p=pin: lost_error(m, p, d.request_id, v2))
+            self.refuse(taken, functools.partial(_lost_error_of, model, pin))
             failed += len(taken)
         if failed:
             self.failed += failed
@@ -235,6 +236,11 @@ class SequencePins:
                 self._stopped.wait(wait_s)
             except Exception:  # noqa: BLE001 - the registration must outlive whatever goes wrong
                 log.exception("sequences: unexpected error")
+
+
+def _lost_error_of(model: str, pin: str, d: TakenMessage,
+                   v2: Mapping[str, Any]) -> SequenceStateLost:
+    return lost_error(model, pin, d.request_id, v2)
 
 
 def _text(value: Any) -> str:
