@@ -29,10 +29,13 @@ def model_config(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     inputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension, ``format``
     ``FORMAT_*``, as Triton's JSON always has it) and outputs (the same but ``format``; an output
     with labels has ``label_filename`` and, beside it, the ``labels``), and
-    ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
+    ``model_transaction_policy.decoupled`` (True for a model that answers in steps); a
+    stateful model's ``sequence_batching`` (Oldest, its controls, idle timeout and state)."""
     meta = entry.metadata
     batchable = bool(meta.get("batchable", True))
-    return {"name": model, "platform": str(meta.get("platform", "pytorch")),
+    sequence = {"sequence_batching": meta["sequence_batching"]} if meta.get(
+        "sequence_batching") else {}
+    return {**sequence, "name": model, "platform": str(meta.get("platform", "pytorch")),
             "backend": SERVER_NAME,
             "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
             "input": [{**_config_tensor(t, batchable), "format": _format(t)}

@@ -11,9 +11,11 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.models.sequence import SequenceBatching, SequenceState
 from asyncinfer.wire.protocol import Request
 
-__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows"]
+__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows",
+           "SequenceBatching", "SequenceState"]
 
 #: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
 Batch = dict[str, Any]
@@ -221,6 +223,12 @@ class Model:
     #: each step; without it (the default) a batch is the requests it started with, and
     #: requests arriving meanwhile wait until every row of it finished.
     inflight_batching: bool = False
+    #: A stateful model (Triton's sequence batcher, Oldest strategy: models/sequence.py): every
+    #: request belongs to a sequence (parameter ``sequence_id``, with ``sequence_start`` on its
+    #: first request and ``sequence_end`` on its last) and holds one row; a sequence's requests
+    #: run in order on one worker, one at a time, and :meth:`forward` gets the control inputs
+    #: (START, END, READY, CORRID) and the sequence's state that this declares. None: stateless.
+    sequence_batching: SequenceBatching | None = None
 
     def metadata(self, options: ModelOptions) -> dict[str, Any]:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
@@ -234,14 +242,23 @@ class Model:
                   for n, s in (self.inputs or {}).items()]
         outputs = [_tensor_metadata(n, s.datatype, s.row_shape, s.labels, batched)
                    for n, s in (self.outputs or {}).items()]
-        return {"name": self.name, "versions": [self.version], "platform": self.platform,
-                "inputs": inputs, "outputs": outputs,
-                "max_batch_size": options.max_batch_size if batched else 0,
-                "batchable": self.batchable and batched, "batch_dimension": batched,
-                "decoupled": self.decoupled}
+        entry = {"name": self.name, "versions": [self.version], "platform": self.platform,
+                 "inputs": inputs, "outputs": outputs,
+                 "max_batch_size": options.max_batch_size if batched else 0,
+                 "batchable": self.batchable and batched, "batch_dimension": batched,
+                 "decoupled": self.decoupled}
+        if self.sequence_batching is not None:
+            entry["sequence_batching"] = self.sequence_batching.config()
+        return entry
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""
+
+    def end_sequence(self, sequence_id: int | str) -> None:
+        """(A stateful model.) The worker released sequence ``sequence_id``'s state: it ended, was
+        idle past its timeout, or the model is unloaded. A model that keeps state of its own per
+        correlation ID (Triton's Oldest contract) drops it here. Default: nothing (the runner's
+        implicit state, :class:`SequenceState`, is released by the runner)."""
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest when ``request`` does not fit the declared inputs."""

@@ -300,15 +300,23 @@ REST_CASES = [
         {"name": "x", "parameters": {"classification": v}}]), {}, 400,
        f"output 'x': parameter 'classification' must be a non-negative integer (how many classes "
        f"to return), got {v!r}") for v in (-1, "2", 2.0, True, None)],
-    # Triton parameters not served: refused by name (call_parameters.py)
-    *[(f"{name} {value!r}", _doc(parameters={name: value}, inputs=[_input()]), {}, 400,
-       f"sequence batching is not served: parameter '{name}' is {value!r}")
-      for name, value in [("sequence_id", 42), ("sequence_id", "s1"), ("sequence_id", -1),
-                          ("sequence_id", 0.0), ("sequence_id", None), ("sequence_start", True),
-                          ("sequence_end", True), ("sequence_start", 0), ("sequence_end", "false")]],
+    # a sequence's parameters on a stateless model, and malformed ones: refused by name
+    *[(f"{name} {value!r}", _doc(parameters={name: value}, inputs=[_input()]), {}, 400, says)
+      for name, value, says in [
+          ("sequence_id", 42, "model 'parked' is not stateful (it declares no sequence "
+                              "batching): parameter 'sequence_id' is not served for it"),
+          ("sequence_id", "s1", "parameter 'sequence_id' is not served for it"),
+          ("sequence_id", -1, "parameter 'sequence_id' must be an unsigned 64-bit integer or a "
+                              "string, got -1"),
+          ("sequence_id", 0.0, "parameter 'sequence_id' must be an unsigned 64-bit integer or a "
+                               "string, got 0.0"),
+          ("sequence_start", True, "parameter 'sequence_start' needs a non-zero 'sequence_id'"),
+          ("sequence_end", True, "parameter 'sequence_end' needs a non-zero 'sequence_id'"),
+          ("sequence_start", 0, "parameter 'sequence_start' must be a boolean, got 0"),
+          ("sequence_end", "false", "parameter 'sequence_end' must be a boolean, got 'false'")]],
     ("a sequence's three parameters", _doc(id="7", parameters={
         "sequence_id": 5, "sequence_start": True, "sequence_end": False}, inputs=[_input()]), {},
-     400, "request 7: sequence batching is not served: parameter 'sequence_id' is 5"),
+     400, "request 7: model 'parked' is not stateful"),
     ("a triton_ parameter", _doc(parameters={"triton_anything": 1}, inputs=[_input()]), {}, 400,
      "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
      "specified: parameter 'triton_anything' is not served over HTTP (served: none)"),
@@ -566,15 +574,16 @@ GRPC_CASES = [
                              ("a string", _p(string_param="2"), "'2'"),
                              ("a double", _p(double_param=2.0), "2.0"),
                              ("a bool", _p(bool_param=True), "True"), ("unset", _p(), "None")]],
-    *[(f"{name} {shown}", _request(id="q", parameters={name: p}), INVALID,
-       f"request q: sequence batching is not served: parameter '{name}' is {shown}")
-      for name, p, shown in [("sequence_id", _p(int64_param=7), "7"),
-                             ("sequence_id", _p(uint64_param=2**64 - 1), str(2**64 - 1)),
-                             ("sequence_id", _p(string_param="s1"), "'s1'"),
-                             ("sequence_id", _p(bool_param=False), "False"),
-                             ("sequence_start", _p(bool_param=True), "True"),
-                             ("sequence_end", _p(bool_param=True), "True"),
-                             ("sequence_end", _p(int64_param=0), "0")]],
+    *[(f"{name} {shown}", _request(id="q", parameters={name: p}), INVALID, f"request q: {says}")
+      for name, p, shown, says in [
+          ("sequence_id", _p(int64_param=7), "7", "model 'parked' is not stateful"),
+          ("sequence_id", _p(uint64_param=2**64 - 1), str(2**64 - 1),
+           "model 'parked' is not stateful"),
+          ("sequence_id", _p(string_param="s1"), "'s1'", "model 'parked' is not stateful"),
+          ("sequence_start", _p(bool_param=True), "True",
+           "parameter 'sequence_start' needs a non-zero 'sequence_id'"),
+          ("sequence_end", _p(int64_param=0), "0",
+           "parameter 'sequence_end' must be a boolean, got 0")]],
     ("a triton_ parameter", _request(parameters={"triton_anything": _p(bool_param=True)}), INVALID,
      "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
      "specified: parameter 'triton_anything' is not served over GRPC (served: "
