@@ -18,6 +18,7 @@ __all__ = [
     "priority_lists",
     "priority_list",
     "queue_of_list",
+    "sequence_list",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -61,6 +62,13 @@ def priority_list(queue: str, priority: int) -> str:
     """The Redis list kombu's Redis transport puts a message of ``priority`` (0-9) on."""
     step = max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
     return queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}"
+
+
+def sequence_list(queue: str, holder: str) -> str:
+    """The own list of worker process ``holder`` for the sequences of ``queue``'s model (the
+    publish script pushes a pinned sequence's requests there): a list of the queue, as a priority
+    list is, so that what is taken from it counts as the queue's."""
+    return f"{queue}{PRIORITY_SEP}sequences {holder}"
 
 
 def queue_of_list(key: str) -> str:

@@ -27,6 +27,9 @@ __all__ = [
     "HardTimeLimit",
     "WorkerLost",
     "StreamTruncated",
+    "SequenceNotStarted",
+    "SequenceStateLost",
+    "SequenceUnavailable",
 ]
 
 
@@ -140,3 +143,23 @@ class StreamTruncated(AsyncInferError):
     """A reader started after parts of a request's stream were trimmed (the model's
     ``stream_max_parts``): it names the request and the first part still held. The request's
     final result (``AsyncResult(id)``) still holds every part, joined."""
+
+
+class SequenceNotStarted(InvalidRequest):
+    """A request of a sequence (v2 parameter ``sequence_id``) that no live sequence of its model
+    has: it is not the sequence's first request (``sequence_start``) and the sequence was never
+    started, has ended, or was idle past the model's sequence timeout (its state released). The
+    message starts with Triton's words ("inference request for sequence N to model 'M' must
+    specify the START flag on the first request of the sequence"). Nothing ran."""
+
+
+class SequenceStateLost(AsyncInferError):
+    """The state of a request's sequence is gone: the worker that held it died, stopped, or no
+    longer serves the model, before this request ran. It names the sequence, the model and the
+    worker. Never retried (another worker has no state of the sequence) and never run on a fresh
+    state: start the sequence again (``sequence_start``)."""
+
+
+class SequenceUnavailable(AsyncInferError):
+    """A sequence cannot start: no live worker serves its model's sequences (the model is not
+    stateful, or no worker hosting it runs). Nothing was sent; start it again once one runs."""

@@ -35,6 +35,10 @@ __all__ = [
     "STATS_PREFIX",
     "STATS_INDEX_KEY",
     "STREAM_PREFIX",
+    "SEQUENCE_PREFIX",
+    "SEQUENCE_MODELS_KEY",
+    "sequence_pin_key",
+    "sequence_workers_key",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -125,3 +129,24 @@ STATS_INDEX_KEY = STATS_PREFIX + "index"
 #: A streaming request's parts (wire/stream.py): the Redis Stream ``asyncinfer:stream:<request id>``
 #: on the result backend's Redis.
 STREAM_PREFIX = KEY_PREFIX + "stream:"
+
+
+#: Sequence batching (worker/intake/sequence_pins.py, client/publisher.py):
+#: ``asyncinfer:sequence:pin:<model>:<u|s><id>`` the worker a live sequence is pinned to (its
+#: registry member, below; TTL the model's sequence timeout, refreshed by each request's push);
+#: ``asyncinfer:sequence:workers:<model>`` sorted set of the workers serving the model's sequences
+#: (member ``list\tholder\ttimeout_s``: the worker's own list, its lease holder and the model's
+#: sequence timeout) → until when it lives (Redis' clock, renewed while it lives);
+#: ``asyncinfer:sequence:models`` the set of models that have such a sorted set.
+SEQUENCE_PREFIX = KEY_PREFIX + "sequence:"
+SEQUENCE_MODELS_KEY = SEQUENCE_PREFIX + "models"
+
+
+def sequence_pin_key(model: str, key: str) -> str:
+    """The pin of ``model``'s sequence ``key`` (wire/sequence.py: ``u1000``, ``sabc``)."""
+    return f"{SEQUENCE_PREFIX}pin:{model}:{key}"
+
+
+def sequence_workers_key(model: str) -> str:
+    """The sorted set of the workers serving ``model``'s sequences."""
+    return f"{SEQUENCE_PREFIX}workers:{model}"

@@ -40,6 +40,7 @@ from celery import Celery
 
 from asyncinfer.catalogue import CatalogueEntry
 from asyncinfer.model_versions import version_order
+from asyncinfer.wire import triton_words
 
 __all__ = ["WorkerOutcome", "ControlOutcome", "control", "targets_for", "repository_index",
            "LOAD", "UNLOAD", "READY", "UNAVAILABLE", "DEFAULT_CONTROL_TIMEOUT_S"]
@@ -108,9 +109,11 @@ class ControlOutcome:
         return [a for a in self.answers if not a.ok]
 
     def message(self) -> str:
-        """One line: what was done where, each failure with its reason, who did not answer."""
+        """One line: what was done where, each failure with its reason, who did not answer. A
+        load or unload not done starts with Triton's words (``load failed for model 'm': ...``,
+        ``failed to unload 'm': ...``)."""
         if self.nobody:
-            return f"{self.action} of {self.what}: {self.nobody}"
+            return f"{self._failed_words()}: {self.nobody}"
         done = [a.worker for a in self.answers if a.ok]
         parts = []
         if done:
@@ -119,8 +122,14 @@ class ControlOutcome:
         if self.missing:
             parts.append(f"no answer within the timeout from {', '.join(self.missing)} (it may "
                          f"still be under way there)")
-        verdict = "done" if self.ok else "failed"
-        return f"{self.action} of {self.what} {verdict}: " + "; ".join(parts)
+        if self.ok:
+            return f"{self.action} of {self.what} done: " + "; ".join(parts)
+        return f"{self._failed_words()}: " + "; ".join(parts)
+
+    def _failed_words(self) -> str:
+        words = (triton_words.load_failed if self.action == LOAD
+                 else triton_words.unload_failed)(self.model)
+        return f"{words} (version '{self.version}')" if self.version else words
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "action": self.action, "ok": self.ok,

@@ -13,18 +13,19 @@ Where the Triton model relies on something asyncinfer does not serve yet, the st
 closest model that can be declared today, so the example runs and fails for that reason, not for a
 missing model:
 
-- ``simple_sequence`` / ``simple_dyna_sequence`` / ``simple_string_dyna_sequence``: Triton's
-  sequence batcher feeds them the control inputs START, END, READY and CORRID; here a model sees no
-  sequence, so the stand-ins compute Triton's answer from those controls when a batch carries them
-  and treat every request as a middle one (START = END = 0) when it does not.
+- ``simple_sequence`` / ``simple_dyna_sequence`` / ``simple_string_dyna_sequence``: stateful
+  models (``sequence_batching``, Triton's configs' control inputs): the worker's sequence batcher
+  gives them START, END, READY and CORRID; ``simple_string_dyna_sequence`` keeps each sequence's
+  running sum as its implicit state.
 - ``repeat_int32``: ``max_batch_size: 0`` in Triton (``IN [n]``, ``DELAY [n]`` beside ``WAIT [1]``);
   here every input's first dimension is its rows, so a request whose inputs differ in it is refused
   by :meth:`RepeatInt32.validate`, naming the feature.
 - ``square_int32``: a request with ``IN = 0`` finishes with no response (Triton sends only the
   empty final flag).
-- the image models: Triton's configs give ``format`` (NCHW / NHWC) and ``label_filename``; a model
-  here cannot declare either yet, and classification is not served, so the labels below are what
-  a classification extension would answer with (:attr:`ImageClassifier.labels`).
+- the image models: Triton's configs give ``format`` (NCHW / NHWC), which the stand-ins declare
+  on their input as Triton's do, and ``label_filename``; classification is not served yet, so the
+  labels below are what a classification extension would answer with
+  (:attr:`ImageClassifier.labels`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec, StreamRows, StreamStep
+from asyncinfer.models.base import (
+    Batch,
+    InputSpec,
+    Model,
+    OutputSpec,
+    SequenceBatching,
+    SequenceState,
+    StreamRows,
+    StreamStep,
+)
 from asyncinfer.wire.protocol import Request
 
 __all__ = ["Simple", "SimpleInt8", "SimpleString", "SimpleIdentity", "CustomIdentityInt32",
@@ -140,72 +150,75 @@ class CustomIdentityInt32(Model):
 
 def _control(batch: Batch, name: str, rows: int) -> list[int]:
     """Control input ``name`` of a sequence model (Triton's CONTROL_SEQUENCE_*), one integer per
-    row (a string correlation id as the integer it spells); zeros when the batch carries none (no
-    sequence batcher fed it)."""
-    value = batch.get(name)
-    if value is None:
-        return [0] * rows
+    row (a string correlation id as the integer it spells)."""
     return [int(_text(v)) if isinstance(v, (bytes, bytearray, str)) else int(v)
-            for v in _np(value).reshape(rows, -1)[:, 0]]
+            for v in _np(batch[name]).reshape(rows, -1)[:, 0]]
 
 
 class SimpleSequence(Model):
-    """Triton's ``simple_sequence``: INT32 INPUT [n, 1] → OUTPUT [n, 1] = INPUT + START (the
-    sequence batcher's start flag; what the examples expect: the first request of a sequence
-    answers its input plus one, every later one its input).
-
-    asyncinfer has no sequence batching: nothing tells the model a request starts a sequence, so
-    START is 0 unless the batch carries it as an input (see the module's text)."""
+    """Triton's ``simple_sequence`` (its example repository: controls START and READY, int32):
+    INT32 INPUT [n, 1] → OUTPUT [n, 1] = INPUT + START — what the examples check: the first
+    request of a sequence answers its input plus one, every later one its input."""
 
     name = "simple_sequence"
     platform = "onnxruntime_onnx"
     inputs = {"INPUT": InputSpec(("INT32",), (1,))}
     outputs = {"OUTPUT": OutputSpec("INT32", (1,))}
     options = _OPTIONS
+    sequence_batching = SequenceBatching(start="START", ready="READY")
+
+    def forward(self, batch: Batch) -> Batch:
+        value = _np(batch["INPUT"]).astype(np.int64).reshape(-1)
+        rows = value.shape[0]
+        start = _control(batch, "START", rows)
+        out = [int(value[r]) + (1 if start[r] else 0) for r in range(rows)]
+        return {"OUTPUT": np.array(out, np.int32).reshape(rows, 1)}
+
+
+class SimpleDynaSequence(Model):
+    """Triton's ``simple_dyna_sequence`` (controls START, END, READY, CORRID uint64; Oldest):
+    OUTPUT = INPUT + START, plus the correlation id on the request that ENDs its sequence."""
+
+    name = "simple_dyna_sequence"
+    platform = "onnxruntime_onnx"
+    inputs = {"INPUT": InputSpec(("INT32",), (1,))}
+    outputs = {"OUTPUT": OutputSpec("INT32", (1,))}
+    options = _OPTIONS
+    sequence_batching = SequenceBatching(start="START", end="END", ready="READY",
+                                         corrid="CORRID", idle_timeout_s=10.0)
 
     def forward(self, batch: Batch) -> Batch:
         value = _np(batch["INPUT"]).astype(np.int64).reshape(-1)
         rows = value.shape[0]
         start, end = _control(batch, "START", rows), _control(batch, "END", rows)
         corrid = _control(batch, "CORRID", rows)
-        out = [self.answer(int(value[r]), start[r], end[r], corrid[r]) for r in range(rows)]
+        out = [int(value[r]) + (1 if start[r] else 0) + (corrid[r] if end[r] else 0)
+               for r in range(rows)]
         return {"OUTPUT": np.array(out, np.int32).reshape(rows, 1)}
 
-    def answer(self, value: int, start: int, end: int, corrid: int) -> int:
-        """One request's OUTPUT from its INPUT and its sequence's controls."""
-        return value + (1 if start else 0)
 
-
-class SimpleDynaSequence(SimpleSequence):
-    """Triton's ``simple_dyna_sequence`` (the dyna_sequence backend): as ``simple_sequence``,
-    plus the correlation id (CORRID) on the request that ENDs its sequence."""
-
-    name = "simple_dyna_sequence"
-    platform = "custom"
-
-    def answer(self, value: int, start: int, end: int, corrid: int) -> int:
-        return value + (1 if start else 0) + (corrid if end else 0)
-
-
-class SimpleStringDynaSequence(SimpleSequence):
-    """``simple_string_dyna_sequence`` (the sequence examples' ``-d``, string correlation ids):
-    each sequence's running sum of its inputs (START begins it anew), plus the correlation id on
-    the request that ENDs it. The sums are kept per correlation id, in this instance: without a
-    sequence batcher no request carries one, so each request is a sequence of its own."""
+class SimpleStringDynaSequence(Model):
+    """``simple_string_dyna_sequence`` (the sequence examples' ``-d``, string correlation ids,
+    CORRID TYPE_STRING): an accumulator — each request adds its INPUT to its sequence's running
+    sum (the implicit state ``SUM``; zero at START) and answers the sum, plus the correlation id
+    (the integer it spells) on the request that ENDs it."""
 
     name = "simple_string_dyna_sequence"
     platform = "custom"
+    inputs = {"INPUT": InputSpec(("INT32",), (1,))}
+    outputs = {"OUTPUT": OutputSpec("INT32", (1,))}
+    options = _OPTIONS
+    sequence_batching = SequenceBatching(
+        start="START", end="END", ready="READY", corrid="CORRID", corrid_datatype="BYTES",
+        state=SequenceState("SUM", "SUM_OUT", (1,), "INT64"), idle_timeout_s=10.0)
 
-    def __init__(self) -> None:
-        self.sums: dict[int, int] = {}
-
-    def answer(self, value: int, start: int, end: int, corrid: int) -> int:
-        total = value + (0 if start or not corrid else self.sums.get(corrid, 0))
-        if corrid and not end:
-            self.sums[corrid] = total
-        else:
-            self.sums.pop(corrid, None)
-        return total + (corrid if end else 0)
+    def forward(self, batch: Batch) -> Batch:
+        total = batch["SUM"] + torch.as_tensor(_np(batch["INPUT"]), dtype=torch.int64)
+        rows = total.shape[0]
+        end, corrid = _control(batch, "END", rows), _control(batch, "CORRID", rows)
+        bonus = torch.tensor([c if e else 0 for c, e in zip(corrid, end, strict=True)],
+                             dtype=torch.int64).reshape(rows, 1)
+        return {"OUTPUT": (total + bonus).to(torch.int32), "SUM_OUT": total}
 
 
 class RepeatInt32(Model):
@@ -305,7 +318,7 @@ class DensenetOnnx(ImageClassifier):
     batch_dimension = False
     input_name, output_name = "data_0", "fc6_1"
     channels_last, classes = False, 1000
-    inputs = {"data_0": InputSpec(("FP32",), (3, 224, 224))}
+    inputs = {"data_0": InputSpec(("FP32",), (3, 224, 224), format="NCHW")}
     outputs = {"fc6_1": OutputSpec("FP32", (1000,), tuple(f"DENSENET_ONNX_CLASS_{i}"
                                                           for i in range(1000)))}
     options = ModelOptions(warmup=False)
@@ -320,7 +333,7 @@ class InceptionGraphdef(ImageClassifier):
     platform = "tensorflow_graphdef"
     input_name, output_name = "input", "InceptionV3/Predictions/Softmax"
     channels_last, classes = True, 1001
-    inputs = {"input": InputSpec(("FP32",), (299, 299, 3))}
+    inputs = {"input": InputSpec(("FP32",), (299, 299, 3), format="NHWC")}
     outputs = {"InceptionV3/Predictions/Softmax": OutputSpec(
         "FP32", (1001,), tuple(f"INCEPTION_GRAPHDEF_CLASS_{i}" for i in range(1001)))}
     options = _OPTIONS

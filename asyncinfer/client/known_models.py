@@ -13,6 +13,7 @@ import redis
 
 from asyncinfer.catalogue import Catalogue
 from asyncinfer.errors import UnknownModel
+from asyncinfer.wire.triton_words import unknown_model
 
 __all__ = ["KnownModels"]
 
@@ -65,9 +66,9 @@ class KnownModels:
             return
         self._known = (time.monotonic(), known)
         if known and model not in known:
-            who = f"request {request_id}: " if request_id else ""
+            who = f" (request {request_id})" if request_id else ""
             raise UnknownModel(
-                f"{who}model '{model}' is unknown: no worker announced it in the last "
+                f"{unknown_model(model)}{who}: no worker announced it in the last "
                 f"{_duration(self.retention_s)} (known: {', '.join(sorted(known))}); "
                 f"start a worker that hosts it (asyncinfer worker --models {model})")
 

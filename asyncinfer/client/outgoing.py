@@ -8,7 +8,7 @@ both send exactly the same message.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncinfer.constants import TASK_NAME, queue_for
@@ -18,6 +18,7 @@ from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.payloads import to_input_payload
 from asyncinfer.wire.reply import REPLY_TO
 from asyncinfer.wire.request_identity import identity
+from asyncinfer.wire.sequence import SequenceFlags, sequence_of
 
 __all__ = ["Outgoing", "input_payloads"]
 
@@ -57,6 +58,10 @@ class Outgoing:
     #: span, wire/trace_context.py); None: none. With tracing on, the sender replaces it with
     #: its submit span's (asyncinfer/tracing).
     trace: dict[str, str] | None = None
+    #: The sequence an ``asyncinfer.infer`` request belongs to (its v2 parameters
+    #: ``sequence_id``, ``sequence_start``, ``sequence_end``; wire/sequence.py), routed to the
+    #: sequence's worker by the publish script (publisher.py); None: none.
+    sequence: SequenceFlags | None = field(default=None, init=False)
 
     @classmethod
     def infer(cls, model: str, inputs: Any, request_id: str, claim: bool, serializer: str, *,
@@ -73,6 +78,9 @@ class Outgoing:
             raise InvalidRequest(f"request {printable(self.request_id)}: priority must be an "
                                  f"integer 0 to 9, got {self.priority!r}")
         check_request_id(self.request_id)
+        if self.task == TASK_NAME:
+            self.sequence = sequence_of(self.kwargs.get("parameters"),
+                                        f"request {printable(self.request_id)}")
 
     def identity(self) -> str:
         """What this request's ID stands for, when its caller chose the ID (the claim's value:

@@ -26,6 +26,18 @@ rules run in turn, by Redis atomically:
   hit count goes up, and nothing is pushed (CACHED); not found, its miss count goes up and the
   rules above go on. A hit or a miss costs no round trip of its own (response_cache.py).
 
+- sequences (a stateful model's requests, v2 parameter ``sequence_id``: Triton's sequence
+  batcher): a sequence's first request (``sequence_start``) is pushed onto the own list of one
+  live worker serving the model's sequences (the one holding the fewest requests there, taking
+  turns among equals; ``asyncinfer:sequence:workers:<model>``, worker/intake/sequence_pins.py),
+  and the sequence is pinned to it (``asyncinfer:sequence:pin:<model>:<id>``, TTL the model's
+  sequence timeout, renewed by each push of the sequence; an END removes it). Every later request
+  goes onto that worker's list, in the order they are published — or is refused: without a pin
+  (never started, ended, or idle past the timeout) with SequenceNotStarted (Triton's words);
+  when the pinned worker's registration lapsed (it died, stopped, or no longer serves the model)
+  with SequenceStateLost, naming it — never run on a fresh state elsewhere. A START whose pinned
+  worker is gone starts afresh on a live one. Queue bounds and the response cache do not apply.
+
 Idle workers wake without popping (workers/wake.py), so the push is all a producer does. With
 nothing to check or mark (a generated ID, no ``max_queue_size``, the lost check off), it is a
 plain LPUSH.
@@ -40,29 +52,48 @@ from typing import Any
 
 from asyncinfer.config.priority_policy import level_of
 from asyncinfer.constants import model_from_queue, priority_list, priority_lists
-from asyncinfer.errors import QueueFull, RequestIdReused
-from asyncinfer.keys import CLAIM_PREFIX, response_cache_stats_key
+from asyncinfer.errors import (
+    QueueFull,
+    RequestIdReused,
+    SequenceNotStarted,
+    SequenceStateLost,
+    SequenceUnavailable,
+)
+from asyncinfer.keys import (
+    CLAIM_PREFIX,
+    response_cache_stats_key,
+    sequence_pin_key,
+    sequence_workers_key,
+)
 from asyncinfer.wire.request_identity import reused_message
+from asyncinfer.wire.sequence import SequenceFlags, not_started_message
 
-__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments"]
+__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments", "worker_of_pin"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL, REUSED = 1, 0, -1, -2, 2, -3, -4
+#: A sequence's request refused: not started, no live worker to start it on, its state lost.
+NOT_STARTED, NO_SEQUENCE_WORKER, STATE_LOST = -5, -6, -7
+#: The fields of a sequence's pin (a registry member): its worker's list, holder, timeout.
+_PIN_FIELDS = 3
 
 # One or more pushes onto one queue, in order, atomically: the same rules for each push.
 # KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
 # on, its claim key, its result key, its response cache key ('' for none), the model's cache
-# counts ('' for none).
+# counts ('' for none), its sequence's pin and the model's sequence workers ('' for none).
 # ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 # message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
 # check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none),
 # the bound of the list it goes on (its priority level's max_queue_size; 0: none), its identity
-# (the claim's value, wire/request_identity.py: the queue, then its fingerprint).
+# (the claim's value, wire/request_identity.py: the queue, then its fingerprint), its sequence
+# (0: none, 1: it starts one, 2: a later request of one), 1 if it ends its sequence (else 0).
 # Returns per push a status and a detail: {1, ''} published, {0, ''} already sent to this queue
 # with the same identity (or one too bare to tell), {-1, queue length} the queue is full, {-2,
 # the claim} the ID was sent to another queue, {-4, the claim} sent to this queue with another
 # identity,
 # {-3, list length} its priority level's list is full,
-# {2, ''} answered from the response cache (stored and announced as a worker would; not pushed).
+# {2, ''} answered from the response cache (stored and announced as a worker would; not pushed),
+# {-5, ''} a sequence not started, {-6, ''} no live worker to start one on, {-7, the pin} its
+# worker is gone.
 # Once the queue is found full, no push after it in the same call passes it: the queue stays full.
 _PUBLISH = """
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
@@ -78,8 +109,43 @@ local function fill(stored, id)
   end
   return table.concat(pieces, id)
 end
-for i = 0, (#ARGV - 3) / 8 - 1 do
-  local k, a = lists + 5 * i, 4 + 8 * i
+local function first_field(member) return string.sub(member, 1, string.find(member, '\t', 1, true) - 1) end
+-- A sequence's push: the list it goes on (its pinned worker's), or a refusal
+local function route(pin_key, workers, mode, ends)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local pin = redis.call('GET', pin_key)
+  local alive = false
+  if pin then
+    local until_s = redis.call('ZSCORE', workers, pin)
+    alive = until_s ~= false and tonumber(until_s) >= now
+  end
+  if mode == 1 and not alive then  -- a START: the live worker holding the fewest, in turns
+    local live = redis.call('ZRANGEBYSCORE', workers, now, '+inf')
+    if #live == 0 then return nil, -6, '' end
+    local turn = redis.call('INCR', workers .. ':turn') % #live
+    local best, fewest = nil, nil
+    for j = 0, #live - 1 do
+      local member = live[(turn + j) % #live + 1]
+      local held = redis.call('LLEN', first_field(member))
+      if not best or held < fewest then best, fewest = member, held end
+    end
+    pin = best
+  elseif not pin then
+    return nil, -5, ''
+  elseif not alive then
+    return nil, -7, pin
+  end
+  if ends == 1 then
+    redis.call('DEL', pin_key)
+  else
+    local timeout_s = tonumber(string.match(pin, '\t([^\t]*)$')) or 60
+    redis.call('SET', pin_key, pin, 'EX', math.max(1, math.ceil(timeout_s)))
+  end
+  return first_field(pin), nil, ''
+end
+for i = 0, (#ARGV - 3) / 10 - 1 do
+  local k, a = lists + 7 * i, 4 + 10 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
@@ -115,7 +181,12 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
       redis.call('HINCRBY', KEYS[k + 5], 'misses', 1)
     end
   end
-  if not status and bound > 0 then
+  local sequence = tonumber(ARGV[a + 8])
+  local target = KEYS[k + 1]
+  if not status and sequence > 0 then
+    target, status, detail = route(KEYS[k + 6], KEYS[k + 7], sequence, tonumber(ARGV[a + 9]))
+  end
+  if not status and bound > 0 and sequence == 0 then
     if not depth then
       depth = 0
       for j = 1, lists do depth = depth + redis.call('LLEN', KEYS[j]) end
@@ -123,7 +194,7 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
     if depth >= bound then status, detail = -1, depth end
   end
   local level_bound = tonumber(ARGV[a + 6])
-  if not status and level_bound > 0 then
+  if not status and level_bound > 0 and sequence == 0 then
     local held = redis.call('LLEN', KEYS[k + 1])
     if held >= level_bound then status, detail = -3, held end
   end
@@ -133,8 +204,8 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
     elseif tonumber(ARGV[a + 2]) > 0 then
       redis.call('SET', KEYS[k + 2], queue, 'EX', ARGV[a + 2])
     end
-    redis.call('LPUSH', KEYS[k + 1], ARGV[a])
-    if depth then depth = depth + 1 end
+    redis.call('LPUSH', target, ARGV[a])
+    if depth and sequence == 0 then depth = depth + 1 end
     status = 1
   end
   out[#out + 1] = status
@@ -164,7 +235,8 @@ class Publisher:
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
                 priority: int = 0, cache_key: str = "", reply_to: str = "",
-                level_max_queue_size: int = 0, identity: str = "") -> _Push:
+                level_max_queue_size: int = 0, identity: str = "",
+                sequence: SequenceFlags | None = None) -> _Push:
         """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
         ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
         under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
@@ -173,9 +245,11 @@ class Publisher:
         '' for none): found, the cached answer is stored under ``result_key`` and announced there
         and on ``reply_to``, and nothing is pushed (CACHED). ``level_max_queue_size``: the bound
         of the priority level's own list (0: none). ``identity``: what the claimed ID stands for
-        (wire/request_identity.py; "" for the queue alone)."""
+        (wire/request_identity.py; "" for the queue alone). ``sequence``: the sequence the
+        request belongs to (a stateful model's; the module's text says how it is routed)."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
-                     timeout_s, priority, cache_key, reply_to, level_max_queue_size, identity)
+                     timeout_s, priority, cache_key, reply_to, level_max_queue_size, identity,
+                     sequence)
 
 
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
@@ -187,10 +261,22 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     args: list[Any] = [len(lists), first.max_queue_size, first.queue]
     for push in pushes:
         keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
-                 push.cache_stats_key]
+                 push.cache_stats_key, push.pin_key, push.workers_key]
         args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
-                 push.result_ttl_s, push.level_max_queue_size, push.identity]
+                 push.result_ttl_s, push.level_max_queue_size, push.identity,
+                 push.sequence_mode, int(push.sequence is not None and push.sequence.end)]
     return keys, args
+
+
+def worker_of_pin(pin: str) -> str:
+    """The worker a pin names, as messages show it: ``node (pid P on host H)`` (its holder,
+    worker/intake/leases.py: ``node host pid start``)."""
+    fields = pin.split("\t")
+    holder = fields[1] if len(fields) == _PIN_FIELDS else pin
+    parts = holder.rsplit(" ", 3)
+    if len(parts) != 4:
+        return holder
+    return f"{parts[0]} (pid {parts[2]} on host {parts[1]})"
 
 
 def _ttl_s(seconds: float) -> int:
@@ -206,7 +292,8 @@ class _Push:
     def __init__(self, publisher: Any, queue: str, request_id: str,
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
                  timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "",
-                 level_max_queue_size: int = 0, identity: str = "") -> None:
+                 level_max_queue_size: int = 0, identity: str = "",
+                 sequence: SequenceFlags | None = None) -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
         self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
@@ -230,8 +317,20 @@ class _Push:
         self.quoted_id = json.dumps(request_id) if self.cache_key else ""
         self.reply_to = reply_to if self.cache_key else ""
         self.result_ttl_s = publisher.claim_ttl_s if self.cache_key else 0
+        #: A sequence's request: routed to its pinned worker by the script (no cache, no bound).
+        self.sequence = sequence
+        model = model_from_queue(queue) or queue
+        self.model = model
+        self.pin_key = sequence_pin_key(model, sequence.key) if sequence else ""
+        self.workers_key = sequence_workers_key(model) if sequence else ""
+        self.sequence_mode = 0 if sequence is None else 1 if sequence.start else 2
+        if sequence is not None:  # its own script calls: never behind a push waiting for room
+            self.cache_key = self.cache_stats_key = self.quoted_id = self.reply_to = ""
+            self.result_ttl_s = self.max_queue_size = self.level_max_queue_size = 0
+            self.group_key = (queue, 0, "sequence")
         self.scripted = (claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
-                         or bool(self.cache_key) or self.level_max_queue_size > 0)
+                         or bool(self.cache_key) or self.level_max_queue_size > 0
+                         or sequence is not None)
         #: Nothing to check, only the trace to write with the push.
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
@@ -246,6 +345,8 @@ class _Push:
         if status in (CONFLICT, REUSED):
             stored = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
             raise RequestIdReused(reused_message(self.request_id, self.identity, stored))
+        if status in (NOT_STARTED, NO_SEQUENCE_WORKER, STATE_LOST):
+            raise self._sequence_refusal(status, reply[1])
         if time.monotonic() >= self.deadline:
             depth = int(reply[1])
             if status == LEVEL_FULL:
@@ -259,6 +360,24 @@ class _Push:
                             f"at its bound (max_queue_size {self.max_queue_size}); not accepted"
                             + (f" after waiting {self.timeout_s:g} s" if self.timeout_s > 0 else ""))
         return None
+
+    def _sequence_refusal(self, status: int, detail: Any) -> Exception:
+        """Why the script refused this sequence's request (``status``; ``detail``: the pin)."""
+        assert self.sequence is not None
+        who, shown = f"request {self.request_id}", self.sequence.shown
+        if status == NOT_STARTED:
+            return SequenceNotStarted(
+                f"{who}: {not_started_message(self.sequence, self.model)} (no live sequence "
+                f"{shown}: never started, ended, or idle past the model's sequence timeout)")
+        if status == NO_SEQUENCE_WORKER:
+            return SequenceUnavailable(
+                f"{who}: no live worker serves the sequences of model '{self.model}' (it is not "
+                f"stateful, or no worker hosting it runs): sequence {shown} cannot start")
+        pin = detail.decode() if isinstance(detail, bytes) else str(detail)
+        return SequenceStateLost(
+            f"{who}: the state of sequence {shown} of model '{self.model}' is lost: its worker "
+            f"{worker_of_pin(pin)} stopped serving it (it died, stopped, or unloaded the model); "
+            f"start the sequence again (sequence_start)")
 
     def pause_s(self) -> float:
         """How long to wait before looking again (doubling, never past the deadline)."""

@@ -31,7 +31,7 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, RequestIdReused
+from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
@@ -223,6 +223,9 @@ class Sender:
     def _send(self, outgoing: Outgoing) -> None:
         """Send with Celery's ``send_task`` (a broker other than Redis)."""
         request_id = outgoing.request_id
+        if outgoing.sequence is not None:  # its routing is the Redis publish script's
+            raise InvalidRequest(f"request {request_id}: sequence batching (parameter "
+                                 f"'sequence_id') needs a Redis broker")
         if outgoing.claim and not self._claim(outgoing):
             # already sent, perhaps by another producer: wait on its own channel
             self.watcher.watch_own_channel(request_id)
@@ -241,6 +244,7 @@ class Sender:
                     outgoing.priority).max_queue_size,
                 "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
                               else outgoing.timeout_s),
+                "sequence": outgoing.sequence,
                 **self._cache_options(outgoing)}
 
     def _cache_options(self, outgoing: Outgoing) -> dict[str, Any]:

@@ -215,8 +215,8 @@ class StreamProgress:
         self.ended = True
         if status != states.SUCCESS:
             raise self.as_error(outcome)
-        if self.last_part > 0 or not isinstance(outcome, InferResponse):
-            return []
+        if self.last_part > 0 or not isinstance(outcome, InferResponse) or not outcome.outputs:
+            return []  # (no outputs: a decoupled request that ended without a part)
         return [StreamPart(self.request_id, self.last_part + 1, list(outcome.outputs.values()))]
 
     def as_error(self, outcome: Any) -> BaseException:

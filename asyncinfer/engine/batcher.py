@@ -70,6 +70,9 @@ class WorkItem:
     #: Its host's trace tag (opaque here: the worker's message headers), handed back in its
     #: batch's record when the runner records batches (tracing); None: none.
     trace: Any = None
+    #: A stateful model's request: its sequence (wire/sequence.py's ``SequenceFlags``: ID, start,
+    #: end), set by the model's sequence book (engine/sequences.py); None: no sequence.
+    sequence: Any = None
 
     def __post_init__(self) -> None:
         if self.received_at < 0:

@@ -37,6 +37,7 @@ from asyncinfer.engine.graphs import GraphSet, capture_graphs
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
 from asyncinfer.engine.job import Job, forward_only, off_device
 from asyncinfer.engine.limits import LimitWatch
+from asyncinfer.engine.sequences import SequenceBook, request_sequence
 from asyncinfer.engine.streaming import launch_stream
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.engine.vital import vital_thread
@@ -93,6 +94,8 @@ class ModelRunner:
                                group_by_cost=opts.group_by_cost,
                                max_cost_ratio=opts.cost_ratio(device.is_accelerator),
                                max_priority_passes=opts.max_priority_passes)
+        #: A stateful model's sequences (engine/sequences.py); None: stateless.
+        self.sequences = SequenceBook.of(model, self.batcher.put)
         #: Seconds the device takes with a batch, from its launch to its results on the host (a
         #: moving average; None until one ran): how fast this model gets through what a worker
         #: holds. Not from the batch's forming: a batch formed while another is on the device
@@ -138,11 +141,12 @@ class ModelRunner:
         self.device.bind_thread()
         self.model.load(self.device.torch_device)
         compile_model(self.model, self.device.torch_device, self.options)
-        warm_up(self.model, self.device, self.options)
+        if self.sequences is None:  # a stateful model: no warm-up, no graphs (it needs controls)
+            warm_up(self.model, self.device, self.options)
         if self._decoupled and self.options.graph_batch_sizes:
             log.warning("model %s: graph_batch_sizes ignored: it streams (decoupled), its steps "
                         "run eager", self.model.name)
-        elif not self._decoupled:
+        elif not self._decoupled and self.sequences is None:
             self.graphs = capture_graphs(self.model, self.device, self.options)
         for t in self._threads:
             t.start()
@@ -173,6 +177,7 @@ class ModelRunner:
         # a model without a batch dimension (Triton's max_batch_size 0) takes each request
         # whole, alone: one "row" however its inputs' first dimensions differ
         rows = rows_of(request) if self.model.batch_dimension else 1
+        sequence = request_sequence(self.sequences, self.model.name, request, rows)
         if self._decoupled and rows != 1:
             raise InvalidRequest(
                 f"request {request.id}: model '{self.model.name}' streams its answers (decoupled): "
@@ -192,13 +197,18 @@ class ModelRunner:
             item.deadline = item.received_at + expires_in_s
         if time_limits:
             self.limits.watch(item, time_limits)
-        self.batcher.put(item)
+        if sequence is not None and self.sequences is not None:
+            self.sequences.submit(item, sequence)  # the batcher's once the one before it is done
+        else:
+            self.batcher.put(item)
         return item.future
 
     def close(self) -> None:
         """Stop the threads; requests still queued fail with an error saying so."""
         self._closing = True
         for item in self.batcher.close():
+            self._shut_out(item)
+        for item in self.sequences.close() if self.sequences is not None else ():
             self._shut_out(item)
         sentinels = 0
         while True:  # batches prepared but not yet on the device fail now too
@@ -312,6 +322,8 @@ class ModelRunner:
     def _prepare(self, job: Job) -> None:
         batch = self._concat(job.items)
         job.data = batch if forward_only(job) else self.model.preprocess(batch)
+        if self.sequences is not None:  # controls and states, for the forward
+            job.data.update(self.sequences.inputs_for(job.items))
 
     def _launch(self, job: Job, stream: Any, graphs: GraphSet | None = None) -> None:
         if self._decoupled:
@@ -328,6 +340,8 @@ class ModelRunner:
                 if outputs is None:  # eager: no graphs, or none for this batch
                     on_device = {name: self.device.to_device(v) for name, v in job.data.items()}
                     outputs = self.model.forward(on_device)
+                if self.sequences is not None:  # each sequence's state, kept for its next
+                    outputs = self.sequences.keep(job.items, outputs, self.device.to_host)
                 job.data = {name: self.device.to_host(v) for name, v in outputs.items()}
                 job.event = self.device.record_event(stream)
             if job.event is None:  # no event to wait on (CPU): the device is done with it

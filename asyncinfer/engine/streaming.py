@@ -2,7 +2,8 @@
 
 Each request of the batch holds one row. After each step its outputs come to the host and each
 row's share goes to that row's request, as part 1, 2, … (``WorkItem.on_part``); a row the step
-marks ``done`` finishes: its request completes with its parts joined (:meth:`Model.join_parts`).
+marks ``done`` finishes: its request completes with its parts joined (:meth:`Model.join_parts`; a
+row done without a part completes with no outputs: a request answered with no response).
 Before each next step every live row is checked: a request revoked, past its ``expires``, or
 already answered (a time limit settled it) is cancelled (``StreamRows.cancelled``) and, unless
 already answered, answered at once (REVOKED, expired); the model stops computing it at that step.
@@ -286,7 +287,9 @@ def _row(value: Any, j: int) -> Any:
 
 
 def _finish(model: Model, rows: _Rows, r: int) -> None:
-    """Row ``r`` is done: its request completes with its parts joined."""
+    """Row ``r`` is done: its request completes with its parts joined. A row done without a part
+    is a request answered with no response, as a decoupled Triton model may end one (Triton
+    sends only its empty final flag): it completes with no outputs."""
     if not rows.state.is_live(r):
         return
     rows.state.finished.add(r)
@@ -295,10 +298,6 @@ def _finish(model: Model, rows: _Rows, r: int) -> None:
         return
     request_id = item.request.id
     parts = rows.parts[r]
-    if not parts:
-        settle(item.future, exc=ModelError(f"request {request_id}: model '{model.name}' "
-                                           f"finished its stream without a part"))
-        return
     try:
         outputs = [output_tensor(name, model.join_parts(name, pieces), item.request.binary_output)
                    for name, pieces in parts.items()]

@@ -8,7 +8,8 @@ from asyncinfer import errors
 __all__ = ["GatewayError", "GRPC_CODES", "error_for", "revoked_error"]
 
 #: HTTP status → gRPC status code name.
-GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 409: "FAILED_PRECONDITION",
+              422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
               499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
@@ -41,10 +42,12 @@ def error_for(exc: BaseException) -> GatewayError:
         return GatewayError(422, message)
     if isinstance(exc, errors.InvalidRequest):
         return GatewayError(400, message)
+    if isinstance(exc, errors.SequenceStateLost):  # the sequence must start again
+        return GatewayError(409, message)
     if isinstance(exc, errors.QueueFull):
         return GatewayError(429, message, retry_after_s=1.0)
     if isinstance(exc, (errors.BrokerUnavailable, errors.RetryBudgetExhausted, errors.NotReplicated,
-                        errors.RequestLost)):
+                        errors.RequestLost, errors.SequenceUnavailable)):
         return GatewayError(503, message)
     if isinstance(exc, (errors.RequestExpired, errors.RequestTimeout, errors.SoftTimeLimit,
                         errors.HardTimeLimit)) or type(exc).__name__ in (

@@ -1,10 +1,9 @@
 """The parameters of an infer call the gateway itself reads: its ``priority`` and its expiry
 (the ``timeout`` parameter or the caller's deadline); and the Triton parameters it does not
-serve, each refused by name (400 / INVALID_ARGUMENT) rather than ignored: sequence batching
-(:func:`refuse_sequence`), ``triton_`` keys other than the ones served
-(:func:`refuse_triton_reserved`). Each unserved feature is one rule in one function: serving it is
-lifting that rule. Parameters Triton does not define travel to the worker, as Triton passes them
-to the backend (the table in docs/gateway.md)."""
+serve, each refused by name (400 / INVALID_ARGUMENT) rather than ignored: ``triton_`` keys
+other than the ones served (:func:`refuse_triton_reserved`). Each unserved feature is one rule in
+one function: serving it is lifting that rule. Parameters Triton does not define travel to the
+worker, as Triton passes them to the backend (the table in docs/gateway.md)."""
 
 from __future__ import annotations
 
@@ -17,22 +16,18 @@ from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall
 from asyncinfer.wire.envelope import printable
 
-__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "SEQUENCE_PARAMETERS", "TRITON_PREFIX",
-           "TRITON_SERVED", "priority", "expires_s", "refuse_unserved", "refuse_sequence",
-           "refuse_triton_reserved"]
+__all__ = ["MAX_TIMEOUT_US", "OWN_PARAMETERS", "TRITON_PREFIX", "TRITON_SERVED", "priority",
+           "expires_s", "refuse_unserved", "refuse_triton_reserved"]
 
 #: The largest ``timeout`` parameter (µs) a call may give: 30 days.
 MAX_TIMEOUT_US = 30 * 86400 * 1_000_000
 
-#: Parameters the gateway itself consumes; the others travel to the worker with the request.
+#: Parameters the gateway itself consumes; the others travel to the worker with the request
+#: (``sequence_id``, ``sequence_start``, ``sequence_end`` among them: the publish routes the
+#: request to its sequence's worker, whose model gets them as its control inputs).
 OWN_PARAMETERS = {"timeout", "priority", "binary_data_output", "binary_data", "binary_data_size",
-                  "headers", "sequence_id", "sequence_start", "sequence_end",
-                  "triton_enable_empty_final_response", "idempotency_key"}
+                  "headers", "triton_enable_empty_final_response", "idempotency_key"}
 
-#: Triton's sequence extension: the request parameters of a sequence (not served). Their
-#: defaults (``sequence_id`` 0 or "", ``sequence_start`` / ``sequence_end`` false) say "no
-#: sequence" and pass: tritonclient sends them whenever a sequence_id is given.
-SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 #: Request parameter keys with this prefix are Triton's own (Triton refuses any it does not know).
 TRITON_PREFIX = "triton_"
 #: The ``triton_`` request parameters served, and the fronts they are served on (Triton's HTTP
@@ -67,34 +62,9 @@ def refuse_unserved(call: InferCall) -> None:
     """Refuse a call whose request parameters ask for a Triton feature the gateway does not serve.
 
     Raises:
-        InvalidRequest: naming the parameter (sequence batching, an unknown ``triton_`` key).
+        InvalidRequest: naming the parameter (an unknown ``triton_`` key).
     """
-    refuse_sequence(call.id, call.parameters)
     refuse_triton_reserved(call.id, call.parameters, call.protocol)
-
-
-def refuse_sequence(call_id: str, parameters: Mapping[str, Any]) -> None:
-    """Sequence batching is not served: a request that says it belongs to a sequence (a
-    ``sequence_id`` other than 0 or "", or ``sequence_start`` / ``sequence_end`` other than
-    false) is refused, never run as a stateless request that would lose the sequence's state.
-    Lift this rule where sequence batching is served.
-
-    Raises:
-        InvalidRequest: naming the parameter and its value.
-    """
-    for name in SEQUENCE_PARAMETERS:
-        if name not in parameters:
-            continue
-        value = parameters[name]
-        if name == "sequence_id" and (value == "" or type(value) is int and value == 0):
-            continue
-        if name != "sequence_id" and value is False:
-            continue
-        raise InvalidRequest(
-            f"{call_label(call_id)}: sequence batching is not served: parameter '{name}' is "
-            f"{value!r:.40}; this gateway runs each request on its own, so the requests of a "
-            f"sequence would not share the model's state (send no sequence_id, or 0, and no "
-            f"sequence_start or sequence_end that is true)")
 
 
 def refuse_triton_reserved(call_id: str, parameters: Mapping[str, Any], protocol: str) -> None:

@@ -56,11 +56,18 @@ def _data_type(name: str) -> pb.DataType:
     return pb.DataType.Value(name) if name in pb.DataType.keys() else pb.TYPE_INVALID
 
 
+def _input_format(name: str) -> pb.ModelInput.Format:
+    """A ``FORMAT_*`` name as Triton's ModelInput.Format (FORMAT_NONE for any other)."""
+    formats = pb.ModelInput.Format
+    return formats.Value(name) if name in formats.keys() else pb.ModelInput.FORMAT_NONE
+
+
 def _model_config(config: Mapping[str, Any]) -> pb.ModelConfig:
     return pb.ModelConfig(
         name=str(config["name"]), platform=str(config.get("platform", "")),
         backend=str(config.get("backend", "")), max_batch_size=int(config.get("max_batch_size", 0)),
         input=[pb.ModelInput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
+                             format=_input_format(str(t.get("format", ""))),
                              dims=[int(d) for d in t["dims"]]) for t in config.get("input", [])],
         output=[pb.ModelOutput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
                                dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])],

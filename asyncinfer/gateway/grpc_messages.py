@@ -22,6 +22,7 @@ from asyncinfer.gateway.tensors import (
     RequestedOutput,
     raw_from_list,
 )
+from asyncinfer.wire import triton_words
 from asyncinfer.wire.datatypes import spec_for
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
@@ -90,20 +91,26 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
     """
     where_call = call_label(request.id)
     raw = request.raw_input_contents
+    model = printable(request.model_name, 100)
     wheres = [f"{where_call}: input '{printable(t.name, 100)}'" for t in request.inputs]
     # an input in shared memory has no raw contents: the others' are in order (Triton's rule)
     shms = [shm_reference(where, {k: parameter_value(v) for k, v in t.parameters.items()})
             for where, t in zip(wheres, request.inputs, strict=True)]
     in_message = sum(shm is None for shm in shms)
-    if raw and len(raw) != in_message:
-        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
-                             f"{in_message} inputs (give one per input not in shared memory, or "
-                             f"none)")
+    counted = f"{in_message} inputs" + (" not in shared memory" if in_message < len(shms) else "")
     tensors, next_raw = [], 0
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
+        name = printable(tensor.name, 100)
         where, shm = wheres[i], shms[i]
+        if shm is None and raw and tensor.contents.ListFields():  # Triton's first check
+            raise InvalidRequest(f"{triton_words.contents_and_raw(name, model)} ({where_call}: "
+                                 f"give an input's data in one or the other)")
+        if shm is None and raw and next_raw >= len(raw):
+            raise InvalidRequest(f"{triton_words.no_input_data(name, model)} ({where_call}: "
+                                 f"{len(raw)} raw_input_contents for {counted}; give one per "
+                                 f"input, or none)")
         spec_for(tensor.datatype, where)
         shape = list(check_shape(where, list(tensor.shape)))
         if shm is not None:
@@ -113,15 +120,15 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
             tensors.append(InputTensor(tensor.name, tensor.datatype, shape, b"", shm=shm))
             continue
         if raw:
-            if tensor.contents.ListFields():
-                raise InvalidRequest(f"{where}: has both contents and raw_input_contents[{i}] "
-                                     f"(give one or the other)")
             data = raw[next_raw]
             next_raw += 1
             check_binary_input(where, tensor.datatype, shape, data)
         else:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
         tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+    if len(raw) > in_message:
+        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for {counted} (give "
+                             f"one per input, or none)")
     check_unique_names(where_call, [t.name for t in tensors])
     return tensors
 

@@ -39,6 +39,7 @@ from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
 from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
 from asyncinfer.gateway.streaming import Interrupted, stream
+from asyncinfer.wire import triton_words
 
 __all__ = ["stream_infer_handler", "FINAL_PARAMETER", "EMPTY_FINAL_PARAMETER"]
 
@@ -144,9 +145,10 @@ def _ids(request: pb.ModelInferRequest, *, final: bool) -> pb.ModelInferResponse
 
 def _error(request: pb.ModelInferRequest, message: str, *, final: bool = True
            ) -> pb.ModelStreamInferResponse:
-    """An error response that names its request (its ``id``, or the one it was given)."""
+    """An error response that names its request (its ``id``, or the one it was given): before
+    the message, or after it when the message starts with Triton's words (which stay first)."""
     label = call_label(request.id)
     if label not in message if request.id else "request " not in message:
-        message = f"{label}: {message}"
+        message = f"{message} ({label})" if triton_words.leads(message) else f"{label}: {message}"
     return pb.ModelStreamInferResponse(error_message=message,
                                        infer_response=_ids(request, final=final))

@@ -20,22 +20,26 @@ def model_metadata(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     meta = entry.metadata
     return {"name": model, "versions": entry.versions,
             "platform": str(meta.get("platform", "pytorch")),
-            "inputs": list(meta.get("inputs") or []),
-            "outputs": [{k: v for k, v in t.items() if k != "labels"}  # v2 keys only
-                        for t in meta.get("outputs") or []]}
+            "inputs": [_metadata_tensor(t) for t in meta.get("inputs") or []],
+            "outputs": [_metadata_tensor(t) for t in meta.get("outputs") or []]}
 
 
 def model_config(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     """Enough of Triton's ModelConfig for clients that ask: name, platform, max batch size,
-    inputs and outputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension; an
-    output with labels has ``label_filename`` and, beside it, the ``labels``), and
-    ``model_transaction_policy.decoupled`` (True for a model that answers in steps)."""
+    inputs (``data_type`` ``TYPE_*``, ``dims`` without the batch dimension, ``format``
+    ``FORMAT_*``, as Triton's JSON always has it) and outputs (the same but ``format``; an output
+    with labels has ``label_filename`` and, beside it, the ``labels``), and
+    ``model_transaction_policy.decoupled`` (True for a model that answers in steps); a
+    stateful model's ``sequence_batching`` (Oldest, its controls, idle timeout and state)."""
     meta = entry.metadata
     batchable = bool(meta.get("batchable", True))
-    return {"name": model, "platform": str(meta.get("platform", "pytorch")),
+    sequence = {"sequence_batching": meta["sequence_batching"]} if meta.get(
+        "sequence_batching") else {}
+    return {**sequence, "name": model, "platform": str(meta.get("platform", "pytorch")),
             "backend": SERVER_NAME,
             "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
-            "input": [_config_tensor(t, batchable) for t in meta.get("inputs") or []],
+            "input": [{**_config_tensor(t, batchable), "format": _format(t)}
+                      for t in meta.get("inputs") or []],
             "output": [_config_tensor(t, batchable) for t in meta.get("outputs") or []],
             "model_transaction_policy": {"decoupled": is_decoupled(entry)}}
 
@@ -44,6 +48,18 @@ def is_decoupled(entry: CatalogueEntry) -> bool:
     """Whether the model answers in steps (the catalogue's ``decoupled``: Triton's decoupled
     transaction policy)."""
     return bool(entry.metadata.get("decoupled", False))
+
+
+def _metadata_tensor(tensor: Mapping[str, Any]) -> dict[str, Any]:
+    """A v2 metadata tensor: name, datatype and shape (the catalogue's other keys are the
+    config's)."""
+    return {k: tensor[k] for k in ("name", "datatype", "shape") if k in tensor}
+
+
+def _format(tensor: Mapping[str, Any]) -> str:
+    """An input's Triton ``format``: the ``FORMAT_*`` its model declared (models/base.py
+    InputSpec checks it), else ``FORMAT_NONE``."""
+    return str(tensor.get("format") or "FORMAT_NONE")
 
 
 def _config_tensor(tensor: Mapping[str, Any], batchable: bool) -> dict[str, Any]:

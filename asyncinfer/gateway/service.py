@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,7 @@ from asyncinfer.gateway.handover import Handover
 from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
 from asyncinfer.gateway.model_control import control_options
+from asyncinfer.gateway.sequence_order import SequenceOrder
 from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.shared_memory_tensors import (
     in_shared_memory,
@@ -47,7 +49,9 @@ from asyncinfer.gateway.shared_memory_tensors import (
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
 from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import UNLOAD
+from asyncinfer.wire import triton_words
 from asyncinfer.wire.envelope import printable
+from asyncinfer.wire.sequence import sequence_of
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
            "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor",
@@ -103,6 +107,8 @@ class Service:
         #: Called with (call, HTTP status, seconds) after every infer call (the metrics).
         self.on_infer: Callable[[InferCall, int, float], None] = lambda call, status, seconds: None
         self.in_flight = 0
+        #: A sequence's calls go to the publisher in the order they came.
+        self._sequences = SequenceOrder()
         #: Set when the gateway stops: calls cut off then are not revoked.
         self.stopping = False
         #: OpenTelemetry (``ASYNCINFER_TRACING``, asyncinfer/tracing): each infer call's server
@@ -189,19 +195,26 @@ class Service:
         ``MISS_REREAD_S``).
 
         Raises:
-            GatewayError: 404 when the fleet does not know it, or not that version.
+            GatewayError: 400 for a version string that names no version; 404 when the fleet
+                does not know the model, or not that version. Each message starts with
+                Triton's words (wire/triton_words.py).
         """
+        if version and not triton_words.is_version(version):  # checked first, as Triton does
+            raise GatewayError(400, f"{triton_words.bad_version(printable(version, 40))}: a "
+                                    f"version is letters and digits (model "
+                                    f"'{printable(model, 100)}')")
         entry = self._catalogue.get(model)
         if entry is None:
             await self._refresh_once()
             entry = self._catalogue.get(model)
         if entry is None:
             known = ", ".join(self._catalogue) or "none"
-            raise GatewayError(404, f"model '{printable(model, 100)}' is unknown: no worker "
-                                    f"announced it (known: {known})")
+            raise GatewayError(404, f"{triton_words.unknown_model(printable(model, 100))}: no "
+                                    f"worker announced it (known: {known})")
         if version and version not in entry.versions:
-            raise GatewayError(404, f"model '{model}' has no version '{printable(version, 40)}' "
-                                    f"(versions: {', '.join(entry.versions)})")
+            unknown = triton_words.unknown_model(model, printable(version, 40))
+            raise GatewayError(404, f"{unknown}: the fleet has versions "
+                                    f"{', '.join(entry.versions)} of it")
         return entry
 
     async def model_metadata(self, model: str, version: str = "") -> dict[str, Any]:
@@ -364,14 +377,22 @@ class Service:
                                         f"no output {', '.join(repr(m) for m in missing)} "
                                         f"(outputs: {', '.join(repr(n) for n in declared)})")
         check_classes(call, entry)
+        sequence = sequence_of(call.parameters, call_label(call.id))
+        if sequence is not None and not entry.metadata.get("sequence_batching"):
+            raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' is not stateful "
+                                    f"(it declares no sequence batching): parameter "
+                                    f"'sequence_id' is not served for it")
         parameters = {k: v for k, v in call.parameters.items() if k not in OWN_PARAMETERS}
         if call.version:  # /versions/{v}/infer: that version runs it
             parameters[PARAMETER] = call.version
-        return await self._send(call.model, inputs, {
+        send = functools.partial(self._send, call.model, inputs, {
             "request_id": idempotency_key(call) or None, "parameters": parameters,
             "serializer": "msgpack",
             "binary": True, "expires": call_expires_s, "timeout_s": 0.0,
             "priority": call_priority, "trace": call.trace})
+        if sequence is None:
+            return await send()
+        return await self._sequences.send((call.model, sequence.key), send)
 
     def wait(self, sent: InferFuture) -> asyncio.Future[Any]:
         """A loop future that ends as ``sent`` does (cancelling it leaves the request alone)."""
@@ -398,14 +419,14 @@ class Service:
         raw = response.raw
         wanted = None if call.outputs is None else [o.name for o in call.outputs]
         outputs = {o["name"]: o for o in raw["outputs"]}
-        if wanted is not None:
+        if wanted is not None and outputs:  # none at all: a decoupled request without a part
             missing = [n for n in wanted if n not in outputs]
             if missing:
                 raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has no output "
                                         f"{', '.join(repr(m) for m in missing)} (outputs: "
                                         f"{', '.join(repr(n) for n in outputs)})")
         chosen = [output_tensor(raw["id"], outputs[n])
-                  for n in (wanted if wanted is not None else list(outputs))]
+                  for n in (wanted if wanted is not None and outputs else list(outputs))]
         if wants_classes(call):  # Triton's classification extension (classification.py)
             chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), classify_outputs,
                                              call, entry, chosen)

@@ -1,15 +1,17 @@
 """Model registry: built-ins, import-path factories, TorchScript and torch.export files.
 
 What a model author needs comes from here: ``from asyncinfer.models import Model, InputSpec,
-OutputSpec, StreamStep, StreamRows, Batch, ModelOptions, Request`` (the base class, its declared
-inputs and outputs, a decoupled model's steps and rows, a batch, the batching options a model
-declares, and the request :meth:`Model.validate`, :meth:`Model.signature` and
-:meth:`Model.row_cost` are given)."""
+OutputSpec, StreamStep, StreamRows, Batch, ModelOptions, Request, SequenceBatching,
+SequenceState`` (the base class, its declared inputs and outputs, a decoupled model's steps and
+rows, a batch, the batching options a model declares, the request :meth:`Model.validate`,
+:meth:`Model.signature` and :meth:`Model.row_cost` are given, and a stateful model's sequence
+batching and state: docs/sequences.md)."""
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec, StreamRows, StreamStep
 from asyncinfer.models.registry import Registry
+from asyncinfer.models.sequence import SequenceBatching, SequenceState
 from asyncinfer.wire.protocol import Request
 
 __all__ = ["Batch", "InputSpec", "Model", "ModelOptions", "OutputSpec", "Registry", "Request",
-           "StreamRows", "StreamStep"]
+           "SequenceBatching", "SequenceState", "StreamRows", "StreamStep"]

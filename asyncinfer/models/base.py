@@ -11,22 +11,41 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.models.sequence import SequenceBatching, SequenceState
 from asyncinfer.wire.protocol import Request
 
-__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows"]
+__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows",
+           "SequenceBatching", "SequenceState"]
 
 #: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
 Batch = dict[str, Any]
 
+#: An input's layout as Triton's model config names it (``ModelInput.format``): none, or an image's
+#: channels last (NHWC) or first (NCHW).
+INPUT_FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One declared input: its accepted datatypes, the shape of one row (-1: any size), and
-    whether NaN and infinite values are accepted (``allow_nonfinite=False`` refuses them)."""
+    """One declared input: its accepted datatypes, the shape of one row (-1: any size), whether
+    NaN and infinite values are accepted (``allow_nonfinite=False`` refuses them), and its
+    ``format`` as Triton's model config gives it (``"NCHW"`` or ``"NHWC"`` for an image, Triton's
+    ``FORMAT_*`` names too; "" for none): clients such as Triton's image client read it from the
+    model config to lay out what they send. It changes no check: a model says it, the gateway
+    shows it."""
 
     datatypes: tuple[str, ...]
     row_shape: tuple[int, ...]
     allow_nonfinite: bool = True
+    format: str = ""
+
+    def __post_init__(self) -> None:
+        named = self.format.upper()
+        named = named if not named or named.startswith("FORMAT_") else f"FORMAT_{named}"
+        if named and named not in INPUT_FORMATS:
+            raise ValueError(f"InputSpec: format must be NCHW, NHWC or NONE (Triton's "
+                             f"{', '.join(INPUT_FORMATS)}), got {self.format!r}")
+        object.__setattr__(self, "format", "" if named == "FORMAT_NONE" else named)
 
     def check(self, request_id: str, name: str, datatype: str, shape: tuple[int, ...],
               batch_dimension: bool = True) -> None:
@@ -149,9 +168,14 @@ def _rows_in(value: Any) -> int:
 
 
 def _tensor_metadata(name: str, datatype: str, row_shape: tuple[int, ...],
-                     labels: tuple[str, ...] = (), batch_dimension: bool = True) -> dict[str, Any]:
-    tensor = {"name": name, "datatype": datatype,
-              "shape": [-1, *row_shape] if batch_dimension else list(row_shape)}
+                     labels: tuple[str, ...] = (), batch_dimension: bool = True,
+                     layout: str = "") -> dict[str, Any]:
+    """A tensor as the catalogue holds it: its shape with -1 for the batch dimension (none
+    without one), its labels and ``format`` (Triton's ``FORMAT_*``) only when declared."""
+    tensor: dict[str, Any] = {"name": name, "datatype": datatype,
+                              "shape": [-1, *row_shape] if batch_dimension else list(row_shape)}
+    if layout:
+        tensor["format"] = layout
     return {**tensor, "labels": list(labels)} if labels else tensor
 
 
@@ -199,25 +223,42 @@ class Model:
     #: each step; without it (the default) a batch is the requests it started with, and
     #: requests arriving meanwhile wait until every row of it finished.
     inflight_batching: bool = False
+    #: A stateful model (Triton's sequence batcher, Oldest strategy: models/sequence.py): every
+    #: request belongs to a sequence (parameter ``sequence_id``, with ``sequence_start`` on its
+    #: first request and ``sequence_end`` on its last) and holds one row; a sequence's requests
+    #: run in order on one worker, one at a time, and :meth:`forward` gets the control inputs
+    #: (START, END, READY, CORRID) and the sequence's state that this declares. None: stateless.
+    sequence_batching: SequenceBatching | None = None
 
     def metadata(self, options: ModelOptions) -> dict[str, Any]:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
-        outputs with -1 for the batch dimension; none for a model that declares none), the
+        outputs with -1 for the batch dimension, an input's ``format`` when it declares one; none
+        for a model that declares none), the
         batching it serves with, and whether it streams its answers (``decoupled``: Triton's
         ``model_transaction_policy``)."""
         batched = self.batch_dimension
-        inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape, batch_dimension=batched)
+        inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape, batch_dimension=batched,
+                                   layout=s.format)
                   for n, s in (self.inputs or {}).items()]
         outputs = [_tensor_metadata(n, s.datatype, s.row_shape, s.labels, batched)
                    for n, s in (self.outputs or {}).items()]
-        return {"name": self.name, "versions": [self.version], "platform": self.platform,
-                "inputs": inputs, "outputs": outputs,
-                "max_batch_size": options.max_batch_size if batched else 0,
-                "batchable": self.batchable and batched, "batch_dimension": batched,
-                "decoupled": self.decoupled}
+        entry = {"name": self.name, "versions": [self.version], "platform": self.platform,
+                 "inputs": inputs, "outputs": outputs,
+                 "max_batch_size": options.max_batch_size if batched else 0,
+                 "batchable": self.batchable and batched, "batch_dimension": batched,
+                 "decoupled": self.decoupled}
+        if self.sequence_batching is not None:
+            entry["sequence_batching"] = self.sequence_batching.config()
+        return entry
 
     def load(self, device: torch.device) -> None:
         """Move weights to ``device``; called once in the worker process before serving."""
+
+    def end_sequence(self, sequence_id: int | str) -> None:
+        """(A stateful model.) The worker released sequence ``sequence_id``'s state: it ended, was
+        idle past its timeout, or the model is unloaded. A model that keeps state of its own per
+        correlation ID (Triton's Oldest contract) drops it here. Default: nothing (the runner's
+        implicit state, :class:`SequenceState`, is released by the runner)."""
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest when ``request`` does not fit the declared inputs."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import groupby
 from operator import itemgetter
 from typing import Any
@@ -107,6 +107,11 @@ class Pipeline:
 
     def took(self, taken: list[Taken]) -> None:
         """Start what the take script popped and recorded; store the STARTED states it did not."""
+        self._go(self._taken(taken))
+
+    def _taken(self, taken: list[Taken]) -> list[TakenMessage]:
+        """What the take script popped, parsed and held (each message that is not a kombu
+        envelope answered alone)."""
         received_at = time.perf_counter()
         deliveries: list[TakenMessage] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
@@ -114,7 +119,22 @@ class Pipeline:
             deliveries += self._parse([(TakenMessage(raw=raw, queue=queue, received_at=received_at,
                                                      key=key, started=started, deaths=died), rec)
                                        for _, raw, rec, started, died in group])
-        self._go(deliveries)
+        return deliveries
+
+    def refuse(self, taken: list[Taken],
+               error_of: Callable[[TakenMessage, Mapping[str, Any]], BaseException]) -> None:
+        """Fail what the take script popped and recorded, without running any of it (the
+        requests a dead worker's own list held: worker/intake/sequence_pins.py); ``error_of(d,
+        v2)`` is each one's error (``v2``: its request, ``{}`` when it does not decode)."""
+        deliveries = self._taken(taken)
+        with self.writer.gathering():
+            for d in deliveries:
+                try:
+                    args, kwargs, _ = decode_body(d, self.policy.max_payload_bytes)
+                    v2: Mapping[str, Any] = request_kwargs(d.request_id, args, kwargs)
+                except Exception:  # noqa: BLE001 - it fails either way; its error says less
+                    v2 = {}
+                self.outcomes.fail(d, error_of(d, v2), retry=False)
 
     def received(self, messages: list[TakenMessage]) -> None:
         """Start ``messages`` that a transport other than the take script received (kombu:

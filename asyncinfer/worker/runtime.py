@@ -35,6 +35,7 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import TimeLimits, Wedge
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
+from asyncinfer.wire.triton_words import unknown_model
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import is_revoked
 from asyncinfer.worker.metrics import WorkerMetrics
@@ -109,9 +110,9 @@ class WorkerRuntime:
         hosted = self.settings.models if self._hosted is None else self._hosted
         if (hosted or self._hosted is not None) and model not in hosted \
                 and model in self.registry.names():
-            who = f"request {request_id}: " if request_id else ""
-            raise UnknownModel(f"{who}model '{model}' is not hosted by this worker "
-                               f"(it hosts: {', '.join(hosted) or 'none'})")
+            who = f" (request {request_id})" if request_id else ""
+            raise UnknownModel(f"{unknown_model(model)}{who}: model '{model}' is not hosted by this "
+                               f"worker (it hosts: {', '.join(hosted) or 'none'})")
         with self._lock:
             runner = self._runners.get(model)
             if runner is None:
@@ -146,11 +147,11 @@ class WorkerRuntime:
         self._routes = routes
 
     def _no_version(self, model: str, version: str, request_id: str | None) -> UnknownModel:
-        who = f"request {request_id}: " if request_id else ""
+        who = f" (request {request_id})" if request_id else ""
         loaded = sorted_versions(r.model.version for key, r in self._runners.items()
                                  if split_key(key)[0] == model)
-        return UnknownModel(f"{who}model '{model}' has no version '{version}' on this worker "
-                            f"(versions here: {', '.join(loaded) or 'none'})")
+        return UnknownModel(f"{unknown_model(model, version)}{who}: not on this worker (versions "
+                            f"here: {', '.join(loaded) or 'none'})")
 
     def key_for(self, model: str, version: str = "") -> str:
         """The registry name of ``version`` of ``model`` (``model@version``, or ``model`` itself

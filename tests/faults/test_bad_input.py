@@ -91,7 +91,8 @@ CASES: dict[str, Case] = {
         rule=r"model 'no-such-model' is not registered"),
     "registered model this worker does not host": Case(
         {"model": "gated", "inputs": [_fp32("index", [1, 1], [1.0], "FP64")]}, error=UnknownModel,
-        rule=r"model 'gated' is not hosted by this worker \(it hosts: identity,"),
+        rule=r"^Request for unknown model: 'gated' is not found \(request [^)]+\): model 'gated' is "
+             r"not hosted by this worker \(it hosts: identity,"),
     "NaN where the model forbids it": Case(
         {"model": "mlp", "inputs": [_fp32("input", [1, 16], _mlp_row(3, float("nan")))]},
         model="mlp", rule=r"input 'input': NaN and infinite values are not accepted \(element 3 is nan\)"),
@@ -143,7 +144,10 @@ def assert_refused(future, case: Case) -> None:
         future.result(timeout=60)
     assert type(err.value) is case.error
     message = str(err.value)
-    assert message.startswith(f"request {future.id}: "), message
+    if message.startswith("Request for unknown model: "):  # Triton's words first, then the ID
+        assert f" (request {future.id}): " in message, message
+    else:
+        assert message.startswith(f"request {future.id}: "), message
     assert re.search(case.rule, message), message
 
 

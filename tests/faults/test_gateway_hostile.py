@@ -300,15 +300,23 @@ REST_CASES = [
         {"name": "x", "parameters": {"classification": v}}]), {}, 400,
        f"output 'x': parameter 'classification' must be a non-negative integer (how many classes "
        f"to return), got {v!r}") for v in (-1, "2", 2.0, True, None)],
-    # Triton parameters not served: refused by name (call_parameters.py)
-    *[(f"{name} {value!r}", _doc(parameters={name: value}, inputs=[_input()]), {}, 400,
-       f"sequence batching is not served: parameter '{name}' is {value!r}")
-      for name, value in [("sequence_id", 42), ("sequence_id", "s1"), ("sequence_id", -1),
-                          ("sequence_id", 0.0), ("sequence_id", None), ("sequence_start", True),
-                          ("sequence_end", True), ("sequence_start", 0), ("sequence_end", "false")]],
+    # a sequence's parameters on a stateless model, and malformed ones: refused by name
+    *[(f"{name} {value!r}", _doc(parameters={name: value}, inputs=[_input()]), {}, 400, says)
+      for name, value, says in [
+          ("sequence_id", 42, "model 'parked' is not stateful (it declares no sequence "
+                              "batching): parameter 'sequence_id' is not served for it"),
+          ("sequence_id", "s1", "parameter 'sequence_id' is not served for it"),
+          ("sequence_id", -1, "parameter 'sequence_id' must be an unsigned 64-bit integer or a "
+                              "string, got -1"),
+          ("sequence_id", 0.0, "parameter 'sequence_id' must be an unsigned 64-bit integer or a "
+                               "string, got 0.0"),
+          ("sequence_start", True, "parameter 'sequence_start' needs a non-zero 'sequence_id'"),
+          ("sequence_end", True, "parameter 'sequence_end' needs a non-zero 'sequence_id'"),
+          ("sequence_start", 0, "parameter 'sequence_start' must be a boolean, got 0"),
+          ("sequence_end", "false", "parameter 'sequence_end' must be a boolean, got 'false'")]],
     ("a sequence's three parameters", _doc(id="7", parameters={
         "sequence_id": 5, "sequence_start": True, "sequence_end": False}, inputs=[_input()]), {},
-     400, "request 7: sequence batching is not served: parameter 'sequence_id' is 5"),
+     400, "request 7: model 'parked' is not stateful"),
     ("a triton_ parameter", _doc(parameters={"triton_anything": 1}, inputs=[_input()]), {}, 400,
      "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
      "specified: parameter 'triton_anything' is not served over HTTP (served: none)"),
@@ -368,27 +376,34 @@ def test_a_bad_rest_request_gets_a_4xx_naming_the_rule_and_nothing_is_enqueued(
     assert fleet.queued().get("infer.parked", 0) == queued
 
 
-@pytest.mark.parametrize(("path", "message"), [
-    ("/v2/models/../infer", "model '..' is unknown"),
-    ("/v2/models/%2e%2e/infer", "model '..' is unknown"),
-    ("/v2/models/%00/infer", "model '\\x00' is unknown"),  # control characters shown escaped
-    ("/v2/models/infer.parked/infer", "model 'infer.parked' is unknown"),
-    ("/v2/models/park%20ed/infer", "model 'park ed' is unknown"),
-    ("/v2/models/parked%2Finfer/infer", "model 'parked/infer' is unknown"),
-    ("/v2/models/" + "m" * 3000 + "/infer", "is unknown: no worker announced it"),
-    ("/v2/models/parked/versions/2/infer", "model 'parked' has no version '2'"),
-    ("/v2/models/parked/versions/../infer", "model 'parked' has no version '..'"),
-    ("/v2/models/parked/versions/%00/infer", "model 'parked' has no version '\\x00'"),
-    ("/v2/models/parked/versions/-1/infer", "model 'parked' has no version '-1'"),
-    ("/v2/models/parked/infer/more", "no such route: POST /v2/models/parked/infer/more"),
-    ("/v2/nothing", "no such route: POST /v2/nothing"),
+@pytest.mark.parametrize(("path", "status", "message"), [
+    ("/v2/models/../infer", 404, "Request for unknown model: '..' is not found: no worker"),
+    ("/v2/models/%2e%2e/infer", 404, "Request for unknown model: '..' is not found"),
+    # control characters shown escaped
+    ("/v2/models/%00/infer", 404, "Request for unknown model: '\\x00' is not found"),
+    ("/v2/models/infer.parked/infer", 404, "Request for unknown model: 'infer.parked' is not found"),
+    ("/v2/models/park%20ed/infer", 404, "Request for unknown model: 'park ed' is not found"),
+    ("/v2/models/parked%2Finfer/infer", 404, "Request for unknown model: 'parked/infer' is not found"),
+    ("/v2/models/" + "m" * 3000 + "/infer", 404, "Request for unknown model: 'mmmmmmmm"),
+    ("/v2/models/parked/versions/2/infer", 404,
+     "Request for unknown model: 'parked' version 2 is not found: the fleet has versions 1 of it"),
+    # a version string that can name no version: Triton's 400 (INVALID_ARG) and words
+    ("/v2/models/parked/versions/../infer", 400,
+     "failed to get model version from specified version string '..': a version is letters and "
+     "digits (model 'parked')"),
+    ("/v2/models/parked/versions/%00/infer", 400,
+     "failed to get model version from specified version string '\\x00'"),
+    ("/v2/models/parked/versions/-1/infer", 400, "invalid model version specified '-1'"),
+    ("/v2/models/parked/infer/more", 404, "no such route: POST /v2/models/parked/infer/more"),
+    ("/v2/nothing", 404, "no such route: POST /v2/nothing"),
 ], ids=lambda v: v[:40] if isinstance(v, str) and v.startswith("/") else "")
-def test_odd_model_names_and_versions_get_404_and_nothing_is_enqueued(fleet: Fleet, path: str,
-                                                                    message: str) -> None:
+def test_odd_model_names_and_versions_are_refused_and_nothing_is_enqueued(
+        fleet: Fleet, path: str, status: int, message: str) -> None:
     queued = fleet.queued().get("infer.parked", 0)
-    status, _, answer = _http(fleet.http, "POST", path, _good(), timeout_s=10)
-    assert status == 404, answer[:300]
-    assert message in json.loads(answer)["error"]
+    got, _, answer = _http(fleet.http, "POST", path, _good(), timeout_s=10)
+    assert got == status, answer[:300]
+    error = json.loads(answer)["error"]
+    assert error.startswith(message), error  # Triton's words first, where Triton has them
     assert set(fleet.queued()) <= {"infer.parked", "infer.identity", "infer.gated"}
     assert fleet.queued().get("infer.parked", 0) == queued
 
@@ -531,7 +546,8 @@ GRPC_CASES = [
                                                             contents=C(int_contents=[1, 300]))], raw=[]),
      INVALID, "data element 1 = 300 is out of range for INT8"),
     ("contents and raw", _request(inputs=[_tensor(contents=C(fp32_contents=[1, 2]))]), INVALID,
-     "has both contents and raw_input_contents[0]"),
+     "contents field must not be specified when using raw_input_contents for 'x' for model "
+     "'parked' (request (no id): give an input's data in one or the other)"),
     ("no data at all", _request(inputs=[_tensor()], raw=[]), INVALID,
      "data has 0 elements but shape [1, 2] needs 2"),
     ("no inputs", _request(inputs=[]), INVALID, "a v2 request needs at least one input"),
@@ -558,15 +574,16 @@ GRPC_CASES = [
                              ("a string", _p(string_param="2"), "'2'"),
                              ("a double", _p(double_param=2.0), "2.0"),
                              ("a bool", _p(bool_param=True), "True"), ("unset", _p(), "None")]],
-    *[(f"{name} {shown}", _request(id="q", parameters={name: p}), INVALID,
-       f"request q: sequence batching is not served: parameter '{name}' is {shown}")
-      for name, p, shown in [("sequence_id", _p(int64_param=7), "7"),
-                             ("sequence_id", _p(uint64_param=2**64 - 1), str(2**64 - 1)),
-                             ("sequence_id", _p(string_param="s1"), "'s1'"),
-                             ("sequence_id", _p(bool_param=False), "False"),
-                             ("sequence_start", _p(bool_param=True), "True"),
-                             ("sequence_end", _p(bool_param=True), "True"),
-                             ("sequence_end", _p(int64_param=0), "0")]],
+    *[(f"{name} {shown}", _request(id="q", parameters={name: p}), INVALID, f"request q: {says}")
+      for name, p, shown, says in [
+          ("sequence_id", _p(int64_param=7), "7", "model 'parked' is not stateful"),
+          ("sequence_id", _p(uint64_param=2**64 - 1), str(2**64 - 1),
+           "model 'parked' is not stateful"),
+          ("sequence_id", _p(string_param="s1"), "'s1'", "model 'parked' is not stateful"),
+          ("sequence_start", _p(bool_param=True), "True",
+           "parameter 'sequence_start' needs a non-zero 'sequence_id'"),
+          ("sequence_end", _p(int64_param=0), "0",
+           "parameter 'sequence_end' must be a boolean, got 0")]],
     ("a triton_ parameter", _request(parameters={"triton_anything": _p(bool_param=True)}), INVALID,
      "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
      "specified: parameter 'triton_anything' is not served over GRPC (served: "
@@ -599,10 +616,14 @@ GRPC_CASES = [
                    (2**64 - 1, _p(uint64_param=2**64 - 1)))],
     ("timeout a string", _request(parameters={"timeout": _p(string_param="10")}), INVALID,
      TIMEOUT_RULE + "'10'"),
-    ("empty model name", _request(model=""), "NOT_FOUND", "model '' is unknown"),
-    ("model infer.parked", _request(model="infer.parked"), "NOT_FOUND", "model 'infer.parked' is unknown"),
-    ("model ..", _request(model=".."), "NOT_FOUND", "model '..' is unknown"),
-    ("version 2", _request(model_version="2"), "NOT_FOUND", "model 'parked' has no version '2'"),
+    ("empty model name", _request(model=""), "NOT_FOUND", "Request for unknown model: '' is not found"),
+    ("model infer.parked", _request(model="infer.parked"), "NOT_FOUND",
+     "Request for unknown model: 'infer.parked' is not found"),
+    ("model ..", _request(model=".."), "NOT_FOUND", "Request for unknown model: '..' is not found"),
+    ("version 2", _request(model_version="2"), "NOT_FOUND",
+     "Request for unknown model: 'parked' version 2 is not found"),
+    ("version wrong_specification", _request(model_version="wrong_specification"), INVALID,
+     "failed to get model version from specified version string 'wrong_specification'"),
     ("a message over the limit", _request(inputs=[_tensor(datatype="UINT8", shape=(LIMIT + 1,))],
                                           raw=[b"\0" * (LIMIT + 1)]),
      "RESOURCE_EXHAUSTED", "Received message larger than max"),

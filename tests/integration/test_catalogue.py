@@ -95,7 +95,9 @@ def test_a_model_never_announced_is_refused_at_submit(redis_db) -> None:
         with pytest.raises(UnknownModel) as caught:
             client.submit("nosuchmodel", np.zeros((1, 1), np.float32), request_id="typo-1")
         message = str(caught.value)
-        assert message.startswith("request typo-1: model 'nosuchmodel' is unknown")
+        # Triton's words first (its clients match on them), then the request and why
+        assert message.startswith("Request for unknown model: 'nosuchmodel' is not found (request "
+                                  "typo-1): no worker announced it in the last 24 h")
         assert "known: identity, mlp" in message and "--models nosuchmodel" in message
         assert not redis_db.client.exists("infer.nosuchmodel")
         assert "typo-1" not in client.watcher._callbacks  # nothing left waiting
@@ -127,5 +129,6 @@ def test_cli_infer_of_an_unknown_model_says_so_at_once(redis_url, worker) -> Non
                          text=True, timeout=60)
     assert out.returncode == 1
     assert time.monotonic() - started < 30  # it used to wait the whole 60 s timeout
-    assert "UnknownModel" in out.stderr and "model 'nosuchmodel' is unknown" in out.stderr
+    assert "UnknownModel" in out.stderr
+    assert "Request for unknown model: 'nosuchmodel' is not found" in out.stderr
     assert "identity" in out.stderr and "mlp" in out.stderr

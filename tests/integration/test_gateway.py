@@ -88,7 +88,8 @@ def test_health_and_metadata_as_the_v2_spec_says(http, gateway) -> None:
     assert not http.is_model_ready("mlp", "7")
     config = http.get_model_config("mlp")
     assert config["max_batch_size"] == 32
-    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [16]}]
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [16],
+                                "format": "FORMAT_NONE"}]
     status, _, body = _raw(gateway.http_url, "/v2/models/nosuchmodel")
     assert status == 404 and "nosuchmodel" in json.loads(body)["error"]
 
@@ -142,7 +143,9 @@ def test_unknown_model_is_refused_at_once_and_never_enqueued(http, redis_client)
         http.infer("nosuchmodel", [x], request_id=f"gw-unknown-{uuid.uuid4().hex}")
     assert time.monotonic() - started < 5
     assert caught.value.status() == "404"
-    assert "model 'nosuchmodel' is unknown" in caught.value.message()
+    # Triton's words first: simple_http_infer_client.py checks that the message starts with them
+    assert caught.value.message().startswith("Request for unknown model: 'nosuchmodel' is not "
+                                             "found: no worker announced it (known: ")
     assert "mlp" in caught.value.message()  # it names the known ones
     assert not list(redis_client.scan_iter(match="infer.nosuchmodel*"))
 

@@ -190,18 +190,24 @@ def test_tritonclients_default_call_passes(http: Any, grpc: Any, module_name: st
     np.testing.assert_array_equal(result.as_numpy("probs"), ROWS)
 
 
+#: A sequence's parameters for a model that declares no sequence batching.
+NOT_STATEFUL = ("model 'scores' is not stateful (it declares no sequence batching): parameter "
+                "'sequence_id' is not served for it")
+
+
 @pytest.mark.parametrize("module_name", ["http", "grpc"])
 @pytest.mark.parametrize(("kw", "named"), [
-    ({"sequence_id": 42}, "parameter 'sequence_id' is 42"),
-    ({"sequence_id": "user-7"}, "parameter 'sequence_id' is 'user-7'"),
-    ({"sequence_id": 42, "sequence_start": True}, "parameter 'sequence_id' is 42"),
+    ({"sequence_id": 42}, NOT_STATEFUL),
+    ({"sequence_id": "user-7"}, NOT_STATEFUL),
+    ({"sequence_id": 42, "sequence_start": True}, NOT_STATEFUL),
 ], ids=["int id", "string id", "start"])
-def test_a_sequence_is_refused_by_name(http: Any, grpc: Any, module_name: str,
+def test_a_sequence_for_a_stateless_model_is_refused_by_name(http: Any, grpc: Any,
+                                                             module_name: str,
                                        kw: dict[str, Any], named: str) -> None:
     client, module = (http, httpclient) if module_name == "http" else (grpc, grpcclient)
     with pytest.raises(InferenceServerException) as caught:
         client.infer("scores", [_input(module, "scores", ROWS)], request_id="q1", **kw)
-    assert f"request q1: sequence batching is not served: {named}" in caught.value.message()
+    assert f"request q1: {named}" in caught.value.message()
     if module_name == "grpc":
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     else:
@@ -219,15 +225,14 @@ def test_a_sequence_on_a_grpc_stream_is_refused_and_the_stream_goes_on(grpc: Any
         result, ok_error = answers.get(timeout=30)
     finally:
         grpc.stop_stream()
-    assert "request seq: sequence batching is not served: parameter 'sequence_id' is 9" in (
-        error.message())
+    assert f"request seq: {NOT_STATEFUL}" in error.message()
     assert ok_error is None and result.get_response().id == "ok"
 
 
 @pytest.mark.parametrize(("body", "named"), [
-    ({"scores": [1.0, 2.0, 3.0, 4.0], "sequence_id": 3}, "parameter 'sequence_id' is 3"),
+    ({"scores": [1.0, 2.0, 3.0, 4.0], "sequence_id": 3}, NOT_STATEFUL),
     ({"scores": [1.0, 2.0, 3.0, 4.0], "parameters": {"sequence_start": True}},
-     "parameter 'sequence_start' is True"),
+     "parameter 'sequence_start' needs a non-zero 'sequence_id'"),
 ], ids=["top level", "in parameters"])
 def test_generate_refuses_a_sequence_by_name(gateway: GatewayProcess, body: dict[str, Any],
                                              named: str) -> None:
@@ -236,4 +241,4 @@ def test_generate_refuses_a_sequence_by_name(gateway: GatewayProcess, body: dict
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=30)
     assert caught.value.code == 400
-    assert f"sequence batching is not served: {named}" in json.loads(caught.value.read())["error"]
+    assert named in json.loads(caught.value.read())["error"]

@@ -1,5 +1,6 @@
 """Streaming through the gateway: a real gateway process in front of a real worker hosting
-``echo-stream`` (one word of ``text_input`` per part, ``max_tokens`` words in all), driven by
+``echo-stream`` (one word of ``text_input`` per part, ``max_tokens`` words in all) and ``square``
+(Triton's ``square_int32``: ``IN`` responses, none at all for 0), driven by
 tritonclient.grpc's streaming client (ModelStreamInfer) and by an aiohttp reader of
 ``generate_stream``'s server-sent events; the requests' stored states read from Redis."""
 
@@ -23,10 +24,21 @@ import tritonclient.grpc as grpcclient
 
 from asyncinfer.client import Client
 from asyncinfer.wire.stream import FINAL, decode_entry, stream_key
-from tests.support.processes import ROOT, GatewayProcess, WorkerProcess, start_gateway, start_worker
+from tests.support.processes import (
+    ROOT,
+    TEST_FACTORIES,
+    GatewayProcess,
+    WorkerProcess,
+    start_gateway,
+    start_worker,
+)
+from tests.support.stream_models import SQUARE_FACTORY
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
+
+#: A model whose input declares Triton's ``format`` (NCHW).
+CHANNEL_MEANS_FACTORY = "channel-means=tests.support.models:ChannelMeans"
 
 #: The words ``text_input`` holds; part ``i`` (0-based) is ``WORDS[i % 10]``.
 WORDS = [f"w{i}" for i in range(10)]
@@ -37,10 +49,13 @@ ENDLESS = 100_000
 @pytest.fixture(scope="module")
 def stream_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[WorkerProcess]:
-    """A worker hosting echo-stream (decoupled) and identity (not)."""
+    """A worker hosting echo-stream and square (decoupled), identity and channel-means (not;
+    channel-means declares its input's format)."""
     proc = start_worker(redis_url, tmp_path_factory.mktemp("stream-worker") / "worker.log",
-                        "--device", "cpu", "--models", "echo-stream,identity", "--concurrency", "8",
-                        "--hostname", "stream-cpu@%h")
+                        "--device", "cpu", "--models", "echo-stream,identity,square,channel-means",
+                        "--concurrency", "8", "--hostname", "stream-cpu@%h",
+                        ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},{SQUARE_FACTORY},"
+                                                   f"{CHANNEL_MEANS_FACTORY}")
     try:
         yield proc
     finally:
@@ -222,6 +237,86 @@ def test_grpc_cancelling_the_stream_revokes_its_running_request(grpc_stream, res
     assert final.status == "REVOKED" and 3 <= int(final.fields["parts"]) < ENDLESS
 
 
+# -- a decoupled request that ends with no response (Triton's empty final response) -------------
+
+def _square_in(n: int) -> grpcclient.InferInput:
+    x = grpcclient.InferInput("IN", [1], "INT32")
+    x.set_data_from_numpy(np.array([n], np.int32))
+    return x
+
+
+def _all_responses(stream: Stream) -> list[tuple[str, str, bool, list[int] | None]]:
+    """Every response of ``stream`` once its call has ended: (id, error or '', final flag, OUT
+    or None)."""
+    stream.client.stop_stream()  # closes the sending side and waits for the call's end
+    got = []
+    while not stream.responses.empty():
+        result, error = stream.responses.get_nowait()
+        if error is not None:
+            got.append(("", str(error.message()), False, None))
+            continue
+        response = result.get_response()
+        out = result.as_numpy("OUT")
+        got.append((response.id, "", response.parameters["triton_final_response"].bool_param,
+                    None if out is None else out.tolist()))
+    return got
+
+
+def test_grpc_a_request_with_zero_responses_gets_only_the_empty_final_response(
+        grpc_stream, results) -> None:
+    # Given a stream with a request that yields no response (IN = 0) and one that yields two,
+    # both asking for the empty final response
+    none, two = f"gs-zero-{uuid.uuid4().hex}", f"gs-two-{uuid.uuid4().hex}"
+    grpc_stream.client.async_stream_infer("square", [_square_in(0)], request_id=none,
+                                          enable_empty_final_response=True,
+                                          parameters={"idempotency_key": none})
+    grpc_stream.client.async_stream_infer("square", [_square_in(2)], request_id=two,
+                                          enable_empty_final_response=True)
+    got = _all_responses(grpc_stream)
+    # Then the first gets exactly the empty final response, no error; the other its two parts
+    assert [g for g in got if g[0] == none] == [(none, "", True, None)]
+    assert [g for g in got if g[0] != none] == [(two, "", False, [2]), (two, "", False, [2]),
+                                                (two, "", True, None)]
+    # and the request succeeded, with an answer of no outputs
+    assert _settled(results, none) == "SUCCESS"
+    answer = results.result(none, timeout_s=30)
+    assert answer.outputs == {} and answer.raw["outputs"] == []
+
+
+def test_grpc_a_request_with_zero_responses_gets_nothing_without_the_empty_final(
+        grpc_stream, results) -> None:
+    none, one = f"gs-zero-{uuid.uuid4().hex}", f"gs-one-{uuid.uuid4().hex}"
+    grpc_stream.client.async_stream_infer("square", [_square_in(0)], request_id=none,
+                                          parameters={"idempotency_key": none})
+    grpc_stream.client.async_stream_infer("square", [_square_in(1)], request_id=one)
+    got = _all_responses(grpc_stream)
+    # as Triton: no response at all (no error either), and no final flag for the other
+    assert got == [(one, "", False, [1])]
+    assert _settled(results, none) == "SUCCESS"
+
+
+def test_the_one_answer_of_a_request_with_zero_responses_has_no_outputs(gateway) -> None:
+    # gRPC ModelInfer
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        result = client.infer("square", [_square_in(0)], request_id="u-zero")
+    finally:
+        client.close()
+    response = result.get_response()
+    assert (response.id, response.model_name, list(response.outputs)) == ("u-zero", "square", [])
+    assert result.as_numpy("OUT") is None
+    # HTTP infer
+    status, _, answer = _post(gateway, "/v2/models/square/infer", {"id": "h-zero", "inputs": [
+        {"name": "IN", "shape": [1], "datatype": "INT32", "data": [0]}]})
+    assert status == 200, answer
+    assert (answer["id"], answer["model_name"], answer["outputs"]) == ("h-zero", "square", [])
+    # generate (the answer without outputs) and generate_stream (no event)
+    status, _, answer = _post(gateway, "/v2/models/square/generate", {"id": "g-zero", "IN": 0})
+    assert status == 200 and answer["id"] == "g-zero" and "OUT" not in answer
+    status, kind, events = _post(gateway, "/v2/models/square/generate_stream", {"IN": 0})
+    assert (status, kind, events) == (200, "text/event-stream", [])
+
+
 # -- HTTP generate, generate_stream ---------------------------------------------------------------
 
 async def _events(response: aiohttp.ClientResponse, count: int | None = None
@@ -275,7 +370,8 @@ def test_generate_stream_refusals_before_any_part_are_json_errors(gateway) -> No
     assert (status, kind) == (400, "application/json")
     assert answer["error"].startswith("request sse-bad: input 'max_tokens'")
     status, _, answer = _post(gateway, "/v2/models/nosuchmodel/generate_stream", {"text_input": "x"})
-    assert status == 404 and "model 'nosuchmodel' is unknown" in answer["error"]
+    assert status == 404
+    assert answer["error"].startswith("Request for unknown model: 'nosuchmodel' is not found")
 
 
 def test_generate_stream_a_client_that_hangs_up_has_its_request_revoked(gateway, results) -> None:
@@ -314,6 +410,38 @@ def test_model_config_says_which_models_are_decoupled(gateway) -> None:
         assert not client.get_model_config("identity").config.model_transaction_policy.decoupled
     finally:
         client.close()
+
+
+def test_model_config_gives_each_inputs_format_as_triton_does(gateway) -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    # HTTP: Triton's JSON config names every input's format, FORMAT_NONE when it has none
+    status, _, config = _post_get(gateway, "/v2/models/channel-means/config")
+    assert status == 200
+    assert config["input"] == [{"name": "pixels", "data_type": "TYPE_FP32", "dims": [3, 2, 2],
+                                "format": "FORMAT_NCHW"}]
+    assert config["output"] == []  # it declares none (an output has no format in Triton)
+    status, _, config = _post_get(gateway, "/v2/models/square/config")
+    assert config["input"] == [{"name": "IN", "data_type": "TYPE_INT32", "dims": [], "format":
+                                "FORMAT_NONE"}]
+    # the v2 metadata has no such key
+    status, _, meta = _post_get(gateway, "/v2/models/channel-means")
+    assert meta["inputs"] == [{"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 2, 2]}]
+    # gRPC: Triton's ModelInput.format (field 3), read with Triton's own model_config.proto
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        (pixels,) = client.get_model_config("channel-means").config.input
+        assert (pixels.name, list(pixels.dims), pixels.format) == (
+            "pixels", [3, 2, 2], model_config_pb2.ModelInput.FORMAT_NCHW)
+        (count,) = client.get_model_config("square").config.input
+        assert count.format == model_config_pb2.ModelInput.FORMAT_NONE
+        # and the model serves as declared
+        x = grpcclient.InferInput("pixels", [1, 3, 2, 2], "FP32")
+        x.set_data_from_numpy(np.arange(12, dtype=np.float32).reshape(1, 3, 2, 2))
+        means = client.infer("channel-means", [x]).as_numpy("means")
+    finally:
+        client.close()
+    np.testing.assert_array_equal(means, [[1.5, 5.5, 9.5]])
 
 
 def _post_get(gateway: GatewayProcess, path: str) -> tuple[int, str, Any]:

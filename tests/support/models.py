@@ -229,3 +229,15 @@ class Crashy(Model):
         fast = self.redis is not None and self.redis.exists(f"{self.prefix}:fast")
         time.sleep(max(0.0 if fast else self.sleep_s, float(longest)))
         return {"output": batch["index"]}
+
+
+class ChannelMeans(Model):
+    """``pixels`` FP32 [n, 3, 2, 2], declared NCHW (Triton's input ``format``) → ``means`` FP32
+    [n, 3], each channel's mean."""
+
+    name = "channel-means"
+    options = ModelOptions(warmup=False)
+    inputs = {"pixels": InputSpec(("FP32",), (3, 2, 2), format="NCHW")}
+
+    def forward(self, batch: Batch) -> Batch:
+        return {"means": batch["pixels"].float().mean(dim=(2, 3))}

@@ -35,7 +35,7 @@ METADATA = {"name": "echo", "versions": ["1"], "platform": "pytorch",
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
             "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}]}
 CONFIG = {"name": "echo", "platform": "pytorch", "backend": "asyncinfer", "max_batch_size": 8,
-          "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+          "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4], "format": "FORMAT_NCHW"}],
           "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": [4]}]}
 #: Two workers' counts of ``echo`` as fleet_stats.FleetStats.read gives them.
 STATS_WORKERS = [
@@ -180,12 +180,13 @@ def test_model_config(served: Served) -> None:
     config = served.client.get_model_config("echo").config
     assert (config.name, config.platform, config.backend, config.max_batch_size) == (
         "echo", "pytorch", "asyncinfer", 8)
-    assert [(t.name, t.data_type, list(t.dims)) for t in config.input] == [
-        ("x", model_config_pb2.TYPE_FP32, [4])]
+    # read with Triton's own model_config.proto: its ModelInput.format is field 3, as ours
+    assert [(t.name, t.data_type, list(t.dims), t.format) for t in config.input] == [
+        ("x", model_config_pb2.TYPE_FP32, [4], model_config_pb2.ModelInput.FORMAT_NCHW)]
     assert [(t.name, t.data_type, list(t.dims)) for t in config.output] == [
         ("y", model_config_pb2.TYPE_STRING, [4])]
-    assert served.client.get_model_config("echo", as_json=True)["config"]["input"][0][
-        "data_type"] == "TYPE_FP32"
+    as_json = served.client.get_model_config("echo", as_json=True)["config"]["input"][0]
+    assert (as_json["data_type"], as_json["format"]) == ("TYPE_FP32", "FORMAT_NCHW")
 
 
 def test_unknown_model_is_not_found(served: Served) -> None:
@@ -371,11 +372,22 @@ def test_typed_contents_become_raw_data(served: Served) -> None:
      "INT32 data belongs in int_contents"),
     (_contents_request(("x", "INT32", [1], {"int_contents": [1]}), ("y", "INT32", [1], {}),
                        raw=[b"\x00" * 4, b"\x00" * 4]),
-     "has both contents and raw_input_contents[0]"),
+     # Triton's words first (grpc_explicit_int_content_client.py looks for them)
+     "contents field must not be specified when using raw_input_contents for 'x' for model "
+     "'echo' (request c1: give an input's data in one or the other)"),
+    # as grpc_explicit_int_content_client.py sends it: typed contents on the first input, raw
+    # contents for one input only; Triton's first rule broken is the first input's
+    (_contents_request(("x", "INT32", [1], {"int_contents": [1]}), ("y", "INT32", [1], {}),
+                       raw=[b"\x00" * 4]),
+     "contents field must not be specified when using raw_input_contents for 'x' for model 'echo'"),
     (_contents_request(("x", "INT32", [1], {}), ("y", "INT32", [1], {}), raw=[b"\x00" * 4]),
-     "1 raw_input_contents for 2 inputs"),
+     "unable to find data for input tensor 'y' for model 'echo' in request (request c1: 1 "
+     "raw_input_contents for 2 inputs; give one per input, or none)"),
+    (_contents_request(("x", "INT32", [1], {}), raw=[b"\x00" * 4, b"\x00" * 4]),
+     "request c1: 2 raw_input_contents for 1 inputs (give one per input, or none)"),
     (_contents_request(("x", "NOPE", [1], {})), "input 'x'"),
-], ids=["out-of-range", "count", "fp16-typed", "wrong-field", "mixed", "raw-count", "datatype"])
+], ids=["out-of-range", "count", "fp16-typed", "wrong-field", "mixed", "mixed-short", "raw-count",
+        "raw-extra", "datatype"])
 def test_malformed_contents_are_invalid_argument(served: Served, request_: Any, says: str) -> None:
     channel, stub = served.stub()
     with channel, pytest.raises(grpc.RpcError) as exc:

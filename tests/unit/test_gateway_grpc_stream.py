@@ -95,7 +95,8 @@ class FakeService:
 
     async def entry(self, model: str, version: str = "") -> CatalogueEntry:
         if model not in self.CATALOGUE:
-            raise GatewayError(404, f"model '{model}' is unknown")
+            raise GatewayError(404, f"Request for unknown model: '{model}' is not found: no worker "
+                                    f"announced it")
         return CatalogueEntry(model, self.CATALOGUE[model])
 
     async def infer(self, call: InferCall) -> InferResult:
@@ -219,7 +220,9 @@ def test_errors_name_the_request_and_the_stream_goes_on(served: Served) -> None:
     assert first[0] == ("bad", "", (False, ["one"]))
     assert first[1][1] == "ModelError: request bad: the model failed at step 2"
     served.send("nobody", "x", model="nosuchmodel")
-    assert served.take(1)[0][1] == "request nobody: model 'nosuchmodel' is unknown"
+    # Triton's words stay first (its clients match on them), the request is named after them
+    assert served.take(1)[0][1] == ("Request for unknown model: 'nosuchmodel' is not found: no "
+                                    "worker announced it (request nobody)")
     served.send("full", "x")
     assert "request full: the queue of model 'steps' is full" in served.take(1)[0][1]
     served.send("ok", "fine", enable_empty_final_response=True)

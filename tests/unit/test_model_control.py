@@ -120,7 +120,7 @@ def test_targets_outcomes_and_messages() -> None:
     assert found["a@h"].ok and not found["b@h"].ok and not found["c@h"].ok
     outcome = ControlOutcome("mlp", UNLOAD, (found["a@h"], found["b@h"]), missing=("d@h",))
     assert not outcome.ok
-    assert outcome.message() == ("unload of model 'mlp' failed: unloaded on a@h; b@h: model 'mlp' "
+    assert outcome.message() == ("failed to unload 'mlp': unloaded on a@h; b@h: model 'mlp' "
                                  "is not loaded; no answer within the timeout from d@h (it may "
                                  "still be under way there)")
     assert ControlOutcome("mlp", LOAD, (found["a@h"],)).ok
@@ -289,13 +289,14 @@ def test_versions_side_by_side_routed_by_the_request(tmp_path) -> None:
         assert runtime.versions_of("plus") == {"plus": "1", "plus@2": "2"}
         # the latest by default, either by name
         assert run() == (12.0, "2") and run("1") == (11.0, "1") and run("2") == (12.0, "2")
-        with pytest.raises(UnknownModel, match=r"no version '7' on this worker \(versions here: "
-                                               r"1, 2\)"):
+        with pytest.raises(UnknownModel, match=r"^Request for unknown model: 'plus' version 7 is not "
+                                               r"found \(request r\): not on this worker \(versions "
+                                               r"here: 1, 2\)"):
             run("7")
         # version 2 leaves: routed no more, then unloaded; version 1 serves everything
         runtime.unhost("plus@2")
         assert run() == (11.0, None)
-        with pytest.raises(UnknownModel, match="no version '2'"):
+        with pytest.raises(UnknownModel, match="^Request for unknown model: 'plus' version 2 is not found"):
             run("2")
         runtime.unload("plus@2")
         assert runtime.models == ["plus"] and run("1") == (11.0, "1")

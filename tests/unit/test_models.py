@@ -232,6 +232,30 @@ def test_input_spec_row_shape_message_shows_any() -> None:
         InputSpec(("FP32",), (-1, 3)).check("r9", "x", "FP32", (1, 5, 4))
 
 
+@pytest.mark.parametrize(("given", "kept"), [
+    ("", ""), ("NCHW", "FORMAT_NCHW"), ("nhwc", "FORMAT_NHWC"), ("FORMAT_NCHW", "FORMAT_NCHW"),
+    ("NONE", ""), ("FORMAT_NONE", "")])
+def test_input_spec_format_is_kept_as_tritons_name(given: str, kept: str) -> None:
+    assert InputSpec(("FP32",), (3, 4, 4), format=given).format == kept
+
+
+def test_input_spec_refuses_a_format_triton_does_not_have() -> None:
+    with pytest.raises(ValueError, match=r"format must be NCHW, NHWC or NONE .* got 'CHW'"):
+        InputSpec(("FP32",), (3, 4, 4), format="CHW")
+
+
+def test_an_inputs_format_is_announced_only_when_declared() -> None:
+    class Image(Model):
+        name = "image"
+        inputs = {"pixels": InputSpec(("FP32",), (3, 4, 4), format="NCHW"),
+                  "scale": InputSpec(("FP32",), (1,))}
+
+    meta = Image().metadata(Image.options)
+    assert meta["inputs"] == [
+        {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 4, 4], "format": "FORMAT_NCHW"},
+        {"name": "scale", "datatype": "FP32", "shape": [-1, 1]}]
+
+
 def test_validate_accepts_a_fitting_request() -> None:
     MLP().validate(request("ok-1", "mlp", fp32("input", 3, 16)))
 

@@ -136,6 +136,41 @@ def test_rows_finishing_at_different_steps_each_get_exactly_their_own_parts_in_o
     assert model.computed == {3: 3, 1: 1, 5: 5, 2: 2}  # a finished row is not computed again
 
 
+class Square(Model):
+    """The python backend's ``square_int32``: ``n`` parts for ``n``, and none at all for 0 (the
+    row is done at the first step without being handed anything)."""
+
+    name = "counter"
+    decoupled = True
+    inputs = {"n": InputSpec(("INT64",), ())}
+
+    def stream(self, batch: Batch, rows: StreamRows) -> Iterator[StreamStep]:
+        ns = batch["n"].tolist()
+        made = [0] * len(ns)
+        while rows.live():
+            produced = [r for r in rows.live() if made[r] < ns[r]]
+            for r in produced:
+                made[r] += 1
+            yield StreamStep(rows=produced, outputs={"out": torch.tensor([[ns[r]] for r in produced])},
+                             done=[r for r in rows.live() if made[r] >= ns[r]])
+
+
+def test_a_row_done_without_a_part_completes_with_no_outputs() -> None:
+    # Given a batch whose first and last rows end at the first step with no part
+    parts = Parts()
+    with started(runner_for(Square())) as runner:
+        futures = submit_together(runner, [counter_request(0, "none-1"), counter_request(2),
+                                           counter_request(0, "none-2")], parts)
+        none_1, two, none_2 = (f.result(WAIT_S) for f in futures)
+    # Then each is answered (no error) with no outputs and was handed no part
+    assert none_1.outputs == [] and none_2.outputs == []
+    assert "none-1" not in parts.seen and "none-2" not in parts.seen
+    assert none_1.batch_size == 3
+    # and the other row gets its two parts, joined
+    assert parts.seen["req-2"] == [(1, {"out": [[2]]}), (2, {"out": [[2]]})]
+    assert two.outputs[0].value.tolist() == [[2, 2]]
+
+
 def test_a_streaming_request_holds_exactly_one_row() -> None:
     with started(runner_for(Counter())) as runner, pytest.raises(InvalidRequest) as caught:
         runner.submit(counter_request(2, "two-rows", rows=2))

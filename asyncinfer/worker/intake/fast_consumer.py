@@ -50,7 +50,8 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.messages import restored_message
 from asyncinfer.worker.intake.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.intake.holdings import SCHEDULED
-from asyncinfer.worker.intake.leases import Leases
+from asyncinfer.worker.intake.leases import Leases, holder_of_this_process
+from asyncinfer.worker.intake.sequence_pins import SequencePins
 from asyncinfer.worker.intake.take import Taker
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.intake.wake import Waker
@@ -82,15 +83,11 @@ class FastConsumer(PipelineConsumer):
                                               health_check_interval=30,
                                               single_connection_client=True))
         self.queues = list(queues)
-        #: What it takes from: each queue's list and its priority lists, in kombu's order.
-        self._lists = priority_lists(self.queues)
         # The consumer thread's own connection, as the writer's.
         self.client = redis_client(app.conf.broker_url, settings, health_check_interval=30,
                                    single_connection_client=True)
         self.taker = Taker(self.client)
         self._settings = settings
-        #: Watches its lists (None while it takes from no queue).
-        self.waker: Waker | None = self._new_waker()
         #: Queues to take from instead, once the consumer thread is between two takes
         #: (:meth:`set_queues`), and the event set when it does.
         self._next_queues: list[str] | None = None
@@ -104,6 +101,23 @@ class FastConsumer(PipelineConsumer):
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
             count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags,
             on_lost=lambda tags: self.pipeline.forget(tags))
+        #: Sequence batching: this worker's registrations and the sweep of dead workers' lists
+        #: (sequence_pins.py); its sweeps take on a connection of their own.
+        lease_s = settings.lease_s or 10.0
+        self.pins = SequencePins(
+            redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                         single_connection_client=True), runtime,
+            holder=self.leases.holder if self.leases is not None else holder_of_this_process(
+                hostname), lease_s=lease_s,
+            taker=Taker(redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                                     single_connection_client=True)),
+            lease=self.leases.terms if self.leases is not None else None,
+            refuse=lambda taken, error_of: self.pipeline.refuse(taken, error_of))
+        #: What it takes from: its own lists of sequences (stateful models), then each queue's
+        #: list and its priority lists, in kombu's order.
+        self._lists = self.pins.lists_for(self.queues) + priority_lists(self.queues)
+        #: Watches its lists (None while it takes from no queue).
+        self.waker: Waker | None = self._new_waker()
         self.use_device(self._give_back_all,
                         on_launch=(self._on_launch if self.leases is not None
                                    and self.leases.count_deaths else ignore_launch))
@@ -123,6 +137,7 @@ class FastConsumer(PipelineConsumer):
     def start(self) -> FastConsumer:
         if self.leases is not None:  # what a dead predecessor on this host held comes back first
             self.leases.start()
+        self.pins.start()  # registered before it serves: a sequence may start here at once
         if self.waker is not None:
             self.waker.start()
         self._thread.start()
@@ -138,6 +153,7 @@ class FastConsumer(PipelineConsumer):
         if self.holdings.held():  # those in flight, and retries waiting for their eta
             self._restore_held()
         self._let_go()
+        self.pins.stop()
         if self.leases is not None:
             self.leases.stop()
 
@@ -221,7 +237,8 @@ class FastConsumer(PipelineConsumer):
         if queues != self.queues:
             self._close_waker()
             self.queues = queues
-            self._lists = priority_lists(queues)
+            self._lists = self.pins.lists_for(queues) + priority_lists(queues)
+            self.pins.renew()
             self.waker = self._new_waker()
             if self.waker is not None:
                 self.waker.start()
