@@ -187,8 +187,9 @@ def test_one_gateway_answers_models_on_two_redis(fleet: Fleet, gateway: GatewayP
             answers[model] = http.infer(model, [tensor], request_id=f"gw-{model}-{uuid.uuid4()}")
         assert answers["identity"].as_numpy("x").tobytes() == X.tobytes()
         assert answers["mlp"].as_numpy("output").shape == (1, 4)
-        on_a = answers["identity"].get_response()["id"]
-        on_b = answers["mlp"].get_response()["id"]
+        # the answers name their request IDs (the v2 id is a label)
+        on_a = answers["identity"].get_response()["parameters"]["request_id"]
+        on_b = answers["mlp"].get_response()["parameters"]["request_id"]
         assert _results_on(fleet.a.url, on_a, on_b) == [True, False]
         assert _results_on(fleet.b.url, on_a, on_b) == [False, True]
     finally:

@@ -246,8 +246,9 @@ def test_a_stock_device_worker_loads_no_model_beyond_its_queues(
     url, proc = celery_target
     result = json_producer(url).send_task(TASK_NAME, kwargs=mlp_request(), queue="infer.affine3")
     # Then it refuses, naming what it hosts, instead of loading mlp
-    with pytest.raises(UnknownModel, match=rf"^request {result.id}: model 'mlp' is not hosted by this "
-                                           r"worker \(it hosts: affine3\)"):
+    with pytest.raises(UnknownModel, match=rf"^Request for unknown model: 'mlp' is not found "
+                                           rf"\(request {result.id}\): model 'mlp' is not hosted "
+                                           r"by this worker \(it hosts: affine3\)"):
         result.get(timeout=60)
     assert "model mlp loaded" not in proc.log()
 
