@@ -140,7 +140,10 @@ def _methods(service: Service) -> dict[str, tuple[Handler, type[Message], type[M
         call = await off_loop_if_large(request.ByteSize(), infer_call, request, timeout_s)
         metadata = context.invocation_metadata() or ()
         call.trace = trace_fields_of_pairs(metadata)  # a traceparent, if any
-        call.idempotency_key = next((str(v) for k, v in metadata if k == IDEMPOTENCY_METADATA), "")
+        for key, value in metadata:  # asks for idempotency (gateway/idempotency.py)
+            if key == IDEMPOTENCY_METADATA:
+                call.idempotency_key = str(value)
+                break
         return infer_response(await service.infer(call))
 
     async def model_statistics(request: pb.ModelStatisticsRequest,

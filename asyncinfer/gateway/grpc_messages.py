@@ -91,26 +91,23 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
     """
     where_call = call_label(request.id)
     raw = request.raw_input_contents
-    model = printable(request.model_name, 100)
-    wheres = [f"{where_call}: input '{printable(t.name, 100)}'" for t in request.inputs]
     # an input in shared memory has no raw contents: the others' are in order (Triton's rule)
-    shms = [shm_reference(where, {k: parameter_value(v) for k, v in t.parameters.items()})
-            for where, t in zip(wheres, request.inputs, strict=True)]
-    in_message = sum(shm is None for shm in shms)
-    counted = f"{in_message} inputs" + (" not in shared memory" if in_message < len(shms) else "")
+    shms = [_shm_of(where_call, t) if t.parameters else None for t in request.inputs]
+    in_message = len(shms) - sum(shm is not None for shm in shms)
     tensors, next_raw = [], 0
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
         name = printable(tensor.name, 100)
-        where, shm = wheres[i], shms[i]
+        where, shm = f"{where_call}: input '{name}'", shms[i]
         if shm is None and raw and tensor.contents.ListFields():  # Triton's first check
-            raise InvalidRequest(f"{triton_words.contents_and_raw(name, model)} ({where_call}: "
-                                 f"give an input's data in one or the other)")
+            raise InvalidRequest(f"{triton_words.contents_and_raw(name, _model(request))} "
+                                 f"({where_call}: give an input's data in one or the other)")
         if shm is None and raw and next_raw >= len(raw):
-            raise InvalidRequest(f"{triton_words.no_input_data(name, model)} ({where_call}: "
-                                 f"{len(raw)} raw_input_contents for {counted}; give one per "
-                                 f"input, or none)")
+            raise InvalidRequest(f"{triton_words.no_input_data(name, _model(request))} "
+                                 f"({where_call}: {len(raw)} raw_input_contents for "
+                                 f"{_counted(in_message, len(shms))}; give one per input, or "
+                                 f"none)")
         spec_for(tensor.datatype, where)
         shape = list(check_shape(where, list(tensor.shape)))
         if shm is not None:
@@ -127,10 +124,26 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
             data = raw_from_list(where, tensor.datatype, shape, _contents_list(where, tensor))
         tensors.append(InputTensor(tensor.name, tensor.datatype, shape, data))
     if len(raw) > in_message:
-        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for {counted} (give "
-                             f"one per input, or none)")
+        raise InvalidRequest(f"{where_call}: {len(raw)} raw_input_contents for "
+                             f"{_counted(in_message, len(shms))} (give one per input, or none)")
     check_unique_names(where_call, [t.name for t in tensors])
     return tensors
+
+
+def _shm_of(where_call: str, tensor: pb.ModelInferRequest.InferInputTensor
+            ) -> tuple[str, int, int] | None:
+    """Where an input with parameters lies in shared memory (None: in the message)."""
+    return shm_reference(f"{where_call}: input '{printable(tensor.name, 100)}'",
+                         {k: parameter_value(v) for k, v in tensor.parameters.items()})
+
+
+def _model(request: pb.ModelInferRequest) -> str:
+    return printable(request.model_name, 100)
+
+
+def _counted(in_message: int, inputs: int) -> str:
+    """The inputs whose data the message holds, in words."""
+    return f"{in_message} inputs" + (" not in shared memory" if in_message < inputs else "")
 
 
 def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferCall:
@@ -141,7 +154,8 @@ def infer_call(request: pb.ModelInferRequest, timeout_s: float | None) -> InferC
         outputs = []
         for output in request.outputs:
             at = f"{call_label(request.id)}: output '{printable(output.name, 100)}'"
-            shm = shm_reference(at, {k: parameter_value(v) for k, v in output.parameters.items()})
+            shm = (shm_reference(at, {k: parameter_value(v) for k, v in output.parameters.items()})
+                   if output.parameters else None)
             outputs.append(RequestedOutput(output.name, classification=_classes(at, output),
                                            shm=shm))
     return InferCall(model=request.model_name, version=request.model_version, id=request.id,
