@@ -54,6 +54,9 @@ class Region:
     _map: mmap.mmap | None = field(default=None, repr=False)
     #: Where the region starts in the mapping (the mapping starts at a page boundary).
     _start: int = 0
+    #: The object's descriptor, kept to check its size before each access: a caller that
+    #: shrinks the object (ftruncate) under a mapping would make the access a SIGBUS.
+    _fd: int = -1
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
@@ -63,6 +66,20 @@ class Region:
         if self._map is not None:
             self._map.close()
             self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def check_size(self, where: str) -> None:
+        """Raise GatewayError when the object no longer holds the whole region (shrunk by its
+        owner since it was registered): reading or writing there would kill the process."""
+        size = os.fstat(self._fd).st_size if self._fd >= 0 else 0
+        if size < self.offset + self.byte_size:
+            raise GatewayError(400, f"{where}: shared memory region '{printable(self.name, 60)}' "
+                                    f"no longer fits its object '{printable(self.key, 60)}': "
+                                    f"the object holds {size} bytes, the region was registered "
+                                    f"at {self.offset} + {self.byte_size}; unregister and "
+                                    f"register it again")
 
 
 def shm_reference(where: str, parameters: dict[str, Any]) -> tuple[str, int, int] | None:
@@ -212,6 +229,7 @@ class SharedMemory:
             raise GatewayError(400, f"{where}: Invalid offset + byte size for shared memory "
                                     f"region: '{printable(name, 60)}' ({offset} + {byte_size} "
                                     f"bytes, the region has {region.byte_size})")
+        region.check_size(where)
         return region, region._start + offset
 
 
@@ -239,8 +257,10 @@ def _map_region(region: Region) -> None:
                                     mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
         else:
             region._map = mmap.mmap(-1, 1)  # an empty region: nothing to read or write
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    region._fd = fd
 
 
 def _shm_open(key: str) -> int:

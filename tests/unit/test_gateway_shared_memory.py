@@ -3,6 +3,7 @@ memory: register, read, write, status, unregister, and each refusal in Triton's 
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -95,3 +96,25 @@ def test_a_tensors_reference_is_read_from_its_parameters() -> None:
     ]:
         with pytest.raises(GatewayError, match=message):
             shm_reference("x", parameters)
+
+
+def test_an_object_shrunk_under_its_region_is_refused_not_a_crash(block) -> None:
+    # Given a region registered over the object's last page
+    regions = SharedMemory(allowed=True)
+    regions.register("tail", "/" + block.name, 2 * 4096, 4096)
+    assert regions.read("x", "tail", 0, 4) == b"\0\0\0\0"
+    # When its owner shrinks the object (touching the mapping past the end would be a SIGBUS)
+    os.ftruncate(block._fd, 4096)
+    # Then reads and writes are refused, naming the region and what to do, and nothing crashed
+    for access in (lambda: regions.read("input 'x'", "tail", 0, 4),
+                   lambda: regions.write("output 'y'", "tail", 0, 4, b"abcd")):
+        with pytest.raises(GatewayError, match=r"region 'tail' no longer fits its object .*: the "
+                                               r"object holds 4096 bytes, the region was "
+                                               r"registered at 8192 \+ 4096; unregister and "
+                                               r"register it again"):
+            access()
+    # and once the object is whole again, the region serves again
+    os.ftruncate(block._fd, 3 * 4096)
+    regions.write("output 'y'", "tail", 0, 4, b"abcd")
+    assert regions.read("x", "tail", 0, 4) == b"abcd"
+    regions.close()
