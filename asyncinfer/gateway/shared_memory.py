@@ -8,8 +8,10 @@ an input's or output's parameters (``shared_memory_region``, ``shared_memory_off
 ``shared_memory_byte_size``): the gateway reads that input's bytes from the region, and writes
 that output's bytes into it instead of the response. Status and unregister as Triton's.
 
-The gateway maps the region (it must be on the gateway's host: a key the gateway cannot open is
-refused with Triton's "Unable to open shared memory region" and why). The bytes go on to the
+The gateway opens the region's object (it must be on the gateway's host: a key the gateway cannot
+open is refused with Triton's "Unable to open shared memory region" and why) and reads and writes
+it with pread / pwrite, never a mapping: an object its owner shrinks is refused, where touching a
+mapping past its new end would kill the gateway (SIGBUS). The bytes go on to the
 worker in the request as any input's do (the worker may be on another host). As Triton since
 2.56, registering is refused unless the gateway's operator allows it (``--allow-client-shm``,
 ``ASYNCINFER_ALLOW_CLIENT_SHM``): a registered key gives its caller read and write access to that
@@ -20,7 +22,6 @@ so registering is refused there, saying so.
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import threading
@@ -51,21 +52,16 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    _map: mmap.mmap | None = field(default=None, repr=False)
-    #: Where the region starts in the mapping (the mapping starts at a page boundary).
-    _start: int = 0
-    #: The object's descriptor, kept to check its size before each access: a caller that
-    #: shrinks the object (ftruncate) under a mapping would make the access a SIGBUS.
-    _fd: int = -1
+    #: The object's descriptor, read and written with pread / pwrite (not mapped: an object its
+    #: owner shrinks under a mapping makes an access past its end a SIGBUS, which kills the
+    #: process; a read past the end of a descriptor is only short).
+    _fd: int = field(default=-1, repr=False)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -146,7 +142,7 @@ class SharedMemory:
                 raise GatewayError(400, f"shared memory region '{printable(name, 60)}' already in "
                                         f"manager", grpc_code="ALREADY_EXISTS")
             region = Region(name, key, offset, byte_size)
-            _map_region(region)
+            _open_region(region)
             self._regions[name] = region
 
     def unregister(self, name: str = "") -> None:
@@ -182,8 +178,10 @@ class SharedMemory:
         """A copy of ``byte_size`` bytes at ``offset`` of region ``name`` (an input's data)."""
         with self._lock:
             region, start = self._find(where, name, offset, byte_size)
-            assert region._map is not None
-            return region._map[start:start + byte_size]
+            data = os.pread(region._fd, byte_size, start)
+        if len(data) < byte_size:  # shrunk since the size was checked
+            region.check_size(where)
+        return data
 
     def write(self, where: str, name: str, offset: int, byte_size: int, data: bytes) -> None:
         """Write ``data`` (an output's bytes) at ``offset`` of region ``name``, whose caller gave
@@ -198,8 +196,7 @@ class SharedMemory:
                                     f"bytes to hold the results")
         with self._lock:
             region, start = self._find(where, name, offset, byte_size)
-            assert region._map is not None
-            region._map[start:start + len(data)] = data
+            os.pwrite(region._fd, data, start)
 
     def close(self) -> None:
         with self._lock:
@@ -230,11 +227,11 @@ class SharedMemory:
                                     f"region: '{printable(name, 60)}' ({offset} + {byte_size} "
                                     f"bytes, the region has {region.byte_size})")
         region.check_size(where)
-        return region, region._start + offset
+        return region, region.offset + offset
 
 
-def _map_region(region: Region) -> None:
-    """Open and map ``region`` (read and write), checking it lies within its object."""
+def _open_region(region: Region) -> None:
+    """Open ``region``'s object (read and write), checking the region lies within it."""
     try:
         fd = _shm_open(region.key)
     except OSError as exc:
@@ -249,14 +246,6 @@ def _map_region(region: Region) -> None:
                                     f"'{printable(region.name, 60)}': invalid args (offset "
                                     f"{region.offset} + byte_size {region.byte_size} is past the "
                                     f"end of '{printable(region.key, 60)}', {size} bytes)")
-        start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
-        region._start = region.offset - start
-        length = region._start + region.byte_size
-        if length:
-            region._map = mmap.mmap(fd, length, mmap.MAP_SHARED,
-                                    mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        else:
-            region._map = mmap.mmap(-1, 1)  # an empty region: nothing to read or write
     except BaseException:
         os.close(fd)
         raise
