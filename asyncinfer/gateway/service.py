@@ -32,10 +32,10 @@ from asyncinfer.client.client import Client
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway import model_config, model_control
 from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
-from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority, refuse_unserved
-from asyncinfer.gateway.classification import check_classes, classify_outputs, wants_classes
+from asyncinfer.gateway.call_parameters import refuse_unserved
+from asyncinfer.gateway.call_request import chosen_outputs, request_of, result_of
+from asyncinfer.gateway.classification import classify_outputs, wants_classes
 from asyncinfer.gateway.handover import Handover
-from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
 from asyncinfer.gateway.model_control import control_options
 from asyncinfer.gateway.sequence_order import SequenceOrder
@@ -47,11 +47,9 @@ from asyncinfer.gateway.shared_memory_tensors import (
     write_outputs,
 )
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
-from asyncinfer.model_versions import PARAMETER
 from asyncinfer.repository import UNLOAD
 from asyncinfer.wire import triton_words
 from asyncinfer.wire.envelope import printable
-from asyncinfer.wire.sequence import sequence_of
 
 __all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
            "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor",
@@ -362,34 +360,8 @@ class Service:
         refuse_unserved(call)
         if in_shared_memory(call):  # inputs read from the caller's regions, outputs' checked
             await off_loop_if_large(input_bytes(call), read_inputs, self.shared_memory, call)
-        call_priority = priority(call)
-        call_expires_s = expires_s(call)
-        inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
-                  for t in call.inputs]
-        if not inputs:
-            raise GatewayError(400, f"{call_label(call.id)}: a v2 request needs at least "
-                                    f"one input")
-        declared = [str(t["name"]) for t in entry.metadata.get("outputs") or []]
-        if declared and call.outputs is not None:
-            missing = [o.name for o in call.outputs if o.name not in declared]
-            if missing:
-                raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has "
-                                        f"no output {', '.join(repr(m) for m in missing)} "
-                                        f"(outputs: {', '.join(repr(n) for n in declared)})")
-        check_classes(call, entry)
-        sequence = sequence_of(call.parameters, call_label(call.id))
-        if sequence is not None and not entry.metadata.get("sequence_batching"):
-            raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' is not stateful "
-                                    f"(it declares no sequence batching): parameter "
-                                    f"'sequence_id' is not served for it")
-        parameters = {k: v for k, v in call.parameters.items() if k not in OWN_PARAMETERS}
-        if call.version:  # /versions/{v}/infer: that version runs it
-            parameters[PARAMETER] = call.version
-        send = functools.partial(self._send, call.model, inputs, {
-            "request_id": idempotency_key(call) or None, "parameters": parameters,
-            "serializer": "msgpack",
-            "binary": True, "expires": call_expires_s, "timeout_s": 0.0,
-            "priority": call_priority, "trace": call.trace})
+        inputs, options, sequence = request_of(call, entry)
+        send = functools.partial(self._send, call.model, inputs, options)
         if sequence is None:
             return await send()
         return await self._sequences.send((call.model, sequence.key), send)
@@ -417,27 +389,11 @@ class Service:
             self.revoke(sent)
             raise
         raw = response.raw
-        wanted = None if call.outputs is None else [o.name for o in call.outputs]
-        outputs = {o["name"]: o for o in raw["outputs"]}
-        if wanted is not None and outputs:  # none at all: a decoupled request without a part
-            missing = [n for n in wanted if n not in outputs]
-            if missing:
-                raise GatewayError(400, f"{call_label(call.id)}: model '{call.model}' has no output "
-                                        f"{', '.join(repr(m) for m in missing)} (outputs: "
-                                        f"{', '.join(repr(n) for n in outputs)})")
-        chosen = [output_tensor(raw["id"], outputs[n])
-                  for n in (wanted if wanted is not None and outputs else list(outputs))]
+        chosen = chosen_outputs(call, raw)
         if wants_classes(call):  # Triton's classification extension (classification.py)
             chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), classify_outputs,
                                              call, entry, chosen)
         if in_shared_memory(call):  # written to the caller's regions, not the response
             chosen = await off_loop_if_large(sum(len(t.raw) for t in chosen), write_outputs,
                                              self.shared_memory, call, chosen)
-        return InferResult(model_name=call.model,
-                           model_version=call.version or str((raw.get("parameters") or {}).get(
-                               PARAMETER) or entry.versions[-1]),
-                           id=call.id,  # the caller's label, as it came
-                           outputs=chosen,
-                           # the request ID (generated, or the idempotency key): to look
-                           # it up later (asyncinfer result ID, AsyncResult)
-                           parameters={**(raw.get("parameters") or {}), "request_id": sent.id})
+        return result_of(call, entry, raw, sent.id, chosen)
