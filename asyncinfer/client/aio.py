@@ -106,11 +106,11 @@ async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
     try:
         status = await publisher.publish(message=message, **sender.publish_options(outgoing))
     except asyncio.CancelledError:
-        sender.watcher.unwatch(outgoing.request_id)
+        sender.watcher.unwatch(outgoing.request_id, future._settle)
         asyncio.get_running_loop().run_in_executor(None, future.cancel)  # a revoke: a broadcast
         raise
     except BaseException as exc:
-        sender.watcher.unwatch(outgoing.request_id)
+        sender.watcher.unwatch(outgoing.request_id, future._settle)
         if span is not None and not future.done():  # its span ends with it
             future.set_exception(exc)
         raise
@@ -157,7 +157,7 @@ async def amap(sender: Sender, model: str, inputs: Iterable[Any], timeout_s: flo
     finally:
         for future in sent:
             if not future.done():
-                sender.watcher.unwatch(future.id)
+                sender.watcher.unwatch(future.id, future._settle)
 
 
 async def as_completed(futures: Iterable[AnyFuture],

@@ -311,7 +311,7 @@ class Client(ModelControl, Streaming, AsyncCalls):
             watcher = self.sender_for(model).watcher
             for future in futures:
                 if not future.done():
-                    watcher.unwatch(future.id)
+                    watcher.unwatch(future.id, future._settle)
 
     def future(self, request_id: str, *, model: str | None = None) -> InferFuture:
         """The future of a request sent by anyone, looked up by its ID (with routes, on the
@@ -336,10 +336,11 @@ class Client(ModelControl, Streaming, AsyncCalls):
         """
         group = self._group_for(model)
         group.ping()
+        future = self.future(request_id, model=model)
         try:
-            return self.future(request_id, model=model).result(timeout=timeout_s)
+            return future.result(timeout=timeout_s)
         except RequestTimeout:
-            group.sender.watcher.unwatch(request_id)
+            group.sender.watcher.unwatch(request_id, future._settle)
             try:
                 where = whereabouts(request_id, group.app.backend.client, group.app.backend,
                                     group.sender.broker)

@@ -182,7 +182,7 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         if not super().cancel():  # first: one not sent yet is then withdrawn from its group
             return False
         self._app.control.revoke(self.id)
-        self._watcher.unwatch(self.id)
+        self._watcher.unwatch(self.id, self._settle)
         return True
 
     def result(self, timeout: float | None = None) -> InferResponse:

@@ -136,9 +136,18 @@ class ResultWatcher:
             self._new.append(request_id)
         os.write(self._wake_w, b"x")
 
-    def unwatch(self, request_id: str) -> None:
-        """Stop watching ``request_id`` (its callbacks will not be called)."""
+    def unwatch(self, request_id: str, callback: Callback | None = None) -> None:
+        """Stop calling ``callback`` for ``request_id`` (None: every callback of it); the request
+        is no longer watched once no callback waits on it. Another waiter of the same ID (the
+        same request submitted twice, or a refused submit of an ID an accepted one holds) keeps
+        waiting."""
         with self._lock:
+            waiting = self._callbacks.get(request_id)
+            if waiting is not None and callback is not None:
+                if callback in waiting:
+                    waiting.remove(callback)
+                if waiting:
+                    return
             self._callbacks.pop(request_id, None)
             self._keyed.discard(request_id)
         if self.lost_check is not None:

@@ -176,8 +176,8 @@ class Sender:
             future = self.watched(outgoing)
             try:
                 self._send(outgoing)
-            except BaseException:
-                self.watcher.unwatch(outgoing.request_id)  # nothing waits for a request not sent
+            except BaseException:  # this future waits for a request it did not send
+                self.watcher.unwatch(outgoing.request_id, future._settle)
                 raise
             return future
         assert self._publisher is not None
@@ -192,7 +192,7 @@ class Sender:
             self.grouped.put(push, functools.partial(self._group_sent, outgoing, future),
                              withdrawn=future.cancelled)
         except BaseException:
-            self.watcher.unwatch(outgoing.request_id)
+            self.watcher.unwatch(outgoing.request_id, future._settle)
             raise
         return future
 
@@ -202,8 +202,9 @@ class Sender:
         if error is None:
             assert status is not None
             self.sent(outgoing, status)
-        else:
-            self.watcher.unwatch(outgoing.request_id)
+        else:  # refused: this future stops waiting, another waiter of the ID (the accepted
+            # request of a reused ID) goes on
+            self.watcher.unwatch(outgoing.request_id, future._settle)
         future._sent(error)
 
     def _publish_error(self, request_id: str, exc: redis.RedisError) -> AsyncInferError:
