@@ -26,6 +26,7 @@ from asyncinfer.keys import (
     CATALOGUE_META_KEY,
 )
 from asyncinfer.model_versions import sorted_versions
+from asyncinfer.scripts import script
 
 __all__ = ["Catalogue", "CatalogueEntry", "Host", "DEFAULT_TTL_S", "DEFAULT_RETENTION_S"]
 
@@ -34,40 +35,8 @@ DEFAULT_RETENTION_S = 86400.0
 
 _KEYS = [CATALOGUE_LIVE_KEY, CATALOGUE_KNOWN_KEY, CATALOGUE_META_KEY, CATALOGUE_HOSTS_KEY]
 
-# ARGV: ttl_s, retention_s, then per model: name, member, metadata JSON, host JSON.
-_ANNOUNCE = """
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local ttl = tonumber(ARGV[1])
-local keep = tonumber(ARGV[2])
-for i = 3, #ARGV, 4 do
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[i + 1])
-  redis.call('ZADD', KEYS[2], now, ARGV[i])
-  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
-  redis.call('HSET', KEYS[4], ARGV[i + 1], ARGV[i + 3])
-end
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for _, m in ipairs(gone) do redis.call('HDEL', KEYS[4], m) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - keep)
-for _, m in ipairs(old) do redis.call('HDEL', KEYS[3], m) end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - keep)
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], math.ceil(keep + ttl)) end
-return 1
-"""
-
-# ARGV: retention_s. Returns {live members, their host JSON, known models, their metadata JSON}.
-_READ = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
-local known = redis.call('ZRANGEBYSCORE', KEYS[2], now - tonumber(ARGV[1]), '+inf')
-local hosts, meta = {}, {}
-for i, m in ipairs(live) do hosts[i] = redis.call('HGET', KEYS[4], m) or '' end
-for i, m in ipairs(known) do meta[i] = redis.call('HGET', KEYS[3], m) or '' end
-return {live, hosts, known, meta}
-"""
+_ANNOUNCE = script("catalogue_announce")
+_READ = script("catalogue_read")
 
 _SEP = "\t"
 

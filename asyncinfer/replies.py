@@ -17,18 +17,14 @@ from typing import Any
 
 from celery import states
 
+from asyncinfer.scripts import script
 from asyncinfer.wire.reply import reply_channel_of
 
 __all__ = ["announce_stored", "announcing"]
 
 log = logging.getLogger(__name__)
 
-# KEYS[1]: the result key; ARGV[1]: the reply channel. Publishes the stored payload, if any.
-_ANNOUNCE = """
-local stored = redis.call('GET', KEYS[1])
-if stored then redis.call('PUBLISH', ARGV[1], stored) return 1 end
-return 0
-"""
+_ANNOUNCE = script("announce_result")
 
 
 def announce_stored(backend: Any, request_id: str, channel: str | None) -> None:

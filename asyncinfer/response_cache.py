@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from asyncinfer.keys import response_cache_index_key, response_cache_stats_key
+from asyncinfer.scripts import script
 
 __all__ = ["template", "fill", "write", "cache_stats", "purge", "WRITE_SCRIPT", "MARK"]
 
@@ -43,24 +44,7 @@ __all__ = ["template", "fill", "write", "cache_stats", "purge", "WRITE_SCRIPT", 
 MARK = f"asyncinfer-cached-request-id-{secrets.token_hex(16)}"
 _QUOTED_MARK = json.dumps(MARK)
 
-# Store answers of one model and keep its bound. KEYS: the model's index, then each entry.
-# ARGV: TTL (ms), max entries, now (ms), then each entry's template.
-WRITE_SCRIPT = r"""
-local ttl, bound, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 2, #KEYS do
-  redis.call('SET', KEYS[i], ARGV[i + 2], 'PX', ttl)
-  redis.call('ZADD', KEYS[1], now, KEYS[i])
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
-local excess = redis.call('ZCARD', KEYS[1]) - bound
-if excess > 0 then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, excess - 1)
-  for _, key in ipairs(oldest) do redis.call('DEL', key) end
-  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1)
-end
-redis.call('PEXPIRE', KEYS[1], ttl)
-return excess
-"""
+WRITE_SCRIPT = script("response_cache_write")
 
 
 def template(encoded: str | bytes) -> bytes:

@@ -33,6 +33,7 @@ from asyncinfer.connections import broker_error, is_redis_url, never_resend, red
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.scripts import script
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.messages import uuid4_text
@@ -40,15 +41,7 @@ from asyncinfer.wire.request_identity import reused_message, same_request
 
 __all__ = ["Sender"]
 
-# A caller-chosen ID's claim on the result backend (a broker other than Redis): nil when claimed
-# now, the stored claim when it was sent before, '' when only its result is there.
-_CLAIM = """
-local claimed = redis.call('GET', KEYS[1])
-if claimed then return claimed end
-if redis.call('EXISTS', KEYS[2]) == 1 then return '' end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return false
-"""
+_CLAIM = script("claim_request_id")
 
 
 class Sender:

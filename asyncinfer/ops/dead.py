@@ -23,6 +23,7 @@ from typing import Any
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for, queue_of_list
 from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
+from asyncinfer.scripts import script
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.worker.dead_letters import DeadLetter
 
@@ -48,23 +49,8 @@ def requeue_message(entry: DeadLetter) -> str:
     return json.dumps(envelope)
 
 
-# KEYS: the dead-letter list, the queue, [the request's stored result].
-# ARGV: the entry as stored, the message to push.
-# Removes the entry; only if it was there, pushes the message and deletes the stored FAILURE.
-_REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
-if KEYS[3] then redis.call('DEL', KEYS[3]) end
-redis.call('LPUSH', KEYS[2], ARGV[2])
-return 1
-"""
-# KEYS: the dead-letter list, [the request's stored result]. ARGV: the entry as stored.
-# Removes the entry; only if it was there, deletes the stored FAILURE (the message is published
-# after, by kombu).
-_CLAIM = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
-if KEYS[2] then redis.call('DEL', KEYS[2]) end
-return 1
-"""
+_REQUEUE = script("dead_requeue")
+_CLAIM = script("dead_claim")
 
 
 def _kombu_publisher(broker_url: str) -> Callable[[str, str], None]:

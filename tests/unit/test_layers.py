@@ -53,6 +53,7 @@ PLACES: dict[str, str] = {
     "asyncinfer.redis_refusals": "base",  # Redis' "not now" replies, read by every Redis user
     "asyncinfer.redis_urls": "base",  # broker URLs as text (the settings judge them)
     "asyncinfer.model_versions": "base",  # a model's versions as names: m@v, the latest
+    "asyncinfer.scripts": "base",  # the Lua scripts run in Redis, as files, and their loader
     "asyncinfer.wire": "wire",
     # the catalogue's keys and scripts: the contract in Redis between the workers that announce
     # their models and the clients and gateway that read it, as keys.py is

@@ -51,6 +51,7 @@ from asyncinfer.keys import (
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
+from asyncinfer.scripts import script
 from asyncinfer.worker.intake.device_marks import DeviceMarks
 from asyncinfer.worker.intake.take import LeaseTerms
 
@@ -58,76 +59,9 @@ __all__ = ["Leases", "holder_of", "holder_of_this_process", "is_dead_here", "red
 
 log = logging.getLogger(__name__)
 
-# KEYS: leases, holders, unacked_index. ARGV: lease (s), holder, the host's time now, then tags.
-# Renews the lease of each tag this holder still holds (and its kombu time); returns the others.
-_RENEW = r"""
-local t = redis.call('TIME')
-local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-local mine = ARGV[2] .. '\t'
-local lost = {}
-for i = 4, #ARGV do
-  local tag = ARGV[i]
-  local h = redis.call('HGET', KEYS[2], tag)
-  if h and string.sub(h, 1, #mine) == mine then
-    redis.call('ZADD', KEYS[1], expiry, tag)
-    redis.call('ZADD', KEYS[3], 'XX', ARGV[3], tag)
-  else
-    lost[#lost + 1] = tag
-  end
-end
-return lost
-"""
-
-# KEYS: leases, holders, unacked. ARGV: most to return. The expired leases (Redis' clock): tag,
-# holder entry ('' for none), unacked entry ('' for none), tag, ...
-_EXPIRED = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local tags = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-local out = {}
-for _, tag in ipairs(tags) do
-  out[#out + 1] = tag
-  out[#out + 1] = redis.call('HGET', KEYS[2], tag) or ''
-  out[#out + 1] = redis.call('HGET', KEYS[3], tag) or ''
-end
-return out
-"""
-
-# KEYS: leases, holders, device marks, unacked_index, unacked. ARGV: 1 to reclaim only expired
-# leases (else those of a dead holder, expired or not), the deaths prefix, the deaths' lifetime
-# (s), then per tag: tag, the holder entry it was read with, the list to put it back on ('' for
-# none), the message as it goes back. Returns {messages put back, deaths counted}.
-_RECLAIM = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local back, deaths = 0, 0
-for i = 4, #ARGV, 4 do
-  local tag, holder, list, text = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local ok = (redis.call('HGET', KEYS[2], tag) or '') == holder
-  if ok and ARGV[1] == '1' then
-    local score = redis.call('ZSCORE', KEYS[1], tag)
-    ok = score ~= false and tonumber(score) <= now
-  end
-  if ok then
-    local rid = redis.call('HGET', KEYS[3], tag)
-    if rid and ARGV[2] ~= '' then
-      redis.call('INCR', ARGV[2] .. rid)
-      redis.call('EXPIRE', ARGV[2] .. rid, tonumber(ARGV[3]))
-      deaths = deaths + 1
-    end
-    if list ~= '' and redis.call('HEXISTS', KEYS[5], tag) == 1 then
-      redis.call('RPUSH', list, text)
-      back = back + 1
-    end
-    redis.call('ZREM', KEYS[1], tag)
-    redis.call('HDEL', KEYS[2], tag)
-    redis.call('HDEL', KEYS[3], tag)
-    redis.call('ZREM', KEYS[4], tag)
-    redis.call('HDEL', KEYS[5], tag)
-  end
-end
-return {back, deaths}
-"""
+_RENEW = script("lease_renew")
+_EXPIRED = script("lease_expired")
+_RECLAIM = script("lease_reclaim")
 
 _RECLAIM_KEYS = (LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY, UNACKED_INDEX_KEY, UNACKED_KEY)
 

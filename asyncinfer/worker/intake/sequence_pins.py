@@ -36,6 +36,7 @@ from asyncinfer.constants import model_from_queue, queue_for, sequence_list
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import SequenceStateLost
 from asyncinfer.keys import SEQUENCE_MODELS_KEY, sequence_workers_key
+from asyncinfer.scripts import script
 from asyncinfer.wire.sequence import sequence_of
 from asyncinfer.worker.intake.take import LeaseTerms, Taken, Taker
 from asyncinfer.worker.intake.taken import TakenMessage
@@ -45,47 +46,8 @@ __all__ = ["SequencePins", "lost_error"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: the set of models with sequence workers, then each model's sorted set of them. ARGV: the
-# lease (s; 0: lapse now), then each model's member, then each model's name.
-_REGISTER = r"""
-local t = redis.call('TIME')
-local until_s = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-if tonumber(ARGV[1]) <= 0 then until_s = 0 end
-local n = #KEYS - 1
-for i = 1, n do
-  redis.call('ZADD', KEYS[i + 1], until_s, ARGV[i + 1])
-  redis.call('SADD', KEYS[1], ARGV[n + i + 1])
-end
-return n
-"""
-
-# KEYS: the set of models with sequence workers. ARGV: the prefix of their sorted sets, the grace
-# (s) a lapsed registration with an empty list is kept. Returns model, member, ... of the lapsed
-# registrations whose list holds requests; removes those empty past the grace.
-_LAPSED = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local out = {}
-for _, model in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local key = ARGV[1] .. model
-  local lapsed = redis.call('ZRANGEBYSCORE', key, '-inf', '(' .. now, 'WITHSCORES')
-  for j = 1, #lapsed, 2 do
-    local member, score = lapsed[j], tonumber(lapsed[j + 1])
-    local list = string.sub(member, 1, (string.find(member, '\t', 1, true) or 1) - 1)
-    if redis.call('LLEN', list) > 0 then
-      out[#out + 1] = model
-      out[#out + 1] = member
-    elseif score < now - tonumber(ARGV[2]) then
-      redis.call('ZREM', key, member)
-    end
-  end
-  if redis.call('ZCARD', key) == 0 then
-    redis.call('SREM', KEYS[1], model)
-    redis.call('DEL', key .. ':turn')
-  end
-end
-return out
-"""
+_REGISTER = script("sequence_register")
+_LAPSED = script("sequence_lapsed")
 
 #: The refusals of one sweep: (the taken requests, the error of each).
 Refuse = Callable[[list[Taken], Callable[[TakenMessage, Mapping[str, Any]], BaseException]], None]

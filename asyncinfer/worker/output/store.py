@@ -29,6 +29,7 @@ from asyncinfer.keys import (
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
+from asyncinfer.scripts import script
 
 __all__ = ["Entry", "StoreScript", "as_out_of_memory", "error_texts"]
 
@@ -36,33 +37,7 @@ __all__ = ["Entry", "StoreScript", "as_out_of_memory", "error_texts"]
 #: none), delivery tag ('' when it was never recorded as unacknowledged).
 Entry = tuple[str, Any, str, str]
 
-# KEYS: unacked_index, unacked, leases, lease holders, lease device marks. ARGV: seconds a result
-# lives (0: for ever), then four values per request (see Entry). Returns the error replies of the
-# announcements and acknowledgements.
-_STORE = r"""
-local ttl = tonumber(ARGV[1])
-local errors = {}
-local function try(...)
-  local reply = redis.pcall(...)
-  if type(reply) == 'table' and reply['err'] then errors[#errors + 1] = reply['err'] end
-end
-for i = 2, #ARGV, 4 do
-  local key, value, reply_to, tag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  if key ~= '' then
-    if ttl > 0 then redis.call('SETEX', key, ttl, value) else redis.call('SET', key, value) end
-    try('PUBLISH', key, value)
-    if reply_to ~= '' then try('PUBLISH', reply_to, value) end
-  end
-  if tag ~= '' then
-    try('ZREM', KEYS[1], tag)
-    try('HDEL', KEYS[2], tag)
-    try('ZREM', KEYS[3], tag)
-    try('HDEL', KEYS[4], tag)
-    try('HDEL', KEYS[5], tag)
-  end
-end
-return errors
-"""
+_STORE = script("store")
 
 
 #: The keys the store script writes: kombu's bookkeeping, then the leases' (leases.py).
