@@ -16,10 +16,8 @@
 -- cache (stored and announced as a worker would; not pushed), {-5, ''} a sequence not started, {-6,
 -- ''} no live worker to start one on, {-7, the pin} its worker is gone.
 -- Once the queue is found full, no push after it in the same call passes it: the queue stays full.
--- The separator after the queue in a claim is compared as '\25' below: the byte the Python string
--- this script came from made of its '\31' (an octal escape there). wire/request_identity.py's
--- separator is byte 31, so a claim of this queue with another identity answers -2, not -4; the
--- publisher treats the two alike (RequestIdReused).
+-- A claim's parts are separated by byte 31 (ASCII unit separator, Lua's '\31':
+-- wire/request_identity.py's SEP).
 
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local depth = nil
@@ -77,12 +75,16 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
     local claimed = redis.call('GET', KEYS[k + 2])
     if claimed then
       local mine = ARGV[a + 7]
-      if claimed == mine or claimed == queue or mine == queue or claimed == '1' then
+      local cut = string.find(claimed, '\31', 1, true)
+      local claimed_queue = cut and string.sub(claimed, 1, cut - 1) or claimed
+      if claimed == mine or claimed == '1' then
         status = 0
-      elseif string.sub(claimed, 1, #queue + 1) == queue .. '\25' then
-        status, detail = -4, claimed
-      else
+      elseif claimed_queue ~= queue then
         status, detail = -2, claimed
+      elseif claimed == queue or mine == queue then
+        status = 0  -- a claim or a request too bare to compare: the request it names
+      else
+        status, detail = -4, claimed
       end
     elseif redis.call('EXISTS', KEYS[k + 3]) == 1 then
       status = 0

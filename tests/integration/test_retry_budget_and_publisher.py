@@ -8,7 +8,7 @@ import re
 import pytest
 import redis
 
-from asyncinfer.client.publisher import DUPLICATE, PUBLISHED, Publisher
+from asyncinfer.client.publisher import CONFLICT, DUPLICATE, PUBLISHED, REUSED, Publisher, script_arguments
 from asyncinfer.errors import RequestIdReused
 from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.policy.retry_budget import RetryBudget
@@ -123,3 +123,17 @@ def test_publisher_takes_a_claim_too_bare_to_compare_as_the_same_request(
         assert publish_one(publisher, "infer.q", request_id, "m", claim=True,
                            identity=_identity([1])) == DUPLICATE
     assert scratch.llen("infer.q") == 0
+
+
+def test_the_script_tells_another_identity_of_the_same_queue_from_another_queue(
+        scratch: redis.Redis) -> None:
+    # The reply's status: -4 (this queue, another identity) or -2 (another queue), as the script's
+    # header says; both end in RequestIdReused, naming what differs.
+    publisher = Publisher(scratch, claim_ttl_s=120)
+    assert publish_one(publisher, "infer.q", "k", "m1", claim=True,
+                       identity=_identity([1])) == PUBLISHED
+    for queue, other, status in (("infer.q", _identity([2]), REUSED),
+                                 ("infer.r", "infer.r", CONFLICT)):
+        push = publisher.prepare(queue, "k", "m2", claim=True, identity=other)
+        keys, args = script_arguments([push])
+        assert int(publisher._publish(keys=keys, args=args)[0]) == status
