@@ -58,7 +58,7 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.timeout(90)
 
 #: Rounds of each race (a new request ID each).
-ROUNDS = 5
+ROUNDS = 3
 #: Where the producers publish once before the race (a queue no worker reads), so that each one's
 #: connection and publish script are warm when the gate opens.
 WARMUP_MODEL = "race-warmup"
