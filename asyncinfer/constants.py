@@ -19,6 +19,7 @@ __all__ = [
     "priority_list",
     "queue_of_list",
     "sequence_list",
+    "is_sequence_list",
 ]
 
 #: The one task every producer sends; its task ID is the request ID.
@@ -69,6 +70,11 @@ def sequence_list(queue: str, holder: str) -> str:
     publish script pushes a pinned sequence's requests there): a list of the queue, as a priority
     list is, so that what is taken from it counts as the queue's."""
     return f"{queue}{PRIORITY_SEP}sequences {holder}"
+
+
+def is_sequence_list(key: str) -> bool:
+    """Whether Redis list ``key`` is a worker's own list of sequences (:func:`sequence_list`)."""
+    return f"{PRIORITY_SEP}sequences " in key
 
 
 def queue_of_list(key: str) -> str:

@@ -15,6 +15,14 @@ at its START), released when its END is answered or when it was idle ``idle_time
 (:meth:`SequenceBook.expire`). A request of a sequence the book does not hold — never started
 here, ended, released — is refused with Triton's words, never run on a fresh state. A request
 that fails leaves its sequence's state as it was.
+
+A request of a sequence can run here after the fleet already failed it with SequenceStateLost
+(this worker was frozen or cut off past its lease, and another worker's sweep failed what it held:
+worker/intake/sequence_pins.py); its result is then left out (worker/output/store.py) and
+:meth:`SequenceBook.void` takes back the state it left: the sequence's state is again the one
+before it, as for any request that fails — or, when a later request already ran on it, the
+sequence is *lost*: its state is dropped and its next requests (without a START) fail with
+SequenceStateLost, never run on a state that counts a failed request.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from typing import Any
 import torch
 
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.errors import InvalidRequest, ModelError, SequenceNotStarted
+from asyncinfer.engine.completion import settle
+from asyncinfer.errors import InvalidRequest, ModelError, SequenceNotStarted, SequenceStateLost
 from asyncinfer.models.base import Model
 from asyncinfer.models.sequence import SequenceBatching
 from asyncinfer.wire.protocol import Request
@@ -53,6 +62,12 @@ class _Sequence:
     #: Between a START and an END: later requests without START belong to it.
     live: bool = True
     last_used: float = 0.0
+    #: The request whose state output ``state`` is ('' for none), and the state before it.
+    kept_from: str = ""
+    before: Any = None
+    #: Why its state was lost (:meth:`SequenceBook.lose`): its requests without a START fail
+    #: with this, until it starts again or is idle past the timeout. '': not lost.
+    lost: str = ""
 
 
 class SequenceBook:
@@ -86,6 +101,11 @@ class SequenceBook:
         """How many sequences it holds."""
         return len(self._sequences)
 
+    def busy(self) -> bool:
+        """Whether a request of a sequence waits or runs here."""
+        with self._lock:
+            return any(seq.running is not None or seq.waiting for seq in self._sequences.values())
+
     def holds(self, flags: SequenceFlags) -> bool:
         """Whether a live sequence of ``flags``' ID is held (started, not ended, not released)."""
         with self._lock:
@@ -101,6 +121,10 @@ class SequenceBook:
         """
         with self._lock:
             seq = self._sequences.get(flags.key)
+            if not flags.start and seq is not None and seq.lost:
+                raise SequenceStateLost(f"request {item.request.id}: {seq.lost}")
+            if seq is not None and seq.lost:  # a START begins it afresh
+                seq = self._sequences[flags.key] = _Sequence(flags.id)
             if not flags.start and (seq is None or not seq.live):
                 raise SequenceNotStarted(
                     f"request {item.request.id}: {not_started_message(flags, self.model)} (this "
@@ -153,8 +177,34 @@ class SequenceBook:
             for item, row in zip(items, rows, strict=True):
                 seq = self._sequences.get(item.sequence.key)
                 if seq is not None and seq.running is item:
-                    seq.state = row
+                    seq.before, seq.state = seq.state, row
+                    seq.kept_from = item.request.id
         return outputs
+
+    def void(self, request_id: str, why: str) -> str:
+        """Request ``request_id`` ran here, but the fleet had already failed it (its result was
+        left out): take back the state it left. 'reverted': its sequence's state is the one
+        before it again (no later request ran on it); 'lost': a later request of the sequence
+        ran (or runs) on it, or the request still runs, so the sequence's state is dropped — its
+        waiting requests, and its next requests without a START, fail with SequenceStateLost
+        (``why``); '': the book holds no sequence it touched."""
+        with self._lock:
+            key = next((k for k, seq in self._sequences.items()
+                        if not seq.lost and (seq.kept_from == request_id
+                                             or _holds(seq, request_id))), None)
+            if key is None:
+                return ""
+            seq = self._sequences[key]
+            if seq.kept_from == request_id and seq.running is None:
+                seq.state, seq.before, seq.kept_from = seq.before, None, ""
+                return "reverted"
+            self._sequences[key] = _Sequence(seq.id, live=False, last_used=self._clock(),
+                                             lost=why)
+        for item in seq.waiting:
+            if not item.future.done():
+                settle(item.future, exc=SequenceStateLost(f"request {item.request.id}: {why}"))
+        self._on_released(seq.id)
+        return "lost"
 
     def expire(self) -> list[int | str]:
         """Release every sequence idle (nothing waiting or running) for ``idle_timeout_s``; the
@@ -164,10 +214,11 @@ class SequenceBook:
             idle = [key for key, seq in self._sequences.items()
                     if seq.running is None and not seq.waiting
                     and now - seq.last_used >= self.spec.idle_timeout_s]
-            gone = [self._sequences.pop(key).id for key in idle]
-        for sequence_id in gone:
-            self._on_released(sequence_id)
-        return gone
+            gone = [self._sequences.pop(key) for key in idle]
+        for seq in gone:
+            if not seq.lost:  # a lost one was released when it was lost
+                self._on_released(seq.id)
+        return [seq.id for seq in gone]
 
     def close(self) -> list[WorkItem]:
         """Release every sequence; the requests that waited and never reached the batcher."""
@@ -213,12 +264,19 @@ class SequenceBook:
                 seq.waiting.remove(item)
             seq.last_used = self._clock()
             ready = self._next(seq)
-            if ready is None and seq.running is None and not seq.waiting and not seq.live:
+            if (ready is None and seq.running is None and not seq.waiting and not seq.live
+                    and not seq.lost):
                 released = self._sequences.pop(key).id
         if ready is not None:
             self._put(ready)
         if released is not None:
             self._on_released(released)
+
+
+def _holds(seq: _Sequence, request_id: str) -> bool:
+    """Whether ``seq`` holds request ``request_id``, running or waiting."""
+    return ((seq.running is not None and seq.running.request.id == request_id)
+            or any(item.request.id == request_id for item in seq.waiting))
 
 
 def request_sequence(book: SequenceBook | None, model: str, request: Request,

@@ -11,8 +11,8 @@ then the fault hits the worker holding some of them (the victim):
 - kill -9 with a batch held on its device and more queued behind it: all of them, and what is sent
   after the kill, fail with SequenceStateLost (409 over the gateway) within the lease and a sweep;
 - SIGSTOP past the lease: what is sent meanwhile fails, its sequences go on after the thaw without
-  it (documented); with a batch on its device at the freeze, that batch runs after the thaw although
-  its requests were failed (a bug: xfail);
+  it (documented); with a batch on its device at the freeze, that batch runs after the thaw, but its
+  results never replace the failures already stored and the state it left is taken back;
 - SIGTERM with its device let go at once (what it held is answered on the right state), and with
   its device stuck past the stop's grace (what it held fails with the state lost).
 
@@ -367,17 +367,6 @@ class LostRequestRan(AssertionError):
     """A request whose caller was told its sequence's state was lost ran after all."""
 
 
-#: What test_sigstop_with_a_batch_on_its_device_past_the_lease meets.
-THAWED_BATCH_BUG = (
-    "bug: a worker frozen (SIGSTOP) past its lease with a sequence batch on its device finishes "
-    "that batch when thawed, although the other worker's sweep already failed its requests with "
-    "SequenceStateLost: their stored results flip from FAILURE to SUCCESS and the sequences' "
-    "state keeps them, so the next request's SUM counts a request its caller was told failed "
-    "(docs/sequences.md: a request that fails leaves its sequence's state as it was; "
-    "docs/delivery.md: a second answer has the same kind of final state)")
-
-
-@pytest.mark.xfail(strict=True, raises=LostRequestRan, reason=THAWED_BATCH_BUG)
 def test_sigstop_with_a_batch_on_its_device_past_the_lease_never_runs_a_failed_request(
         fleet: Fleet) -> None:
     ledger = Ledger(fleet.client)

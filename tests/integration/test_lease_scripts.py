@@ -65,7 +65,7 @@ def test_the_take_leases_what_it_records_and_the_store_ends_the_lease(r) -> None
         assert now_s + 9 <= float(r.zscore(LEASES_KEY, tag)) <= now_s + 12
         assert r.hget(LEASE_HOLDERS_KEY, tag).decode() == f"{leases.holder}\t{key}"
     # And storing a result ends the lease with the acknowledgement
-    StoreScript(r, 60)([("celery-task-meta-a", "{}", "", _tag(taken[0][1]))])
+    StoreScript(r, 60)([("celery-task-meta-a", "{}", "", _tag(taken[0][1]), "")])
     first = _tag(taken[0][1])
     assert r.zscore(LEASES_KEY, first) is None and not r.hexists(LEASE_HOLDERS_KEY, first)
     assert not r.hexists(UNACKED_KEY, first) and r.zcard(LEASES_KEY) == 1

@@ -261,7 +261,7 @@ def test_started_states_are_one_script_call_and_survive_a_flushed_script_cache(
     w.store.load(broker)
     pipe = broker.pipeline(transaction=False)
     w.started(pipe, deliveries, "cpu@host")
-    assert pipe.execute() == [[]]
+    assert pipe.execute() == [[[], []]]  # no errors, no result left out
     for request_id in ids:
         meta = _meta(broker, request_id)
         assert meta["status"] == states.STARTED and meta["task_id"] == request_id

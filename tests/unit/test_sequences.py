@@ -208,6 +208,47 @@ def test_close_gives_back_what_waited() -> None:
     assert book.close() == [second] and released == [1]
 
 
+def test_a_request_failed_by_the_fleet_that_ran_here_leaves_the_state_as_it_was() -> None:
+    book, put, released, _ = book_with()
+    s1, s2 = item("s1"), item("s2")
+    book.submit(s1, SequenceFlags(1, start=True))
+    book.keep([s1], {"S_OUT": torch.tensor([[4]])}, lambda v: v)
+    s1.future.set_result(None)
+    book.submit(s2, SequenceFlags(1))  # failed meanwhile by another worker's sweep
+    book.keep([s2], {"S_OUT": torch.tensor([[9]])}, lambda v: v)
+    s2.future.set_result(None)
+    # When its result is left out (the store found the failure), its state is taken back
+    assert book.void("s2", "lost") == "reverted"
+    s3 = item("s3")
+    book.submit(s3, SequenceFlags(1))
+    assert book.inputs_for([s3])["S"].tolist() == [[4]]  # as s2's failure left it
+    assert book.void("nobody", "lost") == "" and released == []
+
+
+def test_a_failed_request_a_later_one_ran_on_loses_its_sequence() -> None:
+    book, put, released, clock = book_with()
+    s1, s2, s3 = item("s1"), item("s2"), item("s3")
+    book.submit(s1, SequenceFlags(1, start=True))
+    book.submit(s2, SequenceFlags(1))
+    book.submit(s3, SequenceFlags(1))
+    book.keep([s1], {"S_OUT": torch.tensor([[4]])}, lambda v: v)
+    s1.future.set_result(None)  # s2 runs on s1's state: s1 can no longer be taken back
+    assert book.void("s1", "its state is lost") == "lost"
+    assert released == [1]
+    with pytest.raises(SequenceStateLost, match="its state is lost"):
+        s3.future.result(timeout=0)  # it waited: it fails, never runs on a state
+    book.keep([s2], {"S_OUT": torch.tensor([[9]])}, lambda v: v)  # s2 keeps nothing now
+    s2.future.set_result(None)
+    with pytest.raises(SequenceStateLost, match="request s4: its state is lost"):
+        book.submit(item("s4"), SequenceFlags(1))
+    again = item("a")
+    book.submit(again, SequenceFlags(1, start=True))  # a START begins it afresh
+    assert book.inputs_for([again])["S"].tolist() == [[0]]
+    again.future.set_result(None)
+    clock.now = 100.0
+    assert book.expire() == [1] and released == [1, 1]
+
+
 # -- a stateful model's runner ---------------------------------------------------------------------
 
 class RecordingAccumulator(Accumulator):

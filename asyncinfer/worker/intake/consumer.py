@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery import Celery
 
+from asyncinfer.constants import model_from_queue
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
 from asyncinfer.policy.policy import Policy
@@ -33,7 +34,7 @@ from asyncinfer.worker.intake.holdings import Holdings
 from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.runtime import WorkerRuntime
@@ -79,7 +80,7 @@ class PipelineConsumer:
                                      metrics=runtime.metrics)
         self.writer = ResultWriter(app, results, worker=hostname,
                                    before_write=lambda batch: self.outcomes.before_write(batch),
-                                   on_written=lambda batch: self.outcomes.written(batch),
+                                   on_written=self._written,
                                    shared=shared,
                                    spans=WorkerSpans(tracing, hostname) if tracing else None)
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
@@ -88,6 +89,15 @@ class PipelineConsumer:
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,
                                  stopping=self._stopping.is_set, traced=tracing is not None)
+
+    def _written(self, batch: list[Outcome]) -> None:
+        """(The writer's, after each write.) ``batch`` is stored and acknowledged; a sequence
+        request whose result was left out, as the fleet had already failed it, takes back the
+        state it left (engine/sequences.py)."""
+        self.outcomes.written(batch)
+        for outcome in batch:
+            if outcome.superseded:
+                void_sequence_state(self.runtime, outcome.delivery)
 
     def received(self, messages: list[Any]) -> None:
         """(Celery's consumer, with the messages of this pipeline kombu delivered in one turn of
@@ -168,3 +178,22 @@ class PipelineConsumer:
         never ran, which would otherwise be logged, counted and announced as a FAILURE of a
         request that runs elsewhere."""
         self.holdings.release([h.delivery for h in self.holdings.held()])
+
+
+def void_sequence_state(runtime: WorkerRuntime, d: TakenMessage) -> str:
+    """Take back the state that request ``d`` (a sequence's, run here although the fleet had
+    already failed it with SequenceStateLost) left in its model's sequence book: 'reverted',
+    'lost' or '' (SequenceBook.void)."""
+    model = model_from_queue(d.queue) or d.queue
+    why = (f"the state of its sequence of model '{model}' is lost: request {d.request_id} of it "
+           f"ran after it had been failed as lost (its worker was frozen or cut off past its "
+           f"lease); start the sequence again (sequence_start)")
+    for runner in runtime.runners():
+        if runner.sequences is not None and runner.model.name == model:
+            done = runner.sequences.void(d.request_id, why)
+            if done:
+                log.warning("request %s of model %s ran after it was failed as lost: its "
+                            "sequence's state is %s", d.request_id, model,
+                            "as before it" if done == "reverted" else "dropped (lost)")
+                return done
+    return ""

@@ -11,7 +11,12 @@ takes from. So each worker hosting a stateful model:
   score: until when it lives, on Redis' clock), renewed every third of ``ASYNCINFER_LEASE_S``
   (at start before it serves, then on its own thread). A worker that stops lapses its
   registration at once (score 0); one that dies, within the lease. From then on the publish
-  script refuses the sequences pinned to it with SequenceStateLost, naming it;
+  script refuses the sequences pinned to it with SequenceStateLost, naming it. A worker whose
+  renewal finds its registration lapsed (it was frozen or cut off past the lease: what it held
+  was failed meanwhile by another worker's sweep) registers again only once its sequence books
+  hold nothing in flight and a renewal period passed: what it ran of the failed requests is left
+  out by the store and their state taken back (engine/sequences.py) before any new request of
+  its sequences can reach it;
 - **sweeps**, about once a second, the registrations that lapsed (other workers', of any model):
   what their own lists still hold — requests pushed before the death was seen, and those the
   lease sweep put back there — is taken (recorded and leased to this worker, as any take) and
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -95,6 +101,10 @@ class SequencePins:
         self._lapsed = client.register_script(_LAPSED)
         #: Model → its registration member, for the stateful models this worker serves now.
         self.members: dict[str, str] = {}
+        #: The members registered (and not lapsed since, as far as this worker knows).
+        self._registered: set[str] = set()
+        #: Model → when (monotonic) its lapsed registration may be renewed (:meth:`renew`).
+        self._rejoin: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-sequences")
@@ -146,12 +156,40 @@ class SequencePins:
         self._send(members, lapse=False)
 
     def _send(self, members: Mapping[str, str], lapse: bool) -> None:
+        if not lapse:
+            members = {m: v for m, v in members.items() if self._may_rejoin(m)}
         if not members:
             return
         models = list(members)
-        self._register(keys=[SEQUENCE_MODELS_KEY, *(sequence_workers_key(m) for m in models)],
-                       args=[0 if lapse else self.lease_s, *(members[m] for m in models),
-                             *models])
+        known = ["1" if not lapse and members[m] in self._registered else "" for m in models]
+        lapsed = {_text(m) for m in self._register(
+            keys=[SEQUENCE_MODELS_KEY, *(sequence_workers_key(m) for m in models)],
+            args=[0 if lapse else self.lease_s, *(members[m] for m in models), *models,
+                  *known])}
+        for model in models:
+            if lapse:
+                self._registered.discard(members[model])
+            elif model in lapsed:
+                self._registered.discard(members[model])
+                self._rejoin[model] = time.monotonic() + self.lease_s / 3
+                log.warning("sequences: this worker's registration for model %s lapsed (it was "
+                            "frozen or cut off past the %g s lease): what it held was failed as "
+                            "lost; it registers again once it ran what it holds", model,
+                            self.lease_s)
+            else:
+                self._registered.add(members[model])
+                self._rejoin.pop(model, None)
+
+    def _may_rejoin(self, model: str) -> bool:
+        """Whether ``model``'s registration may be renewed: not lapsed, or lapsed a renewal
+        period ago with nothing of its sequences in flight here (their results are stored and
+        the state of the requests failed meanwhile taken back)."""
+        after = self._rejoin.get(model)
+        if after is None:
+            return True
+        return time.monotonic() >= after and not any(
+            r.sequences.busy() for r in self.runtime.runners()
+            if r.sequences is not None and r.model.name == model)
 
     def sweep(self) -> int:
         """Fail what the lists of lapsed registrations hold (other workers'); how many."""

@@ -23,7 +23,7 @@ from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.dead_letters import options_of
 from asyncinfer.worker.intake.taken import TakenMessage
-from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
+from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, store_reply
 
 __all__ = ["cache_key_of", "CacheWrites", "store_with_cache"]
 
@@ -83,12 +83,12 @@ class CacheWrites:
 
 
 def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
-                     writes: CacheWrites) -> list[str]:
+                     writes: CacheWrites) -> tuple[list[str], list[str]]:
     """Store ``entries`` with ``store`` and write the gathered cache answers, in one round trip
     on ``client`` (the broker): the cache writes first, so a request repeated once its answer is
-    out finds it. The error replies of the store (as text); a refused cache write is logged and
-    dropped (a later miss). Raises what a refused store raises (out of memory: the writer splits
-    the part)."""
+    out finds it. The error replies of the store and the result keys it left out (as text:
+    store.py's :func:`store_reply`); a refused cache write is logged and dropped (a later
+    miss). Raises what a refused store raises (out of memory: the writer splits the part)."""
     pipe = client.pipeline(transaction=False)
     writes.queue(pipe)
     store.queue(pipe, entries)
@@ -97,7 +97,7 @@ def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
         log.warning("writing answers to the response cache failed: %s", error)
     if isinstance(stored, redis.exceptions.NoScriptError):  # a restarted or new master
         store.load(client)
-        return store(entries, client)
+        return store.call(entries, client)
     if isinstance(stored, redis.ResponseError):
         raise as_out_of_memory(stored)
-    return error_texts(stored)
+    return store_reply(stored)

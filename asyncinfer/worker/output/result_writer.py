@@ -38,6 +38,7 @@ from celery.exceptions import TaskRevokedError
 from asyncinfer.backoff import Backoff
 from asyncinfer.config.bound import settings_of
 from asyncinfer.connections import wait_replicas
+from asyncinfer.constants import is_sequence_list
 from asyncinfer.engine.vital import vital_thread
 from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import result_meta
@@ -50,7 +51,14 @@ from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks, send_errbacks
 from asyncinfer.worker.output import cache_write, kombu_acks
 from asyncinfer.worker.output.started_states import StartedStates
-from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, error_texts
+from asyncinfer.worker.output.store import (
+    GUARDED,
+    Entry,
+    StoreScript,
+    as_out_of_memory,
+    error_texts,
+    store_reply,
+)
 from asyncinfer.worker.output.stream_appends import StreamAppends
 from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript, part_entry, start_entry
 
@@ -70,6 +78,9 @@ class Outcome:
     retry: str | None = None
     #: False to acknowledge only (the result is already stored: a redelivered duplicate).
     store: bool = True
+    #: Set by the writer: a sequence request's result left out, as its request already had a
+    #: final state (store.py's guard); the state it left is taken back (engine/sequences.py).
+    superseded: bool = False
 
 
 def add_dead_letter(pipe: Any, app: Celery, outcome: Outcome, worker: str) -> None:
@@ -240,7 +251,7 @@ class ResultWriter:
             kombu_acks.acknowledge(self.app, delivered)
         self.on_written(batch)
         for outcome in batch:
-            if outcome.embed:
+            if outcome.embed and not outcome.superseded:
                 self._call_links(outcome)
         if self.spans is not None:  # made on the spans' own thread: no write waits for them
             self.spans.hand_over(batch, write_started, write_ended)
@@ -283,26 +294,48 @@ class ResultWriter:
         with the retries and dead letters the part pushes, when it pushes any)."""
         pushes = self.broker.pipeline(transaction=True)
         self._cache_writes.clear()  # what a refused try of this part gathered
-        entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part) if any(e)]
+        entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part)
+                   if e[0] or e[3]]  # a result to store or a message to acknowledge
         self._appends.append(part, self.streams)
         acks = entries
+        left: list[str] = []  # the result keys the store left out (store.py: guarded entries)
         if not self.shared:
-            results = [(k, v, r, "") for k, v, r, _ in entries if k]
+            results = [(k, v, r, "", g) for k, v, r, _, g in entries if k]
             if results:
-                self._log_refusals(self.store(results, self.results))
-            acks = [("", "", "", tag) for _, _, _, tag in entries if tag]
+                errors, left = self.store.call(results, self.results)
+                self._log_refusals(errors)
+            acks = [("", "", "", tag, "") for _, _, _, tag, _ in entries if tag]
         if self._cache_writes and not pushes.command_stack:
-            self._log_refusals(cache_write.store_with_cache(self.broker, self.store, acks,
-                                                            self._cache_writes))
-            return
-        if not pushes.command_stack:
+            errors, more = cache_write.store_with_cache(self.broker, self.store, acks,
+                                                        self._cache_writes)
+            self._log_refusals(errors)
+        elif not pushes.command_stack:
+            more = []
             if acks:
-                self._log_refusals(self.store(acks, self.broker))
+                errors, more = self.store.call(acks, self.broker)
+                self._log_refusals(errors)
+        else:
+            self._cache_writes.queue(pushes)
+            if acks:
+                self.store(acks, pushes)
+            more = self._execute(pushes, stored=bool(acks))
+        self._superseded(part, left + more)
+
+    def _superseded(self, part: list[Outcome], keys: list[str]) -> None:
+        """Mark the outcomes of ``part`` whose result the store left out: a sequence request
+        whose request already had a final state (another worker's sweep failed it with
+        SequenceStateLost while this worker was frozen or cut off past its lease)."""
+        if not keys:
             return
-        self._cache_writes.queue(pushes)
-        if acks:
-            self.store(acks, pushes)
-        self._execute(pushes)
+        left = set(keys)
+        for outcome in part:
+            d = outcome.delivery
+            key = self.backend.get_key_for_task(d.request_id) if d.request_id else ""
+            if (key.decode() if isinstance(key, bytes) else key) in left:
+                outcome.superseded = True
+                log.warning("request %s: not stored: it already has a final state (its sequence's "
+                            "worker was taken for gone and the request failed, while this worker "
+                            "ran it); the state it left is taken back", d.request_id)
 
     def _wait_replicas(self, batch: list[Outcome]) -> None:
         """Wait until ``replicas`` replicas hold this batch's results and acks; a shortfall is
@@ -322,16 +355,24 @@ class ResultWriter:
                             self.replicas_timeout_ms)
 
     @staticmethod
-    def _execute(pipe: Any) -> None:
+    def _execute(pipe: Any, stored: bool) -> list[str]:
         """EXEC a transaction. A refusal before EXEC (out of memory, read-only: nothing was
         written) raises, to be tried again; an error reply of one command inside it (all others
-        done) is logged, as trying again would repeat the others."""
-        for reply in pipe.execute(raise_on_error=False):
+        done) is logged, as trying again would repeat the others. With ``stored`` (the store
+        script is its last command), the result keys the store left out."""
+        replies = pipe.execute(raise_on_error=False)
+        left: list[str] = []
+        for i, reply in enumerate(replies):
             if isinstance(reply, redis.ResponseError):
                 if isinstance(as_out_of_memory(reply), redis.OutOfMemoryError):
                     raise as_out_of_memory(reply)  # the script refused at its first write
                 log.error("a result write was refused by Redis: %s", reply)
-            ResultWriter._log_refusals(error_texts(reply))
+            elif stored and i == len(replies) - 1:
+                errors, left = store_reply(reply)
+                ResultWriter._log_refusals(errors)
+            else:
+                ResultWriter._log_refusals(error_texts(reply))
+        return left
 
     @staticmethod
     def _log_refusals(errors: list[str]) -> None:
@@ -373,8 +414,10 @@ class ResultWriter:
             if outcome.state == states.SUCCESS and d.cache_key and self.shared:
                 self._cache_writes.add(d, outcome.result)
         add_dead_letter(pushes, self.app, outcome, self.worker)
-        # no tag: a malformed message never recorded, or one of kombu's
-        return key, value, reply_to, "" if kombu else d.tag or ""
+        # no tag: a malformed message never recorded, or one of kombu's; a sequence request's
+        # result (taken from a sequence worker's own list) never replaces a final state
+        guard = GUARDED if is_sequence_list(d.list_key) else ""
+        return key, value, reply_to, "" if kombu else d.tag or "", guard
 
     def _call_links(self, outcome: Outcome) -> None:
         """Celery's ``link``, ``link_error`` and chains, as its tracer calls them."""

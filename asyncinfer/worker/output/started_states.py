@@ -49,7 +49,7 @@ class StartedStates:
         :attr:`results`, as one store call."""
         prefix, suffix = self._text(hostname)
         self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
-                                 prefix + json.dumps(d.request_id) + suffix, "", "")
+                                 prefix + json.dumps(d.request_id) + suffix, "", "", "")
                                 for d in deliveries])
 
     def store_now(self, deliveries: list[TakenMessage], hostname: str) -> None:

@@ -4,7 +4,7 @@ Per request the result writer stores the result (SETEX, Celery's layout), announ
 on the result key's channel, and on the request's reply channel when it names one), and
 acknowledges the message (kombu's ``unacked_index`` and ``unacked`` entries removed, and its
 lease). As a MULTI/EXEC of five commands a request that is ~12 replies to parse and ~6 commands to
-pack in the worker's Python; as one script call per batch it is four arguments. Measured on sim-fast at 256 in
+pack in the worker's Python; as one script call per batch it is five arguments. Measured on sim-fast at 256 in
 flight: see docs/benchmarks.md.
 
 All or nothing, as the transaction was: Redis checks memory (and a replica's read-only state) at a
@@ -13,6 +13,14 @@ its end. The result writes use ``redis.call`` (an error there stops the script: 
 read-only can refuse a SET, and both come first); the announcements and acknowledgements use
 ``redis.pcall``, so one odd key (a user's value of another type where an ``unacked`` hash should
 be) is reported and the rest still done, as EXEC reports one failed command and runs the others.
+
+A *guarded* entry (a sequence request's: its state lives on one worker) never replaces a final
+state (SUCCESS, FAILURE, REVOKED) already stored for its request: a worker frozen or cut off past
+its lease finishes, once it is back, requests that another worker's sweep already failed with
+SequenceStateLost (worker/intake/sequence_pins.py), and that failure is what its caller was told.
+The script leaves such a result out (still acknowledging the message) and names its key, so the
+worker drops the state the request left (engine/sequences.py). A plain request's result is
+stored as ever (a request that ran again after a reclaim stores its answer).
 """
 
 from __future__ import annotations
@@ -31,11 +39,15 @@ from asyncinfer.keys import (
 )
 from asyncinfer.scripts import script
 
-__all__ = ["Entry", "StoreScript", "as_out_of_memory", "error_texts"]
+__all__ = ["GUARDED", "Entry", "StoreScript", "as_out_of_memory", "error_texts", "store_reply"]
 
 #: One request's part of a batch: result key ('' for none), stored text, reply channel ('' for
-#: none), delivery tag ('' when it was never recorded as unacknowledged).
-Entry = tuple[str, Any, str, str]
+#: none), delivery tag ('' when it was never recorded as unacknowledged), guard (:data:`GUARDED`:
+#: never replace a final state stored for the request; '': store as ever).
+Entry = tuple[str, Any, str, str, str]
+
+#: An entry's guard: its result never replaces a final state already stored (a sequence request).
+GUARDED = "1"
 
 _STORE = script("store")
 
@@ -52,14 +64,20 @@ class StoreScript:
         self.expires_s = expires_s
 
     def __call__(self, entries: Sequence[Entry], client: Any = None) -> list[str]:
-        """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the list
-        of errors). The error replies (as text) of the announcements and acknowledgements."""
+        """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the
+        script's: see :func:`store_reply`). The error replies (as text) of the announcements and
+        acknowledgements."""
+        return self.call(entries, client)[0]
+
+    def call(self, entries: Sequence[Entry], client: Any = None) -> tuple[list[str], list[str]]:
+        """:meth:`__call__`, and the result keys of the guarded entries left out (a final state
+        was stored already)."""
         try:
-            errors = self._script(keys=list(_KEYS), args=self._args(entries),
-                                  client=client)
+            reply = self._script(keys=list(_KEYS), args=self._args(entries),
+                                 client=client)
         except redis.ResponseError as exc:
             raise as_out_of_memory(exc) from None
-        return error_texts(errors)
+        return store_reply(reply)
 
     def queue(self, pipe: Any, entries: Sequence[Entry]) -> None:
         """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
@@ -83,6 +101,15 @@ def error_texts(reply: Any) -> list[str]:
     if not isinstance(reply, list):
         return []
     return [e.decode(errors="replace") if isinstance(e, bytes) else str(e) for e in reply]
+
+
+def store_reply(reply: Any) -> tuple[list[str], list[str]]:
+    """The store script's reply as (its error replies, the result keys it left out), as text;
+    ([], []) for a queued call's pipeline."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        return [], []
+    errors, skipped = reply
+    return error_texts(errors), error_texts(skipped)
 
 
 def as_out_of_memory(exc: redis.ResponseError) -> redis.ResponseError:
