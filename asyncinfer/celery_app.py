@@ -26,20 +26,21 @@ INCLUDE = ["asyncinfer.tasks.infer", "asyncinfer.tasks.stages", "asyncinfer.work
 
 class _App(Celery):  # type: ignore[misc]
     """Celery, with a worker whose banner tells a device worker's truth, publishing json or
-    msgpack only on the project's kombu transport (:mod:`asyncinfer.celery_amqp`), and a result
-    backend that announces a request's final state on its reply channel (:mod:`asyncinfer.replies`)
-    and counts Redis' refusals as safe to retry (:mod:`asyncinfer.redis_refusals`)."""
+    msgpack only on the project's kombu transport (:mod:`asyncinfer.config.celery_amqp`), and a
+    result backend that announces a request's final state on its reply channel
+    (:mod:`asyncinfer.broker.reply_channels`) and counts Redis' refusals as safe to retry
+    (:mod:`asyncinfer.broker.refusals`)."""
 
-    amqp_cls = "asyncinfer.celery_amqp:AMQP"
+    amqp_cls = "asyncinfer.config.celery_amqp:AMQP"
 
     @cached_property
     def Worker(self) -> Any:  # noqa: N802 - Celery's name
         return self.subclass_with_self("asyncinfer.worker.banner:Worker")
 
     def _get_backend(self) -> Any:
-        """Celery's result backend, announcing final states on reply channels (replies.py)."""
-        from asyncinfer.redis_refusals import retrying_refusals
-        from asyncinfer.replies import announcing
+        """Celery's result backend, announcing final states on reply channels (broker/reply_channels.py)."""
+        from asyncinfer.broker.refusals import retrying_refusals
+        from asyncinfer.broker.reply_channels import announcing
 
         return announcing(retrying_refusals(super()._get_backend()))
 
@@ -76,7 +77,7 @@ def create_app(settings: Settings | None = None, include: list[str] | None = Non
         bind(celery, settings)
     celery.config_from_object(_FromSettings(celery))
     # On a Redis broker a device worker's infer.* queues go to the fast consumer.
-    celery.steps["worker"].add("asyncinfer.worker.intake.step:FastConsumerStep")
+    celery.steps["worker"].add("asyncinfer.worker.step:FastConsumerStep")
     return celery
 
 

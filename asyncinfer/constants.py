@@ -15,6 +15,7 @@ __all__ = [
     "model_from_queue",
     "PRIORITY_SEP",
     "PRIORITY_STEPS",
+    "level_of",
     "priority_lists",
     "priority_list",
     "queue_of_list",
@@ -59,9 +60,14 @@ def priority_lists(queues: list[str]) -> list[str]:
     return [q if step == 0 else f"{q}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS for q in queues]
 
 
+def level_of(priority: int) -> int:
+    """The level (kombu's priority step, the list it goes on) of a Celery priority 0-9."""
+    return max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
+
+
 def priority_list(queue: str, priority: int) -> str:
     """The Redis list kombu's Redis transport puts a message of ``priority`` (0-9) on."""
-    step = max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
+    step = level_of(priority)
     return queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}"
 
 

@@ -12,7 +12,7 @@ client, the worker and Redis, and Redis commands per request (``INFO commandstat
 not a test: this machine is too noisy for timed assertions.
 
 ``--redis-rtt-ms R`` runs every client twice in turn, on loopback and through a delay proxy that
-puts Redis R ms (a round trip) away (asyncinfer/bench/latency_proxy.py); the worker always talks
+puts Redis R ms (a round trip) away (asyncinfer/ops/benchmark/latency_proxy.py); the worker always talks
 to Redis directly. ``--model sim-fast`` (or sim-slow) serves the bench's simulated device.
 """
 
@@ -32,8 +32,8 @@ import json, os, sys, time
 import numpy as np
 import redis
 from asyncinfer import Client
-from asyncinfer.bench.loadgen import percentile, run_closed_loop
-from asyncinfer.bench.systems import process_cpu_s
+from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+from asyncinfer.ops.benchmark.systems import process_cpu_s
 
 url, worker_pid, redis_pid, tag, model, levels, rtt_ms, requests = sys.argv[1:9]
 client, stats = Client(broker_url=url), redis.Redis.from_url(url)
@@ -88,7 +88,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=15000, help="per level (a tenth at 1 in flight)")
     p.add_argument("--out", type=Path, help="append each JSON line to this file too")
     args = p.parse_args()
-    from asyncinfer.bench.latency_proxy import LatencyProxy, ping_ms
+    from asyncinfer.ops.benchmark.latency_proxy import LatencyProxy, ping_ms
     from asyncinfer.ops.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +98,7 @@ def main() -> int:
                "PYTHONPATH": str(args.worker_tree or args.new)}
         if args.model.startswith("sim-"):
             env["ASYNCINFER_MODEL_FACTORIES"] = (
-                f"{args.model}=asyncinfer.bench.synthetic:{args.model.replace('-', '_')}")
+                f"{args.model}=asyncinfer.ops.benchmark.synthetic:{args.model.replace('-', '_')}")
         proxy = LatencyProxy(server.url, args.redis_rtt_ms).start() if args.redis_rtt_ms else None
         with open(Path(tmp) / "worker.log", "wb") as log:
             worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",

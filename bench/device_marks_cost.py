@@ -23,10 +23,10 @@ from pathlib import Path
 
 import redis
 
+from asyncinfer.broker.device_marks import DeviceMarks
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.keys import LEASE_DEVICE_KEY
 from asyncinfer.ops.redis_server import RedisServer
-from asyncinfer.worker.intake.device_marks import DeviceMarks
+from asyncinfer.wire.keys import LEASE_DEVICE_KEY
 
 
 def _waited(client: redis.Redis):  # noqa: ANN202 - the old way: a pipeline, its reply awaited

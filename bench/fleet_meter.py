@@ -31,9 +31,9 @@ from typing import Any
 __all__ = ["redis_figures", "script_names", "Meter", "CommandLog"]
 
 #: The modules whose module-level Lua texts the fleet runs (client, worker, catalogue, budget).
-SCRIPT_MODULES = ("asyncinfer.client.publisher", "asyncinfer.worker.intake.take",
-                  "asyncinfer.worker.intake.leases", "asyncinfer.worker.intake.wake",
-                  "asyncinfer.worker.output.store", "asyncinfer.catalogue",
+SCRIPT_MODULES = ("asyncinfer.broker.publisher", "asyncinfer.broker.take",
+                  "asyncinfer.broker.leases", "asyncinfer.broker.wake",
+                  "asyncinfer.broker.store", "asyncinfer.broker.catalogue",
                   "asyncinfer.policy.retry_budget")
 #: Commands listed per reading (the rest are summed in ``commands_per_…``).
 TOP_COMMANDS = 12
@@ -44,7 +44,7 @@ _OWN = {b"SLOWLOG", b"MULTI", b"EXEC", b"CONFIG", b"INFO"}
 def redis_figures(client: Any, pid: int) -> dict[str, Any]:
     """Redis' counters now: CPU seconds (INFO: process and main thread; /proc: the process),
     calls and µs per command, bytes in and out."""
-    from asyncinfer.bench.systems import process_cpu_s
+    from asyncinfer.ops.benchmark.systems import process_cpu_s
 
     cpu = client.info("cpu")
     stats = client.info("stats")
@@ -75,7 +75,7 @@ class Meter:
         self.start = self._now()
 
     def _now(self) -> dict[str, Any]:
-        from asyncinfer.bench.host import tree_cpu_s
+        from asyncinfer.ops.benchmark.host import tree_cpu_s
 
         return {"t": time.monotonic(), "redis": redis_figures(self.redis_client, self.redis_pid),
                 "workers": sum(tree_cpu_s(p) for p in self.workers),

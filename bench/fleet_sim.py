@@ -10,7 +10,7 @@ worker`` processes serving one of the bench's simulated devices (``sim-slow`` by
 + 1 ms per row with the GIL released, so a worker costs the host its serving path only and its
 batches fill) with ``max_batch_size`` set to each batch size in turn, and producer processes,
 each one ``Client`` keeping its share of the requests in flight (closed loop, the bench's own
-:func:`~asyncinfer.bench.measure.closed_loop`).
+:func:`~asyncinfer.ops.benchmark.measure.closed_loop`).
 
 For each batch size one Redis is started, with one worker; workers are added (1, 2, 4, 8) and at
 each count the fleet is first measured idle (what Redis spends on workers that wait), then under
@@ -52,7 +52,7 @@ from fleet_meter import CommandLog, Meter
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "fleet_sim_2026-12-03.json"
-#: The bench workloads whose simulated device the workers serve (asyncinfer.bench.synthetic).
+#: The bench workloads whose simulated device the workers serve (asyncinfer.ops.benchmark.synthetic).
 DEVICES = ("sim-slow", "sim-fast")
 
 
@@ -91,7 +91,7 @@ class Producer:
         return line.strip()
 
     def stop(self) -> None:
-        from asyncinfer.processes import stop_process
+        from asyncinfer.supervision.processes import stop_process
 
         stop_process(self.process, signal.SIGTERM, 10)  # type: ignore[arg-type]
         self._log.close()
@@ -101,10 +101,10 @@ def produce(url: str, name: str) -> int:
     """The producer process: warm up, say ready, then per line ``IN_FLIGHT SECONDS`` on stdin run
     a closed loop and print its outcome as one JSON line."""
     from asyncinfer import Client
-    from asyncinfer.bench.measure import Run, closed_loop
-    from asyncinfer.bench.systems import payload_kwargs
-    from asyncinfer.bench.workloads import WORKLOADS
     from asyncinfer.constants import TASK_NAME, queue_for
+    from asyncinfer.ops.benchmark.measure import Run, closed_loop
+    from asyncinfer.ops.benchmark.systems import payload_kwargs
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
     workload = WORKLOADS[name]
     payloads = [payload_kwargs(workload, i) for i in range(64)]
@@ -132,7 +132,7 @@ def _env(url: str, name: str, batch: int, extra: list[str]) -> dict[str, str]:
     """The workers' and producers' environment: the broker, the device's max batch, ``extra``
     (``VAR=VALUE`` each), and this checkout first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
-    from asyncinfer.bench.workloads import WORKLOADS
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
     workload = WORKLOADS[name]
     env.update(ASYNCINFER_BROKER_URL=url, ASYNCINFER_LOG_LEVEL="warning",
@@ -179,9 +179,9 @@ def _load_point(producers: list[Producer], meter_args: tuple[Any, ...], in_fligh
 
 
 def _start_worker(i: int, name: str, env: dict[str, str], log_dir: Path) -> Any:
-    from asyncinfer.bench.systems import WorkerUnderTest
-    from asyncinfer.bench.workloads import WORKLOADS
     from asyncinfer.constants import TASK_NAME, queue_for
+    from asyncinfer.ops.benchmark.systems import WorkerUnderTest
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
     hostname = f"fleet{i}@{socket.gethostname()}"
     model = WORKLOADS[name].model
@@ -360,11 +360,11 @@ def _fits(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _device_text(name: str) -> str:
-    from asyncinfer.bench import synthetic
+    from asyncinfer.ops.benchmark import synthetic
 
     device = getattr(synthetic, name.replace("-", "_"))()
     return (f"{name}: {device.a_s * 1e3:g} ms + {device.b_s * 1e3:g} ms per row, the GIL released "
-            f"(asyncinfer.bench.synthetic)")
+            f"(asyncinfer.ops.benchmark.synthetic)")
 
 
 def _host() -> dict[str, Any]:

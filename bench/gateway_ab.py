@@ -31,11 +31,11 @@ from typing import Any
 
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
-from asyncinfer.bench.host import tree_cpu_s
-from asyncinfer.bench.v2_loadgen import closed_loop, request_rows
-from asyncinfer.bench.workloads import WORKLOADS
+from asyncinfer.ops.benchmark.host import tree_cpu_s
+from asyncinfer.ops.benchmark.v2_loadgen import closed_loop, request_rows
+from asyncinfer.ops.benchmark.workloads import WORKLOADS
 from asyncinfer.ops.redis_server import RedisServer, free_port
-from asyncinfer.processes import stop_process
+from asyncinfer.supervision.processes import stop_process
 
 HERE = Path(__file__).resolve().parents[1]
 

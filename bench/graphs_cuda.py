@@ -192,10 +192,10 @@ def _difference(device: Any, stream: Any, run: Any, eager: Any, x: torch.Tensor)
 # -- served: the bench's asyncinfer system, eager and graphs alternated ---------------------------
 
 def _served_part(args: argparse.Namespace, emit: Any) -> None:
-    from asyncinfer.bench.measure import Run, closed_loop
-    from asyncinfer.bench.systems import payload_kwargs, start_system
-    from asyncinfer.bench.workloads import Workload
     from asyncinfer.client import Client
+    from asyncinfer.ops.benchmark.measure import Run, closed_loop
+    from asyncinfer.ops.benchmark.systems import payload_kwargs, start_system
+    from asyncinfer.ops.benchmark.workloads import Workload
     from asyncinfer.ops.redis_server import RedisServer
 
     os.environ["PYTHONPATH"] = os.pathsep.join(

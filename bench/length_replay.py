@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from asyncinfer.bench.workloads import MIXED_SENTENCES, mixed_sentence
 from asyncinfer.engine.batcher import Batcher, WorkItem
 from asyncinfer.models.minilm import MiniLM
+from asyncinfer.ops.benchmark.workloads import MIXED_SENTENCES, mixed_sentence
 
 
 def fit_batch_ms(model: MiniLM) -> np.ndarray:

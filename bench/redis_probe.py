@@ -4,7 +4,7 @@
 
 Against one embedded ``redis-server``, read from ``INFO cpu`` (main thread): a PING and a GET
 each in a round trip of its own, and ten PINGs in one pipeline (per PING); then the worker's take
-script (asyncinfer/worker/intake/take.py, no lease, no STARTED state) on a queue filled by a
+script (asyncinfer/broker/take.py, no lease, no STARTED state) on a queue filled by a
 ``Client`` with the bench's sim requests, taking 1, 2, 4, 8 and 32 messages a call — per call and
 per message. The fixed cost of a round trip against the cost per message is what decides how a
 fleet's Redis CPU per request moves with the batch size (docs/capacity.md). A script, not a test.
@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     from asyncinfer import Client
-    from asyncinfer.bench.systems import payload_kwargs
-    from asyncinfer.bench.workloads import WORKLOADS
+    from asyncinfer.broker.take import Taker
     from asyncinfer.constants import TASK_NAME
+    from asyncinfer.ops.benchmark.systems import payload_kwargs
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
     from asyncinfer.ops.redis_server import RedisServer
-    from asyncinfer.worker.intake.take import Taker
 
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,9 +31,9 @@ import numpy as np
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
 from asyncinfer import Client
-from asyncinfer.bench.loadgen import percentile, run_closed_loop
-from asyncinfer.bench.systems import process_cpu_s
 from asyncinfer.config.settings import Settings
+from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+from asyncinfer.ops.benchmark.systems import process_cpu_s
 from asyncinfer.ops.redis_server import free_port, redis_server_binary
 
 OPTIONS = json.dumps({"identity": {"response_cache": True}, "mlp": {"response_cache": True}})

@@ -30,7 +30,7 @@ LIMIT_ROWS_PER_S = MAX_BATCH / (A_S + B_S * MAX_BATCH)
 
 
 def sim_scale():  # noqa: ANN201 - a model factory (ASYNCINFER_MODEL_FACTORIES)
-    from asyncinfer.bench.synthetic import SimDevice
+    from asyncinfer.ops.benchmark.synthetic import SimDevice
 
     model = SimDevice("sim-scale", A_S, B_S)
     return model

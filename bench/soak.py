@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from asyncinfer.bench.loadgen import percentile, run_closed_loop
-from asyncinfer.bench.systems import WorkerUnderTest
 from asyncinfer.constants import TASK_NAME, queue_for
-from asyncinfer.keys import RESULT_KEY_PREFIX, UNACKED_KEY
+from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+from asyncinfer.ops.benchmark.systems import WorkerUnderTest
 from asyncinfer.ops.redis_server import RedisServer
+from asyncinfer.wire.keys import RESULT_KEY_PREFIX, UNACKED_KEY
 
 __all__ = ["main", "key_census", "rss_kib"]
 

@@ -32,7 +32,7 @@ from typing import Any
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
 from asyncinfer.ops.redis_server import RedisServer, free_port
-from asyncinfer.processes import stop_process
+from asyncinfer.supervision.processes import stop_process
 
 MODEL = "echo-stream"
 TEXT = "the quick brown fox jumps over the lazy dog"

@@ -36,14 +36,14 @@ from pathlib import Path
 
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
-from asyncinfer.bench.workloads import WORKLOADS
+from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
 _LOAD = r'''
 import json, sys, time
 from asyncinfer import Client
-from asyncinfer.bench.loadgen import percentile, run_closed_loop
-from asyncinfer.bench.systems import process_cpu_s
-from asyncinfer.bench.workloads import WORKLOADS
+from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+from asyncinfer.ops.benchmark.systems import process_cpu_s
+from asyncinfer.ops.benchmark.workloads import WORKLOADS
 from asyncinfer.constants import TASK_NAME, queue_for
 
 url, worker_pid, redis_pid, workload, level, total, broker = sys.argv[1:8]

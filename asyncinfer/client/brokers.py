@@ -15,18 +15,18 @@ from typing import Any
 import redis
 from celery import Celery
 
-from asyncinfer.catalogue import Catalogue, CatalogueEntry
+from asyncinfer.broker.catalogue import Catalogue, CatalogueEntry
+from asyncinfer.broker.connections import bounded_client, broker_error, is_redis_url
+from asyncinfer.broker.fleet_stats import FleetStats
+from asyncinfer.broker.urls import masked_url
 from asyncinfer.celery_app import create_app
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.pinger import Pinger
 from asyncinfer.client.sender import Sender
 from asyncinfer.config.routes import Routes
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import bounded_client, broker_error, is_redis_url
 from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.fleet_stats import FleetStats
-from asyncinfer.redis_urls import masked_url
 
 __all__ = ["BrokerGroup", "RoutedGroups"]
 
@@ -62,7 +62,7 @@ class BrokerGroup:
             raise self.sender.broker_error(broker_error("models", exc)) from exc
 
     def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
-        """This broker's fleet statistics in Triton's form (fleet_stats.py): of ``model``, or of
+        """This broker's fleet statistics in Triton's form (broker/fleet_stats.py): of ``model``, or of
         every model with counts ([] on a result backend that is not Redis)."""
         if self.catalogue is None:
             return []

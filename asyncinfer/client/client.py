@@ -16,7 +16,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
+from asyncinfer.broker.fleet_stats import triton_stats
 from asyncinfer.client.async_calls import AsyncCalls
 from asyncinfer.client.brokers import BrokerGroup, RoutedGroups
 from asyncinfer.client.loop_publisher import LoopPublishers
@@ -37,9 +38,8 @@ from asyncinfer.constants import (
     queue_for,
 )
 from asyncinfer.errors import AsyncInferError, RequestTimeout
-from asyncinfer.fleet_stats import triton_stats
-from asyncinfer.model_versions import PARAMETER
 from asyncinfer.wire.messages import uuid4_text
+from asyncinfer.wire.model_versions import PARAMETER
 
 __all__ = ["Client", "InferFuture", "InferResponse", "ResponseStream", "AsyncResponseStream"]
 
@@ -124,7 +124,7 @@ class Client(ModelControl, Streaming, AsyncCalls):
         return self._group.models()
 
     def statistics(self, model: str | None = None) -> list[dict[str, Any]]:
-        """The fleet's inference statistics in Triton's form (``model_stats``, fleet_stats.py):
+        """The fleet's inference statistics in Triton's form (``model_stats``, broker/fleet_stats.py):
         of ``model``, or of every model with counts or in the catalogue."""
         if model is not None:
             return self._group_for(model).statistics(model)

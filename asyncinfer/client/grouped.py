@@ -47,8 +47,8 @@ from typing import Any
 
 import redis
 
-from asyncinfer.client.publisher import _PUBLISH, PUBLISHED, Publisher, _Push, script_arguments
-from asyncinfer.connections import not_replicated, wait_replicas
+from asyncinfer.broker.connections import not_replicated, wait_replicas
+from asyncinfer.broker.publisher import _PUBLISH, PUBLISHED, Publisher, _Push, script_arguments
 
 __all__ = ["GroupedPublisher", "Pending", "Group", "Entry", "Done", "DescribeError"]
 

@@ -1,6 +1,6 @@
 """A client's unknown-model check: a model the fleet never announced is refused at submit.
 
-It reads the model catalogue (catalogue.py) at most every ``KNOWN_FOR_S`` while the models asked
+It reads the model catalogue (broker/catalogue.py) at most every ``KNOWN_FOR_S`` while the models asked
 for are among those known; a model not among them is looked up again at once, so a model
 announced a moment ago is never refused.
 """
@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
 from asyncinfer.errors import UnknownModel
 from asyncinfer.wire.triton_words import unknown_model
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import redis.asyncio
 
+from asyncinfer.broker.connections import never_resend
+from asyncinfer.broker.publisher import _PUBLISH, _Push, _ttl_s
+from asyncinfer.broker.urls import is_sentinel_url
 from asyncinfer.client.grouped import DescribeError, Entry, Group, Pending
-from asyncinfer.client.publisher import _PUBLISH, _Push, _ttl_s
-from asyncinfer.connections import never_resend
-from asyncinfer.redis_urls import is_sentinel_url
 from asyncinfer.wire.sequence import SequenceFlags
 
 __all__ = ["AsyncPublisher", "LoopPublishers"]
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class AsyncPublisher:
     """Publishes from the running event loop on the ``redis.asyncio`` client ``client``, a group
     per round trip. Waits for replicas are not done here (a client that needs them publishes
-    through the blocking :class:`~asyncinfer.client.publisher.Publisher`)."""
+    through the blocking :class:`~asyncinfer.broker.publisher.Publisher`)."""
 
     def __init__(self, client: Any, describe_error: DescribeError, *, claim_ttl_s: float,
                  mark_ttl_s: float = 0.0) -> None:
@@ -56,7 +56,7 @@ class AsyncPublisher:
                       timeout_s: float = 0.0, priority: int = 0, cache_key: str = "",
                       reply_to: str = "", level_max_queue_size: int = 0,
                       identity: str = "", sequence: SequenceFlags | None = None) -> int:
-        """:meth:`Publisher.publish <asyncinfer.client.publisher.Publisher.publish>`, awaited:
+        """:meth:`Publisher.publish <asyncinfer.broker.publisher.Publisher.publish>`, awaited:
         PUBLISHED or DUPLICATE once the request is on its queue (CACHED: answered from the
         response cache); raises what refused it."""
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,

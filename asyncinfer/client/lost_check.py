@@ -42,7 +42,7 @@ from typing import Any
 import redis
 
 from asyncinfer.errors import RequestLost
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX
 
 __all__ = ["LostCheck", "lost_error", "trace_ttl_s"]
 

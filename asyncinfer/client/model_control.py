@@ -1,13 +1,13 @@
 """Model control from a client (:class:`ModelControl`, a part of
 :class:`~asyncinfer.client.client.Client`): load and unload models across the fleet and read its
-repository index (repository.py)."""
+repository index (client/repository.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncinfer.repository import (
+from asyncinfer.client.repository import (
     DEFAULT_CONTROL_TIMEOUT_S,
     LOAD,
     UNLOAD,
@@ -20,7 +20,7 @@ from asyncinfer.repository import (
 if TYPE_CHECKING:
     from celery import Celery
 
-    from asyncinfer.catalogue import CatalogueEntry
+    from asyncinfer.broker.catalogue import CatalogueEntry
     from asyncinfer.client.brokers import BrokerGroup
 
 __all__ = ["ModelControl"]
@@ -69,7 +69,7 @@ class ModelControl:
 
     def repository_index(self, *, ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index of the fleet: every model it knows or could load, per
-        version, with its state (READY, UNAVAILABLE) and why (repository.py)."""
+        version, with its state (READY, UNAVAILABLE) and why (client/repository.py)."""
         entries = self.models(stale_ok=True)
         workers: dict[str, Any] = {}
         for app in self.apps().values():

@@ -11,8 +11,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from asyncinfer.broker.connections import broker_error, redis_client
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import broker_error, redis_client
 from asyncinfer.errors import BrokerUnavailable
 
 __all__ = ["Pinger"]

@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 
 from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
 from asyncinfer.errors import AsyncInferError, RequestTimeout
-from asyncinfer.keys import CLAIM_PREFIX, UNACKED_KEY
+from asyncinfer.wire.keys import CLAIM_PREFIX, UNACKED_KEY
 from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
 from asyncinfer.wire.request_identity import queue_of
 from asyncinfer.wire.result_json import decode_result

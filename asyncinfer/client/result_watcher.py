@@ -44,7 +44,7 @@ from redis._parsers.hiredis import _HiredisParser
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
-from asyncinfer.keys import REPLY_CHANNEL_PREFIX
+from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.result_json import decode_result
 
 __all__ = ["ResultWatcher", "result_key_prefix"]

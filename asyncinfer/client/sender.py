@@ -18,24 +18,24 @@ from typing import Any
 import redis
 from celery import Celery
 
+from asyncinfer.broker.connections import broker_error, is_redis_url, never_resend, redis_client
+from asyncinfer.broker.publisher import DUPLICATE, Publisher
+from asyncinfer.broker.scripts import script
 from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
 from asyncinfer.client.outgoing import Outgoing
-from asyncinfer.client.publisher import DUPLICATE, Publisher
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_submit_span
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
-from asyncinfer.connections import broker_error, is_redis_url, never_resend, redis_client
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestIdReused
-from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.scripts import script
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.request_identity import reused_message, same_request
 
@@ -242,7 +242,7 @@ class Sender:
                 **self._cache_options(outgoing)}
 
     def _cache_options(self, outgoing: Outgoing) -> dict[str, Any]:
-        """The response cache's part of the publish (response_cache.py): the request's key and
+        """The response cache's part of the publish (broker/response_cache.py): the request's key and
         reply channel, when its model caches answers and they are stored on the broker (where
         the publish script reads the cache); nothing otherwise."""
         model = model_from_queue(outgoing.queue)

@@ -46,7 +46,7 @@ from asyncinfer.client.stream_progress import (
     entry_count,
 )
 from asyncinfer.errors import BrokerUnavailable, RequestTimeout
-from asyncinfer.keys import LEASES_KEY
+from asyncinfer.wire.keys import LEASES_KEY
 
 __all__ = ["Interruption", "StreamMalformed", "StreamProgress", "StreamReader", "block_s_of",
            "AsyncStreamReader", "Stored", "FINAL_STATES"]

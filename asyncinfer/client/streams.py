@@ -27,6 +27,8 @@ import redis.asyncio
 from celery import states
 from celery.exceptions import TaskRevokedError
 
+from asyncinfer.broker.connections import is_redis_url, redis_client
+from asyncinfer.broker.urls import is_sentinel_url
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
@@ -41,9 +43,7 @@ from asyncinfer.client.stream_reader import (
     StreamReader,
     block_s_of,
 )
-from asyncinfer.connections import is_redis_url, redis_client
 from asyncinfer.errors import AsyncInferError, RequestLost
-from asyncinfer.redis_urls import is_sentinel_url
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.result_json import decode_result
 

@@ -6,8 +6,8 @@ import ssl
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from asyncinfer.broker.connections import is_sentinel_url, normalized_url, sentinel_kwargs
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import is_sentinel_url, normalized_url, sentinel_kwargs
 
 __all__ = ["celery_config", "ACCEPT_CONTENT", "redis_ssl_options"]
 
@@ -69,7 +69,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": broker_url,
         "result_backend": backend_url,
         # a producer's asyncinfer.infer claims its task ID for as long as a result lives
-        # (client/celery_claims.py)
+        # (broker/celery_claims.py)
         "broker_transport_options": _with_sentinel(
             {**transport, "claim_ttl_s": settings.result_expires_s}, broker_url, settings),
         "result_backend_transport_options": _with_sentinel(transport, backend_url, settings),
@@ -92,7 +92,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": settings.send_events,
         "worker_concurrency": settings.concurrency,
         "worker_prefetch_multiplier": settings.prefetch_multiplier,
-        "worker_consumer": "asyncinfer.worker.intake.celery_consumer:Consumer",
+        "worker_consumer": "asyncinfer.worker.celery_consumer:Consumer",
         "worker_hijack_root_logger": True,
         "worker_redirect_stdouts": False,
     }

@@ -15,7 +15,7 @@ graph of the forward per size at load and runs each batch padded to the nearest 
 ``response_cache`` (Triton's; default false) answers a repeated request (the same model, inputs
 and parameters, to the bit) from Redis without running it: for deterministic models only. Entries
 live ``response_cache_ttl_s`` and a model keeps at most ``response_cache_max_entries``
-(response_cache.py). Clients read the option too: set it where both see it.
+(broker/response_cache.py). Clients read the option too: set it where both see it.
 ``dead_letter`` keeps each request of the model that fails for good in
 ``asyncinfer:dead:<model>``
 (at most ``dead_letter_max_entries``, the list expiring ``dead_letter_ttl_s`` after the last one).
@@ -75,7 +75,7 @@ class ModelOptions:
     #: ``cudagraph_capture_sizes``); a batch replays the smallest size that holds its rows,
     #: padded, and a larger batch runs eager (engine/graphs.py). Empty: eager only; ignored on CPU.
     graph_batch_sizes: tuple[int, ...] = ()
-    #: Answer a repeated request from Redis (Triton's ``response_cache``; response_cache.py):
+    #: Answer a repeated request from Redis (Triton's ``response_cache``; broker/response_cache.py):
     #: only for a deterministic model. Read by the client at submit and by the worker.
     response_cache: bool = False
     #: How long a cached answer lives (seconds, > 0).

@@ -21,9 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.constants import PRIORITY_STEPS
+from asyncinfer.constants import PRIORITY_STEPS, level_of
 
-__all__ = ["LevelPolicy", "NO_POLICY", "parse_priority_policy", "level_of", "policy_for"]
+__all__ = ["LevelPolicy", "NO_POLICY", "parse_priority_policy", "policy_for"]
 
 _KEYS = ("max_queue_size", "default_timeout_s")
 
@@ -37,11 +37,6 @@ class LevelPolicy:
 
 
 NO_POLICY = LevelPolicy()
-
-
-def level_of(priority: int) -> int:
-    """The level (kombu's priority step, the list it goes on) of a Celery priority 0-9."""
-    return max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
 
 
 def parse_priority_policy(value: Any) -> tuple[tuple[int, LevelPolicy], ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 
 __all__ = ["URL_FILE", "PID_FILE", "published_url"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncinfer.redis_urls import URL_EXAMPLES, is_sentinel_url, masked_url
+from asyncinfer.broker.urls import URL_EXAMPLES, is_sentinel_url, masked_url
 
 __all__ = ["Route", "Routes", "ROUTES_VARIABLE"]
 

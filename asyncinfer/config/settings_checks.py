@@ -7,9 +7,9 @@ import math
 import re
 from typing import Any
 
+from asyncinfer.broker.urls import URL_EXAMPLES, is_redis_url
 from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
-from asyncinfer.redis_urls import URL_EXAMPLES, is_redis_url
 
 __all__ = ["check_settings", "TRACING_MODES", "MODEL_CONTROL_MODES"]
 

@@ -40,10 +40,10 @@ from asyncinfer.engine.limits import LimitWatch
 from asyncinfer.engine.sequences import SequenceBook, request_sequence
 from asyncinfer.engine.streaming import launch_stream
 from asyncinfer.engine.timer import TimeLimits, Timer
-from asyncinfer.engine.vital import vital_thread
 from asyncinfer.engine.warmup import warm_up
 from asyncinfer.errors import InvalidRequest, ModelError
 from asyncinfer.models.base import Batch, Model
+from asyncinfer.supervision.vital import vital_thread
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
 __all__ = ["Completed", "ModelRunner", "settle"]

@@ -2,7 +2,7 @@
 
 Triton's Oldest strategy routes every request of a sequence to one model instance and batches, with
 the dynamic batcher, one request from each of several sequences into one batch. Here the fleet
-routes a sequence to one worker (its pin: worker/intake/sequence_pins.py) and this book, in front
+routes a sequence to one worker (its pin: worker/requests/sequence_pins.py) and this book, in front
 of the model's :class:`~asyncinfer.engine.batcher.Batcher`, keeps each sequence's requests in
 order and lets only the oldest of each into the batcher, and only once the one before it is
 answered: a batch holds at most one request of a sequence, the batcher forms it from the heads of
@@ -18,7 +18,7 @@ that fails leaves its sequence's state as it was.
 
 A request of a sequence can run here after the fleet already failed it with SequenceStateLost
 (this worker was frozen or cut off past its lease, and another worker's sweep failed what it held:
-worker/intake/sequence_pins.py); its result is then left out (worker/output/store.py) and
+worker/requests/sequence_pins.py); its result is then left out (broker/store.py) and
 :meth:`SequenceBook.void` takes back the state it left: the sequence's state is again the one
 before it, as for any request that fails — or, when a later request already ran on it, the
 sequence is *lost*: its state is dropped and its next requests (without a START) fail with

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncinfer.engine.vital import vital_thread
+from asyncinfer.supervision.vital import vital_thread
 
 __all__ = ["Timer", "TimeLimits"]
 

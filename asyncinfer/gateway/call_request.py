@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority
 from asyncinfer.gateway.classification import check_classes
 from asyncinfer.gateway.idempotency import call_label, idempotency_key
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, output_tensor
-from asyncinfer.model_versions import PARAMETER
+from asyncinfer.wire.model_versions import PARAMETER
 from asyncinfer.wire.sequence import SequenceFlags, sequence_of
 
 __all__ = ["request_of", "chosen_outputs", "result_of"]

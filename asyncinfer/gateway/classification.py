@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.tensors import InferCall, OutputTensor, bytes_blob

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.wire.payloads import DATATYPES
 
 __all__ = ["SERVER_NAME", "model_metadata", "model_config", "is_decoupled", "label_filename"]

@@ -1,7 +1,7 @@
 """``asyncinfer gateway --processes N``: N gateway processes on the same HTTP and gRPC ports.
 
 One gateway process is one event loop, so it uses about one core. With ``--processes N`` this
-process becomes a supervisor (:class:`~asyncinfer.worker.supervisor.Supervisor`, as ``asyncinfer
+process becomes a supervisor (:class:`~asyncinfer.supervision.supervisor.Supervisor`, as ``asyncinfer
 up``'s) of N ``asyncinfer gateway`` children that bind the HTTP and gRPC ports with
 ``SO_REUSEPORT``: the kernel spreads new connections over them (a connection stays with the child
 that accepted it). Child ``i`` serves its metrics on the metrics port + ``i``. A child that dies is
@@ -27,7 +27,7 @@ from types import FrameType
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.gateway.server import CANNOT_START, GRACE_S, Ports
-from asyncinfer.worker.supervisor import Child, Supervisor
+from asyncinfer.supervision.supervisor import Child, Supervisor
 
 __all__ = ["run_gateway_processes", "child_ports", "check_free"]
 

@@ -1,5 +1,5 @@
 """A sequence's calls, handed to the publisher in the order they came (sequence batching: the
-publish script pins and routes them in the order it gets them, client/publisher.py).
+publish script pins and routes them in the order it gets them, broker/publisher.py).
 
 The calls of a gRPC stream go out together, each in a task of its own; one may be encoded off the
 event loop (a large one, or one whose model must first be checked against the catalogue) and the

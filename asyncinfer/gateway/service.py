@@ -7,7 +7,7 @@ client's reply channel). A call is handed to the client's group publisher (its o
 one the blocking ``Client`` sends through: client/grouped.py), a large one or one whose model must
 be checked against the catalogue first in the loop's executor, so the event loop never waits on
 Redis and does no Redis I/O per call of its own.
-Model metadata and readiness come from the model catalogue (catalogue.py), read at most every
+Model metadata and readiness come from the model catalogue (broker/catalogue.py), read at most every
 ``CATALOGUE_FOR_S`` in the background. With a routing table (``ASYNCINFER_BROKER_ROUTES``) the
 client sends each call to its model's broker, the catalogue is every broker's merged, and the
 gateway is ready while every broker answers.
@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer import errors
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
+from asyncinfer.client.repository import UNLOAD
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway import model_config, model_control
 from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
@@ -47,7 +48,6 @@ from asyncinfer.gateway.shared_memory_tensors import (
     write_outputs,
 )
 from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
-from asyncinfer.repository import UNLOAD
 from asyncinfer.wire import triton_words
 from asyncinfer.wire.envelope import printable
 
@@ -235,7 +235,7 @@ class Service:
 
     async def model_statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
         """Triton's statistics (``{"model_stats": [...]}``) of ``model``, or of every model the
-        fleet counted or knows (empty name), summed over the workers (fleet_stats.py).
+        fleet counted or knows (empty name), summed over the workers (broker/fleet_stats.py).
 
         Raises:
             GatewayError: 404 for a model the fleet does not know, or not that version.
@@ -251,7 +251,7 @@ class Service:
             entry["version"] = version or versions[0]
         return {"model_stats": stats}
 
-    # -- model repository (model control: repository.py) ----------------------------------------
+    # -- model repository (model control: client/repository.py) ----------------------------------------
 
     async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index: every model the fleet knows or could load, per version."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from celery.exceptions import TaskRevokedError
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.stream_reader import Interruption
 from asyncinfer.gateway.classification import classify_outputs, wants_classes

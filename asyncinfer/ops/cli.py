@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] in (["worker"], ["up"]):
         import asyncinfer.engine  # noqa: F401 - sets OpenMP's wait policy before torch loads
     if argv[:1] == ["bench"]:  # its own parser: `asyncinfer bench --help`
-        from asyncinfer.bench.run import main as bench_main
+        from asyncinfer.ops.benchmark.run import main as bench_main
 
         return bench_main(argv[1:])
     parser = build_parser()

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.broker.scripts import script
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for, queue_of_list
-from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
-from asyncinfer.scripts import script
+from asyncinfer.wire.keys import RESULT_KEY_PREFIX, dead_letter_key
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.worker.dead_letters import DeadLetter
 
@@ -99,7 +99,7 @@ class DeadLetters:
     def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
         """The dead letters of ``model`` where the workers of ``settings`` keep them: on the
         broker's Redis, or the result backend's when the broker is not Redis."""
-        from asyncinfer.connections import is_redis_url, redis_client
+        from asyncinfer.broker.connections import is_redis_url, redis_client
 
         broker = settings.resolved_broker_url()
         if is_redis_url(broker):

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from asyncinfer.bench.loadgen import LoadResult, run_closed_loop
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.ops.benchmark.loadgen import LoadResult, run_closed_loop
+from asyncinfer.supervision.processes import pid_alive, stop_process
 
 __all__ = ["main"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import make_private_dir, published_url, write_private
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 
 __all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down"]
 

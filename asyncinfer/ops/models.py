@@ -1,10 +1,10 @@
-"""What ``asyncinfer models`` shows: the model catalogue (catalogue.py) as a table."""
+"""What ``asyncinfer models`` shows: the model catalogue (broker/catalogue.py) as a table."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 
 __all__ = ["format_models"]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from asyncinfer.config.published import PID_FILE, URL_FILE, published_url
-from asyncinfer.processes import die_with_parent, stop_process
+from asyncinfer.supervision.processes import die_with_parent, stop_process
 
 __all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "published_url", "free_port",
            "supports_tls", "make_private_dir", "write_private", "load_or_create_password"]

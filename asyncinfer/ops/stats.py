@@ -1,4 +1,4 @@
-"""What ``asyncinfer stats [M]`` shows: the fleet statistics (fleet_stats.py) as tables."""
+"""What ``asyncinfer stats [M]`` shows: the fleet statistics (broker/fleet_stats.py) as tables."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deaths on a device, one policy (the fleet's leases count them: worker/intake/leases.py): a
+"""Deaths on a device, one policy (the fleet's leases count them: broker/leases.py): a
 request that was on a device when its worker died runs next time in a device batch of its own, with
 the device to itself (engine/gate.py), so it cannot take good requests down again; after
 ``ASYNCINFER_MAX_WORKER_DEATHS`` such deaths it fails for good with :class:`WorkerLost`."""

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from asyncinfer.keys import RETRY_BUDGET_PREFIX
-from asyncinfer.scripts import script
+from asyncinfer.broker.scripts import script
+from asyncinfer.wire.keys import RETRY_BUDGET_PREFIX
 
 __all__ = ["RetryBudget", "BudgetDecision"]
 

@@ -4,7 +4,7 @@ A worker never runs it through Celery's request, pool and tracer: Celery's consu
 its messages to the worker's one pipeline (worker/pipeline.py; the kombu intake on RabbitMQ and
 with ``ASYNCINFER_CONSUMER=celery``, the fast consumer on Redis), which admits, batches, settles
 and writes it. A worker whose pool forks (prefork) refuses it: the model would run in a child
-that owns a device its parent may have touched (worker/intake/celery_consumer.py).
+that owns a device its parent may have touched (worker/celery_consumer.py).
 
 Its retry options are Celery's own (``autoretry_for``, ``max_retries``, ``retry_backoff``,
 ``retry_backoff_max``, ``retry_jitter``), set from ``ASYNCINFER_*`` settings; the pipeline reads

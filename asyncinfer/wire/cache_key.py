@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from asyncinfer.keys import RESPONSE_CACHE_PREFIX
 from asyncinfer.wire.input_parts import input_parts
+from asyncinfer.wire.keys import RESPONSE_CACHE_PREFIX
 
 __all__ = ["BYPASS_PARAMETER", "FORMAT_VERSION", "cache_key", "bypassed"]
 

@@ -67,7 +67,7 @@ ACCEPTED_TYPES = (JSON_TYPE, *MSGPACK_TYPES)
 class Message:
     """A message as taken from a queue: its text and what :func:`parse_envelope` reads of it (the
     worker's bookkeeping of a taken message is its own:
-    :class:`~asyncinfer.worker.intake.taken.TakenMessage`)."""
+    :class:`~asyncinfer.worker.requests.taken.TakenMessage`)."""
 
     raw: bytes
     queue: str

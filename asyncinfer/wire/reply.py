@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncinfer.keys import REPLY_CHANNEL_PREFIX
+from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 
 __all__ = ["REPLY_TO", "MAX_REPLY_CHANNEL_CHARS", "reply_rule_broken", "reply_channel_of"]
 

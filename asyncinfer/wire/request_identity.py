@@ -3,7 +3,7 @@ parameters — never another's answer.
 
 A request sent with an ID its caller chose (the ``Client``'s ``request_id``, a Celery ``task_id``,
 the gateway's ``Idempotency-Key``) claims ``asyncinfer:request:<id>`` in the same script that
-pushes it (client/publisher.py). The claim holds the request's *identity*: its queue, then a
+pushes it (broker/publisher.py). The claim holds the request's *identity*: its queue, then a
 fingerprint of what decides its answer, each part apart so that a refusal can say which differs::
 
     <queue> US 1 US <model_version> US <inputs digest> US <parameters digest>
@@ -68,7 +68,7 @@ def queue_of(claim: str) -> str:
 
 def same_request(mine: str, stored: str) -> bool:
     """Whether the claim ``stored`` is that of the request whose identity is ``mine`` (or too old
-    or too bare to tell: the publish script's rule, client/publisher.py)."""
+    or too bare to tell: the publish script's rule, broker/publisher.py)."""
     return stored in ("1", mine) or not differences(mine, stored)
 
 

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncinfer.keys import STREAM_PREFIX
+from asyncinfer.wire.keys import STREAM_PREFIX
 
 __all__ = [
     "START",

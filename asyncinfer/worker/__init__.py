@@ -1,4 +1,5 @@
-"""The device worker: runtime, start-up, launch, supervision, metrics, events, request lifecycle;
-``intake/`` takes requests from the broker and writes their results."""
+"""The device worker, as one object (worker.py) with its start-up and launch, its runtime, metrics,
+events and request lifecycle as loose modules; ``consumers/`` feed its pipeline (pipeline.py),
+``output/`` ends each request and writes its result, ``requests/`` holds what it took."""
 
 import asyncinfer.engine  # noqa: F401 - sets OpenMP's wait policy before torch loads

@@ -1,4 +1,4 @@
-"""A device worker's entry in the model catalogue (catalogue.py): announced once its models are
+"""A device worker's entry in the model catalogue (broker/catalogue.py): announced once its models are
 loaded and before it takes any request, again every third of the TTL, withdrawn before it gives its
 requests back on a clean stop.
 
@@ -23,9 +23,9 @@ from typing import Any
 import redis
 
 from asyncinfer.backoff import Backoff
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
+from asyncinfer.broker.connections import bounded_client, is_redis_url
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import bounded_client, is_redis_url
 
 __all__ = ["Announcer", "announcer_for"]
 

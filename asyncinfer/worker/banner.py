@@ -13,8 +13,8 @@ from typing import Any
 
 from celery.apps.worker import Worker as CeleryWorker
 
+from asyncinfer.broker.connections import masked_url
 from asyncinfer.config.bound import settings_of
-from asyncinfer.connections import masked_url
 
 __all__ = ["Worker", "truthful"]
 

@@ -5,8 +5,8 @@ Connected to Celery's worker signals, so ``celery -A asyncinfer worker -Q infer.
 or solo) before it consumes, and are announced in the model catalogue (announcer.py) right after,
 in ``worker_init``, before any consumer starts: the first request a worker answers finds its
 model in the catalogue. A pool that forks (prefork) runs no model: a device worker refuses to
-start with one (worker/intake/step.py), and any other worker of the app refuses
-``asyncinfer.infer`` (worker/intake/celery_consumer.py); its children run the CPU stages only.
+start with one (worker/step.py), and any other worker of the app refuses
+``asyncinfer.infer`` (worker/celery_consumer.py); its children run the CPU stages only.
 
 On a clean stop the models are withdrawn first (``worker_shutting_down``, before Celery's
 consumer and the fast consumer give their requests back), so no client is sent to a worker that
@@ -26,12 +26,12 @@ from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
+from asyncinfer.supervision.supervisor import CANNOT_START
 from asyncinfer.worker import (
     inspection,  # noqa: F401 - registers the inspection commands
     model_control,  # noqa: F401 - registers the model control commands
 )
-from asyncinfer.worker.intake.step import is_prefork
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.worker.step import is_prefork
 from asyncinfer.worker.worker import Worker, worker_of
 
 __all__ = ["hosted_models", "take_atomically", "withdraw_when_stopping"]
@@ -72,7 +72,7 @@ def _retry_result_writes(app: Celery) -> None:
 def take_atomically(app: Celery, node: str = "") -> None:
     """A worker's Celery consumer on Redis takes as the fast consumer does: pop, record in
     kombu's bookkeeping and lease to this worker (``node``) in one atomic step
-    (asyncinfer/kombu_take.py), so that a kill at any moment loses nothing and what a dead
+    (asyncinfer/broker/atomic_take.py), so that a kill at any moment loses nothing and what a dead
     worker held comes back within the lease. (A client consumes only replies it does not
     acknowledge: kombu's BRPOP.)"""
     settings = settings_of(app) or Settings.from_env()

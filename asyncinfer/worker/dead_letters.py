@@ -34,9 +34,9 @@ from celery import Celery
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import model_from_queue, queue_of_list
-from asyncinfer.keys import dead_letter_key
 from asyncinfer.wire.envelope import ACCEPTED_TYPES
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.wire.keys import dead_letter_key
+from asyncinfer.worker.requests.taken import TakenMessage
 
 if TYPE_CHECKING:
     from asyncinfer.config.settings import Settings

@@ -29,7 +29,7 @@ from celery import Celery, states
 from celery.utils.saferepr import saferepr
 from celery.utils.time import utcoffset
 
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["TaskEvents"]
 

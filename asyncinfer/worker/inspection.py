@@ -22,7 +22,7 @@ from typing import Any
 from celery.worker import control
 from kombu import Exchange, Queue
 
-from asyncinfer.worker.intake.holdings import ACTIVE, SCHEDULED, Holding
+from asyncinfer.worker.requests.holdings import ACTIVE, SCHEDULED, Holding
 from asyncinfer.worker.worker import Worker, existing_worker
 
 __all__ = ["request_info"]

@@ -17,10 +17,10 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for
 from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visible_device, parse_device
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.model_versions import split_key
 from asyncinfer.models.registry import Registry
-from asyncinfer.worker.intake.step import uses_fast_consumer
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.supervision.supervisor import CANNOT_START
+from asyncinfer.wire.model_versions import split_key
+from asyncinfer.worker.step import uses_fast_consumer
 
 __all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "check_device", "check_models",
            "WorkerCannotStart", "CANNOT_START"]
@@ -124,7 +124,7 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     attach(app, Worker(app, settings, device_label=str(spec) if spec.type != "auto" else None))
     # every version of a model (m@v) comes by the model's one queue
     queues = list(dict.fromkeys(queue_for(split_key(m)[0]) for m in hosted))
-    # With the fast consumer (worker/intake/step.py) Celery's pool runs no inference: two
+    # With the fast consumer (worker/step.py) Celery's pool runs no inference: two
     # threads serve remote control.
     threads = 2 if uses_fast_consumer(settings, app.conf.broker_url) else settings.concurrency
     argv = ["worker", "-P", "threads", "-c", str(threads), "-Q", ",".join(queues),

@@ -1,7 +1,7 @@
 """Model control on a running device worker: load a model and start taking its requests, or unload
 one and give back what it holds of it — the worker's side of Triton's model repository extension,
 reached through Celery's remote control (``asyncinfer_load_model`` / ``asyncinfer_unload_model``,
-broadcast by :mod:`asyncinfer.repository`).
+broadcast by :mod:`asyncinfer.client.repository`).
 
 **Load** (:func:`load_model`): the model is built and loaded on the worker's device (a registered
 model, or a ``NAME.pt`` / ``NAME.pt2`` file of ``ASYNCINFER_MODEL_DIR`` under the usual loading
@@ -19,7 +19,7 @@ answered here (up to ``grace_s``); then the runner stops and its memory is given
 collected, the accelerator's cache emptied, the heap trimmed: engine/freeing.py). No request is
 lost or answered twice: each one is answered here, or back on its queue, untouched.
 
-**Versions** (model_versions.py): version ``v`` of ``m`` is registered as ``m@v`` and loaded
+**Versions** (wire/model_versions.py): version ``v`` of ``m`` is registered as ``m@v`` and loaded
 beside the others, in a runner of its own, on the one queue ``infer.m``. Unloading one version
 while others stay leaves the queue taken: the version is routed no more, what it took runs to its
 end, nothing is given back (it would come back here).
@@ -41,8 +41,8 @@ from celery.worker.control import control_command, inspect_command
 
 from asyncinfer.constants import model_from_queue, queue_for
 from asyncinfer.errors import UnknownModel
-from asyncinfer.model_versions import sorted_versions
-from asyncinfer.worker.intake.consumer import STOP_GRACE_S
+from asyncinfer.wire.model_versions import sorted_versions
+from asyncinfer.worker.consumers.consumer import STOP_GRACE_S
 from asyncinfer.worker.worker import Worker, worker_of
 
 __all__ = ["load_model", "unload_model", "repository", "REPOSITORY_COMMAND", "LOAD_COMMAND", "UNLOAD_COMMAND"]
@@ -67,7 +67,7 @@ def _where(worker: Worker) -> dict[str, Any]:
 
 def _fast_consumer(worker: Worker) -> Any:
     """The worker's fast consumer, or the reason there is none to take a model's queue."""
-    from asyncinfer.worker.intake.fast_consumer import FastConsumer
+    from asyncinfer.worker.consumers.fast_consumer import FastConsumer
 
     consumer = worker.consumer
     if not worker.has_runtime():

@@ -39,6 +39,7 @@ from typing import Any
 
 from celery import Celery
 
+from asyncinfer.broker.take import MAX_ENVELOPE_DEPTH, Taken
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.policy.policy import Policy
@@ -54,10 +55,6 @@ from asyncinfer.wire.envelope import (
 from asyncinfer.wire.messages import SENT_AT
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.intake.first_attempts import FirstAttempts
-from asyncinfer.worker.intake.holdings import SCHEDULED, Holdings
-from asyncinfer.worker.intake.take import MAX_ENVELOPE_DEPTH, Taken
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (
     DELAY,
     EXPIRED,
@@ -70,6 +67,9 @@ from asyncinfer.worker.lifecycle import (
 from asyncinfer.worker.output.cache_write import cache_key_of
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.requests.first_attempts import FirstAttempts
+from asyncinfer.worker.requests.holdings import SCHEDULED, Holdings
+from asyncinfer.worker.requests.taken import TakenMessage
 from asyncinfer.worker.runtime import WorkerRuntime
 
 __all__ = ["Pipeline"]
@@ -124,7 +124,7 @@ class Pipeline:
     def refuse(self, taken: list[Taken],
                error_of: Callable[[TakenMessage, Mapping[str, Any]], BaseException]) -> None:
         """Fail what the take script popped and recorded, without running any of it (the
-        requests a dead worker's own list held: worker/intake/sequence_pins.py); ``error_of(d,
+        requests a dead worker's own list held: worker/requests/sequence_pins.py); ``error_of(d,
         v2)`` is each one's error (``v2``: its request, ``{}`` when it does not decode)."""
         deliveries = self._taken(taken)
         with self.writer.gathering():

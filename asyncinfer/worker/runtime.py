@@ -23,17 +23,17 @@ from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import Timer
 from asyncinfer.errors import UnknownModel
-from asyncinfer.model_versions import (
+from asyncinfer.models.files import FILE_SUFFIXES
+from asyncinfer.models.registry import Registry
+from asyncinfer.policy.retries import is_transient
+from asyncinfer.policy.time_limits import TimeLimits, Wedge
+from asyncinfer.wire.model_versions import (
     PARAMETER,
     sorted_versions,
     split_key,
     version_key,
     version_order,
 )
-from asyncinfer.models.files import FILE_SUFFIXES
-from asyncinfer.models.registry import Registry
-from asyncinfer.policy.retries import is_transient
-from asyncinfer.policy.time_limits import TimeLimits, Wedge
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.wire.triton_words import unknown_model
 from asyncinfer.worker.celery_errors import as_celery

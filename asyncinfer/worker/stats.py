@@ -1,4 +1,4 @@
-"""A device worker's share of the fleet statistics (asyncinfer/fleet_stats.py): counted in the
+"""A device worker's share of the fleet statistics (asyncinfer/broker/fleet_stats.py): counted in the
 process, added to Redis in the background.
 
 The runner's batch observer and the settlement call :meth:`StatsCounts.record_batch` once per
@@ -6,7 +6,7 @@ device batch and :meth:`StatsCounts.record_failure` once per failed request: a f
 a lock, never a Redis call. A :class:`StatsFlusher` thread takes what was counted since its last
 flush every ``interval_s`` (nothing counted: no Redis call) and adds it with HINCRBY to the
 worker's hash of each model, in one pipeline; a flush that fails keeps its counts for the next.
-The last flush is made at a clean stop. Counts are cumulative per Redis (fleet_stats.py says how
+The last flush is made at a clean stop. Counts are cumulative per Redis (broker/fleet_stats.py says how
 long a hash is kept).
 
 Times are nanoseconds, as Triton's. Per request: ``queue`` is the time the worker held it, from
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import redis
 
+from asyncinfer.broker.connections import bounded_client, is_redis_url
+from asyncinfer.broker.fleet_stats import FleetStats
 from asyncinfer.config.settings import Settings
-from asyncinfer.connections import bounded_client, is_redis_url
-from asyncinfer.fleet_stats import FleetStats
 
 __all__ = ["StatsCounts", "StatsFlusher", "flusher_for"]
 

@@ -9,7 +9,7 @@ consumer find it; everything else is given it. Nothing of a worker lives in modu
 workers can live in one process (each with its own runtime, metrics and registry).
 
 The device runtime is made on first use, inside the process that owns the device (a worker whose
-pool forks runs no model: worker/intake/step.py).
+pool forks runs no model: worker/step.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from celery import Celery
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import model_from_queue
-from asyncinfer.model_versions import sorted_versions, split_key
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
 from asyncinfer.policy.policy import Policy
 from asyncinfer.tracing import tracing_for
+from asyncinfer.wire.model_versions import sorted_versions, split_key
 from asyncinfer.worker.announcer import Announcer, announcer_for
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
@@ -39,7 +39,7 @@ from asyncinfer.worker.stats import StatsFlusher, flusher_for
 
 if TYPE_CHECKING:
     from asyncinfer.tracing.spans import Tracing
-    from asyncinfer.worker.intake.consumer import PipelineConsumer
+    from asyncinfer.worker.consumers.consumer import PipelineConsumer
 
 __all__ = ["Worker", "worker_of", "existing_worker", "attach"]
 

@@ -1,7 +1,7 @@
 """The peers' closed-loop load generator (runs in the peers venv): ``python bench/peers/loadgen.py
 --target triton --port P --workload minilm --in-flight 1,256 --duration-s 8 --server-pid PID``.
 
-The bench's own generator (``asyncinfer.bench.v2_loadgen``: its closed loop, its lines, the same
+The bench's own generator (``asyncinfer.ops.benchmark.v2_loadgen``: its closed loop, its lines, the same
 requests the bench sends asyncinfer) with the peers as targets: Triton through its gRPC aio
 client, Ray Serve through HTTP to its proxy. ``asyncinfer bench --systems triton,ray`` runs it.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
-from asyncinfer.bench.v2_loadgen import CONNECTORS, Call, Connect, grpc_connector, main, request_rows
+from asyncinfer.ops.benchmark.v2_loadgen import CONNECTORS, Call, Connect, grpc_connector, main, request_rows
 
 
 async def _triton(port: int, workload: str) -> tuple[Call, Callable[[], Awaitable[None]]]:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncinfer.bench.v2_loadgen import model_options, request_rows
-from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.models.base import Model
 from asyncinfer.models.registry import Registry
+from asyncinfer.ops.benchmark.v2_loadgen import model_options, request_rows
+from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
 __all__ = ["ServedModel", "model_options"]
 

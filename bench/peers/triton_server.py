@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from served import ServedModel  # this folder is on sys.path
 
-from asyncinfer.bench.host import free_port
+from asyncinfer.ops.benchmark.host import free_port
 
 
 def _same_libpython() -> None:

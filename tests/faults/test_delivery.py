@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import redis
 
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
 from asyncinfer.client import Client
 from asyncinfer.constants import priority_lists
-from asyncinfer.engine.vital import EXIT_THREAD_DIED
 from asyncinfer.errors import BrokerRefused, BrokerUnavailable
 from asyncinfer.ops.redis_server import RedisServer
+from asyncinfer.supervision.vital import EXIT_THREAD_DIED
 from tests.support.databases import gated_broker, gated_executions
 from tests.support.paced import index_input, kill_during_paced_stream
 from tests.support.processes import ROOT, start_worker
@@ -197,7 +197,7 @@ def test_redis_out_of_memory_then_freed_the_same_worker_serves_again(tmp_path, c
 
 _DYING_THREAD = """
 import time
-from asyncinfer.engine.vital import vital_thread
+from asyncinfer.supervision.vital import vital_thread
 
 def loop():
     raise RuntimeError("a bug nobody caught")

@@ -26,8 +26,8 @@ import redis
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
-from asyncinfer.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from asyncinfer.ops.status import cluster_status
+from asyncinfer.wire.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from tests.support.lost import lost_check_of
 from tests.support.processes import launch_worker, start_up, stop_up, worker_env
 from tests.support.proxy import Partition

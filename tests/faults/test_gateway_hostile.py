@@ -34,10 +34,10 @@ from typing import Any
 import grpc
 import pytest
 
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
 from asyncinfer.gateway.proto import inference_pb2 as pb
-from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.ops.redis_server import RedisServer, free_port
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from tests.support.databases import RedisDatabase, RedisDatabases, gated_broker, gated_executions
 from tests.support.processes import GatewayProcess, WorkerProcess, start_gateway, worker_env
 from tests.support.waiting import wait_for

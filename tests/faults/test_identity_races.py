@@ -1,4 +1,4 @@
-"""Races on a caller-chosen request ID (client/publisher.py, wire/request_identity.py): the ID is
+"""Races on a caller-chosen request ID (broker/publisher.py, wire/request_identity.py): the ID is
 claimed with the request's identity in the one publish script, so however many producers send it
 at the same moment, from however many processes, one request is queued and run.
 
@@ -38,9 +38,9 @@ import pytest
 import redis
 from kombu.utils import json as kombu_json
 
-from asyncinfer.keys import CLAIM_PREFIX
-from asyncinfer.processes import stop_process
+from asyncinfer.supervision.processes import stop_process
 from asyncinfer.wire.envelope import Message, decode_body, parse_envelope
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from asyncinfer.wire.protocol import decode_request
 from asyncinfer.wire.request_identity import identity
 from tests.support.databases import RedisDatabase

@@ -2,7 +2,7 @@
 worker stopped with SIGTERM while it holds requests, a request retried.
 
 On RabbitMQ a device worker's infer.* messages go from Celery's consumer to the pipeline (the kombu
-intake, asyncinfer/worker/intake/kombu_intake.py): each is acknowledged through kombu once its
+intake, asyncinfer/worker/consumers/kombu_intake.py): each is acknowledged through kombu once its
 result is stored; what a worker holds when it stops or dies is given back by RabbitMQ when the
 connection closes (marked redelivered), and a redelivered request whose result is already stored
 is acknowledged without running again.

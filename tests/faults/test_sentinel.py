@@ -20,14 +20,14 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from asyncinfer.client import Client
-from asyncinfer.config.settings import Settings
-from asyncinfer.connections import (
+from asyncinfer.broker.connections import (
     MASTER_CHECK_S,
     redis_client,
     require_replicas,
     wait_replicas,
 )
+from asyncinfer.client import Client
+from asyncinfer.config.settings import Settings
 from asyncinfer.errors import BrokerUnavailable, NotReplicated
 from asyncinfer.ops.status import queue_depths
 from tests.support.processes import start_worker

@@ -42,9 +42,9 @@ from kombu.utils import json as kombu_json
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import SequenceStateLost
-from asyncinfer.keys import sequence_workers_key
 from asyncinfer.models.base import Batch, SequenceBatching, SequenceState
 from asyncinfer.models.sequence import DEFAULT_IDLE_TIMEOUT_S
+from asyncinfer.wire.keys import sequence_workers_key
 from tests.support.databases import RedisDatabase
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks, mark_forward, marks_client
 from tests.support.processes import (

@@ -1,5 +1,5 @@
 """kill -9 during a paced stream, on Celery's stock consumer (``ASYNCINFER_CONSUMER=celery``): the
-project's kombu channel takes with the fast consumer's atomic script (asyncinfer/kombu_take.py),
+project's kombu channel takes with the fast consumer's atomic script (asyncinfer/broker/atomic_take.py),
 so no kill, at any moment, loses a request. kombu's own BRPOP lost 1 or 2 of 750 here a run."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import UnknownModel

@@ -1,5 +1,5 @@
 """A worker is in the model catalogue before it answers anything (worker/bootstrap.py,
-worker/announcer.py, worker/intake/step.py), on either consumer.
+worker/announcer.py, worker/step.py), on either consumer.
 
 On a fresh database a request is queued before the worker starts, so the worker takes it the
 moment it may take anything; the catalogue is read at the moment the answer arrives (in the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from asyncinfer.catalogue import Catalogue, CatalogueEntry
+from asyncinfer.broker.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.client import Client
 from tests.support.databases import RedisDatabase
 from tests.support.processes import launch_worker

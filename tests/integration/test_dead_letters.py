@@ -19,8 +19,8 @@ from celery import states
 from asyncinfer.client import Client
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest, ModelError, TransientModelError
-from asyncinfer.keys import RESULT_KEY_PREFIX, dead_letter_key
 from asyncinfer.ops.dead import DeadLetters
+from asyncinfer.wire.keys import RESULT_KEY_PREFIX, dead_letter_key
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
     entry_for,

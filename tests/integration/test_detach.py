@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 from tests.support.processes import ROOT, embedded_up_env
 
 pytestmark = pytest.mark.timeout(180)

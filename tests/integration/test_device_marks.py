@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import redis
 
+from asyncinfer.broker.device_marks import DeviceMarks
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.keys import LEASE_DEVICE_KEY
-from asyncinfer.worker.intake.device_marks import DeviceMarks
+from asyncinfer.wire.keys import LEASE_DEVICE_KEY
 from tests.support.databases import RedisDatabase
 from tests.support.waiting import wait_for
 
@@ -58,7 +58,7 @@ def test_marks_sent_right_before_a_kill_9_reach_redis(redis_db: RedisDatabase, r
     script = textwrap.dedent(f"""
         import os, signal, redis
         from asyncinfer.engine.batcher import WorkItem
-        from asyncinfer.worker.intake.device_marks import DeviceMarks
+        from asyncinfer.broker.device_marks import DeviceMarks
         marks = DeviceMarks(redis.Redis.from_url({redis_db.url!r}))
         item = WorkItem(request=None, rows=1, signature=(), on_device=True)
         marks.on_device([("t-warm", "r-warm", item)])  # the connection is open before the batch

@@ -28,7 +28,7 @@ from asyncinfer.ops.redis_server import (
 )
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.ops.up import start_embedded_redis
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 from tests.support.processes import embedded_up_env, start_up, stop_up
 from tests.support.waiting import wait_for
 

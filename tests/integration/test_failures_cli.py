@@ -16,7 +16,7 @@ import pytest
 from asyncinfer.client.responses import whereabouts
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import free_port
-from asyncinfer.worker.supervisor import CANNOT_START, Child, Supervisor
+from asyncinfer.supervision.supervisor import CANNOT_START, Child, Supervisor
 from tests.support.processes import ROOT, worker_env
 from tests.support.waiting import wait_for
 
@@ -59,7 +59,7 @@ def test_result_of_a_queued_request_names_its_queue_and_place(redis_db) -> None:
 
 def test_whereabouts_of_taken_running_and_unclaimed_queued_requests(redis_db) -> None:
     from asyncinfer.celery_app import create_app
-    from asyncinfer.keys import UNACKED_KEY
+    from asyncinfer.wire.keys import UNACKED_KEY
     from asyncinfer.wire.messages import task_message
 
     app = create_app(Settings(broker_url=redis_db.url))

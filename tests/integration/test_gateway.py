@@ -18,8 +18,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.catalogue import Catalogue
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.broker.catalogue import Catalogue
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from tests.support.marks import ForwardMarks
 from tests.support.processes import GatewayProcess, start_gateway
 from tests.support.waiting import wait_for

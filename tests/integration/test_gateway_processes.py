@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from asyncinfer.ops.redis_server import free_port
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.supervision.processes import pid_alive, stop_process
 from tests.support.processes import ROOT, worker_env
 from tests.support.waiting import wait_for
 

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.bench.latency_proxy import LatencyProxy
 from asyncinfer.client import Client, aio
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, QueueFull
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.ops.benchmark.latency_proxy import LatencyProxy
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from tests.support.databases import RedisDatabase
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The app's kombu channel takes with the atomic take script on a real Redis (asyncinfer/kombu_take.py):
+"""The app's kombu channel takes with the atomic take script on a real Redis (broker/atomic_take.py):
 no BRPOP, every list of every queue served, each message recorded in kombu's bookkeeping before
 its consumer sees it, nothing left recorded that nobody will acknowledge, and in kombu's event loop
 an acknowledgement from another thread wakes the loop of a full prefetch window to take again."""

@@ -26,7 +26,7 @@ def test_kombus_redis_transport_tests_pass_on_the_projects_transport() -> None:
          "-o", "python_classes=test_*", "--timeout", "300"],  # kombu's setup.cfg: test_* classes
         cwd=ROOT, capture_output=True, text=True, timeout=540)
     out = run.stdout + run.stderr
-    assert "on asyncinfer.kombu_redis.Channel, asyncinfer.kombu_redis.Transport" in out, out[-3000:]
+    assert "on asyncinfer.broker.transport.Channel, asyncinfer.broker.transport.Transport" in out, out[-3000:]
     assert run.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= 300 and " failed" not in out, out[-3000:]

@@ -12,9 +12,12 @@ import time
 import pytest
 import redis
 
+from asyncinfer.broker.leases import Leases, holder_of, is_dead_here
+from asyncinfer.broker.store import StoreScript
+from asyncinfer.broker.take import Taker
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
 from asyncinfer.engine.batcher import WorkItem
-from asyncinfer.keys import (
+from asyncinfer.wire.keys import (
     DEATHS_PREFIX,
     LEASE_DEVICE_KEY,
     LEASE_HOLDERS_KEY,
@@ -23,9 +26,6 @@ from asyncinfer.keys import (
     UNACKED_KEY,
 )
 from asyncinfer.wire.messages import task_message
-from asyncinfer.worker.intake.leases import Leases, holder_of, is_dead_here
-from asyncinfer.worker.intake.take import Taker
-from asyncinfer.worker.output.store import StoreScript
 from tests.support.databases import RedisDatabase
 from tests.support.waiting import wait_for
 

@@ -22,7 +22,7 @@ import torch
 
 from asyncinfer.client import Client
 from asyncinfer.models.builtin import MLP
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.supervision.supervisor import CANNOT_START
 from tests.integration.test_failures_cli import asyncinfer, error_lines
 from tests.support.databases import RedisDatabases
 from tests.support.npu_sim.hook import read_log, sim_worker

@@ -25,7 +25,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.ops.status import cluster_status
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 from tests.support.databases import RedisDatabase, RedisDatabases
 from tests.support.metrics import scrape, value
 from tests.support.processes import WorkerProcess, start_up, start_worker, stop_up, worker_env

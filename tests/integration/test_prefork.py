@@ -14,7 +14,7 @@ import pytest
 
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.supervision.supervisor import CANNOT_START
 from tests.support.databases import RedisDatabases
 from tests.support.processes import ROOT, WorkerProcess, worker_env
 from tests.support.producer import json_producer

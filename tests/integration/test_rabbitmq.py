@@ -64,7 +64,7 @@ def test_the_worker_uses_celerys_consumer_on_amqp(amqp_worker: WorkerProcess) ->
     log = amqp_worker.log()
     assert "amqp://guest:**@127.0.0.1:5672//" in log
     assert "fast consumer" not in log.lower()
-    # Celery's consumer receives, the one pipeline runs (worker/intake/kombu_intake.py)
+    # Celery's consumer receives, the one pipeline runs (worker/consumers/kombu_intake.py)
     assert "the pipeline serves what Celery's consumer receives on the infer queues" in log
 
 

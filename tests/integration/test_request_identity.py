@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.errors import RequestIdReused
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from tests.support.processes import GatewayProcess, start_gateway
 from tests.support.waiting import wait_for
 

@@ -1,4 +1,4 @@
-"""The response cache (response_cache.py) with a real worker on a database of its own: a repeated
+"""The response cache (broker/response_cache.py) with a real worker on a database of its own: a repeated
 request is answered without a device run, a one-bit change misses, a failure is never cached, the
 TTL and the size bound hold, a request can bypass it. The test models mark each batch they run
 (tests/support/marks.py): a hit leaves the marks as they were."""
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from celery.result import AsyncResult
 
+from asyncinfer.broker.fleet_stats import FleetStats
+from asyncinfer.broker.response_cache import cache_stats
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.fleet_stats import FleetStats
-from asyncinfer.keys import RESPONSE_CACHE_PREFIX, response_cache_index_key
-from asyncinfer.response_cache import cache_stats
+from asyncinfer.wire.keys import RESPONSE_CACHE_PREFIX, response_cache_index_key
 from tests.support.databases import RedisDatabase, RedisDatabases
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks
 from tests.support.processes import WorkerProcess, start_gateway, start_worker

@@ -8,10 +8,10 @@ import re
 import pytest
 import redis
 
-from asyncinfer.client.publisher import CONFLICT, DUPLICATE, PUBLISHED, REUSED, Publisher, script_arguments
+from asyncinfer.broker.publisher import CONFLICT, DUPLICATE, PUBLISHED, REUSED, Publisher, script_arguments
 from asyncinfer.errors import RequestIdReused
-from asyncinfer.keys import CLAIM_PREFIX
 from asyncinfer.policy.retry_budget import RetryBudget
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from asyncinfer.wire.request_identity import identity
 from tests.support.databases import RedisDatabase
 from tests.support.publishing import publish_one

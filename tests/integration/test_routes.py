@@ -19,9 +19,9 @@ import tritonclient.http as httpclient
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.keys import CATALOGUE_KNOWN_KEY, RESULT_KEY_PREFIX
 from asyncinfer.ops.redis_server import RedisServer
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.supervision.supervisor import CANNOT_START
+from asyncinfer.wire.keys import CATALOGUE_KNOWN_KEY, RESULT_KEY_PREFIX
 from tests.support.processes import (
     ROOT,
     GatewayProcess,

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import redis
 
-from asyncinfer.scripts import names, script
+from asyncinfer.broker.scripts import names, script
 
 
 @pytest.mark.parametrize("name", names())

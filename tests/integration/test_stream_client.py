@@ -25,7 +25,7 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.client import Client, Interruption
 from asyncinfer.errors import RequestRevoked
-from asyncinfer.keys import RESULT_KEY_PREFIX
+from asyncinfer.wire.keys import RESULT_KEY_PREFIX
 from tests.support.databases import RedisDatabases
 from tests.support.processes import ROOT, start_worker, worker_env
 

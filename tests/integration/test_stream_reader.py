@@ -23,7 +23,7 @@ from asyncinfer.errors import (
     RequestTimeout,
     StreamTruncated,
 )
-from asyncinfer.keys import LEASES_KEY
+from asyncinfer.wire.keys import LEASES_KEY
 from asyncinfer.wire.stream import encode_part, part_id, stream_key
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ import redis
 
 from asyncinfer.client import Client
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.keys import LEASES_KEY
+from asyncinfer.wire.keys import LEASES_KEY
 from asyncinfer.wire.stream import FINAL, PART, START, StreamEntry, decode_entry, stream_key
 from tests.support.databases import RedisDatabases
 from tests.support.processes import TEST_FACTORIES, start_worker

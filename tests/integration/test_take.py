@@ -9,12 +9,12 @@ import time
 import pytest
 import redis
 
+from asyncinfer.broker.take import StartedText, Taker
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
+from asyncinfer.wire.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.messages import task_message
-from asyncinfer.worker.intake.take import StartedText, Taker
 from tests.support.databases import RedisDatabase
 
 

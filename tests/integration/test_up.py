@@ -15,7 +15,7 @@ from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import PID_FILE, published_url
 from asyncinfer.ops.status import cluster_status
-from asyncinfer.processes import pid_alive
+from asyncinfer.supervision.processes import pid_alive
 from tests.support.processes import embedded_up_env, start_up, stop_up
 from tests.support.waiting import wait_for
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import redis
 
+from asyncinfer.broker.take import Taker
+from asyncinfer.broker.wake import Waker
 from asyncinfer.constants import priority_lists
-from asyncinfer.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
+from asyncinfer.wire.keys import BELL_PREFIX, WAITERS_SUFFIX, WATCH_PREFIX
 from asyncinfer.wire.messages import task_message
-from asyncinfer.worker.intake.take import Taker
-from asyncinfer.worker.intake.wake import Waker
 from tests.support.databases import RedisDatabase
 from tests.support.waiting import blocked_in_redis, wait_for
 

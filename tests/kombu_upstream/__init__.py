@@ -1,4 +1,4 @@
-"""kombu's own unit tests of its Redis transport, run against the project's (asyncinfer/kombu_redis.py).
+"""kombu's own unit tests of its Redis transport, run against the project's (asyncinfer/broker/transport.py).
 
 ``kombu_test_redis.py`` and ``kombu_conftest.py`` are ``t/unit/transport/test_redis.py`` and
 ``t/unit/conftest.py`` of the kombu 5.7.0 source distribution, unchanged (kombu's BSD licence is in

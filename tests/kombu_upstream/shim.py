@@ -8,14 +8,14 @@ import kombu.transport.redis as kombu_redis_module
 import pytest
 from kombu.utils import eventio
 
-from asyncinfer import kombu_redis
+from asyncinfer.broker import transport as asyncinfer_transport
 
 pytest_plugins = ["tests.kombu_upstream.kombu_conftest"]
 
 REPLACED = ("Channel", "Transport", "SentinelChannel", "SentinelTransport", "QoS")
 
 for _name in REPLACED:
-    setattr(kombu_redis_module, _name, getattr(kombu_redis, _name))
+    setattr(kombu_redis_module, _name, getattr(asyncinfer_transport, _name))
 
 
 def _poll(*args: Any, **kwargs: Any) -> Any:

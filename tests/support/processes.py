@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from asyncinfer.processes import pid_alive, stop_process
+from asyncinfer.supervision.processes import pid_alive, stop_process
 
 __all__ = ["ROOT", "TEST_FACTORIES", "WORKER_MODELS", "SESSION_MAX_PAYLOAD_BYTES", "worker_env",
            "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env",

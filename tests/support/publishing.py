@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+from asyncinfer.broker.publisher import Publisher
 from asyncinfer.client.grouped import GroupedPublisher
-from asyncinfer.client.publisher import Publisher
 
 __all__ = ["publish_one"]
 

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncinfer.ops.redis_server import free_port, redis_server_binary
-from asyncinfer.processes import stop_process
+from asyncinfer.supervision.processes import stop_process
 from tests.support.waiting import wait_for
 
 __all__ = ["SentinelGroup"]

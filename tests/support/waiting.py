@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import redis
 
-from asyncinfer.keys import UNACKED_KEY
+from asyncinfer.wire.keys import UNACKED_KEY
 
 __all__ = ["wait_for", "wait_for_async", "on_broker", "blocked_in_redis"]
 

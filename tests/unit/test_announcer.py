@@ -14,10 +14,10 @@ import pytest
 import redis
 from celery import signals
 
-from asyncinfer.catalogue import Catalogue
+from asyncinfer.broker.catalogue import Catalogue
 from asyncinfer.config.settings import Settings
 from asyncinfer.worker import announcer
-from asyncinfer.worker.intake.step import FastConsumerStep
+from asyncinfer.worker.step import FastConsumerStep
 from asyncinfer.worker.worker import Worker, attach
 
 MODELS = [{"name": "identity", "versions": ["1"]}]

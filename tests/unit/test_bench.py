@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncinfer.bench.measure import Run, _rate, model_limit
-from asyncinfer.bench.report import markdown
-from asyncinfer.bench.run import SYSTEMS, added_latency_targets, parse_systems
-from asyncinfer.bench.synthetic import SimDevice, sim_fast, sim_prep, sim_slow
-from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.models.registry import Registry
+from asyncinfer.ops.benchmark.measure import Run, _rate, model_limit
+from asyncinfer.ops.benchmark.report import markdown
+from asyncinfer.ops.benchmark.run import SYSTEMS, added_latency_targets, parse_systems
+from asyncinfer.ops.benchmark.synthetic import SimDevice, sim_fast, sim_prep, sim_slow
+from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
 
 def test_the_sim_devices_limits_are_their_batch_over_their_time() -> None:

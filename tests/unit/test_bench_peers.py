@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 
 import asyncinfer
-from asyncinfer.bench.host import tree_cpu_s, tree_pids
-from asyncinfer.bench.peers import PEERS, PEERS_DIR_ENV, PEERS_VENV_ENV, Peers, missing_message
-from asyncinfer.bench.systems import GATEWAYS, available_systems
-from asyncinfer.bench.v2_loadgen import TARGETS, grpc_parameter, parse_cpu_pids, request_rows, run_from_line
+from asyncinfer.ops.benchmark.host import tree_cpu_s, tree_pids
+from asyncinfer.ops.benchmark.peer_servers import PEERS, PEERS_DIR_ENV, PEERS_VENV_ENV, Peers, missing_message
+from asyncinfer.ops.benchmark.systems import GATEWAYS, available_systems
+from asyncinfer.ops.benchmark.v2_loadgen import (
+    TARGETS,
+    grpc_parameter,
+    parse_cpu_pids,
+    request_rows,
+    run_from_line,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The checkout's peers folder: scripts, not a package, and not installed.

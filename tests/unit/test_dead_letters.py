@@ -19,9 +19,9 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.errors import InvalidRequest, ModelError
-from asyncinfer.keys import dead_letter_key
 from asyncinfer.ops.dead import requeue_message
 from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.keys import dead_letter_key
 from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.dead_letters import (
     DeadLetter,
@@ -29,8 +29,8 @@ from asyncinfer.worker.dead_letters import (
     options_of,
     push,
 )
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, add_dead_letter
+from asyncinfer.worker.requests.taken import TakenMessage
 
 pytestmark = pytest.mark.timeout(180)
 

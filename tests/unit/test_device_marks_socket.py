@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from asyncinfer.worker.intake.device_marks import _closed, _send_all
+from asyncinfer.broker.device_marks import _closed, _send_all
 
 
 def test_a_send_larger_than_the_socket_buffer_arrives_whole_and_in_order() -> None:

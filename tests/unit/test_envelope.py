@@ -17,7 +17,7 @@ import pytest
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.messages import task_message, uuid4_text
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.requests.taken import TakenMessage
 
 NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 

@@ -1,5 +1,5 @@
 """The fleet statistics: a worker's counts (worker/stats.py), their flush to Redis and the sum over
-workers in Triton's form (fleet_stats.py), on fakeredis."""
+workers in Triton's form (broker/fleet_stats.py), on fakeredis."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import redis
 import torch
 
+from asyncinfer.broker.fleet_stats import FleetStats, stats_key, triton_stats
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.completion import deliver
-from asyncinfer.fleet_stats import FleetStats, stats_key, triton_stats
-from asyncinfer.keys import STATS_INDEX_KEY
 from asyncinfer.policy.policy import Policy
+from asyncinfer.wire.keys import STATS_INDEX_KEY
 from asyncinfer.wire.protocol import Request, Tensor
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.metrics import WorkerMetrics
+from asyncinfer.worker.requests.taken import TakenMessage
 from asyncinfer.worker.stats import StatsCounts, StatsFlusher
 
 pytestmark = pytest.mark.timeout(10)

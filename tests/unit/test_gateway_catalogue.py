@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.gateway.service import GatewayError, Service
 
 

@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.fleet_stats import triton_stats
+from asyncinfer.broker.fleet_stats import triton_stats
 from asyncinfer.gateway.grpc_api import start_grpc
 from asyncinfer.gateway.service import GatewayError, Service
 from asyncinfer.gateway.shared_memory import SharedMemory

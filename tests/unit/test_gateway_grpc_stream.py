@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from asyncinfer.catalogue import CatalogueEntry
+from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client.responses import StreamPart
 from asyncinfer.client.stream_reader import Interruption
 from asyncinfer.errors import ModelError, QueueFull

@@ -8,8 +8,8 @@ from typing import Any
 import fakeredis
 import pytest
 
+from asyncinfer.broker.publisher import _PUBLISH, PUBLISHED, Publisher
 from asyncinfer.client.grouped import Entry, Group, Pending
-from asyncinfer.client.publisher import _PUBLISH, PUBLISHED, Publisher
 from asyncinfer.constants import priority_list
 from asyncinfer.errors import BrokerRefused, QueueFull
 

@@ -56,7 +56,7 @@ def _taken(request_id: str) -> SimpleNamespace:
 
 
 def test_a_batch_that_runs_alone_waits_for_what_ran_before_it_and_no_more() -> None:
-    from asyncinfer.worker.intake.holdings import Holdings
+    from asyncinfer.worker.requests.holdings import Holdings
 
     holdings = Holdings(128)
     ran, waiting, retry, alone = (_taken(i) for i in ("ran", "waiting", "retry", "alone"))
@@ -75,7 +75,7 @@ def test_a_batch_that_runs_alone_waits_for_what_ran_before_it_and_no_more() -> N
 
 
 def test_a_launch_marks_each_held_copy_of_its_requests_and_a_release_forgets_only_its_own() -> None:
-    from asyncinfer.worker.intake.holdings import Holdings
+    from asyncinfer.worker.requests.holdings import Holdings
 
     holdings = Holdings(128)
     first, again, other = _taken("dup"), _taken("dup"), _taken("other")  # "dup" held twice

@@ -1,11 +1,11 @@
-"""Every Redis key and channel name lives in asyncinfer/keys.py: no other module spells one."""
+"""Every Redis key and channel name lives in asyncinfer/wire/keys.py: no other module spells one."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from asyncinfer import keys
+from asyncinfer.wire import keys
 
 PACKAGE = Path(keys.__file__).parent
 #: How the names in keys.py begin (or are); a string literal elsewhere that begins so spells a key.

@@ -19,11 +19,11 @@ from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import decode_body, parse_envelope
 from asyncinfer.wire.messages import envelope_text, retry_message
-from asyncinfer.worker.intake.holdings import Holdings
-from asyncinfer.worker.intake.kombu_intake import KombuIntake
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.consumers.kombu_intake import KombuIntake
 from asyncinfer.worker.output.kombu_acks import acknowledge
 from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.requests.holdings import Holdings
+from asyncinfer.worker.requests.taken import TakenMessage
 
 pytestmark = pytest.mark.timeout(30)
 

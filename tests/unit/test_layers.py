@@ -1,13 +1,14 @@
 """The layers' arrows point one way, read from the source (every import: at module level, behind
-``TYPE_CHECKING`` and inside functions).
+``TYPE_CHECKING`` and inside functions), and the folders say the layers.
 
-- base < wire < config < client, engine < policy < worker < gateway < ops: a module imports its own
-  layer and those below it, never one above; client and engine are siblings and import neither
-  each other;
+- base < wire < broker < config < client, engine < policy < worker < gateway < ops: a module
+  imports its own layer and those below it, never one above; client and engine are siblings and
+  import neither each other;
 - no circle between modules, not even one that only ``TYPE_CHECKING`` or a function-level import
-  hides;
-- every module of the package sits in a layer (a new top-level module fails until :data:`PLACES`
-  names it);
+  hides; and none between the rooms of any folder (its loose modules and its subfolders, a
+  subfolder standing for everything beneath it), so a folder's parts stand one above another;
+- every module of the package sits in a layer, by its top-level folder: the package root holds at
+  most :data:`ROOT_MODULES` modules, each placed by name in :data:`PLACES`;
 - the engine imports neither Celery, kombu nor Redis, and no module of the worker, the client, the
   tasks or the operations (followed through every asyncinfer module it reaches).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -24,18 +26,21 @@ PACKAGE = Path(__file__).resolve().parents[2] / "asyncinfer"
 FORBIDDEN_LIBRARIES = {"celery", "kombu", "redis"}
 FORBIDDEN_LAYERS = ("asyncinfer.worker", "asyncinfer.client", "asyncinfer.ops", "asyncinfer.tasks",
                     "asyncinfer.celery_app")
+#: The most modules the package root may hold: the public API and what every layer needs.
+ROOT_MODULES = 8
 
 #: The layers, lowest first; layers of one rank are siblings (neither imports the other).
 LAYERS: dict[str, int] = {
-    "base": 0,  # names and small tools everything shares; imports nothing of asyncinfer
-    "wire": 1,  # the contract on the wire and in Redis
-    "config": 2,  # the settings, the Celery app built from them, Redis connections
-    "client": 3,  # the producers' side
-    "engine": 3,  # batching on a device: no Celery, no Redis
-    "policy": 4,  # Celery's task options as the worker reads them (retries, time limits, budget)
-    "worker": 5,  # the Celery worker: intake, lifecycle, results, its tasks
-    "gateway": 6,  # the HTTP/gRPC front, a client of the fleet
-    "ops": 7,  # the CLI and the benchmarks
+    "base": 0,  # names and small tools everything shares
+    "wire": 1,  # the contract on the wire and in Redis: messages, payloads, key names
+    "broker": 2,  # everything that speaks to Redis and kombu, with its Lua scripts
+    "config": 3,  # the settings, the Celery app built from them, tracing
+    "client": 4,  # the producers' side
+    "engine": 4,  # batching on a device: no Celery, no Redis
+    "policy": 5,  # Celery's task options as the worker reads them (retries, time limits, budget)
+    "worker": 6,  # the Celery worker: its consumers, pipeline, output, its tasks
+    "gateway": 7,  # the HTTP/gRPC front, a client of the fleet
+    "ops": 8,  # the CLI, ``asyncinfer up``, the benchmark
 }
 
 #: The layer of each top-level module and package of asyncinfer (a package's modules are in its
@@ -45,50 +50,25 @@ PLACES: dict[str, str] = {
     "asyncinfer": "client",
     "asyncinfer.__main__": "ops",  # ``python -m asyncinfer``: the CLI
     "asyncinfer.errors": "base",  # one exception hierarchy, raised everywhere
-    "asyncinfer.keys": "base",  # every Redis key name
-    "asyncinfer.constants": "base",  # task and queue names
+    "asyncinfer.constants": "base",  # task and queue names, priority levels
     "asyncinfer.backoff": "base",  # the wait after failures in a row, for every loop
     "asyncinfer.metrics_registry": "base",  # a Prometheus registry with the process' own series
-    "asyncinfer.processes": "base",  # child processes: alive, stop
-    "asyncinfer.redis_refusals": "base",  # Redis' "not now" replies, read by every Redis user
-    "asyncinfer.redis_urls": "base",  # broker URLs as text (the settings judge them)
-    "asyncinfer.model_versions": "base",  # a model's versions as names: m@v, the latest
-    "asyncinfer.scripts": "base",  # the Lua scripts run in Redis, as files, and their loader
+    "asyncinfer.supervision": "base",  # child processes and vital threads
     "asyncinfer.wire": "wire",
-    # the catalogue's keys and scripts: the contract in Redis between the workers that announce
-    # their models and the clients and gateway that read it, as keys.py is
-    "asyncinfer.catalogue": "wire",
-    # the fleet statistics' keys and form: the contract in Redis between the workers that add
-    # their counts and the clients and gateway that sum them, as the catalogue is
-    "asyncinfer.fleet_stats": "wire",
-    # the response cache's scripts, templates and counts: the contract in Redis between the
-    # workers that fill it and the clients and gateway whose publish reads it
-    "asyncinfer.response_cache": "wire",
+    "asyncinfer.broker": "broker",
     "asyncinfer.config": "config",
-    "asyncinfer.connections": "config",  # Redis clients for the URLs the settings name
-    "asyncinfer.celery_app": "config",  # the app, built from the settings
-    "asyncinfer.celery_amqp": "config",  # the app's AMQP (what it publishes)
-    "asyncinfer.kombu_connection": "config",  # the app's connections
-    "asyncinfer.replies": "config",  # the app's result backends announce on reply channels
+    "asyncinfer.celery_app": "config",  # the app, built from the settings: ``celery -A``'s noun
     # OpenTelemetry when asked for (None when off): what the client, the worker and the
     # gateway record their spans with, from the settings and the wire's trace context
     "asyncinfer.tracing": "config",
     "asyncinfer.client": "client",
-    # model control across the fleet: the broadcasts a client, the gateway and the CLI send
-    "asyncinfer.repository": "client",
     "asyncinfer.engine": "engine",
     "asyncinfer.models": "engine",  # what the engine runs: no Celery, no Redis
     "asyncinfer.policy": "policy",
     "asyncinfer.worker": "worker",
     "asyncinfer.tasks": "worker",  # the Celery tasks a worker runs
-    # kombu's Redis transport as the worker's Celery consumer takes with it (the atomic take and
-    # the leases of worker/intake/, imported inside the functions that take). The app's
-    # connections name it by import path (kombu_connection.py), which no import here shows.
-    "asyncinfer.kombu_redis": "worker",
-    "asyncinfer.kombu_take": "worker",
     "asyncinfer.gateway": "gateway",
     "asyncinfer.ops": "ops",
-    "asyncinfer.bench": "ops",  # ``asyncinfer bench``, the soak, the load generator
 }
 
 
@@ -163,6 +143,7 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@cache
 def import_graph() -> list[Import]:
     paths = module_paths()
     known = set(paths)
@@ -222,7 +203,7 @@ def circles(edges: list[Import]) -> list[list[str]]:
 def test_the_walk_sees_imports_at_every_level() -> None:
     source = """
 from typing import TYPE_CHECKING
-import asyncinfer.keys
+import asyncinfer.wire.keys
 from asyncinfer.wire import envelope
 from asyncinfer.errors import InvalidRequest
 from . import sibling
@@ -231,16 +212,16 @@ if TYPE_CHECKING:
 else:
     from asyncinfer.constants import TASK_NAME
 def f():
-    from asyncinfer.worker.intake.take import Taker
+    from asyncinfer.broker.take import Taker
 """
-    known = {"asyncinfer.keys", "asyncinfer.wire", "asyncinfer.wire.envelope", "asyncinfer.errors",
-             "asyncinfer.config.settings", "asyncinfer.constants", "asyncinfer.worker.intake.take",
+    known = {"asyncinfer.wire.keys", "asyncinfer.wire", "asyncinfer.wire.envelope", "asyncinfer.errors",
+             "asyncinfer.config.settings", "asyncinfer.constants", "asyncinfer.broker.take",
              "asyncinfer.client.sibling", "asyncinfer.client.here"}
     found = {(e.target, e.kind) for e in imports_in("asyncinfer.client.here", source, known)}
-    assert found == {("asyncinfer.keys", "module"), ("asyncinfer.wire.envelope", "module"),
+    assert found == {("asyncinfer.wire.keys", "module"), ("asyncinfer.wire.envelope", "module"),
                      ("asyncinfer.errors", "module"), ("asyncinfer.client.sibling", "module"),
                      ("asyncinfer.config.settings", "typing"), ("asyncinfer.constants", "module"),
-                     ("asyncinfer.worker.intake.take", "function")}
+                     ("asyncinfer.broker.take", "function")}
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
@@ -279,8 +260,53 @@ def test_imports_point_down_only() -> None:
 def test_the_graph_holds_what_the_package_holds() -> None:
     edges = {(e.source, e.target, e.kind) for e in import_graph()}
     assert ("asyncinfer.client.client", "asyncinfer.client.sender", "module") in edges
-    assert ("asyncinfer.connections", "asyncinfer.config.settings", "typing") in edges
+    assert ("asyncinfer.worker.worker", "asyncinfer.worker.consumers.consumer", "typing") in edges
     assert ("asyncinfer.ops.cli", "asyncinfer.ops.dead", "function") in edges
+
+
+def room_of(module: str, folder: str) -> str | None:
+    """The room of ``folder`` (a dotted package) that holds ``module``: the subfolder it lies
+    under, or the module itself when it is loose in ``folder``; None when it is outside."""
+    if not module.startswith(folder + "."):
+        return None
+    return f"{folder}.{module[len(folder) + 1:].split('.')[0]}"
+
+
+def folders() -> list[str]:
+    return sorted(m for m, path in module_paths().items() if path.name == "__init__.py")
+
+
+def room_circles(folder: str, edges: list[Import]) -> list[list[str]]:
+    """The circles between the rooms of ``folder``."""
+    inside = []
+    for e in edges:
+        source, target = room_of(e.source, folder), room_of(e.target, folder)
+        if source and target and source != target:
+            inside.append(Import(source, target, e.line, e.kind))
+    return circles(inside)
+
+
+def test_the_room_finder_sees_a_circle_through_a_subfolder() -> None:
+    edges = [Import("p.a", "p.sub.x", 1, "module"), Import("p.sub.y", "p.a", 1, "function"),
+             Import("p.b", "p.a", 1, "module")]
+    assert room_circles("p", edges) == [["p.a", "p.sub"]]
+    assert room_circles("p.sub", edges) == []
+
+
+@pytest.mark.parametrize("folder", folders())
+def test_no_circle_between_the_rooms_of_a_folder(folder: str) -> None:
+    edges = import_graph()
+    found = room_circles(folder, edges)
+    shown = [sorted({str(e) for e in edges if room_of(e.source, folder) in c
+                     and room_of(e.target, folder) in c
+                     and room_of(e.source, folder) != room_of(e.target, folder)}) for c in found]
+    assert found == [], "\n".join("rooms in a circle:\n  " + "\n  ".join(s) for s in shown)
+
+
+def test_the_root_holds_only_the_public_nouns() -> None:
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(loose) <= ROOT_MODULES, loose
+    assert all(f"asyncinfer.{name}" in PLACES for name in loose if name != "__init__"), loose
 
 
 # -- the engine: no Celery, Redis or upper layer, followed through every module it reaches ------
@@ -329,7 +355,7 @@ def engine_modules() -> list[str]:
 
 
 def test_the_walk_finds_what_a_worker_module_imports() -> None:
-    found = reachable("asyncinfer.worker.intake.fast_consumer")
+    found = reachable("asyncinfer.worker.consumers.fast_consumer")
     assert "celery" in {name.split(".")[0] for name in found}
     assert "asyncinfer.engine.runner" in found
 

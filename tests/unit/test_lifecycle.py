@@ -27,8 +27,6 @@ from asyncinfer.policy.retry_budget import BudgetDecision
 from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.messages import task_message
-from asyncinfer.worker.intake.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import (
     DELAY,
     EXPIRED,
@@ -41,6 +39,8 @@ from asyncinfer.worker.lifecycle import (
 )
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import Outcome
+from asyncinfer.worker.requests.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
+from asyncinfer.worker.requests.taken import TakenMessage
 
 
 def _iso(delta_s: float) -> str:

@@ -10,10 +10,10 @@ import fakeredis
 import pytest
 import redis
 
+from asyncinfer.broker.publisher import PUBLISHED, Publisher
 from asyncinfer.client.lost_check import LostCheck, lost_error, trace_ttl_s
-from asyncinfer.client.publisher import PUBLISHED, Publisher
 from asyncinfer.errors import AsyncInferError, RequestLost
-from asyncinfer.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX
 from tests.support.publishing import publish_one
 
 

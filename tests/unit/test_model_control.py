@@ -11,12 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.catalogue import CatalogueEntry, Host
-from asyncinfer.config.settings import Settings
-from asyncinfer.errors import UnknownModel
-from asyncinfer.gateway.service import GatewayError, control_options
-from asyncinfer.models.base import Model
-from asyncinfer.repository import (
+from asyncinfer.broker.catalogue import CatalogueEntry, Host
+from asyncinfer.client.repository import (
     LOAD,
     UNLOAD,
     ControlOutcome,
@@ -25,6 +21,10 @@ from asyncinfer.repository import (
     repository_index,
     targets_for,
 )
+from asyncinfer.config.settings import Settings
+from asyncinfer.errors import UnknownModel
+from asyncinfer.gateway.service import GatewayError, control_options
+from asyncinfer.models.base import Model
 from asyncinfer.worker.runtime import WorkerRuntime
 
 pytestmark = pytest.mark.timeout(60)

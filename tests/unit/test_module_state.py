@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "asyncinfer"
 ALLOWED = {
     ("asyncinfer.celery_app", "app"):
         "Celery's `-A asyncinfer` finds the app here; it holds configuration, not a worker's state",
-    ("asyncinfer.bench.baseline", "app"): "the in-process limit's app: Celery finds tasks by module",
+    ("asyncinfer.ops.benchmark.baseline", "app"): "the in-process limit's app: Celery finds tasks by module",
     ("asyncinfer.models.files", "_weights_only_lock"):
         "guards torch.load's process-wide safe-globals list, which is torch's state, not ours",
     ("asyncinfer.worker.worker", "_making"):

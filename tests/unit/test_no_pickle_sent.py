@@ -34,7 +34,7 @@ def test_a_task_message_is_sent_as_json_or_msgpack_only(asked: str | None, sent:
 
 
 def test_the_benchs_plain_celery_app_never_sends_pickle_either() -> None:
-    from asyncinfer.bench.baseline import app
+    from asyncinfer.ops.benchmark.baseline import app
 
     message = app.amqp.create_task_message("r1", "cb.task", (1,), {})
     producer = _Producer()

@@ -18,7 +18,7 @@ from asyncinfer.policy.retries import RetryPolicy, is_transient
 from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
 from asyncinfer.wire.envelope import parse_envelope, seconds_until
 from asyncinfer.wire.messages import retry_message, task_message
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.requests.taken import TakenMessage
 
 # -- retry options --------------------------------------------------------------------------------
 

@@ -9,11 +9,11 @@ from typing import Any
 import fakeredis
 import pytest
 
+from asyncinfer.broker.publisher import _PUBLISH, PUBLISHED, Publisher
 from asyncinfer.client.grouped import Entry, Group, Pending
-from asyncinfer.client.publisher import _PUBLISH, PUBLISHED, Publisher
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.config.priority_policy import LevelPolicy, level_of
-from asyncinfer.constants import priority_list
+from asyncinfer.config.priority_policy import LevelPolicy
+from asyncinfer.constants import level_of, priority_list
 from asyncinfer.errors import BrokerRefused, QueueFull
 
 Told = list[tuple[str, int | None, BaseException | None]]

@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 from redis import exceptions
 
-from asyncinfer.connections import broker_error
-from asyncinfer.errors import BrokerRefused, BrokerUnavailable
-from asyncinfer.kombu_redis import SentinelTransport, Transport
-from asyncinfer.redis_refusals import (
+from asyncinfer.broker.connections import broker_error
+from asyncinfer.broker.refusals import (
     REFUSED_CLASSES,
     RedisRefusal,
     refusal_code,
@@ -17,6 +15,8 @@ from asyncinfer.redis_refusals import (
     refusing_parser,
     retrying_refusals,
 )
+from asyncinfer.broker.transport import SentinelTransport, Transport
+from asyncinfer.errors import BrokerRefused, BrokerUnavailable
 
 AOF_FULL = "MISCONF Errors writing to the AOF file: No space left on device"
 

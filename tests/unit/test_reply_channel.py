@@ -16,12 +16,12 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
-from asyncinfer.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.requests.taken import TakenMessage
 
 CHANNEL = REPLY_CHANNEL_PREFIX + "c0ffee"
 

@@ -1,4 +1,4 @@
-"""The response cache's key (wire/cache_key.py) and its stored template (response_cache.py), in
+"""The response cache's key (wire/cache_key.py) and its stored template (broker/response_cache.py), in
 process. With real Redis and a worker: tests/integration/test_response_cache.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from asyncinfer.broker.response_cache import MARK, fill, template
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.response_cache import MARK, fill, template
 from asyncinfer.wire.cache_key import cache_key
 
 

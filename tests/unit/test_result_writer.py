@@ -20,11 +20,11 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError
-from asyncinfer.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.envelope import parse_envelope
+from asyncinfer.wire.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.messages import retry_message, task_message
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.requests.taken import TakenMessage
 
 URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakeredis
 

@@ -144,7 +144,7 @@ class _Group:
     """A broker's group whose catalogue read answers ``entries`` or raises ``down``."""
 
     def __init__(self, *names: str) -> None:
-        from asyncinfer.catalogue import CatalogueEntry
+        from asyncinfer.broker.catalogue import CatalogueEntry
 
         self.entries = {n: CatalogueEntry(n) for n in names}
         self.down: Exception | None = None

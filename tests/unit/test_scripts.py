@@ -1,4 +1,4 @@
-"""Every Lua script of the package is a file in asyncinfer/scripts/, named by one module, and
+"""Every Lua script of the package is a file in asyncinfer/broker/scripts/, named by one module, and
 compiles (Lua 5.1, Redis' version); no module holds a script in a Python string."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer import scripts
-from asyncinfer.scripts import names, script
+from asyncinfer.broker import scripts
+from asyncinfer.broker.scripts import names, script
 
-PACKAGE = Path(scripts.__file__).resolve().parents[1]
+PACKAGE = Path(scripts.__file__).resolve().parents[2]
 FOLDER = Path(scripts.__file__).resolve().parent
 
 
@@ -30,7 +30,7 @@ def _named_scripts() -> dict[str, list[str]]:
 def test_no_module_holds_a_lua_script() -> None:
     inline = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                     if "redis.call(" in path.read_text() or "redis.pcall(" in path.read_text())
-    assert inline == [], f"move these modules' Lua into asyncinfer/scripts/*.lua: {inline}"
+    assert inline == [], f"move these modules' Lua into asyncinfer/broker/scripts/*.lua: {inline}"
 
 
 def test_every_script_file_is_used_and_every_used_script_is_a_file() -> None:

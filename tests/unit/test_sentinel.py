@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from asyncinfer.config.celery_config import celery_config
-from asyncinfer.config.settings import Settings
-from asyncinfer.connections import (
+from asyncinfer.broker.connections import (
     SentinelUrl,
     is_redis_url,
     normalized_url,
@@ -18,7 +16,9 @@ from asyncinfer.connections import (
     redis_client,
     wait_replicas,
 )
-from asyncinfer.worker.intake.step import uses_fast_consumer
+from asyncinfer.config.celery_config import celery_config
+from asyncinfer.config.settings import Settings
+from asyncinfer.worker.step import uses_fast_consumer
 
 # -- URL parsing, settings and Celery's configuration (no server) ---------------------------------
 

@@ -14,11 +14,11 @@ import pytest
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.sequences import SequenceBook
-from asyncinfer.keys import sequence_workers_key
 from asyncinfer.models.sequence import SequenceBatching
+from asyncinfer.wire.keys import sequence_workers_key
 from asyncinfer.wire.protocol import decode_request
 from asyncinfer.wire.sequence import SequenceFlags
-from asyncinfer.worker.intake.sequence_pins import SequencePins
+from asyncinfer.worker.requests.sequence_pins import SequencePins
 
 MODEL = "accumulator"
 

@@ -14,7 +14,7 @@ import fakeredis
 import pytest
 import torch
 
-from asyncinfer.client.publisher import Publisher, script_arguments, worker_of_pin
+from asyncinfer.broker.publisher import Publisher, script_arguments, worker_of_pin
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.constants import queue_for, sequence_list
 from asyncinfer.engine.batcher import WorkItem
@@ -27,9 +27,9 @@ from asyncinfer.errors import (
     SequenceStateLost,
     SequenceUnavailable,
 )
-from asyncinfer.keys import SEQUENCE_MODELS_KEY, sequence_pin_key, sequence_workers_key
 from asyncinfer.models.base import Batch
 from asyncinfer.models.sequence import SequenceBatching, SequenceState
+from asyncinfer.wire.keys import SEQUENCE_MODELS_KEY, sequence_pin_key, sequence_workers_key
 from asyncinfer.wire.protocol import Request, decode_request
 from asyncinfer.wire.sequence import SequenceFlags, sequence_of
 from tests.support.sequence_models import Accumulator

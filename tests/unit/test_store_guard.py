@@ -1,4 +1,4 @@
-"""The store script's guard (worker/output/store.py): a sequence request's result never replaces a
+"""The store script's guard (broker/store.py): a sequence request's result never replaces a
 final state already stored for its request — the FAILURE (SequenceStateLost) another worker's
 sweep wrote while this worker was frozen past its lease — and a plain request's result is stored
 as ever (fakeredis: Redis' Lua in-process)."""
@@ -12,9 +12,9 @@ from typing import Any
 import fakeredis
 import pytest
 
+from asyncinfer.broker.store import GUARDED, StoreScript
 from asyncinfer.constants import is_sequence_list, queue_for, sequence_list
-from asyncinfer.keys import UNACKED_KEY
-from asyncinfer.worker.output.store import GUARDED, StoreScript
+from asyncinfer.wire.keys import UNACKED_KEY
 
 KEY = "celery-task-meta-r1"
 

@@ -35,10 +35,10 @@ from asyncinfer.wire.trace_context import (
     trace_fields_of_pairs,
     valid_traceparent,
 )
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.links import send_callbacks
 from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.output.trace_spans import WorkerSpans
+from asyncinfer.worker.requests.taken import TakenMessage
 
 TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 PARENT = f"00-{TRACE_ID}-{SPAN_ID}-01"

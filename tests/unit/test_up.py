@@ -7,7 +7,7 @@ import pytest
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.cli import _gateway_flags, build_parser
 from asyncinfer.ops.up import gateway_child, gateway_line, run_up
-from asyncinfer.worker.supervisor import CANNOT_START
+from asyncinfer.supervision.supervisor import CANNOT_START
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
+from asyncinfer.broker.wake import Waker
 from asyncinfer.constants import priority_lists
-from asyncinfer.worker.intake.wake import Waker
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The worker's side of the response cache (response_cache.py): which requests fill it, and the
+"""The worker's side of the response cache (broker/response_cache.py): which requests fill it, and the
 write of their answers, in the round trip that stores the results.
 
 Only a successful answer is written (the result writer calls :meth:`CacheWrites.add` for state
@@ -16,14 +16,14 @@ from typing import Any
 import redis
 from celery import Celery, states
 
-from asyncinfer import response_cache
+from asyncinfer.broker import response_cache
+from asyncinfer.broker.store import Entry, StoreScript, as_out_of_memory, store_reply
 from asyncinfer.constants import TASK_NAME, model_from_queue
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.dead_letters import options_of
-from asyncinfer.worker.intake.taken import TakenMessage
-from asyncinfer.worker.output.store import Entry, StoreScript, as_out_of_memory, store_reply
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["cache_key_of", "CacheWrites", "store_with_cache"]
 

@@ -16,7 +16,7 @@ from typing import Any
 from celery import Celery
 
 from asyncinfer.wire.envelope import ACCEPTED_TYPES
-from asyncinfer.worker.intake.taken import TakenMessage
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["acknowledge", "publish_envelope"]
 

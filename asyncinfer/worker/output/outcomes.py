@@ -22,10 +22,10 @@ from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.messages import retry_message
 from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
-from asyncinfer.worker.intake.holdings import Holdings
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.requests.holdings import Holdings
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["Outcomes", "model_of"]
 

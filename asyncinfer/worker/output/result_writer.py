@@ -36,22 +36,8 @@ from celery import Celery, states
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer.backoff import Backoff
-from asyncinfer.config.bound import settings_of
-from asyncinfer.connections import wait_replicas
-from asyncinfer.constants import is_sequence_list
-from asyncinfer.engine.vital import vital_thread
-from asyncinfer.errors import ModelError
-from asyncinfer.wire.envelope import result_meta
-from asyncinfer.wire.reply import reply_channel_of
-from asyncinfer.wire.result_json import encode_meta
-from asyncinfer.wire.trace_context import trace_fields
-from asyncinfer.worker import dead_letters
-from asyncinfer.worker.intake.take import StartedText
-from asyncinfer.worker.intake.taken import TakenMessage
-from asyncinfer.worker.links import send_callbacks, send_errbacks
-from asyncinfer.worker.output import cache_write, kombu_acks
-from asyncinfer.worker.output.started_states import StartedStates
-from asyncinfer.worker.output.store import (
+from asyncinfer.broker.connections import wait_replicas
+from asyncinfer.broker.store import (
     GUARDED,
     Entry,
     StoreScript,
@@ -59,8 +45,22 @@ from asyncinfer.worker.output.store import (
     error_texts,
     store_reply,
 )
+from asyncinfer.broker.take import StartedText
+from asyncinfer.config.bound import settings_of
+from asyncinfer.constants import is_sequence_list
+from asyncinfer.errors import ModelError
+from asyncinfer.supervision.vital import vital_thread
+from asyncinfer.wire.envelope import result_meta
+from asyncinfer.wire.reply import reply_channel_of
+from asyncinfer.wire.result_json import encode_meta
+from asyncinfer.wire.trace_context import trace_fields
+from asyncinfer.worker import dead_letters
+from asyncinfer.worker.links import send_callbacks, send_errbacks
+from asyncinfer.worker.output import cache_write, kombu_acks
+from asyncinfer.worker.output.started_states import StartedStates
 from asyncinfer.worker.output.stream_appends import StreamAppends
 from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript, part_entry, start_entry
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
 

@@ -1,5 +1,5 @@
 """The STARTED states of requests (Celery's ``task_track_started``): their stored text and its
-writes, where the take (worker/intake/take.py) does not store them itself.
+writes, where the take (broker/take.py) does not store them itself.
 
 The STARTED meta is the same for every request of a worker but its ID (it has no date): it is
 encoded once, around a mark, and each request's ID put in its place.
@@ -15,12 +15,12 @@ from typing import Any
 import redis
 from celery import states
 
+from asyncinfer.broker.store import StoreScript
+from asyncinfer.broker.take import StartedText
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import encode_meta
-from asyncinfer.worker.intake.take import StartedText
-from asyncinfer.worker.intake.taken import TakenMessage
-from asyncinfer.worker.output.store import StoreScript
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["StartedStates"]
 

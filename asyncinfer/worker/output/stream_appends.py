@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from asyncinfer.worker.intake.taken import TakenMessage
 from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript, final_entry
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["Ended", "StreamAppends"]
 

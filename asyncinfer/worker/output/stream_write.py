@@ -36,11 +36,11 @@ from typing import Any
 import redis
 from celery import states
 
-from asyncinfer.scripts import script
+from asyncinfer.broker.scripts import script
+from asyncinfer.broker.store import as_out_of_memory, error_texts
 from asyncinfer.wire.protocol import Tensor, encode_tensor
 from asyncinfer.wire.stream import FINAL, PART, START, encode_part, stream_key
-from asyncinfer.worker.intake.taken import TakenMessage
-from asyncinfer.worker.output.store import as_out_of_memory, error_texts
+from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["StreamAppend", "StreamScript", "start_entry", "part_entry", "final_entry", "attempt_of",
            "lease_tag"]

@@ -1,0 +1,42 @@
+-- Store a batch of results and their acknowledgements (asyncinfer/broker/store.py).
+-- KEYS: unacked_index, unacked, leases, lease holders, lease device marks. ARGV: seconds a result
+-- lives (0: for ever), then five values per request (see Entry in store.py). Returns {the error
+-- replies of the announcements and acknowledgements, the result keys not written}: a guarded
+-- result (a sequence request's) never replaces a final state already stored for its request (the
+-- FAILURE another worker's sweep wrote when this worker's registration lapsed: it is not
+-- announced either, and the message is still acknowledged).
+
+local ttl = tonumber(ARGV[1])
+local errors, skipped = {}, {}
+local final = {SUCCESS = true, FAILURE = true, REVOKED = true}
+local function try(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply['err'] then errors[#errors + 1] = reply['err'] end
+end
+local function settled(key)
+  local old = redis.pcall('GET', key)  -- another type's key: no state of a request
+  if type(old) ~= 'string' then return false end
+  local ok, meta = pcall(cjson.decode, old)
+  return ok and type(meta) == 'table' and final[meta['status']] == true
+end
+for i = 2, #ARGV, 5 do
+  local key, value, reply_to, tag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local guard = ARGV[i + 4]
+  if key ~= '' then
+    if guard ~= '' and settled(key) then
+      skipped[#skipped + 1] = key
+    else
+      if ttl > 0 then redis.call('SETEX', key, ttl, value) else redis.call('SET', key, value) end
+      try('PUBLISH', key, value)
+      if reply_to ~= '' then try('PUBLISH', reply_to, value) end
+    end
+  end
+  if tag ~= '' then
+    try('ZREM', KEYS[1], tag)
+    try('HDEL', KEYS[2], tag)
+    try('ZREM', KEYS[3], tag)
+    try('HDEL', KEYS[4], tag)
+    try('HDEL', KEYS[5], tag)
+  end
+end
+return {errors, skipped}

@@ -1,0 +1,120 @@
+"""Storing a batch of results and their acknowledgements with one script call.
+
+Per request the result writer stores the result (SETEX, Celery's layout), announces it (PUBLISH
+on the result key's channel, and on the request's reply channel when it names one), and
+acknowledges the message (kombu's ``unacked_index`` and ``unacked`` entries removed, and its
+lease). As a MULTI/EXEC of five commands a request that is ~12 replies to parse and ~6 commands to
+pack in the worker's Python; as one script call per batch it is five arguments. Measured on sim-fast at 256 in
+flight: see docs/benchmarks.md.
+
+All or nothing, as the transaction was: Redis checks memory (and a replica's read-only state) at a
+script's first write, so a refused batch wrote nothing; past the first write the script runs to
+its end. The result writes use ``redis.call`` (an error there stops the script: only memory or
+read-only can refuse a SET, and both come first); the announcements and acknowledgements use
+``redis.pcall``, so one odd key (a user's value of another type where an ``unacked`` hash should
+be) is reported and the rest still done, as EXEC reports one failed command and runs the others.
+
+A *guarded* entry (a sequence request's: its state lives on one worker) never replaces a final
+state (SUCCESS, FAILURE, REVOKED) already stored for its request: a worker frozen or cut off past
+its lease finishes, once it is back, requests that another worker's sweep already failed with
+SequenceStateLost (worker/requests/sequence_pins.py), and that failure is what its caller was told.
+The script leaves such a result out (still acknowledging the message) and names its key, so the
+worker drops the state the request left (engine/sequences.py). A plain request's result is
+stored as ever (a request that ran again after a reclaim stores its answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from asyncinfer.broker.scripts import script
+from asyncinfer.wire.keys import (
+    LEASE_DEVICE_KEY,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+)
+
+__all__ = ["GUARDED", "Entry", "StoreScript", "as_out_of_memory", "error_texts", "store_reply"]
+
+#: One request's part of a batch: result key ('' for none), stored text, reply channel ('' for
+#: none), delivery tag ('' when it was never recorded as unacknowledged), guard (:data:`GUARDED`:
+#: never replace a final state stored for the request; '': store as ever).
+Entry = tuple[str, Any, str, str, str]
+
+#: An entry's guard: its result never replaces a final state already stored (a sequence request).
+GUARDED = "1"
+
+_STORE = script("store")
+
+
+#: The keys the store script writes: kombu's bookkeeping, then the leases' (leases.py).
+_KEYS = (UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY)
+
+
+class StoreScript:
+    """The store script, registered on one Redis client."""
+
+    def __init__(self, client: redis.Redis, expires_s: int) -> None:
+        self._script = client.register_script(_STORE)
+        self.expires_s = expires_s
+
+    def __call__(self, entries: Sequence[Entry], client: Any = None) -> list[str]:
+        """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the
+        script's: see :func:`store_reply`). The error replies (as text) of the announcements and
+        acknowledgements."""
+        return self.call(entries, client)[0]
+
+    def call(self, entries: Sequence[Entry], client: Any = None) -> tuple[list[str], list[str]]:
+        """:meth:`__call__`, and the result keys of the guarded entries left out (a final state
+        was stored already)."""
+        try:
+            reply = self._script(keys=list(_KEYS), args=self._args(entries),
+                                 client=client)
+        except redis.ResponseError as exc:
+            raise as_out_of_memory(exc) from None
+        return store_reply(reply)
+
+    def queue(self, pipe: Any, entries: Sequence[Entry]) -> None:
+        """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
+        check redis-py's pipelines make per execute: its reply is a ``NoScriptError`` when Redis
+        has not loaded the script (a restarted or new master); :meth:`load` it then."""
+        pipe.evalsha(self._script.sha, len(_KEYS), *_KEYS, *self._args(entries))
+
+    def _args(self, entries: Sequence[Entry]) -> list[Any]:
+        args: list[Any] = [self.expires_s]
+        for entry in entries:
+            args += entry
+        return args
+
+    def load(self, client: redis.Redis) -> None:
+        """Load the script into ``client``'s Redis."""
+        self._script.sha = client.script_load(self._script.script)
+
+
+def error_texts(reply: Any) -> list[str]:
+    """The script's reply (a list of error replies) as text; [] for a queued call's pipeline."""
+    if not isinstance(reply, list):
+        return []
+    return [e.decode(errors="replace") if isinstance(e, bytes) else str(e) for e in reply]
+
+
+def store_reply(reply: Any) -> tuple[list[str], list[str]]:
+    """The store script's reply as (its error replies, the result keys it left out), as text;
+    ([], []) for a queued call's pipeline."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        return [], []
+    errors, skipped = reply
+    return error_texts(errors), error_texts(skipped)
+
+
+def as_out_of_memory(exc: redis.ResponseError) -> redis.ResponseError:
+    """``exc``, as the OutOfMemoryError it is when a script's write met a full Redis (Redis 6
+    reports it as ``ERR Error running script ... -OOM ...``; Redis 7 with its own code)."""
+    if not isinstance(exc, redis.OutOfMemoryError) and "-OOM " in str(exc):
+        return redis.OutOfMemoryError(str(exc))
+    return exc

@@ -1,0 +1,199 @@
+"""What every consumer of a device worker's ``infer.*`` queues is made of, whatever its transport:
+the one pipeline (worker/pipeline.py) and its output side — the in-flight account, task events,
+the settlement, the result writer and the outcomes — and the device's hooks into them.
+
+Two transports feed it: the Redis lists' take script (fast_consumer.py, the default on a Redis
+broker) and kombu, through Celery's own consumer (:meth:`PipelineConsumer.received`;
+kombu_intake.py when kombu alone feeds it: RabbitMQ, or ``ASYNCINFER_CONSUMER=celery``). They
+differ only in how a message is taken, leased, acknowledged and given back; each message carries
+which (:class:`~asyncinfer.worker.requests.taken.TakenMessage`'s ``message``), so one pipeline can
+be fed by both: a fast consumer's worker whose Celery consumer receives ``asyncinfer.infer`` on a
+stage queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+from celery import Celery
+
+from asyncinfer.constants import model_from_queue
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
+from asyncinfer.policy.policy import Policy
+from asyncinfer.policy.time_limits import Wedge
+from asyncinfer.wire.messages import envelope_text
+from asyncinfer.worker.celery_errors import as_celery
+from asyncinfer.worker.events import TaskEvents
+from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.outcomes import Outcomes
+from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.trace_spans import WorkerSpans
+from asyncinfer.worker.pipeline import Pipeline
+from asyncinfer.worker.requests.holdings import Holdings
+from asyncinfer.worker.requests.taken import TakenMessage
+from asyncinfer.worker.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
+
+__all__ = ["PipelineConsumer", "STOP_GRACE_S"]
+
+log = logging.getLogger(__name__)
+
+#: What a clean stop waits for the requests in flight before it gives the rest back: under the 15 s
+#: after which ``asyncinfer up``'s supervisor kills a child that has not exited (a kill while a
+#: batch is on the device would count a death against its requests).
+STOP_GRACE_S = 10.0
+
+
+class PipelineConsumer:
+    """The pipeline of ``runtime``'s requests on worker ``hostname``, and its output side.
+
+    ``results``: the writer's Redis (the broker's; with a broker that is not Redis, the results');
+    ``shared``: whether the results live on ``results`` too (None: when the result backend's URL
+    is the broker's).
+    """
+
+    def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
+                 send_events: bool, results: redis.Redis, shared: bool | None = None,
+                 tracing: Tracing | None = None) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.hostname = hostname
+        #: Retries and budget, time limits, the in-flight bound, the payload limit.
+        self.policy = policy
+        #: Everything taken and not yet answered: the one in-flight account.
+        self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()),
+                                 on_scheduled=self._on_scheduled)
+        #: ``qos()``: the prefetch window of the Celery consumer that hands over kombu's messages
+        #: (a new one after each reconnection); None until one does.
+        self.kombu_qos: Callable[[], Any] | None = None
+        #: Celery task events (Flower), when the worker sends them (-E, ASYNCINFER_SEND_EVENTS).
+        self.events = TaskEvents(app, hostname, enabled=send_events)
+        self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
+                                     metrics=runtime.metrics)
+        self.writer = ResultWriter(app, results, worker=hostname,
+                                   before_write=lambda batch: self.outcomes.before_write(batch),
+                                   on_written=self._written,
+                                   shared=shared,
+                                   spans=WorkerSpans(tracing, hostname) if tracing else None)
+        self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
+        self._stopping = threading.Event()
+        #: What happens to each request taken, from the take to the write.
+        self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
+                                 outcomes=self.outcomes, writer=self.writer, events=self.events,
+                                 stopping=self._stopping.is_set, traced=tracing is not None)
+
+    def _written(self, batch: list[Outcome]) -> None:
+        """(The writer's, after each write.) ``batch`` is stored and acknowledged; a sequence
+        request whose result was left out, as the fleet had already failed it, takes back the
+        state it left (engine/sequences.py)."""
+        self.outcomes.written(batch)
+        for outcome in batch:
+            if outcome.superseded:
+                void_sequence_state(self.runtime, outcome.delivery)
+
+    def received(self, messages: list[Any]) -> None:
+        """(Celery's consumer, with the messages of this pipeline kombu delivered in one turn of
+        its event loop: worker/celery_consumer.py.) Start them together, as the fast
+        consumer starts what one take popped; those that come while this consumer stops are left
+        unacknowledged, for the broker to give back."""
+        if self._stopping.is_set() or not messages:
+            return
+        received_at = time.perf_counter()
+        deliveries = []
+        for message in messages:
+            queue = str((message.delivery_info or {}).get("routing_key") or "")
+            try:
+                raw = envelope_text(message)
+            except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
+                raw = f"message of {queue}: {type(exc).__name__}: {exc}"
+            deliveries.append(TakenMessage(raw=raw.encode(), queue=queue, message=message,
+                                           received_at=received_at))
+        self.pipeline.received(deliveries)
+
+    def _on_scheduled(self, n: int) -> None:
+        """``n`` more (or fewer) of kombu's held messages wait for their eta: the prefetch window
+        widens (narrows) by as many, as Celery's consumer does for its ETA tasks."""
+        qos = self.kombu_qos() if self.kombu_qos is not None else None
+        if qos is None:
+            return
+        if n > 0:
+            qos.increment_eventually(n)
+        elif n < 0:
+            qos.decrement_eventually(-n)
+
+    def use_device(self, give_back: Callable[[], None],
+                   on_launch: LaunchObserver = ignore_launch) -> None:
+        """Hook this consumer to the device: a wedged device's request fails and ``give_back()``
+        hands back what is held; a batch's results are written at once; ``on_launch`` sees each
+        batch go onto the device."""
+        self.runtime.use(DeviceHooks(on_wedged=Wedge(self._fail_wedged, give_back),
+                                     settling=self.writer.gathering, on_launch=on_launch))
+
+    @property
+    def stopped(self) -> bool:
+        """Whether it was told to stop (or gave everything back)."""
+        return self._stopping.is_set()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Take no more, let what is in flight finish within ``grace_s``, give the rest back:
+        each transport its own way."""
+        raise NotImplementedError
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.holdings.max_in_flight
+
+    @property
+    def in_flight(self) -> int:
+        return self.holdings.in_flight
+
+    def _fail_wedged(self, item: WorkItem, exc: BaseException) -> None:
+        """A wedged device's request fails (policy/time_limits.py's :class:`Wedge`)."""
+        d = self.holdings.find(item.request.id)
+        if d is not None and not item.future.done():
+            self.outcomes.fail(d, as_celery(exc), None, retry=False)
+            self.holdings.release([d])
+
+    def _drain(self, grace_s: float) -> None:
+        """(A stop, taking no more.) Wait up to ``grace_s`` for what is in flight, then send the
+        first attempts' count, write what is finished and stop the events."""
+        left = self.holdings.drain(grace_s)
+        self.pipeline.first_attempts.send(due_only=False)
+        self.writer.close()
+        self.events.close()
+        if left:
+            log.warning("%d requests still in flight at shutdown go back to their queues", left)
+
+    def _let_go(self) -> None:
+        """(At a stop, the output closed.) What is still held goes back to its queue: it is no
+        longer this worker's, so nothing settles it here — the runtime's shutdown fails what it
+        never ran, which would otherwise be logged, counted and announced as a FAILURE of a
+        request that runs elsewhere."""
+        self.holdings.release([h.delivery for h in self.holdings.held()])
+
+
+def void_sequence_state(runtime: WorkerRuntime, d: TakenMessage) -> str:
+    """Take back the state that request ``d`` (a sequence's, run here although the fleet had
+    already failed it with SequenceStateLost) left in its model's sequence book: 'reverted',
+    'lost' or '' (SequenceBook.void)."""
+    model = model_from_queue(d.queue) or d.queue
+    why = (f"the state of its sequence of model '{model}' is lost: request {d.request_id} of it "
+           f"ran after it had been failed as lost (its worker was frozen or cut off past its "
+           f"lease); start the sequence again (sequence_start)")
+    for runner in runtime.runners():
+        if runner.sequences is not None and runner.model.name == model:
+            done = runner.sequences.void(d.request_id, why)
+            if done:
+                log.warning("request %s of model %s ran after it was failed as lost: its "
+                            "sequence's state is %s", d.request_id, model,
+                            "as before it" if done == "reverted" else "dropped (lost)")
+                return done
+    return ""

@@ -1,0 +1,324 @@
+"""The device worker's consumer of ``infer.*`` queues on Redis: how messages are taken, leased,
+acknowledged and given back. What happens to each request between the take and the write is the
+pipeline's (worker/pipeline.py).
+
+Celery's own per-task path (a BRPOP, a Request object, a pool hand-off, two result writes and an
+ack pipeline per message) costs milliseconds of worker CPU per request on a small host — time
+taken from the model. This consumer keeps the same messages, results, states and redelivery
+bookkeeping, but works in batches:
+
+- one script takes what is waiting (up to the free in-flight room) and records it as
+  unacknowledged and leased to this worker in the same atomic step (take.py, leases.py); an idle
+  consumer waits without popping, and a push wakes one idle consumer of the fleet (wake.py), so a
+  request is never in the worker's memory unrecorded;
+- the pipeline decodes and validates right here, and valid requests go straight to the model's
+  batcher (no thread per request);
+- the :class:`ResultWriter` stores results and acknowledges them in one round trip per batch;
+- a clean stop, or a wedged device, gives back at once what is still held.
+
+Used by ``asyncinfer worker`` on a Redis broker (the default consumer); on RabbitMQ and with
+``ASYNCINFER_CONSUMER=celery`` Celery's consumer feeds the same pipeline (kombu_intake.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import redis
+from celery import Celery
+
+from asyncinfer.backoff import Backoff
+from asyncinfer.broker.connections import redis_client
+from asyncinfer.broker.leases import Leases, holder_of_this_process
+from asyncinfer.broker.take import Taker
+from asyncinfer.broker.wake import Waker
+from asyncinfer.config.bound import settings_of
+from asyncinfer.config.settings import Settings
+from asyncinfer.constants import model_from_queue, priority_lists
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hooks import ignore_launch
+from asyncinfer.policy.policy import Policy
+from asyncinfer.supervision.vital import vital_thread
+from asyncinfer.wire.keys import (
+    LEASE_DEVICE_KEY,
+    LEASE_HOLDERS_KEY,
+    LEASES_KEY,
+    UNACKED_INDEX_KEY,
+    UNACKED_KEY,
+)
+from asyncinfer.wire.messages import restored_message
+from asyncinfer.worker.consumers.consumer import STOP_GRACE_S, PipelineConsumer
+from asyncinfer.worker.requests.holdings import SCHEDULED
+from asyncinfer.worker.requests.sequence_pins import SequencePins
+from asyncinfer.worker.requests.taken import TakenMessage
+from asyncinfer.worker.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from asyncinfer.tracing.spans import Tracing
+
+__all__ = ["FastConsumer"]
+
+log = logging.getLogger(__name__)
+
+
+class FastConsumer(PipelineConsumer):
+    """Consumes ``queues`` for ``runtime`` until :meth:`stop`; at most ``max_in_flight`` at once."""
+
+    #: Longest a batch that runs alone waits for the answers of what ran before it (seconds).
+    SETTLE_S = 10.0
+
+    def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
+                 hostname: str, policy: Policy, send_events: bool = False,
+                 tracing: Tracing | None = None) -> None:
+        settings = settings_of(app) or Settings.from_env()
+        # The result writer's own connection: a pool check-out per command costs a poll() and
+        # redis-py's argument checks (~8 % of the worker's CPU).
+        super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
+                         tracing=tracing,
+                         results=redis_client(app.conf.broker_url, settings,
+                                              health_check_interval=30,
+                                              single_connection_client=True))
+        self.queues = list(queues)
+        # The consumer thread's own connection, as the writer's.
+        self.client = redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                                   single_connection_client=True)
+        self.taker = Taker(self.client)
+        self._settings = settings
+        #: Queues to take from instead, once the consumer thread is between two takes
+        #: (:meth:`set_queues`), and the event set when it does.
+        self._next_queues: list[str] | None = None
+        self._retargeted = threading.Event()
+        self._retarget_lock = threading.Lock()
+        #: What this worker takes is leased to it, renewed while it lives (None: no leases).
+        self.leases = None if not settings.lease_s else Leases(
+            redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                         single_connection_client=True),
+            redis_client(app.conf.broker_url, settings, health_check_interval=30),
+            node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
+            count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags,
+            on_lost=lambda tags: self.pipeline.forget(tags))
+        #: Sequence batching: this worker's registrations and the sweep of dead workers' lists
+        #: (sequence_pins.py); its sweeps take on a connection of their own.
+        lease_s = settings.lease_s or 10.0
+        self.pins = SequencePins(
+            redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                         single_connection_client=True), runtime,
+            holder=self.leases.holder if self.leases is not None else holder_of_this_process(
+                hostname), lease_s=lease_s,
+            taker=Taker(redis_client(app.conf.broker_url, settings, health_check_interval=30,
+                                     single_connection_client=True)),
+            lease=self.leases.terms if self.leases is not None else None,
+            refuse=lambda taken, error_of: self.pipeline.refuse(taken, error_of))
+        #: What it takes from: its own lists of sequences (stateful models), then each queue's
+        #: list and its priority lists, in kombu's order.
+        self._lists = self.pins.lists_for(self.queues) + priority_lists(self.queues)
+        #: Watches its lists (None while it takes from no queue).
+        self.waker: Waker | None = self._new_waker()
+        self.use_device(self._give_back_all,
+                        on_launch=(self._on_launch if self.leases is not None
+                                   and self.leases.count_deaths else ignore_launch))
+        self._thread = vital_thread(self._run, "asyncinfer-consumer")
+
+    def _new_waker(self) -> Waker | None:
+        if not self._lists:
+            return None
+        url, settings = self.app.conf.broker_url, self._settings
+        # The watchers block on their own connections (one each), never on the consumer's.
+        # Blocking commands need a socket timeout beyond their own (redis-py's default is 5 s).
+        blocking = {"health_check_interval": 30, "socket_timeout": Waker.block_s + 5}
+        return Waker(redis_client(url, settings, **blocking),
+                     redis_client(url, settings, single_connection_client=True, **blocking),
+                     self._lists, stopping=self._stopping.is_set)
+
+    def start(self) -> FastConsumer:
+        if self.leases is not None:  # what a dead predecessor on this host held comes back first
+            self.leases.start()
+        self.pins.start()  # registered before it serves: a sequence may start here at once
+        if self.waker is not None:
+            self.waker.start()
+        self._thread.start()
+        log.info("fast consumer on %s", ", ".join(self.queues))
+        return self
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Take no more messages; wait up to ``grace_s`` for those in flight to finish."""
+        self._stopping.set()
+        self._close_waker()
+        self._thread.join(timeout=5)
+        self._drain(grace_s)
+        if self.holdings.held():  # those in flight, and retries waiting for their eta
+            self._restore_held()
+        self._let_go()
+        self.pins.stop()
+        if self.leases is not None:
+            self.leases.stop()
+
+    def _restore_held(self) -> None:
+        """Put every message still held back on its queue at once, as kombu restores an
+        unacknowledged message (marked ``redelivered``), instead of leaving it for the visibility
+        timeout. One transaction: each message is either back on its queue or still unacked."""
+        self._restore([h.delivery for h in self.holdings.held()])
+
+    def _restore(self, deliveries: Sequence[TakenMessage]) -> None:
+        """Put ``deliveries`` back on their queues, marked ``redelivered``, in one transaction
+        (those kombu delivered are left to the broker)."""
+        # kombu's (an asyncinfer.infer Celery's consumer received) go back through the broker
+        held = [d for d in deliveries if d.tag and d.message is None]
+        if not held:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            for d in held:
+                pipe.lpush(d.list_key, restored_message(d))
+                pipe.zrem(UNACKED_INDEX_KEY, d.tag)
+                pipe.hdel(UNACKED_KEY, d.tag)
+                pipe.zrem(LEASES_KEY, d.tag)
+                pipe.hdel(LEASE_HOLDERS_KEY, d.tag)
+                pipe.hdel(LEASE_DEVICE_KEY, d.tag)
+            pipe.execute()
+            log.warning("sent %d held requests back to their queues", len(held))
+        except Exception:  # noqa: BLE001 - they stay unacknowledged: redelivered after the timeout
+            log.exception("could not send %d held requests back; they are redelivered after the "
+                          "visibility timeout", len(held))
+
+    def _on_launch(self, items: Sequence[WorkItem]) -> None:
+        """A batch goes onto the device: a death from now on counts against its requests. One
+        that runs alone (a request in it saw a death) first waits until what ran before it is
+        answered (up to ``SETTLE_S``), and for Redis to have its marks."""
+        assert self.leases is not None
+        ids = {i.request.id for i in items}
+        alone = any(i.alone for i in items)
+        if alone:
+            left = self.holdings.settle(ids, self.SETTLE_S)
+            if left:
+                log.warning("a batch that runs alone launches with %d requests that ran before "
+                            "it not yet answered (their answers are late)", left)
+        self.holdings.launched(ids)
+        self.leases.on_device(self.holdings.tags_of(items), wait=alone)
+
+    def _give_back_all(self) -> None:
+        """The device is wedged and the process leaves: take no more, write what is finished,
+        send every held request back to its queue at once."""
+        self._stopping.set()
+        self._close_waker()
+        self._thread.join(timeout=5)  # what its last take took is held, and sent back below
+        self.writer.close()
+        self._restore_held()
+
+    # -- which queues (model control: worker/model_control.py) ---------------------------------
+
+    def set_queues(self, queues: Sequence[str], timeout_s: float = 30.0) -> bool:
+        """Take from ``queues`` from now on (a model loaded, or unloaded); returns once the
+        consumer thread took them up, between two takes (False: not within ``timeout_s``, or it
+        stops). From then on it takes nothing from a queue left out."""
+        with self._retarget_lock:
+            self._retargeted.clear()
+            self._next_queues = list(dict.fromkeys(queues))
+            waker = self.waker
+            if waker is not None:
+                waker.interrupt()
+            deadline = time.monotonic() + timeout_s
+            while not self._retargeted.wait(0.1):
+                if self._stopping.is_set() or time.monotonic() > deadline:
+                    return False
+            return True
+
+    def _interrupted(self) -> bool:
+        return self._stopping.is_set() or self._next_queues is not None
+
+    def _apply_queues(self) -> None:
+        """(The consumer thread, between two takes.) Take from the queues :meth:`set_queues` gave:
+        a new waker watches their lists (the old one's watches lapse by themselves)."""
+        queues, self._next_queues = self._next_queues or [], None
+        if queues != self.queues:
+            self._close_waker()
+            self.queues = queues
+            self._lists = self.pins.lists_for(queues) + priority_lists(queues)
+            self.pins.renew()
+            self.waker = self._new_waker()
+            if self.waker is not None:
+                self.waker.start()
+            log.info("fast consumer on %s", ", ".join(queues) or "no queue")
+        self._retargeted.set()
+
+    def _close_waker(self) -> None:
+        if self.waker is not None:
+            self.waker.close()
+
+    def give_back(self, model: str) -> int:
+        """(An unload of ``model``, whose queue it no longer takes.) Send back to their queue the
+        requests of ``model`` it holds that have not started on the device — retries waiting for
+        their eta, requests waiting in the batcher — so that another worker serves them; those
+        on the device (or prepared for it) run on here. How many went back."""
+        held = [h for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model
+                and h.delivery.tag and h.delivery.message is None]
+        scheduled = [h.delivery for h in held if h.state == SCHEDULED]
+        withdrawn = self.runtime.withdraw({h.delivery.request_id for h in held
+                                           if h.state != SCHEDULED and h.delivery.request_id})
+        back = scheduled + [h.delivery for h in held
+                            if h.state != SCHEDULED and h.delivery.request_id in withdrawn]
+        self.holdings.release(back)  # first: a retry whose eta comes now is not started
+        self._restore(back)
+        return len(back)
+
+    def started_of(self, model: str) -> set[int]:
+        """The requests of ``model`` it holds, handed to a runner or about to be (not those
+        waiting for their eta): their identities, for :meth:`still_held`."""
+        return {id(h.delivery) for h in self.holdings.held()
+                if model_from_queue(h.delivery.queue) == model and h.state != SCHEDULED}
+
+    def still_held(self, which: set[int]) -> int:
+        """How many of ``which`` (:meth:`started_of`) it still holds (not yet answered)."""
+        return sum(1 for h in self.holdings.held() if id(h.delivery) in which)
+
+    def held_of(self, model: str) -> int:
+        """How many requests of ``model`` it holds (taken, not yet answered)."""
+        return sum(1 for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model)
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            try:
+                if self._next_queues is not None:
+                    self._apply_queues()
+                room = self.holdings.room(self._interrupted)
+                if room <= 0 or self._next_queues is not None:
+                    continue
+                waker = self.waker
+                if waker is None:  # it takes from no queue (every model unloaded)
+                    self._stopping.wait(1.0)
+                    continue
+                # Take atomically with the bookkeeping; once a take leaves the queues empty, wait
+                # for the watchers (which never pop) and take again.
+                waker.clear()
+                started = (self.writer.started_for_take(self.hostname) if self.policy.track_started
+                           else None)
+                taken = self.taker.take(self._lists, room, started,
+                                        self.leases.terms if self.leases is not None else None,
+                                        watcher=waker.token, watched=waker.passable())
+                if self.taker.passed:
+                    waker.watch_passed(self.taker.passed)
+                if taken:
+                    self.pipeline.took(taken)
+                backoff.reset()
+                if len(taken) < room:
+                    self.pipeline.first_attempts.send(due_only=True)  # idle, it wakes at least every 1 s
+                    waker.arm()
+                    waker.wait(1.0)
+            except redis.RedisError as exc:
+                # Lost connection, a timeout, OOM, READONLY (a demoted master), ...: nothing was
+                # taken that is not recorded; wait and take again.
+                wait_s = backoff.failed()
+                log.warning("consumer: Redis failed (%s: %s); again in %.1f s", type(exc).__name__,
+                            exc, wait_s)
+                self._stopping.wait(wait_s)
+            except Exception:  # noqa: BLE001 - the consumer must survive whatever comes in
+                wait_s = backoff.failed()
+                log.exception("consumer error; going on in %.1f s", wait_s)
+                self._stopping.wait(wait_s)
