@@ -100,7 +100,7 @@ class Publisher:
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
                 priority: int = 0, cache_key: str = "", reply_to: str = "",
                 level_max_queue_size: int = 0, identity: str = "",
-                sequence: SequenceFlags | None = None) -> _Push:
+                sequence: SequenceFlags | None = None, model: str | None = None) -> _Push:
         """A request to put on ``queue``, not yet sent: what a group (grouped.py) takes. With
         ``claim``, a second request of the same ID is a duplicate (or one whose result is stored
         under ``result_key``); ``max_queue_size`` bounds the queue (all its priority lists), with
@@ -110,10 +110,11 @@ class Publisher:
         and on ``reply_to``, and nothing is pushed (CACHED). ``level_max_queue_size``: the bound
         of the priority level's own list (0: none). ``identity``: what the claimed ID stands for
         (wire/request_identity.py; "" for the queue alone). ``sequence``: the sequence the
-        request belongs to (a stateful model's; the module's text says how it is routed)."""
+        request belongs to (a stateful model's; the module's text says how it is routed).
+        ``model``: the model served on ``queue`` (None: read from the queue's name)."""
         return _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority, cache_key, reply_to, level_max_queue_size, identity,
-                     sequence)
+                     sequence, model)
 
 
 def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
@@ -157,8 +158,10 @@ class _Push:
                  message: str, claim: bool, result_key: str | None, max_queue_size: int,
                  timeout_s: float, priority: int, cache_key: str = "", reply_to: str = "",
                  level_max_queue_size: int = 0, identity: str = "",
-                 sequence: SequenceFlags | None = None) -> None:
+                 sequence: SequenceFlags | None = None, model: str | None = None) -> None:
         self.queue, self.request_id, self.message = queue, request_id, message
+        #: The model the queue serves (its name when it is no inference queue).
+        self.model = model = model or model_from_queue(queue) or queue
         self.max_queue_size = max(0, int(max_queue_size))
         self.timeout_s = timeout_s
         self.list_key = priority_list(queue, priority)
@@ -176,15 +179,12 @@ class _Push:
         self.mark_ttl_s = publisher.mark_ttl_s
         #: The response cache: the entry to look for, the model's counts, the answer's TTL.
         self.cache_key = cache_key if result_key else ""  # the answer needs the result key
-        self.cache_stats_key = (response_cache_stats_key(model_from_queue(queue) or queue)
-                                if self.cache_key else "")
+        self.cache_stats_key = response_cache_stats_key(model) if self.cache_key else ""
         self.quoted_id = json.dumps(request_id) if self.cache_key else ""
         self.reply_to = reply_to if self.cache_key else ""
         self.result_ttl_s = publisher.claim_ttl_s if self.cache_key else 0
         #: A sequence's request: routed to its pinned worker by the script (no cache, no bound).
         self.sequence = sequence
-        model = model_from_queue(queue) or queue
-        self.model = model
         self.pin_key = sequence_pin_key(model, sequence.key) if sequence else ""
         self.workers_key = sequence_workers_key(model) if sequence else ""
         self.sequence_mode = 0 if sequence is None else 1 if sequence.start else 2

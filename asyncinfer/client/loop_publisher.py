@@ -55,13 +55,14 @@ class AsyncPublisher:
                       result_key: str | None = None, max_queue_size: int = 0,
                       timeout_s: float = 0.0, priority: int = 0, cache_key: str = "",
                       reply_to: str = "", level_max_queue_size: int = 0,
-                      identity: str = "", sequence: SequenceFlags | None = None) -> int:
+                      identity: str = "", sequence: SequenceFlags | None = None,
+                      model: str | None = None) -> int:
         """:meth:`Publisher.publish <asyncinfer.broker.publisher.Publisher.publish>`, awaited:
         PUBLISHED or DUPLICATE once the request is on its queue (CACHED: answered from the
         response cache); raises what refused it."""
         push = _Push(self, queue, request_id, message, claim, result_key, max_queue_size,
                      timeout_s, priority, cache_key, reply_to, level_max_queue_size, identity,
-                     sequence)
+                     sequence, model)
         outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # A coroutine cancelled before its group goes (a gateway call its client gave up on,
         # a request waiting for room in its queue) withdraws its request: it is never sent.

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncinfer.constants import TASK_NAME, queue_for
+from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import check_request_id, printable
 from asyncinfer.wire.messages import task_message
@@ -54,6 +54,9 @@ class Outgoing:
     soft_time_limit_s: float | None = None
     time_limit_s: float | None = None
     priority: int = 0
+    #: The model the request is for (``asyncinfer.infer`` on ``infer.<model>``): given by
+    #: :meth:`infer`, else read once from the queue's name; None on a queue of no model.
+    model: str | None = None
     #: The W3C trace context the message carries (``traceparent``, ``tracestate``: its parent
     #: span, wire/trace_context.py); None: none. With tracing on, the sender replaces it with
     #: its submit span's (asyncinfer/tracing).
@@ -71,13 +74,16 @@ class Outgoing:
         payload = {"model": model, "inputs": input_payloads(inputs, binary),
                    "parameters": dict(parameters or {})}
         options["priority"] = options.get("priority") or 0
-        return cls(TASK_NAME, queue_for(model), payload, request_id, claim, serializer, **options)
+        return cls(TASK_NAME, queue_for(model), payload, request_id, claim, serializer,
+                   model=model, **options)
 
     def __post_init__(self) -> None:
         if type(self.priority) is not int or not 0 <= self.priority <= 9:
             raise InvalidRequest(f"request {printable(self.request_id)}: priority must be an "
                                  f"integer 0 to 9, got {self.priority!r}")
         check_request_id(self.request_id)
+        if self.model is None:
+            self.model = model_from_queue(self.queue)
         if self.task == TASK_NAME:
             self.sequence = sequence_of(self.kwargs.get("parameters"),
                                         f"request {printable(self.request_id)}")

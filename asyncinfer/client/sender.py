@@ -31,7 +31,7 @@ from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_submit_span
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
-from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
+from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestIdReused
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
@@ -82,7 +82,7 @@ class Sender:
         self.grouped = (GroupedPublisher(self._publisher, self._publish_error)
                         if self._publisher is not None else None)
         self._results_shared = str(self.app.conf.result_backend) == broker_url
-        self._options: dict[str, ModelOptions] = {}
+        self._options: dict[str | None, ModelOptions] = {}
         #: Nothing configured and no ``asyncinfer up`` running: the default URL is a guess.
         self._broker_guessed = self.settings.broker_url_origin() == "default"
         #: Where coroutines publish small requests themselves (aio.send_on_loop).
@@ -133,7 +133,7 @@ class Sender:
         priority = options.get("priority") or 0
         if options.get("expires") is None and type(priority) is int:  # checked by Outgoing
             # the level's default timeout (Triton's, with timeout_action REJECT)
-            timeout_s = self._model_options(queue_for(model)).level_policy(
+            timeout_s = self._model_options(model).level_policy(
                 priority).default_timeout_s
             if timeout_s > 0:
                 options["expires"] = timeout_s
@@ -228,13 +228,13 @@ class Sender:
 
     def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
         """The publisher's arguments for ``outgoing`` (all but its message)."""
-        return {"queue": outgoing.queue, "request_id": outgoing.request_id,
+        return {"queue": outgoing.queue, "model": outgoing.model, "request_id": outgoing.request_id,
                 "claim": outgoing.claim, "identity": outgoing.identity(),
                 "priority": outgoing.priority,
                 "result_key": (self.watcher.key(outgoing.request_id) if self._results_shared
                                else None),
-                "max_queue_size": self._queue_bound(outgoing.queue),
-                "level_max_queue_size": self._model_options(outgoing.queue).level_policy(
+                "max_queue_size": self._model_options(outgoing.model).max_queue_size,
+                "level_max_queue_size": self._model_options(outgoing.model).level_policy(
                     outgoing.priority).max_queue_size,
                 "timeout_s": (self.settings.submit_timeout_s if outgoing.timeout_s is None
                               else outgoing.timeout_s),
@@ -245,9 +245,9 @@ class Sender:
         """The response cache's part of the publish (broker/response_cache.py): the request's key and
         reply channel, when its model caches answers and they are stored on the broker (where
         the publish script reads the cache); nothing otherwise."""
-        model = model_from_queue(outgoing.queue)
+        model = outgoing.model
         if not (model and self._results_shared and outgoing.task == TASK_NAME
-                and self._model_options(outgoing.queue).response_cache):
+                and self._model_options(model).response_cache):
             return {}
         key = cache_key(model, outgoing.kwargs)
         return {"cache_key": key, "reply_to": self.watcher.channel} if key else {}
@@ -268,17 +268,13 @@ class Sender:
                                  f"no 'asyncinfer up' runs on this host, so the default "
                                  f"{DEFAULT_BROKER_URL} was tried)")
 
-    def _queue_bound(self, queue: str) -> int:
-        """``max_queue_size`` of the model served on ``queue`` (0: no bound)."""
-        return self._model_options(queue).max_queue_size
-
-    def _model_options(self, queue: str) -> ModelOptions:
-        """The options of the model served on ``queue`` (read once per queue)."""
-        options = self._options.get(queue)
+    def _model_options(self, model: str | None) -> ModelOptions:
+        """The options of ``model`` (read once per model; None, a queue of no model: the
+        defaults)."""
+        options = self._options.get(model)
         if options is None:
-            model = model_from_queue(queue)
             options = self.settings.options_for(model, ModelOptions()) if model else ModelOptions()
-            self._options[queue] = options
+            self._options[model] = options
         return options
 
     def _claim(self, outgoing: Outgoing) -> bool:
