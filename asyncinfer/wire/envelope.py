@@ -22,10 +22,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any
 
 import msgpack
 
+from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire import json_text
 from asyncinfer.wire.reply import REPLY_TO, reply_rule_broken
@@ -76,6 +78,11 @@ class Message:
     request_id: str = ""
     #: The Redis list it came from: the queue's, or one of its priority lists.
     key: str = ""
+
+    @cached_property
+    def model(self) -> str | None:
+        """The model its queue serves (``infer.<model>``), read once; None on a queue of none."""
+        return model_from_queue(self.queue)
 
     @property
     def list_key(self) -> str:

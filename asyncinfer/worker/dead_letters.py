@@ -157,7 +157,7 @@ def add_failure(pipe: Any, app: Celery, delivery: TakenMessage, exc: BaseExcepti
     letter must not cost a result."""
     try:
         d = delivery
-        model = model_from_queue(queue_of_list(d.queue))
+        model = d.model
         if not d.request_id or model is None:
             return
         options = options_of(app, model)

@@ -40,7 +40,7 @@ from typing import Any
 from celery import Celery
 
 from asyncinfer.broker.take import MAX_ENVELOPE_DEPTH, Taken
-from asyncinfer.constants import TASK_NAME, model_from_queue, queue_of_list
+from asyncinfer.constants import TASK_NAME, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.envelope import (
@@ -159,7 +159,7 @@ class Pipeline:
         waits: dict[str, list[float]] = {}
         for d in deliveries:
             sent = (d.envelope.get("properties") or {}).get(SENT_AT)
-            model = model_from_queue(d.queue)
+            model = d.model
             if isinstance(sent, (int, float)) and model is not None:
                 waits.setdefault(model, []).append(now - sent)
         for model, model_waits in waits.items():

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery import Celery
 
-from asyncinfer.constants import model_from_queue
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
 from asyncinfer.policy.policy import Policy
@@ -184,7 +183,7 @@ def void_sequence_state(runtime: WorkerRuntime, d: TakenMessage) -> str:
     """Take back the state that request ``d`` (a sequence's, run here although the fleet had
     already failed it with SequenceStateLost) left in its model's sequence book: 'reverted',
     'lost' or '' (SequenceBook.void)."""
-    model = model_from_queue(d.queue) or d.queue
+    model = d.model or d.queue
     why = (f"the state of its sequence of model '{model}' is lost: request {d.request_id} of it "
            f"ran after it had been failed as lost (its worker was frozen or cut off past its "
            f"lease); start the sequence again (sequence_start)")

@@ -38,7 +38,7 @@ from asyncinfer.broker.take import Taker
 from asyncinfer.broker.wake import Waker
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
-from asyncinfer.constants import model_from_queue, priority_lists
+from asyncinfer.constants import priority_lists
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.policy.policy import Policy
@@ -254,7 +254,7 @@ class FastConsumer(PipelineConsumer):
         requests of ``model`` it holds that have not started on the device — retries waiting for
         their eta, requests waiting in the batcher — so that another worker serves them; those
         on the device (or prepared for it) run on here. How many went back."""
-        held = [h for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model
+        held = [h for h in self.holdings.held() if h.delivery.model == model
                 and h.delivery.tag and h.delivery.message is None]
         scheduled = [h.delivery for h in held if h.state == SCHEDULED]
         withdrawn = self.runtime.withdraw({h.delivery.request_id for h in held
@@ -269,7 +269,7 @@ class FastConsumer(PipelineConsumer):
         """The requests of ``model`` it holds, handed to a runner or about to be (not those
         waiting for their eta): their identities, for :meth:`still_held`."""
         return {id(h.delivery) for h in self.holdings.held()
-                if model_from_queue(h.delivery.queue) == model and h.state != SCHEDULED}
+                if h.delivery.model == model and h.state != SCHEDULED}
 
     def still_held(self, which: set[int]) -> int:
         """How many of ``which`` (:meth:`started_of`) it still holds (not yet answered)."""
@@ -277,7 +277,7 @@ class FastConsumer(PipelineConsumer):
 
     def held_of(self, model: str) -> int:
         """How many requests of ``model`` it holds (taken, not yet answered)."""
-        return sum(1 for h in self.holdings.held() if model_from_queue(h.delivery.queue) == model)
+        return sum(1 for h in self.holdings.held() if h.delivery.model == model)
 
     # -- intake --------------------------------------------------------------------------------
 

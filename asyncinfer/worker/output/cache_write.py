@@ -18,7 +18,7 @@ from celery import Celery, states
 
 from asyncinfer.broker import response_cache
 from asyncinfer.broker.store import Entry, StoreScript, as_out_of_memory, store_reply
-from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import encode_meta
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def cache_key_of(app: Celery, d: TakenMessage, kwargs: Any) -> str:
     """The response cache entry ``d``'s answer fills: '' unless its model caches answers
     (``response_cache``) and the request is keyable and does not bypass it."""
-    model = model_from_queue(d.queue)
+    model = d.model
     if not model or d.headers.get("task") != TASK_NAME or not isinstance(kwargs, Mapping):
         return ""
     if not options_of(app, model).response_cache:
@@ -63,7 +63,7 @@ class CacheWrites:
         except Exception:  # noqa: BLE001 - the answer stands; it is only not cached
             log.exception("request %s: its answer could not be cached", d.request_id)
             return
-        model = model_from_queue(d.queue) or d.queue
+        model = d.model or d.queue
         self._by_model.setdefault(model, []).append((d.cache_key, stored))
 
     def __bool__(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from celery import states
 from celery.exceptions import TaskRevokedError
 
-from asyncinfer.constants import TASK_NAME, model_from_queue
+from asyncinfer.constants import TASK_NAME
 from asyncinfer.errors import ModelError, RequestExpired, RequestRevoked
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.messages import retry_message
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def model_of(d: TakenMessage) -> str:
     """The model a message is for, by its queue (the queue's name when it is no ``infer.*``)."""
-    return model_from_queue(d.queue) or d.queue
+    return d.model or d.queue
 
 
 class Outcomes:
