@@ -28,7 +28,7 @@ class _App(Celery):  # type: ignore[misc]
     """Celery, with a worker whose banner tells a device worker's truth, publishing json or
     msgpack only on the project's kombu transport (:mod:`asyncinfer.config.celery_amqp`), and a
     result backend that announces a request's final state on its reply channel
-    (:mod:`asyncinfer.broker.reply_channels`) and counts Redis' refusals as safe to retry
+    (:mod:`asyncinfer.broker.result_announcements`) and counts Redis' refusals as safe to retry
     (:mod:`asyncinfer.broker.refusals`)."""
 
     amqp_cls = "asyncinfer.config.celery_amqp:AMQP"
@@ -38,9 +38,10 @@ class _App(Celery):  # type: ignore[misc]
         return self.subclass_with_self("asyncinfer.worker.banner:Worker")
 
     def _get_backend(self) -> Any:
-        """Celery's result backend, announcing final states on reply channels (broker/reply_channels.py)."""
+        """Celery's result backend, announcing final states on reply channels
+        (broker/result_announcements.py)."""
         from asyncinfer.broker.refusals import retrying_refusals
-        from asyncinfer.broker.reply_channels import announcing
+        from asyncinfer.broker.result_announcements import announcing
 
         return announcing(retrying_refusals(super()._get_backend()))
 

@@ -39,16 +39,8 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.models.base import (
-    Batch,
-    InputSpec,
-    Model,
-    OutputSpec,
-    SequenceBatching,
-    SequenceState,
-    StreamRows,
-    StreamStep,
-)
+from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec, StreamRows, StreamStep
+from asyncinfer.models.sequence import SequenceBatching, SequenceState
 from asyncinfer.wire.protocol import Request
 
 __all__ = ["Simple", "SimpleInt8", "SimpleString", "SimpleIdentity", "CustomIdentityInt32",

@@ -29,22 +29,14 @@ from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConn
 
 from asyncinfer.broker.refusals import refusal_reason
 from asyncinfer.broker.urls import (
-    DEFAULT_SENTINEL_PORT,
-    REDIS_SCHEMES,
-    SentinelUrl,
-    is_redis_url,
     is_sentinel_url,
-    masked_url,
-    normalized_url,
     parse_sentinel_url,
 )
 from asyncinfer.errors import AsyncInferError, BrokerRefused, BrokerUnavailable, NotReplicated
 from asyncinfer.wire.keys import REPLICATION_MARK_CHANNEL
 
-__all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
-           "masked_url", "normalized_url", "redis_client", "sentinel_kwargs", "wait_replicas",
-           "require_replicas", "not_replicated", "broker_error", "never_resend", "bounded_client",
-           "DEFAULT_SENTINEL_PORT", "MASTER_CHECK_S"]
+__all__ = ["redis_client", "sentinel_kwargs", "wait_replicas", "require_replicas", "not_replicated",
+           "broker_error", "never_resend", "bounded_client", "MASTER_CHECK_S"]
 
 #: How often (seconds, at most) a connection asks the Sentinels whether its master still is one.
 MASTER_CHECK_S = 1.0

@@ -37,7 +37,7 @@ from asyncinfer.wire.keys import (
     WATCH_PREFIX,
 )
 
-__all__ = ["MAX_ENVELOPE_DEPTH", "TAKE_SCRIPT", "LeaseTerms", "StartedText", "Taken", "Taker",
+__all__ = ["MAX_ENVELOPE_DEPTH", "TAKE_SCRIPT", "LeaseTerms", "StartedText", "Popped", "Taker",
            "parse_taken", "take_args", "take_keys"]
 
 #: Deepest nesting of objects and lists an envelope (outside its body) may have.
@@ -69,8 +69,9 @@ class LeaseTerms:
     deaths_prefix: str = ""
 
 
-#: One taken message: list name, message, recorded, STARTED stored, deaths counted against it.
-Taken = tuple[str, bytes, bool, bool, int]
+#: One entry of a take's reply, a message as popped: list name, message, recorded, STARTED stored,
+#: deaths counted against it (the worker wraps each in a ``TakenMessage``).
+Popped = tuple[str, bytes, bool, bool, int]
 
 
 def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
@@ -96,7 +97,7 @@ def take_args(room: int, started: StartedText | None = None, lease: LeaseTerms |
     return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher, len(watched), *watched]
 
 
-def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Taken]]:
+def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Popped]]:
     """The take script's reply: the positions of the lists whose watch the taker gave up, and
     what it took."""
     taken = []
@@ -127,7 +128,7 @@ class Taker:
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
              lease: LeaseTerms | None = None, watcher: str = "",
-             watched: Sequence[int] = (0,)) -> list[Taken]:
+             watched: Sequence[int] = (0,)) -> list[Popped]:
         """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
         started, deaths)``, oldest first per list; ``recorded`` is False for a malformed message
         (popped, not recorded as unacknowledged); ``started`` is True when the take stored its

@@ -2,9 +2,9 @@
 and the asyncio forms."""
 
 from asyncinfer.client.client import Client
+from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
 from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart
-from asyncinfer.client.stream_reader import Interruption
-from asyncinfer.client.streams import AsyncResponseStream, ResponseStream
+from asyncinfer.client.stream_progress import Interruption
 
 __all__ = ["Client", "InferFuture", "InferResponse", "StreamPart", "ResponseStream",
            "AsyncResponseStream", "Interruption"]

@@ -16,9 +16,9 @@ import redis
 from celery import Celery
 
 from asyncinfer.broker.catalogue import Catalogue, CatalogueEntry
-from asyncinfer.broker.connections import bounded_client, broker_error, is_redis_url
+from asyncinfer.broker.connections import bounded_client, broker_error
 from asyncinfer.broker.fleet_stats import FleetStats
-from asyncinfer.broker.urls import masked_url
+from asyncinfer.broker.urls import is_redis_url, masked_url
 from asyncinfer.celery_app import create_app
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.pinger import Pinger

@@ -27,7 +27,7 @@ from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
 from asyncinfer.client.streaming import Streaming
-from asyncinfer.client.streams import AsyncResponseStream, ResponseStream, Streams
+from asyncinfer.client.streams import Streams
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
@@ -41,7 +41,7 @@ from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.model_versions import PARAMETER
 
-__all__ = ["Client", "InferFuture", "InferResponse", "ResponseStream", "AsyncResponseStream"]
+__all__ = ["Client"]
 
 
 # Its model control (client/model_control.py), streaming responses (client/streaming.py) and

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from asyncinfer.client.responses import StreamPart
-from asyncinfer.client.stream_reader import Interruption
+from asyncinfer.client.stream_progress import Interruption
 
 __all__ = ["ResponseStream", "AsyncResponseStream"]
 

@@ -18,9 +18,10 @@ from typing import Any
 import redis
 from celery import Celery
 
-from asyncinfer.broker.connections import broker_error, is_redis_url, never_resend, redis_client
+from asyncinfer.broker.connections import broker_error, never_resend, redis_client
 from asyncinfer.broker.publisher import DUPLICATE, Publisher
 from asyncinfer.broker.scripts import script
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.loop_publisher import LoopPublishers

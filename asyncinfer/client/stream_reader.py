@@ -41,15 +41,13 @@ from asyncinfer.client.responses import StreamPart
 from asyncinfer.client.stream_progress import (
     FINAL_STATES,
     Interruption,
-    StreamMalformed,
     StreamProgress,
     entry_count,
 )
 from asyncinfer.errors import BrokerUnavailable, RequestTimeout
 from asyncinfer.wire.keys import LEASES_KEY
 
-__all__ = ["Interruption", "StreamMalformed", "StreamProgress", "StreamReader", "block_s_of",
-           "AsyncStreamReader", "Stored", "FINAL_STATES"]
+__all__ = ["StreamReader", "block_s_of", "AsyncStreamReader", "Stored"]
 
 log = logging.getLogger(__name__)
 

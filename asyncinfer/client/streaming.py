@@ -8,7 +8,8 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from asyncinfer.client.streams import AsyncResponseStream, OnInterrupted, ResponseStream, Streams
+from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
+from asyncinfer.client.streams import OnInterrupted, Streams
 
 if TYPE_CHECKING:
     from asyncinfer.client.brokers import BrokerGroup

@@ -27,22 +27,15 @@ import redis.asyncio
 from celery import states
 from celery.exceptions import TaskRevokedError
 
-from asyncinfer.broker.connections import is_redis_url, redis_client
-from asyncinfer.broker.urls import is_sentinel_url
+from asyncinfer.broker.connections import redis_client
+from asyncinfer.broker.urls import is_redis_url, is_sentinel_url
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
 from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart, stored_outcome
 from asyncinfer.client.result_watcher import result_key_prefix
-from asyncinfer.client.stream_reader import (
-    MAX_BLOCK_S,
-    AsyncStreamReader,
-    Interruption,
-    Stored,
-    StreamProgress,
-    StreamReader,
-    block_s_of,
-)
+from asyncinfer.client.stream_progress import Interruption, StreamProgress
+from asyncinfer.client.stream_reader import MAX_BLOCK_S, AsyncStreamReader, Stored, StreamReader, block_s_of
 from asyncinfer.errors import AsyncInferError, RequestLost
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.result_json import decode_result
@@ -50,7 +43,7 @@ from asyncinfer.wire.result_json import decode_result
 if TYPE_CHECKING:
     from asyncinfer.client.brokers import BrokerGroup
 
-__all__ = ["ResponseStream", "AsyncResponseStream", "Streams", "Interruption", "OnInterrupted"]
+__all__ = ["Streams", "OnInterrupted"]
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import ssl
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from asyncinfer.broker.connections import is_sentinel_url, normalized_url, sentinel_kwargs
+from asyncinfer.broker.connections import sentinel_kwargs
+from asyncinfer.broker.urls import is_sentinel_url, normalized_url
 from asyncinfer.config.settings import Settings
 
 __all__ = ["celery_config", "ACCEPT_CONTENT", "redis_ssl_options"]

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncinfer.broker.urls import URL_EXAMPLES, is_redis_url
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
 from asyncinfer.config.published import published_url
 from asyncinfer.config.routes import Routes
 from asyncinfer.config.settings_checks import check_settings
 
 __all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
-           "DEFAULT_BROKER_URL", "URL_EXAMPLES"]
+           "DEFAULT_BROKER_URL"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 

@@ -16,7 +16,8 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.failures import BatchObserver
 from asyncinfer.errors import InvalidRequest, ModelError, RequestExpired, RequestRevoked
 from asyncinfer.models.base import Batch
-from asyncinfer.wire.protocol import Request, Tensor, datatype_of
+from asyncinfer.wire.protocol import Request, Tensor
+from asyncinfer.wire.tensors import datatype_of
 
 __all__ = ["BatchRecord", "Completed", "deliver", "drop_revoked", "output_tensor", "rows_of", "settle",
            "split_rows"]

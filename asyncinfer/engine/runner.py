@@ -46,7 +46,7 @@ from asyncinfer.models.base import Batch, Model
 from asyncinfer.supervision.vital import vital_thread
 from asyncinfer.wire.protocol import FORWARD_STAGE, Request
 
-__all__ = ["Completed", "ModelRunner", "settle"]
+__all__ = ["ModelRunner"]
 
 log = logging.getLogger(__name__)
 

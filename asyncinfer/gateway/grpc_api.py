@@ -6,7 +6,7 @@ under Triton's service name. Only the calls the gateway can answer are registere
 metadata, model config, infer, streaming infer (grpc_stream.py), model statistics); any other
 method of the service (RepositoryIndex, shared memory, ...) gets gRPC's own UNIMPLEMENTED.
 
-Errors are aborts with the gRPC code :class:`~asyncinfer.gateway.service.GatewayError` maps to
+Errors are aborts with the gRPC code :class:`~asyncinfer.gateway.call_errors.GatewayError` maps to
 (429 → RESOURCE_EXHAUSTED also sends ``retry-after`` trailing metadata, in seconds). A client
 that cancels, or whose deadline passes, cancels its handler; the service then revokes the request.
 A client's deadline also becomes the request's expiry.
@@ -23,11 +23,12 @@ from google.protobuf.message import Message
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway import shared_memory_api
+from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.grpc_messages import infer_call, infer_response
 from asyncinfer.gateway.grpc_stream import stream_infer_handler
 from asyncinfer.gateway.idempotency import METADATA as IDEMPOTENCY_METADATA
 from asyncinfer.gateway.proto import inference_pb2 as pb
-from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
+from asyncinfer.gateway.service import Service, off_loop_if_large
 from asyncinfer.wire.trace_context import trace_fields_of_pairs
 
 __all__ = ["start_grpc", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]

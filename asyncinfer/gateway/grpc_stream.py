@@ -34,10 +34,11 @@ from typing import Any
 import grpc
 
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.grpc_messages import infer_call, infer_response
 from asyncinfer.gateway.idempotency import call_label
 from asyncinfer.gateway.proto import inference_pb2 as pb
-from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
+from asyncinfer.gateway.service import Service, off_loop_if_large
 from asyncinfer.gateway.streaming import Interrupted, stream
 from asyncinfer.wire import triton_words
 

@@ -1,7 +1,7 @@
 """The v2 REST front (aiohttp): health, server and model metadata, model config, infer, and
 Triton's generate extension (``generate``, and ``generate_stream`` as server-sent events).
 
-Errors are ``{"error": "..."}`` with the status :class:`~asyncinfer.gateway.service.GatewayError`
+Errors are ``{"error": "..."}`` with the status :class:`~asyncinfer.gateway.call_errors.GatewayError`
 carries (429 adds ``Retry-After``); aiohttp's own refusals (no such route 404, method 405, body
 too large 413) are answered in the same form. Request bodies compressed with gzip or deflate
 (``Content-Encoding``) are inflated here, not by aiohttp's parser (``auto_decompress=False``): at
@@ -25,9 +25,10 @@ from aiohttp import web
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway import shared_memory_api
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
+from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.generate import generate_call, generate_response
 from asyncinfer.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
-from asyncinfer.gateway.service import GatewayError, Service, off_loop_if_large
+from asyncinfer.gateway.service import Service, off_loop_if_large
 from asyncinfer.gateway.streaming import Interrupted, stream
 from asyncinfer.gateway.tensors import InferCall
 from asyncinfer.wire.trace_context import trace_fields

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.broker.catalogue import CatalogueEntry
-from asyncinfer.wire.payloads import DATATYPES
+from asyncinfer.wire.datatypes import DATATYPES
 
 __all__ = ["SERVER_NAME", "model_metadata", "model_config", "is_decoupled", "label_filename"]
 

@@ -1,4 +1,4 @@
-"""Model control through the gateway (Triton's repository extension: client/repository.py): the index,
+"""Model control through the gateway (Triton's repository extension: client/model_control.py): the index,
 and a load or unload's parameters checked and sent to the fleet — only when the gateway's operator
 allows it (Triton's ``--model-control-mode``: ``explicit``; by default, ``none``, a load or unload
 is refused and the index is still served)."""
@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncinfer import errors
 from asyncinfer.client.client import Client
-from asyncinfer.client.repository import DEFAULT_CONTROL_TIMEOUT_S, LOAD, ControlOutcome
+from asyncinfer.client.model_control import DEFAULT_CONTROL_TIMEOUT_S, LOAD, ControlOutcome
 from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.wire.envelope import printable
 

@@ -26,8 +26,8 @@ import sys
 from types import FrameType
 
 from asyncinfer.config.settings import Settings
-from asyncinfer.gateway.server import CANNOT_START, GRACE_S, Ports
-from asyncinfer.supervision.supervisor import Child, Supervisor
+from asyncinfer.gateway.server import GRACE_S, Ports
+from asyncinfer.supervision.supervisor import CANNOT_START, Child, Supervisor
 
 __all__ = ["run_gateway_processes", "child_ports", "check_free"]
 

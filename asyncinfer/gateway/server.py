@@ -26,13 +26,12 @@ from asyncinfer.gateway.http_api import start_http
 from asyncinfer.gateway.metrics import GatewayMetrics
 from asyncinfer.gateway.service import Service
 from asyncinfer.gateway.shared_memory import SharedMemory
+from asyncinfer.supervision.supervisor import CANNOT_START
 
-__all__ = ["Ports", "run_gateway", "CANNOT_START"]
+__all__ = ["Ports", "run_gateway"]
 
 log = logging.getLogger(__name__)
 
-#: Exit status of a gateway that cannot start as configured (a port taken, say): as a worker's.
-CANNOT_START = 78
 #: Seconds calls in flight get to finish when the gateway stops.
 GRACE_S = 5.0
 #: Threads that publish requests and run other Redis calls off the event loop.

@@ -29,16 +29,15 @@ from asyncinfer import errors
 from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client import aio
 from asyncinfer.client.client import Client
-from asyncinfer.client.repository import UNLOAD
+from asyncinfer.client.model_control import UNLOAD
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.gateway import model_config, model_control
-from asyncinfer.gateway.call_errors import GRPC_CODES, GatewayError, error_for, revoked_error
+from asyncinfer.gateway.call_errors import GatewayError, error_for, revoked_error
 from asyncinfer.gateway.call_parameters import refuse_unserved
 from asyncinfer.gateway.call_request import chosen_outputs, request_of, result_of
 from asyncinfer.gateway.classification import classify_outputs, wants_classes
 from asyncinfer.gateway.handover import Handover
-from asyncinfer.gateway.model_config import SERVER_NAME, is_decoupled
-from asyncinfer.gateway.model_control import control_options
+from asyncinfer.gateway.model_config import SERVER_NAME
 from asyncinfer.gateway.sequence_order import SequenceOrder
 from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.shared_memory_tensors import (
@@ -47,13 +46,11 @@ from asyncinfer.gateway.shared_memory_tensors import (
     read_inputs,
     write_outputs,
 )
-from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
+from asyncinfer.gateway.tensors import InferCall, InferResult
 from asyncinfer.wire import triton_words
 from asyncinfer.wire.envelope import printable
 
-__all__ = ["Service", "GatewayError", "SERVER_NAME", "EXTENSIONS", "GRPC_CODES", "off_loop_if_large",
-           "GATEWAY_SPAN", "error_for", "revoked_error", "is_decoupled", "output_tensor",
-           "control_options"]
+__all__ = ["Service", "EXTENSIONS", "off_loop_if_large", "GATEWAY_SPAN"]
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +248,7 @@ class Service:
             entry["version"] = version or versions[0]
         return {"model_stats": stats}
 
-    # -- model repository (model control: client/repository.py) ----------------------------------------
+    # -- model repository (model control: client/model_control.py) -------------------------------------
 
     async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index: every model the fleet knows or could load, per version."""

@@ -26,16 +26,13 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client.responses import InferFuture
-from asyncinfer.client.stream_reader import Interruption
+from asyncinfer.client.stream_progress import Interruption
+from asyncinfer.gateway.call_errors import revoked_error
 from asyncinfer.gateway.classification import classify_outputs, wants_classes
-from asyncinfer.gateway.service import (
-    Service,
-    is_decoupled,
-    output_tensor,
-    revoked_error,
-)
+from asyncinfer.gateway.model_config import is_decoupled
+from asyncinfer.gateway.service import Service
 from asyncinfer.gateway.shared_memory_tensors import refuse_streamed_outputs
-from asyncinfer.gateway.tensors import InferCall, InferResult
+from asyncinfer.gateway.tensors import InferCall, InferResult, output_tensor
 
 __all__ = ["Part", "Interrupted", "StreamEvent", "stream"]
 

@@ -11,11 +11,10 @@ import torch
 
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.models.sequence import SequenceBatching, SequenceState
+from asyncinfer.models.sequence import SequenceBatching
 from asyncinfer.wire.protocol import Request
 
-__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows",
-           "SequenceBatching", "SequenceState"]
+__all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows"]
 
 #: A batch on its way through a model: input name → tensor (numpy object array for BYTES).
 Batch = dict[str, Any]

@@ -48,7 +48,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         overrides["metrics_port"] = args.metrics_port
     if args.intra_op_threads is not None:
         overrides["intra_op_threads"] = args.intra_op_threads
-    from asyncinfer.worker.launch import CANNOT_START, WorkerCannotStart
+    from asyncinfer.supervision.supervisor import CANNOT_START
+    from asyncinfer.worker.launch import WorkerCannotStart
 
     try:
         return run_worker(args.device, _models(args.models or ""), concurrency=args.concurrency,

@@ -99,7 +99,8 @@ class DeadLetters:
     def from_settings(cls, settings: Settings, model: str) -> DeadLetters:
         """The dead letters of ``model`` where the workers of ``settings`` keep them: on the
         broker's Redis, or the result backend's when the broker is not Redis."""
-        from asyncinfer.broker.connections import is_redis_url, redis_client
+        from asyncinfer.broker.connections import redis_client
+        from asyncinfer.broker.urls import is_redis_url
 
         broker = settings.resolved_broker_url()
         if is_redis_url(broker):

@@ -30,8 +30,8 @@ __all__ = ["main"]
 def _wait_for_workers(state_dir: Path, up: subprocess.Popen[bytes],
                       timeout_s: float) -> tuple[str, list[Any]]:
     from asyncinfer.celery_app import create_app
+    from asyncinfer.config.published import published_url
     from asyncinfer.config.settings import Settings
-    from asyncinfer.ops.redis_server import published_url
     from asyncinfer.ops.status import cluster_status
 
     deadline = time.monotonic() + timeout_s

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncinfer.config.published import published_url
 from asyncinfer.config.settings import Settings
-from asyncinfer.ops.redis_server import make_private_dir, published_url, write_private
+from asyncinfer.ops.redis_server import make_private_dir, write_private
 from asyncinfer.supervision.processes import pid_alive
 
 __all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down"]

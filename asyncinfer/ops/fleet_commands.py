@@ -25,7 +25,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from asyncinfer.broker.connections import masked_url
+    from asyncinfer.broker.urls import masked_url
     from asyncinfer.ops.status import cluster_status, format_status
 
     with _client(args) as client:
@@ -63,7 +63,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_purge(args: argparse.Namespace) -> int:
     """Remove every request waiting on ``infer.MODEL`` (and its priority lists); each gets REVOKED,
     so whoever waits for it hears."""
-    from asyncinfer.broker.connections import is_redis_url, redis_client
+    from asyncinfer.broker.connections import redis_client
+    from asyncinfer.broker.urls import is_redis_url
     from asyncinfer.ops.purge import purge_queue, waiting
 
     with _client(args) as client:
@@ -94,7 +95,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.table:
         print(settings_table())
         return 0
-    from asyncinfer.broker.connections import masked_url
+    from asyncinfer.broker.urls import masked_url
 
     settings = Settings.from_env(broker_url=args.broker_url)
     sources = setting_sources(broker_url=args.broker_url)

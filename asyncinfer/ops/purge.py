@@ -41,7 +41,7 @@ def purge_queue(broker: Any, backend: Any, model: str) -> int:
     raws = [raw for reply in replies[:len(_lists(model))] for raw in reply]
     for raw in raws:
         request_id, reply_to = _request_of(raw)
-        if request_id:  # its reply channel, if it names one, hears of it too (broker/reply_channels.py)
+        if request_id:  # its reply channel, if it names one, hears of it too (broker/result_announcements.py)
             backend.mark_as_revoked(request_id, reason="purged",
                                     request=Context({REPLY_TO: reply_to}) if reply_to else None)
     return len(raws)

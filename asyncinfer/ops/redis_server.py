@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from asyncinfer.config.published import PID_FILE, URL_FILE, published_url
+from asyncinfer.config.published import PID_FILE, URL_FILE
 from asyncinfer.supervision.processes import die_with_parent, stop_process
 
-__all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "published_url", "free_port",
-           "supports_tls", "make_private_dir", "write_private", "load_or_create_password"]
+__all__ = ["RedisServer", "TlsFiles", "redis_server_binary", "free_port", "supports_tls",
+           "make_private_dir", "write_private", "load_or_create_password"]
 
 log = logging.getLogger(__name__)
 

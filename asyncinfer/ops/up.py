@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from asyncinfer.config.published import published_url
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.detach import clear_pid, write_pid
-from asyncinfer.ops.redis_server import RedisServer, make_private_dir, published_url
+from asyncinfer.ops.redis_server import RedisServer, make_private_dir
 from asyncinfer.supervision.supervisor import CANNOT_START, Child, Supervisor
 
 __all__ = ["run_up", "detect_devices", "start_embedded_redis"]
@@ -88,7 +89,7 @@ def run_up(broker_url: str | None = None, devices: Sequence[str] = (), models: S
     redis: RedisServer | None = None
     url = settings.broker_url
     if not url:
-        from asyncinfer.broker.connections import masked_url
+        from asyncinfer.broker.urls import masked_url
 
         state = settings.redis_dir
         running = published_url(state)

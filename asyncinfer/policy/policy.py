@@ -30,11 +30,12 @@ from typing import Any
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.engine.timer import TimeLimits
 from asyncinfer.policy.backpressure import Backpressure
 from asyncinfer.policy.deaths import WorkerDeaths
 from asyncinfer.policy.expiry import Expiry
 from asyncinfer.policy.retries import Retries, RetryPolicy, retry_budget_for
-from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
+from asyncinfer.policy.time_limits import time_limits_of
 
 __all__ = ["Policy"]
 

@@ -31,8 +31,7 @@ from asyncinfer.constants import (
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.policy.admission import REFUSED, Admission
 
-__all__ = ["CONTROL_QUEUE", "STAGE_TASKS", "QueueKind", "TaskPolicy", "allow_infer_only",
-           "refused_on_infer_queue"]
+__all__ = ["STAGE_TASKS", "QueueKind", "TaskPolicy", "allow_infer_only", "refused_on_infer_queue"]
 
 #: A model's CPU stages, served by a device worker on its stage queues for its own models.
 STAGE_TASKS = (PREPROCESS_TASK, POSTPROCESS_TASK)

@@ -30,7 +30,7 @@ from typing import Any
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.timer import TimeLimits
 
-__all__ = ["TimeLimits", "time_limits_of", "EXIT_WEDGED", "NO_LIMITS", "Wedge"]
+__all__ = ["time_limits_of", "EXIT_WEDGED", "NO_LIMITS", "Wedge"]
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from asyncinfer.supervision.processes import die_with_parent
 
 __all__ = ["Supervisor", "Child", "CANNOT_START"]
 
-#: Exit status of a child that cannot start as configured (sysexits' EX_CONFIG; the worker's).
+#: Exit status of a child that cannot start as configured (sysexits' EX_CONFIG): a worker's, a
+#: gateway's (a port taken, say); starting it again as it is fails again.
 CANNOT_START = 78
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ import numpy.typing as npt
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.datatypes import (
-    DATATYPES,
     SPECS,
     DatatypeSpec,
     cast_array,
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DATATYPES",
     "array_from_value",
     "check_shape",
     "decode_payload",

@@ -20,30 +20,22 @@ import numpy.typing as npt
 import torch
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.datatypes import DATATYPES, cast_array, encode_data, spec_for
+from asyncinfer.wire.datatypes import cast_array, encode_data, spec_for
 from asyncinfer.wire.payloads import (
     array_from_value,
     check_shape,
     decode_payload,
-    output_to_numpy,
-    output_to_torch,
-    to_input_payload,
 )
-from asyncinfer.wire.tensors import array_from_tensor, cast_tensor, datatype_of, tensor_from_array
+from asyncinfer.wire.tensors import array_from_tensor, cast_tensor, tensor_from_array
 
 __all__ = [
     "FORWARD_STAGE",
     "request_kwargs",
-    "DATATYPES",
     "Request",
     "Tensor",
-    "datatype_of",
     "decode_request",
     "encode_tensor",
-    "output_to_numpy",
-    "output_to_torch",
     "tensor_from_value",
-    "to_input_payload",
 ]
 
 

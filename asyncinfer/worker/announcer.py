@@ -24,7 +24,8 @@ import redis
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.broker.catalogue import Catalogue
-from asyncinfer.broker.connections import bounded_client, is_redis_url
+from asyncinfer.broker.connections import bounded_client
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.settings import Settings
 
 __all__ = ["Announcer", "announcer_for"]

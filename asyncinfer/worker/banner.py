@@ -13,7 +13,7 @@ from typing import Any
 
 from celery.apps.worker import Worker as CeleryWorker
 
-from asyncinfer.broker.connections import masked_url
+from asyncinfer.broker.urls import masked_url
 from asyncinfer.config.bound import settings_of
 
 __all__ = ["Worker", "truthful"]

@@ -18,15 +18,11 @@ from asyncinfer.constants import queue_for
 from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visible_device, parse_device
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.models.registry import Registry
-from asyncinfer.supervision.supervisor import CANNOT_START
 from asyncinfer.wire.model_versions import split_key
 from asyncinfer.worker.step import uses_fast_consumer
 
-__all__ = ["run_worker", "worker_hostname", "uses_fast_consumer", "check_device", "check_models",
-           "WorkerCannotStart", "CANNOT_START"]
+__all__ = ["run_worker", "worker_hostname", "check_device", "check_models", "WorkerCannotStart"]
 
-# CANNOT_START: the exit status of a worker that cannot start (sysexits' EX_CONFIG): starting it
-# again as it is fails again, so ``asyncinfer up`` stops after a few in a row.
 _SUPPORTED = "auto, cpu, cuda:N, npu:N"
 
 

@@ -22,7 +22,7 @@ from celery import states
 from celery.worker import state as worker_state
 
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.policy.admission import DELAY, EXPIRED, REFUSED, REVOKED, RUN, Admission
+from asyncinfer.policy.admission import Admission
 from asyncinfer.policy.expiry import Expiry, is_revoked
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.task_policy import allow_infer_only
@@ -30,8 +30,8 @@ from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.result_json import decode_meta
 from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["Admission", "admit", "already_answered", "answered_before", "count_started", "is_revoked",
-           "Settlement", "FAILED_FORMAT", "RUN", "DELAY", "REFUSED", "REVOKED", "EXPIRED"]
+__all__ = ["admit", "already_answered", "answered_before", "count_started", "Settlement",
+           "FAILED_FORMAT"]
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Model control on a running device worker: load a model and start taking its requests, or unload
 one and give back what it holds of it — the worker's side of Triton's model repository extension,
 reached through Celery's remote control (``asyncinfer_load_model`` / ``asyncinfer_unload_model``,
-broadcast by :mod:`asyncinfer.client.repository`).
+broadcast by :mod:`asyncinfer.client.model_control`).
 
 **Load** (:func:`load_model`): the model is built and loaded on the worker's device (a registered
 model, or a ``NAME.pt`` / ``NAME.pt2`` file of ``ASYNCINFER_MODEL_DIR`` under the usual loading

@@ -39,9 +39,10 @@ from typing import Any
 
 from celery import Celery
 
-from asyncinfer.broker.take import MAX_ENVELOPE_DEPTH, Taken
+from asyncinfer.broker.take import MAX_ENVELOPE_DEPTH, Popped
 from asyncinfer.constants import TASK_NAME, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
+from asyncinfer.policy.admission import DELAY, EXPIRED, REFUSED, REVOKED
 from asyncinfer.policy.policy import Policy
 from asyncinfer.wire.envelope import (
     MALFORMED_DROPPED,
@@ -55,15 +56,7 @@ from asyncinfer.wire.envelope import (
 from asyncinfer.wire.messages import SENT_AT
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.lifecycle import (
-    DELAY,
-    EXPIRED,
-    REFUSED,
-    REVOKED,
-    admit,
-    answered_before,
-    count_started,
-)
+from asyncinfer.worker.lifecycle import admit, answered_before, count_started
 from asyncinfer.worker.output.cache_write import cache_key_of
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import ResultWriter
@@ -105,11 +98,11 @@ class Pipeline:
 
     # -- 1-3: take, parse, answered before ---------------------------------------------------------
 
-    def took(self, taken: list[Taken]) -> None:
+    def took(self, taken: list[Popped]) -> None:
         """Start what the take script popped and recorded; store the STARTED states it did not."""
         self._go(self._taken(taken))
 
-    def _taken(self, taken: list[Taken]) -> list[TakenMessage]:
+    def _taken(self, taken: list[Popped]) -> list[TakenMessage]:
         """What the take script popped, parsed and held (each message that is not a kombu
         envelope answered alone)."""
         received_at = time.perf_counter()
@@ -121,7 +114,7 @@ class Pipeline:
                                        for _, raw, rec, started, died in group])
         return deliveries
 
-    def refuse(self, taken: list[Taken],
+    def refuse(self, taken: list[Popped],
                error_of: Callable[[TakenMessage, Mapping[str, Any]], BaseException]) -> None:
         """Fail what the take script popped and recorded, without running any of it (the
         requests a dead worker's own list held: worker/requests/sequence_pins.py); ``error_of(d,

@@ -21,12 +21,13 @@ from asyncinfer.engine.freeing import free_memory
 from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
-from asyncinfer.engine.timer import Timer
+from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.files import FILE_SUFFIXES
 from asyncinfer.models.registry import Registry
+from asyncinfer.policy.expiry import is_revoked
 from asyncinfer.policy.retries import is_transient
-from asyncinfer.policy.time_limits import TimeLimits, Wedge
+from asyncinfer.policy.time_limits import Wedge
 from asyncinfer.wire.model_versions import (
     PARAMETER,
     sorted_versions,
@@ -37,7 +38,6 @@ from asyncinfer.wire.model_versions import (
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.wire.triton_words import unknown_model
 from asyncinfer.worker.celery_errors import as_celery
-from asyncinfer.worker.lifecycle import is_revoked
 from asyncinfer.worker.metrics import WorkerMetrics
 
 __all__ = ["WorkerRuntime", "PartCallback"]

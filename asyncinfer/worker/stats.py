@@ -28,8 +28,9 @@ from collections.abc import Sequence
 
 import redis
 
-from asyncinfer.broker.connections import bounded_client, is_redis_url
+from asyncinfer.broker.connections import bounded_client
 from asyncinfer.broker.fleet_stats import FleetStats
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.settings import Settings
 
 __all__ = ["StatsCounts", "StatsFlusher", "flusher_for"]

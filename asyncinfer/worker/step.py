@@ -32,8 +32,8 @@ from celery.concurrency import get_implementation
 from celery.worker import state as worker_state
 
 from asyncinfer.backoff import Backoff
-from asyncinfer.broker.connections import is_redis_url
 from asyncinfer.broker.refusals import refusal_reason
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import CONTROL_QUEUE, model_from_queue

@@ -42,8 +42,8 @@ from kombu.utils import json as kombu_json
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import SequenceStateLost
-from asyncinfer.models.base import Batch, SequenceBatching, SequenceState
-from asyncinfer.models.sequence import DEFAULT_IDLE_TIMEOUT_S
+from asyncinfer.models.base import Batch
+from asyncinfer.models.sequence import DEFAULT_IDLE_TIMEOUT_S, SequenceBatching, SequenceState
 from asyncinfer.wire.keys import sequence_workers_key
 from tests.support.databases import RedisDatabase
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks, mark_forward, marks_client

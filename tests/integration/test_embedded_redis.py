@@ -16,16 +16,9 @@ import redis
 
 import asyncinfer.ops.redis_server as redis_server
 from asyncinfer.client import Client
+from asyncinfer.config.published import PID_FILE, URL_FILE, published_url
 from asyncinfer.config.settings import Settings
-from asyncinfer.ops.redis_server import (
-    CONF_FILE,
-    PASSWORD_FILE,
-    PID_FILE,
-    URL_FILE,
-    RedisServer,
-    make_private_dir,
-    published_url,
-)
+from asyncinfer.ops.redis_server import CONF_FILE, PASSWORD_FILE, RedisServer, make_private_dir
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.ops.up import start_embedded_redis
 from asyncinfer.supervision.processes import pid_alive

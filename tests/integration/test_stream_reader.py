@@ -15,7 +15,8 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 
 from asyncinfer.client import Client
-from asyncinfer.client.stream_reader import Interruption, StreamMalformed, StreamReader
+from asyncinfer.client.stream_progress import Interruption, StreamMalformed
+from asyncinfer.client.stream_reader import StreamReader
 from asyncinfer.errors import (
     AsyncInferError,
     ModelError,

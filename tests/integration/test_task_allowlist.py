@@ -20,9 +20,8 @@ import redis
 from celery import Celery
 from celery.canvas import chunks, xmap
 
-from asyncinfer.constants import POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, priority_lists
+from asyncinfer.constants import CONTROL_QUEUE, POSTPROCESS_TASK, PREPROCESS_TASK, TASK_NAME, priority_lists
 from asyncinfer.errors import InvalidRequest, UnknownModel
-from asyncinfer.policy.task_policy import CONTROL_QUEUE
 from asyncinfer.wire.protocol import FORWARD_STAGE, decode_request
 from tests.support.databases import RedisDatabases
 from tests.support.processes import WorkerProcess, start_worker, worker_env

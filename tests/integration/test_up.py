@@ -12,8 +12,8 @@ import pytest
 import tritonclient.http as httpclient
 
 from asyncinfer.client import Client
+from asyncinfer.config.published import PID_FILE, published_url
 from asyncinfer.config.settings import Settings
-from asyncinfer.ops.redis_server import PID_FILE, published_url
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.supervision.processes import pid_alive
 from tests.support.processes import embedded_up_env, start_up, stop_up

@@ -8,14 +8,8 @@ import os
 import torch
 
 from asyncinfer.config.model_options import ModelOptions
-from asyncinfer.models.base import (
-    Batch,
-    InputSpec,
-    Model,
-    OutputSpec,
-    SequenceBatching,
-    SequenceState,
-)
+from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec
+from asyncinfer.models.sequence import SequenceBatching, SequenceState
 
 __all__ = ["Accumulator", "ACCUMULATOR_FACTORY", "RELEASED_LOG_ENV"]
 

@@ -8,7 +8,8 @@ import asyncio
 from typing import Any
 
 from asyncinfer.broker.catalogue import CatalogueEntry
-from asyncinfer.gateway.service import GatewayError, Service
+from asyncinfer.gateway.call_errors import GatewayError
+from asyncinfer.gateway.service import Service
 
 
 class _Catalogue:

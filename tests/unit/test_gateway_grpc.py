@@ -24,8 +24,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.broker.fleet_stats import triton_stats
+from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.grpc_api import start_grpc
-from asyncinfer.gateway.service import GatewayError, Service
+from asyncinfer.gateway.service import Service
 from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor
 

@@ -26,11 +26,12 @@ import tritonclient.grpc as grpcclient
 
 from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.client.responses import StreamPart
-from asyncinfer.client.stream_reader import Interruption
+from asyncinfer.client.stream_progress import Interruption
 from asyncinfer.errors import ModelError, QueueFull
 from asyncinfer.gateway import streaming
+from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.grpc_api import start_grpc
-from asyncinfer.gateway.service import GatewayError, Service
+from asyncinfer.gateway.service import Service
 from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, list_from_raw
 

@@ -41,9 +41,9 @@ def test_a_fast_device_holds_what_it_gets_through_in_the_hold_time_a_slow_one_it
 
 
 def test_the_workers_policy_holds_by_its_own_hold_settings() -> None:
+    from asyncinfer.engine.timer import TimeLimits
     from asyncinfer.policy.policy import Policy
     from asyncinfer.policy.retries import RetryPolicy
-    from asyncinfer.policy.time_limits import TimeLimits
 
     policy = Policy(retry=RetryPolicy(), time_limits=TimeLimits(), max_in_flight=128,
                     hold_batches=3, hold_s=0.5)

@@ -14,6 +14,7 @@ from celery import states
 from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError
 
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.engine.timer import TimeLimits
 from asyncinfer.errors import (
     InvalidRequest,
     RequestExpired,
@@ -21,22 +22,13 @@ from asyncinfer.errors import (
     SoftTimeLimit,
     TransientError,
 )
+from asyncinfer.policy.admission import DELAY, EXPIRED, REFUSED, REVOKED, RUN
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.policy.retry_budget import BudgetDecision
-from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.messages import task_message
-from asyncinfer.worker.lifecycle import (
-    DELAY,
-    EXPIRED,
-    REFUSED,
-    REVOKED,
-    RUN,
-    Settlement,
-    admit,
-    already_answered,
-)
+from asyncinfer.worker.lifecycle import Settlement, admit, already_answered
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.requests.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings

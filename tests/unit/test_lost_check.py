@@ -175,7 +175,7 @@ def test_without_the_check_a_generated_id_is_a_plain_push(r: redis.Redis) -> Non
 
 
 def test_the_gateway_answers_a_lost_request_with_503_unavailable() -> None:
-    from asyncinfer.gateway.service import error_for
+    from asyncinfer.gateway.call_errors import error_for
 
     answer = error_for(lost_error("req-1"))
     assert answer.status == 503 and answer.grpc_code == "UNAVAILABLE"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.broker.catalogue import CatalogueEntry, Host
-from asyncinfer.client.repository import (
+from asyncinfer.client.model_control import (
     LOAD,
     UNLOAD,
     ControlOutcome,
@@ -23,7 +23,8 @@ from asyncinfer.client.repository import (
 )
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import UnknownModel
-from asyncinfer.gateway.service import GatewayError, control_options
+from asyncinfer.gateway.call_errors import GatewayError
+from asyncinfer.gateway.model_control import control_options
 from asyncinfer.models.base import Model
 from asyncinfer.worker.runtime import WorkerRuntime
 

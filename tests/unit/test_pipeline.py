@@ -16,11 +16,11 @@ from celery import states
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import TASK_NAME
+from asyncinfer.engine.timer import TimeLimits
 from asyncinfer.errors import InvalidRequest, WorkerLost
 from asyncinfer.policy.deaths import WorkerDeaths
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.retries import RetryPolicy
-from asyncinfer.policy.time_limits import TimeLimits
 from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents

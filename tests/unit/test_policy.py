@@ -12,10 +12,10 @@ import threading
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from asyncinfer.engine.timer import Timer
+from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.errors import InvalidRequest, TransientError, TransientModelError
 from asyncinfer.policy.retries import RetryPolicy, is_transient
-from asyncinfer.policy.time_limits import TimeLimits, time_limits_of
+from asyncinfer.policy.time_limits import time_limits_of
 from asyncinfer.wire.envelope import parse_envelope, seconds_until
 from asyncinfer.wire.messages import retry_message, task_message
 from asyncinfer.worker.requests.taken import TakenMessage

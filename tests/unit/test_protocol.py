@@ -13,18 +13,10 @@ import pytest
 import torch
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.protocol import (
-    DATATYPES,
-    Request,
-    Tensor,
-    datatype_of,
-    decode_request,
-    encode_tensor,
-    output_to_numpy,
-    output_to_torch,
-    tensor_from_value,
-    to_input_payload,
-)
+from asyncinfer.wire.datatypes import DATATYPES
+from asyncinfer.wire.payloads import output_to_numpy, output_to_torch, to_input_payload
+from asyncinfer.wire.protocol import Request, Tensor, decode_request, encode_tensor, tensor_from_value
+from asyncinfer.wire.tensors import datatype_of
 
 pytestmark = pytest.mark.timeout(60)
 

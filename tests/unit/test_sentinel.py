@@ -8,14 +8,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from asyncinfer.broker.connections import (
-    SentinelUrl,
-    is_redis_url,
-    normalized_url,
-    parse_sentinel_url,
-    redis_client,
-    wait_replicas,
-)
+from asyncinfer.broker.connections import redis_client, wait_replicas
+from asyncinfer.broker.urls import SentinelUrl, is_redis_url, normalized_url, parse_sentinel_url
 from asyncinfer.config.celery_config import celery_config
 from asyncinfer.config.settings import Settings
 from asyncinfer.worker.step import uses_fast_consumer

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from asyncinfer.constants import PREPROCESS_TASK, TASK_NAME
+from asyncinfer.constants import CONTROL_QUEUE, PREPROCESS_TASK, TASK_NAME
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.policy.task_policy import CONTROL_QUEUE, QueueKind, TaskPolicy
+from asyncinfer.policy.task_policy import QueueKind, TaskPolicy
 from asyncinfer.wire.protocol import FORWARD_STAGE, decode_request
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
--- Announce a stored final result on the request's reply channel (asyncinfer/broker/reply_channels.py).
+-- Announce a stored final result on the request's reply channel (asyncinfer/broker/result_announcements.py).
 -- KEYS[1]: the result key; ARGV[1]: the reply channel. Publishes the stored payload, if any.
 
 local stored = redis.call('GET', KEYS[1])

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.wire.protocol import to_input_payload
+from asyncinfer.wire.payloads import to_input_payload
 
 __all__ = ["Workload", "WORKLOADS"]
 

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from celery import Celery
 
-from asyncinfer.broker.connections import is_redis_url, redis_client
+from asyncinfer.broker.connections import redis_client
+from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.policy.policy import Policy

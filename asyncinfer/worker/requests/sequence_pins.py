@@ -39,7 +39,7 @@ import redis
 from asyncinfer.backoff import Backoff
 from asyncinfer.broker.publisher import worker_of_pin
 from asyncinfer.broker.scripts import script
-from asyncinfer.broker.take import LeaseTerms, Taken, Taker
+from asyncinfer.broker.take import LeaseTerms, Popped, Taker
 from asyncinfer.constants import model_from_queue, queue_for, sequence_list
 from asyncinfer.errors import SequenceStateLost
 from asyncinfer.supervision.vital import vital_thread
@@ -56,7 +56,7 @@ _REGISTER = script("sequence_register")
 _LAPSED = script("sequence_lapsed")
 
 #: The refusals of one sweep: (the taken requests, the error of each).
-Refuse = Callable[[list[Taken], Callable[[TakenMessage, Mapping[str, Any]], BaseException]], None]
+Refuse = Callable[[list[Popped], Callable[[TakenMessage, Mapping[str, Any]], BaseException]], None]
 
 
 def lost_error(model: str, pin: str, request_id: str, v2: Mapping[str, Any]) -> SequenceStateLost:
