@@ -47,9 +47,14 @@ log = logging.getLogger(__name__)
 class ConnectionSettings(Protocol):
     """What a connection reads of the settings (:class:`asyncinfer.config.settings.Settings`)."""
 
-    sentinel_master: str
-    sentinel_password: str
-    connect_timeout_s: float
+    @property
+    def sentinel_master(self) -> str: ...
+
+    @property
+    def sentinel_password(self) -> str: ...
+
+    @property
+    def connect_timeout_s(self) -> float: ...
 
 
 def sentinel_kwargs(settings: ConnectionSettings | None) -> dict[str, Any] | None:
