@@ -40,10 +40,16 @@ from asyncinfer.ops.benchmark.workloads import WORKLOADS
 
 _LOAD = r'''
 import json, sys, time
+import redis
 from asyncinfer import Client
-from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
-from asyncinfer.ops.benchmark.systems import process_cpu_s
-from asyncinfer.ops.benchmark.workloads import WORKLOADS
+try:
+    from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+    from asyncinfer.ops.benchmark.systems import process_cpu_s
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
+except ImportError:  # a tree from before the benchmark moved under ops/
+    from asyncinfer.bench.loadgen import percentile, run_closed_loop
+    from asyncinfer.bench.systems import process_cpu_s
+    from asyncinfer.bench.workloads import WORKLOADS
 from asyncinfer.constants import TASK_NAME, queue_for
 
 url, worker_pid, redis_pid, workload, level, total, broker = sys.argv[1:8]
@@ -57,9 +63,13 @@ for f in [submit(i) for i in range(300)]:
     f.result(timeout=60)
 print("ready", flush=True)
 sys.stdin.readline()  # the thread counts are read now
+stats = redis.Redis.from_url(url)
+calls = lambda: {k: v["calls"] for k, v in stats.info("commandstats").items()}
+s0 = calls()
 c0, w0, r0 = time.process_time(), process_cpu_s(worker_pid), process_cpu_s(redis_pid)
 res = run_closed_loop("ab", submit, total, level)
 n = max(1, len(res.latencies_ms))
+s1 = calls()
 sizes = res.batch_sizes
 print(json.dumps({
     "req_per_s": round(res.throughput, 1), "p50_ms": round(percentile(res.latencies_ms, 50), 2),
@@ -68,6 +78,9 @@ print(json.dumps({
     "cpu_ms_per_request": {"worker": round((process_cpu_s(worker_pid) - w0) * 1e3 / n, 3),
                            "client": round((time.process_time() - c0) * 1e3 / n, 3),
                            "redis": round((process_cpu_s(redis_pid) - r0) * 1e3 / n, 3)},
+    "redis_commands_per_request": round((sum(s1.values()) - sum(s0.values())) / n, 2),
+    "redis_commands": {k.removeprefix("cmdstat_"): round((s1[k] - s0.get(k, 0)) / n, 2)
+                       for k in s1 if (s1[k] - s0.get(k, 0)) / n >= 0.05},
     "requests": n, "failures": res.failures}), flush=True)
 client.close()
 '''
@@ -96,6 +109,25 @@ def _thread_names(pid: int) -> dict[int, str]:
             for m in re.finditer(r'Thread (\d+) \(\w[\w+]*\): "([^"]+)"', dump)}
 
 
+_WORKLOAD = r'''
+import json, sys
+try:
+    from asyncinfer.ops.benchmark.workloads import WORKLOADS
+except ImportError:  # a tree from before the benchmark moved under ops/
+    from asyncinfer.bench.workloads import WORKLOADS
+w = WORKLOADS[sys.argv[1]]
+print(json.dumps([w.factories, w.options]))
+'''
+
+
+def _tree_workload(tree: Path, model: str) -> tuple[str, dict]:
+    """The workload's model factories and options as ``tree`` names them (its modules' paths)."""
+    out = subprocess.run([sys.executable, "-c", _WORKLOAD, model], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree).stdout
+    factories, options = json.loads(out)
+    return factories, options
+
+
 def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespace,
          env: dict[str, str], log_dir: Path, consumer: str = "fast") -> None:
     broker = args.amqp_url if consumer == "amqp" else url
@@ -103,10 +135,11 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
            "ASYNCINFER_CONSUMER": "celery" if consumer == "celery" else "fast"}
     worker_env = {**env, "PYTHONPATH": str(tree)}
     workload = WORKLOADS[args.model]
-    if workload.factories:
-        worker_env["ASYNCINFER_MODEL_FACTORIES"] = workload.factories
-    if workload.options:
-        worker_env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({workload.model: workload.options})
+    factories, options = _tree_workload(tree, args.model)
+    if factories:
+        worker_env["ASYNCINFER_MODEL_FACTORIES"] = factories
+    if options:
+        worker_env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({workload.model: options})
     with open(log_dir / f"worker-{tag}.log", "ab") as log:
         worker = subprocess.Popen([sys.executable, "-m", "asyncinfer", "worker", "--device", "cpu",
                                    "--models", workload.model, "--hostname", f"ab-{tag}@%h"],
