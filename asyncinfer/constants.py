@@ -1,4 +1,4 @@
-"""Names on the wire: the fixed part of the contract, in one place (Redis keys: keys.py)."""
+"""Names on the wire: the fixed part of the contract, in one place (Redis keys: asyncinfer/wire/keys.py)."""
 
 from __future__ import annotations
 

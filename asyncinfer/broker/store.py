@@ -5,7 +5,7 @@ on the result key's channel, and on the request's reply channel when it names on
 acknowledges the message (kombu's ``unacked_index`` and ``unacked`` entries removed, and its
 lease). As a MULTI/EXEC of five commands a request that is ~12 replies to parse and ~6 commands to
 pack in the worker's Python; as one script call per batch it is five arguments. Measured on sim-fast at 256 in
-flight: see docs/benchmarks.md.
+flight: bench/results/HISTORY.md, "The worker's serving CPU cut by a third".
 
 All or nothing, as the transaction was: Redis checks memory (and a replica's read-only state) at a
 script's first write, so a refused batch wrote nothing; past the first write the script runs to

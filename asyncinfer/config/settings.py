@@ -1,7 +1,8 @@
 """Typed settings read from ``ASYNCINFER_*`` environment variables.
 
 Every setting is one field of :class:`Settings`; its metadata holds the environment variable and the
-line of documentation that the README's configuration table shows (``asyncinfer config`` prints it).
+line of documentation that docs/configuration.md's settings table shows (``asyncinfer config --table``
+prints it).
 """
 
 from __future__ import annotations

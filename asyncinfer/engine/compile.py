@@ -3,7 +3,8 @@
 ``compile: "torchscript"`` asks the model to trace its forward (``torch.jit.trace``, then
 ``torch.jit.freeze``): the graph runs without the GIL between operators, so serving threads no
 longer stall the model's Python (MiniLM on 2 CPU cores: +7 % sentences/s served, the same share of
-its own in-process limit; docs/benchmarks.md). A model says whether it can with
+its own in-process limit; bench/results/HISTORY.md, "What moved minilm from 0.49 to 0.64–0.69 of its
+limit"). A model says whether it can with
 :meth:`Model.compile`, which checks the traced forward against eager on batches of its own before
 it is used; when it cannot, or the check fails, the model runs eager and the worker logs why.
 ``torch.compile`` (inductor) did not help MiniLM on CPU (337 against 338 rows/s after a 30 s

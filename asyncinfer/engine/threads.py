@@ -5,7 +5,8 @@ once, each on its own device thread, then asks for ``instances × cores`` thread
 waits at its barrier for the slowest of them, and a core taken by a serving thread for a moment
 stalls the whole operator. One pool share per instance keeps each core busy with one batch
 (measured, MiniLM on 2 cores: 1.3× the sentences/s of one instance on two threads, in-process and
-served, with the same latency at one request in flight; docs/benchmarks.md).
+served, with the same latency at one request in flight; bench/results/HISTORY.md, "What moved
+minilm from 0.49 to 0.64–0.69 of its limit").
 
 ``ASYNCINFER_INTRA_OP_THREADS`` (``asyncinfer worker --intra-op-threads``) sets the number; 0,
 the default, means cores // instances on a CPU device unless ``OMP_NUM_THREADS`` is set, and

@@ -161,15 +161,15 @@ def test_cancelling_an_awaited_request_revokes_it(client, redis_client) -> None:
         assert _wait_state(client, request_id, "REVOKED") == "REVOKED", request_id
 
 
-def test_readme_asyncio_example_runs(worker, redis_url) -> None:
+def test_the_client_page_asyncio_example_runs(worker, redis_url) -> None:
     import re
     import subprocess
     import sys
 
     from tests.support.processes import ROOT, worker_env
 
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"<!-- readme-asyncio-example[^>]*-->\s*```python\n(.*?)```", text, re.S).group(1)
+    text = (ROOT / "docs" / "client.md").read_text()
+    code = re.search(r"<!-- asyncio-example[^>]*-->\s*```python\n(.*?)```", text, re.S).group(1)
     out = subprocess.run([sys.executable, "-c", code], env=worker_env(redis_url), cwd=ROOT,
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr

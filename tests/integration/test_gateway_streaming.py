@@ -453,24 +453,24 @@ def _post_get(gateway: GatewayProcess, path: str) -> tuple[int, str, Any]:
     return asyncio.run(go())
 
 
-# -- the README's curl example ---------------------------------------------------------------------
+# -- docs/streaming.md's curl example --------------------------------------------------------------
 
-def _readme_curl() -> tuple[list[str], list[dict[str, Any]]]:
-    """The README's streaming curl command (as argv) and the events its comment shows."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- readme-stream-curl[^>]*-->\s*```sh\n(.*?)```", text, re.S)
-    assert block, "README.md has no marked streaming curl example"
+def _page_curl() -> tuple[list[str], list[dict[str, Any]]]:
+    """docs/streaming.md's streaming curl command (as argv) and the events its comment shows."""
+    text = (ROOT / "docs" / "streaming.md").read_text()
+    block = re.search(r"<!-- stream-curl[^>]*-->\s*```sh\n(.*?)```", text, re.S)
+    assert block, "docs/streaming.md has no marked streaming curl example"
     lines = block.group(1).splitlines()
     argv = shlex.split(lines[0])
     shown = [json.loads(line[len("# data: "):]) for line in lines[1:] if line.startswith("# data: ")]
     return argv, shown
 
 
-def test_the_readme_curl_example_streams_as_shown(gateway) -> None:
-    argv, shown = _readme_curl()
+def test_the_streaming_page_curl_example_streams_as_shown(gateway) -> None:
+    argv, shown = _page_curl()
     assert argv[:2] == ["curl", "-N"] and argv[3] == "-d"
     url = argv[2].replace("localhost:8000", gateway.http_url)
-    # a fresh ID: the README's, sent again to this session's Redis, would be the same request
+    # a fresh ID: the page's, sent again to this session's Redis, would be the same request
     body = json.loads(argv[4])
     request_id = f"{body['id']}-{uuid.uuid4().hex}"
     shown = [{**event, "id": request_id} for event in shown]
@@ -488,4 +488,4 @@ def test_the_readme_curl_example_streams_as_shown(gateway) -> None:
         events = [data for _, data in pairs]
     words = body["text_input"].split()
     assert [e["text_output"] for e in events] == words
-    assert events[:len(shown)] == shown  # the README shows the first events as they are
+    assert events[:len(shown)] == shown  # the page shows the first events as they are

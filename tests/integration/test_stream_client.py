@@ -1,6 +1,6 @@
 """Streaming responses end to end: real workers serving the built-in decoupled model echo-stream
 (one word per part, one step every few milliseconds), read by the client's streams
-(client/streams.py), asyncio, the CLI and the README's example.
+(client/streams.py), asyncio, the CLI and docs/streaming.md's example.
 
 The module's worker serves a database of its own; the test that kills a worker starts its own on
 another."""
@@ -81,9 +81,9 @@ def revoked_in_the_end(client: Client, request_id: str) -> BaseException:
     return caught.value
 
 
-def test_readme_stream_example_runs(served: str) -> None:
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"<!-- readme-stream-example[^>]*-->\s*```python\n(.*?)```", readme,
+def test_the_streaming_page_client_example_runs(served: str) -> None:
+    page = (ROOT / "docs" / "streaming.md").read_text()
+    code = re.search(r"<!-- stream-example[^>]*-->\s*```python\n(.*?)```", page,
                      re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     out = subprocess.run([sys.executable, "-c", code], env=worker_env(served), cwd=ROOT,
