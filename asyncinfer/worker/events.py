@@ -128,6 +128,8 @@ class TaskEvents:
             if wait_s > 0:
                 time.sleep(wait_s)
             self._due.clear()  # events buffered from here on ask again; those before go now
+            if self._closing:  # close() came meanwhile: its wake-up was just cleared, and it
+                return         # publishes what is left itself once this thread has ended
             self._publish()
 
     def _publish(self) -> None:

@@ -29,7 +29,14 @@ from asyncinfer.errors import WorkerLost
 from asyncinfer.ops.status import cluster_status
 from asyncinfer.wire.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from tests.support.lost import lost_check_of
-from tests.support.processes import launch_worker, start_up, stop_up, worker_env
+from tests.support.processes import (
+    launch_worker,
+    ready_together,
+    start_up,
+    stop_together,
+    stop_up,
+    worker_env,
+)
 from tests.support.proxy import Partition
 from tests.support.sentinel import SentinelGroup
 from tests.support.waiting import wait_for
@@ -63,7 +70,8 @@ def _two_workers(first_url: str, url: str, tmp_path, first_env: dict[str, str], 
                           **first_env)
     second = launch_worker(url, tmp_path / "second.log", *args, "--hostname", "second@%h",
                            **second_env)
-    return first.wait_ready(), second.wait_ready()
+    ready_together([first, second])  # started side by side; on a failure both stopped
+    return first, second
 
 
 def _report(fault: str, sent: int, answered: int, starts: dict[int, int], seconds: float) -> None:
@@ -153,11 +161,14 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
                 assert client.result(futures[i].id, timeout_s=30)["output"].tolist() == [[float(i)]]
     finally:
         client.close()
-        link.close()
         for w in (first, second):
             if w.process.poll() is None:
                 os.kill(w.pid, signal.SIGCONT)
-            w.stop()
+        link.heal()
+        # both at once, and before the link closes: the first stops through it (with the link
+        # gone its stop waits on Redis until it is killed)
+        stop_together([first, second])
+        link.close()
 
 
 @pytest.mark.timeout(150)
@@ -181,8 +192,7 @@ def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis
         print(f"\n25 s kernel: ran once, declared lost 0, looks while it ran {check.looks}")
     finally:
         client.close()
-        first.stop()
-        second.stop()
+        stop_together([first, second])
 
 
 @pytest.mark.timeout(180)
@@ -301,7 +311,6 @@ def test_leases_are_renewed_across_a_sentinel_failover(tmp_path, redis_url) -> N
         _report("a Sentinel failover under a 12 s kernel", 1, 1, _starts(counts, prefix), 0.0)
     finally:
         client.close()
-        first.stop()
-        second.stop()
+        stop_together([first, second])
         group.stop()
         counts.close()

@@ -49,8 +49,11 @@ from tests.support.processes import (
     ROOT,
     GatewayProcess,
     WorkerProcess,
-    start_gateway,
+    launch_gateway,
+    launch_worker,
+    ready_together,
     start_worker,
+    stop_together,
     worker_env,
 )
 from tests.support.waiting import wait_for
@@ -363,12 +366,12 @@ def test_gateway_16_concurrent_calls_one_key_two_bodies_8_answered_by_one_run_8_
         redis_db: RedisDatabase, tmp_path: Path) -> None:
     # Given a worker of the sleep model (its forward marks count runs) and a gateway
     r = redis_db.client
-    worker = start_worker(redis_db.url, tmp_path / "worker.log", "--device", "cpu", "--models",
-                          "identity,sleep", "--hostname", "race@%h",
-                          **{FORWARD_MARKS_ENV: redis_db.url})
-    gateway = None
+    worker = launch_worker(redis_db.url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                           "identity,sleep", "--hostname", "race@%h",
+                           **{FORWARD_MARKS_ENV: redis_db.url})
+    gateway = launch_gateway(redis_db.url, tmp_path / "gateway.log")
+    ready_together([worker, gateway])  # started side by side; on a failure both stopped
     try:
-        gateway = start_gateway(redis_db.url, tmp_path / "gateway.log")
         marks = ForwardMarks(r, "sleep")
         keys = [f"race-c-{i}-{uuid.uuid4().hex[:8]}" for i in range(ROUNDS)]
         bodies = {key: ((i + 1) / 64, (i + 17) / 64) for i, key in enumerate(keys)}  # exact FP32
@@ -423,9 +426,7 @@ def test_gateway_16_concurrent_calls_one_key_two_bodies_8_answered_by_one_run_8_
                       answered_200=8 * ROUNDS, refused_422=8 * ROUNDS, ran=len(rows),
                       last_answer_s=f"{last_answer_s:.1f}")
     finally:
-        if gateway is not None:
-            gateway.stop()
-        worker.stop()
+        stop_together([gateway, worker])
 
 
 def test_8_threads_of_one_client_one_id_8_different_inputs_the_winner_is_answered(

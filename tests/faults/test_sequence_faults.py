@@ -5,8 +5,11 @@ default (60 s, models/sequence.py).
 Two real workers host ``accumulator`` (:class:`DefaultAccumulator`: the tests' running sum per
 sequence, tests/support/sequence_models.py, at the default idle timeout, marking each batch it
 starts per worker and holding it while its worker's gate is closed), with a gateway, on a Redis
-database of their own. Six sequences are opened across them (a START and two more requests each),
-then the fault hits the worker holding some of them (the victim):
+database of their own, started side by side once and shared by the module's tests: the worker a
+test faults is replaced (by a fresh one, under a new name) before the next test, and each test
+opens sequences of IDs no test used before. Six sequences are opened across the two workers (a
+START and two more requests each), then the fault hits the worker holding some of them (the
+victim):
 
 - kill -9 with a batch held on its device and more queued behind it: all of them, and what is sent
   after the kill, fail with SequenceStateLost (409 over the gateway) within the lease and a sweep;
@@ -26,6 +29,7 @@ answer (``pytest -s`` shows them).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -45,14 +49,16 @@ from asyncinfer.errors import SequenceStateLost
 from asyncinfer.models.base import Batch
 from asyncinfer.models.sequence import DEFAULT_IDLE_TIMEOUT_S, SequenceBatching, SequenceState
 from asyncinfer.wire.keys import sequence_workers_key
-from tests.support.databases import RedisDatabase
+from tests.support.databases import RedisDatabase, RedisDatabases
 from tests.support.marks import FORWARD_MARKS_ENV, ForwardMarks, mark_forward, marks_client
 from tests.support.processes import (
     TEST_FACTORIES,
     GatewayProcess,
     WorkerProcess,
+    launch_gateway,
     launch_worker,
-    start_gateway,
+    ready_together,
+    stop_together,
 )
 from tests.support.sequence_models import Accumulator
 from tests.support.waiting import wait_for
@@ -88,12 +94,34 @@ class DefaultAccumulator(Accumulator):
         return super().forward(batch)
 
 
+def _launch(db: RedisDatabase, logs: Path, name: str) -> WorkerProcess:
+    """A worker of the accumulator named ``name``, at the shipped lease and idle timeout
+    (worker_env drops every ASYNCINFER_* of this process's environment), not waited for."""
+    return launch_worker(
+        db.url, logs / f"{name}.log", "--device", "cpu", "--models", MODEL,
+        "--hostname", f"{name}@%h",
+        ASYNCINFER_MODEL_FACTORIES=(f"{TEST_FACTORIES},{MODEL}="
+                                    f"{__name__}:{DefaultAccumulator.__name__}"),
+        **{FORWARD_MARKS_ENV: db.url})
+
+
 @dataclass
 class Fleet:
     db: RedisDatabase
     workers: dict[str, WorkerProcess]  # by the name an answer's ``worker`` parameter gives
     gateway: GatewayProcess
     client: Client
+    logs: Path
+    #: Sequence IDs never used before in this module (its tests share the workers, so each test's
+    #: sequences are its own: none is pinned already when the test starts it).
+    next_sequence: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: Workers started in place of one a test faulted (for their names).
+    replacements: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: The workers the running test faults (its victim): replaced before the next test.
+    faulted: set[str] = field(default_factory=set)
+
+    def sequences(self, count: int) -> list[int]:
+        return [next(self.next_sequence) for _ in range(count)]
 
     def other(self, name: str) -> str:
         return next(n for n in self.workers if n != name)
@@ -120,34 +148,72 @@ class Fleet:
         pid = f" {self.workers[name].pid} "
         return any(pid in member for member in self.live_workers())
 
+    def serving(self) -> bool:
+        """Whether exactly this fleet's two workers are registered (none lapsed or lapsing)."""
+        live = self.live_workers()
+        return len(live) == len(self.workers) and all(self.registered(n) for n in self.workers)
+
+    def restore(self) -> None:
+        """Two fresh-enough workers again: each worker a test faulted (killed, frozen, stopped),
+        and any other that died or is not registered, stopped by its PID and replaced by a fresh
+        one under a new name, the replacements starting while it stops; then wait until only
+        these two are registered."""
+        host = os.uname().nodename
+        retired = []
+        for name, proc in list(self.workers.items()):
+            if name not in self.faulted and proc.process.poll() is None and self.registered(name):
+                continue
+            retired.append(self.workers.pop(name))
+            fresh = f"{name.split('@')[0].split('-r')[0]}-r{next(self.replacements)}"
+            self.workers[f"{fresh}@{host}"] = _launch(self.db, self.logs, fresh)
+        self.faulted.clear()
+        stop_together(retired)  # of a dead one, only its log is closed
+        ready_together(list(self.workers.values()))
+        wait_for(self.serving, STATE_LOST_WITHIN_S, "only the fleet's two workers registered",
+                 poll_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(redis_databases: RedisDatabases,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two workers of the accumulator at the shipped lease and idle timeout, a gateway and a
+    client, on a database of this module's own, shared by its tests; all started side by side,
+    every process stopped by its PID."""
+    logs = tmp_path_factory.mktemp("sequence-faults")
+    with redis_databases.take(__name__) as db:
+        started: list[WorkerProcess] = []
+        fleet: Fleet | None = None
+        try:
+            host = os.uname().nodename
+            workers = {}
+            for name in ("seq-a", "seq-b"):
+                workers[f"{name}@{host}"] = _launch(db, logs, name)
+                started.append(workers[f"{name}@{host}"])
+            gateway = launch_gateway(db.url, logs / "gateway.log")
+            started.append(gateway)
+            ready_together(started)
+            fleet = Fleet(db, workers, gateway, Client(broker_url=db.url), logs)
+            yield fleet
+        finally:
+            if fleet is not None:
+                fleet.client.close()
+                started += fleet.workers.values()  # the replacements too
+            stop_together(started)
+
 
 @pytest.fixture()
-def fleet(redis_db: RedisDatabase, tmp_path: Path) -> Iterator[Fleet]:
-    """Two workers of the accumulator at the shipped lease and idle timeout, a gateway and a
-    client, on this test's database; every process stopped by its PID."""
-    started: dict[str, WorkerProcess] = {}
-    gateway = client = None
+def fleet(shared_fleet: Fleet) -> Iterator[Fleet]:
+    """The module's fleet, both workers live and registered (the one an earlier test faulted
+    replaced) and no gate closed; after the test, every gate opened and every worker thawed, so
+    that a test that failed halfway leaves it usable."""
+    shared_fleet.restore()
     try:
-        for name in ("seq-a", "seq-b"):  # started together, waited for together
-            started[name] = launch_worker(
-                redis_db.url, tmp_path / f"{name}.log", "--device", "cpu", "--models", MODEL,
-                "--hostname", f"{name}@%h",
-                ASYNCINFER_MODEL_FACTORIES=(f"{TEST_FACTORIES},{MODEL}="
-                                            f"{__name__}:{DefaultAccumulator.__name__}"),
-                **{FORWARD_MARKS_ENV: redis_db.url})
-        for proc in started.values():  # worker_env drops every ASYNCINFER_* of this process's
-            proc.wait_ready()           # environment: the workers run at the shipped lease
-        gateway = start_gateway(redis_db.url, tmp_path / "gateway.log")
-        client = Client(broker_url=redis_db.url)
-        host = os.uname().nodename
-        yield Fleet(redis_db, {f"{n}@{host}": p for n, p in started.items()}, gateway, client)
+        yield shared_fleet
     finally:
-        if client is not None:
-            client.close()
-        if gateway is not None:
-            gateway.stop()
-        for proc in started.values():
-            proc.stop()
+        for name, proc in shared_fleet.workers.items():
+            shared_fleet.gate(name, closed=False)
+            if proc.process.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
 
 
 @dataclass
@@ -209,12 +275,13 @@ def _value(sequence: int, step: int) -> int:
 def _open_six(ledger: Ledger, fleet: Fleet) -> tuple[list[int], list[int], str]:
     """Six sequences, a START and two more requests each; (the victim's, the survivor's, the
     victim) with the victim the worker holding the first sequence."""
-    sequences = list(range(1, 7))
+    sequences = fleet.sequences(6)
     for step in range(3):
         outcomes = ledger.round(sequences, lambda s, step=step: _value(s, step), start=step == 0)
         assert outcomes == ["answered"] * 6, ledger.other_errors
     assert not ledger.wrong_state
-    victim = ledger.worker_of[1]
+    victim = ledger.worker_of[sequences[0]]
+    fleet.faulted.add(victim)  # the test faults it: the next test has a fresh one in its place
     on_victim = [s for s in sequences if ledger.worker_of[s] == victim]
     on_survivor = [s for s in sequences if ledger.worker_of[s] != victim]
     assert on_victim and on_survivor, ledger.worker_of  # both workers hold some
@@ -295,7 +362,7 @@ def test_kill_9_with_requests_in_flight_fails_them_state_lost_and_the_survivor_g
     victim_rows = [v for batch in victim_marks.batches() for v in batch]
     assert all(v in {_value(s, 3) for s in on_victim} for v in victim_rows), victim_rows
     # and a new sequence starts on the survivor, and accumulates
-    new = 99
+    new = fleet.sequences(1)[0]
     assert ledger.round([new], lambda s: _value(s, 0), start=True) == ["answered"]
     assert ledger.round([new], lambda s: _value(s, 1)) == ["answered"]
     assert ledger.worker_of[new] == survivor

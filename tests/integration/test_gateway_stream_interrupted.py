@@ -1,7 +1,8 @@
 """A streaming request whose worker is killed mid-stream, through the gateway: the caller is told
 (gRPC: a response with ``error_message``, not final; SSE: an ``event: interrupted``), and the
 parts go on from the next one when the worker, started again on the same host, takes the request
-back — each part once, in order. A database of its own: only these workers host echo-stream."""
+back — each part once, in order. A database of its own: only these workers host echo-stream; the
+worker and the gateway are started side by side once, and shared by the module's tests."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ import tritonclient.grpc as grpcclient
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from tests.support.processes import GatewayProcess, WorkerProcess, start_gateway, start_worker
+from tests.support.databases import RedisDatabases
+from tests.support.processes import (
+    GatewayProcess,
+    WorkerProcess,
+    launch_gateway,
+    launch_worker,
+    ready_together,
+    stop_together,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,19 +43,21 @@ BEFORE_KILL = 5
 
 
 class Fleet:
-    """A gateway and one echo-stream worker (killed and started again by the test) on a
-    database of their own."""
+    """A gateway and one echo-stream worker (killed and started again by each test) on a
+    database of their own, shared by the module's tests: each test leaves the worker it started
+    again serving, for the next."""
 
     def __init__(self, url: str, tmp_path: Path) -> None:
         self.url, self.tmp_path, self.starts = url, tmp_path, 0
-        self.worker = self.start_worker()
-        self.gateway: GatewayProcess = start_gateway(url, tmp_path / "gateway.log")
+        self.worker = self.launch_worker()
+        self.gateway: GatewayProcess = launch_gateway(url, tmp_path / "gateway.log")
+        ready_together([self.worker, self.gateway])  # started side by side; on failure stopped
         self.results = Client(settings=Settings.from_env(environ={"ASYNCINFER_BROKER_URL": url}))
 
-    def start_worker(self) -> WorkerProcess:
+    def launch_worker(self) -> WorkerProcess:
         self.starts += 1
-        return start_worker(self.url, self.tmp_path / f"worker-{self.starts}.log", "--device", "cpu",
-                            "--models", "echo-stream", "--hostname", "interrupted@%h")
+        return launch_worker(self.url, self.tmp_path / f"worker-{self.starts}.log", "--device",
+                             "cpu", "--models", "echo-stream", "--hostname", "interrupted@%h")
 
     def kill_and_restart_worker(self) -> None:
         """SIGKILL the worker (by its PID), then start it again on the same host: it takes its
@@ -54,21 +65,35 @@ class Fleet:
         self.worker.process.send_signal(signal.SIGKILL)
         self.worker.process.wait()
         self.worker.stop()  # closes its log
-        self.worker = self.start_worker()
+        self.worker = self.launch_worker().wait_ready()
+
+    def restore(self) -> None:
+        """A serving worker again, if a test left its worker dead (it failed between the kill
+        and the start)."""
+        if self.worker.process.poll() is not None:
+            self.worker.stop()
+            self.worker = self.launch_worker().wait_ready()
 
     def close(self) -> None:
         self.results.close()
-        self.gateway.stop()
-        self.worker.stop()
+        stop_together([self.gateway, self.worker])
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(redis_databases: RedisDatabases,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with redis_databases.take(__name__) as db:
+        f = Fleet(db.url, tmp_path_factory.mktemp("stream-interrupted"))
+        try:
+            yield f
+        finally:
+            f.close()
 
 
 @pytest.fixture()
-def fleet(redis_db: Any, tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(redis_db.url, tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
+def fleet(shared_fleet: Fleet) -> Fleet:
+    shared_fleet.restore()
+    return shared_fleet
 
 
 def _expected(count: int) -> list[str]:

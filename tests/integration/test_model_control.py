@@ -34,9 +34,11 @@ from tests.support.processes import (
     TEST_FACTORIES,
     GatewayProcess,
     WorkerProcess,
+    launch_gateway,
     launch_worker,
+    ready_together,
     start_gateway,
-    start_worker,
+    stop_together,
     worker_env,
 )
 from tests.support.waiting import wait_for
@@ -49,10 +51,15 @@ FACTORIES = TEST_FACTORIES + (",big=tests.support.model_control:Big,"
 HOST = socket.gethostname()
 
 
+def _launch(url: str, tmp_path: Path, name: str, models: str, **env: str) -> WorkerProcess:
+    """A worker named ``name`` hosting ``models``, not waited for (:func:`ready_together`)."""
+    return launch_worker(url, tmp_path / f"{name}.log", "--device", "cpu", "--models", models,
+                         "--hostname", f"{name}@%h", ASYNCINFER_MODEL_FACTORIES=FACTORIES,
+                         **{FORWARD_MARKS_ENV: url}, **env)
+
+
 def _worker(url: str, tmp_path: Path, name: str, models: str, **env: str) -> WorkerProcess:
-    return start_worker(url, tmp_path / f"{name}.log", "--device", "cpu", "--models", models,
-                        "--hostname", f"{name}@%h", ASYNCINFER_MODEL_FACTORIES=FACTORIES,
-                        **{FORWARD_MARKS_ENV: url}, **env)
+    return _launch(url, tmp_path, name, models, **env).wait_ready()
 
 
 def _client(url: str) -> Client:
@@ -66,18 +73,16 @@ def fleet(redis_db, tmp_path) -> Iterator[tuple[WorkerProcess, GatewayProcess, C
     models = tmp_path / "models"
     models.mkdir()
     (models / "bad.pt").write_bytes(b"this is not a TorchScript archive")
-    worker = _worker(redis_db.url, tmp_path, "a", "identity", ASYNCINFER_MODEL_DIR=str(models))
-    gateway = None
+    worker = _launch(redis_db.url, tmp_path, "a", "identity", ASYNCINFER_MODEL_DIR=str(models))
+    gateway = launch_gateway(redis_db.url, tmp_path / "gateway.log",
+                             "--model-control-mode", "explicit")
+    ready_together([worker, gateway])  # started side by side; on a failure both stopped
     client = _client(redis_db.url)
     try:
-        gateway = start_gateway(redis_db.url, tmp_path / "gateway.log",
-                                "--model-control-mode", "explicit")
         yield worker, gateway, client
     finally:
         client.close()
-        if gateway is not None:
-            gateway.stop()
-        worker.stop()
+        stop_together([gateway, worker])
 
 
 def _index(rows: list[dict[str, str]]) -> dict[str, tuple[str, str]]:
@@ -170,9 +175,11 @@ def test_an_unload_under_a_stream_of_requests_loses_none_and_runs_none_twice(
     import tritonclient.http as httpclient
 
     # Given worker b hosting sleep, and worker a hosting identity only
-    b = _worker(redis_db.url, tmp_path, "b", "sleep")
-    a = _worker(redis_db.url, tmp_path, "a", "identity")
-    gateway = start_gateway(redis_db.url, tmp_path / "gateway.log", "--model-control-mode", "explicit")
+    b = _launch(redis_db.url, tmp_path, "b", "sleep")
+    a = _launch(redis_db.url, tmp_path, "a", "identity")
+    gateway = launch_gateway(redis_db.url, tmp_path / "gateway.log", "--model-control-mode",
+                             "explicit")
+    ready_together([b, a, gateway])
     client = _client(redis_db.url)
     http = httpclient.InferenceServerClient(gateway.http_url, network_timeout=120.0)
     try:
@@ -218,9 +225,7 @@ def test_an_unload_under_a_stream_of_requests_loses_none_and_runs_none_twice(
     finally:
         http.close()
         client.close()
-        gateway.stop()
-        a.stop()
-        b.stop()
+        stop_together([gateway, a, b])
 
 
 def test_an_unloaded_models_memory_is_given_back(redis_db, tmp_path) -> None:
@@ -266,10 +271,11 @@ def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_pa
     r.set("ga:gate", "closed")
     # Given worker a hosting gated, its device held by request 0 (gate closed), requests waiting
     # in its batcher; worker b hosting identity
-    a = _worker(redis_db.url, tmp_path, "a", "gated", GATED_REDIS_URL=redis_db.url,
+    a = _launch(redis_db.url, tmp_path, "a", "gated", GATED_REDIS_URL=redis_db.url,
                 GATED_PREFIX="ga")
-    b = _worker(redis_db.url, tmp_path, "b", "identity", GATED_REDIS_URL=redis_db.url,
+    b = _launch(redis_db.url, tmp_path, "b", "identity", GATED_REDIS_URL=redis_db.url,
                 GATED_PREFIX="gb")
+    ready_together([a, b])
     client = _client(redis_db.url)
     try:
         futures = [client.submit("gated", {"index": np.array([[0.0]])})]
@@ -317,8 +323,7 @@ def test_an_unload_gives_back_what_waits_and_finishes_what_runs(redis_db, tmp_pa
     finally:
         r.set("ga:gate", "open")
         client.close()
-        a.stop()
-        b.stop()
+        stop_together([a, b])
 
 
 def test_two_versions_side_by_side_routed_by_version(fleet) -> None:
@@ -471,8 +476,7 @@ def test_a_fresh_gateway_unloads_at_once_from_a_worker_it_just_saw(redis_db, tmp
         assert status == 200 and answer["workers"][0]["models"] == []
         print(f"first unload answered in {took_s:.2f} s; the worker listened already: {listening}")
     finally:
-        gateway.stop()
-        worker.stop()
+        stop_together([gateway, worker])
 
 
 def test_a_clients_first_call_unloads_from_a_worker_it_just_saw(redis_db, tmp_path) -> None:
@@ -508,10 +512,13 @@ def test_load_and_unload_are_refused_unless_the_gateway_allows_them(redis_db, tm
 
     triton = "explicit model load / unload is not allowed if polling is enabled: "
     how = "--model-control-mode explicit (or ASYNCINFER_MODEL_CONTROL_MODE=explicit"
-    worker = _worker(redis_db.url, tmp_path, "a", "identity,mlp")
-    # Given a gateway started without --model-control-mode (Triton's default, none)
-    closed = start_gateway(redis_db.url, tmp_path / "closed.log")
-    opened = None
+    worker = _launch(redis_db.url, tmp_path, "a", "identity,mlp")
+    # Given a gateway started without --model-control-mode (Triton's default, none), and another
+    # whose operator allows model control through the setting (started beside it, used below)
+    closed = launch_gateway(redis_db.url, tmp_path / "closed.log")
+    opened = launch_gateway(redis_db.url, tmp_path / "opened.log",
+                            ASYNCINFER_MODEL_CONTROL_MODE="explicit")
+    ready_together([worker, closed, opened])
     http = httpclient.InferenceServerClient(closed.http_url, network_timeout=120.0)
     grpc = grpcclient.InferenceServerClient(closed.grpc_url)
     client = _client(redis_db.url)
@@ -537,9 +544,8 @@ def test_load_and_unload_are_refused_unless_the_gateway_allows_them(redis_db, tm
         assert _index(http.get_model_repository_index())["mlp"] == ("READY", "")
         assert {m.name: m.state for m in grpc.get_model_repository_index().models}["mlp"] == \
             "READY"
-        # When another gateway's operator allows it through the setting, Then it serves them
-        opened = start_gateway(redis_db.url, tmp_path / "opened.log",
-                               ASYNCINFER_MODEL_CONTROL_MODE="explicit")
+        # When the other gateway is asked, whose operator allows it through the setting, Then it
+        # serves them
         status, body = _status(opened.http_url, "/v2/repository/models/mlp/unload", b"{}")
         assert status == 200 and body["ok"] is True, body
         assert [h.worker for h in client.models()["mlp"].hosts] == []
@@ -547,7 +553,4 @@ def test_load_and_unload_are_refused_unless_the_gateway_allows_them(redis_db, tm
         http.close()
         grpc.close()
         client.close()
-        closed.stop()
-        if opened is not None:
-            opened.stop()
-        worker.stop()
+        stop_together([closed, opened, worker])

@@ -15,7 +15,7 @@ import redis
 
 from asyncinfer.client import Client
 from tests.support.databases import gated_executions
-from tests.support.processes import WorkerProcess, launch_worker
+from tests.support.processes import WorkerProcess, launch_worker, ready_together, stop_together
 from tests.support.waiting import wait_for
 
 __all__ = ["index_input", "kill_during_paced_stream", "started_by"]
@@ -89,8 +89,7 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
     held_by_victims: dict[str, str] = {}  # request ID -> the victim that held it when killed
     killed_at: dict[str, float] = {}
     try:
-        starting = [launch(0), launch(1)]
-        workers += [w.wait_ready() for w in starting]
+        workers += ready_together([launch(0), launch(1)])
         sender = threading.Thread(target=stream)
         sender.start()
         # The replacement starts in the background (a worker takes seconds to start on a loaded
@@ -136,8 +135,7 @@ def kill_during_paced_stream(url: str, r: redis.Redis, prefix: str, env: dict[st
     finally:
         r.delete(f"{prefix}:gate")
         client.close()
-        for w in workers:
-            w.stop()
+        stop_together(workers)
 
 
 def _number(worker: WorkerProcess) -> int:

@@ -7,14 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from asyncinfer.supervision.processes import pid_alive, stop_process
 
 __all__ = ["ROOT", "TEST_FACTORIES", "WORKER_MODELS", "SESSION_MAX_PAYLOAD_BYTES", "worker_env",
-           "WorkerProcess", "start_worker", "start_up", "stop_up", "embedded_up_env",
-           "GatewayProcess", "start_gateway", "gateway_ports_env"]
+           "WorkerProcess", "launch_worker", "start_worker", "start_up", "stop_up",
+           "embedded_up_env", "GatewayProcess", "launch_gateway", "start_gateway",
+           "gateway_ports_env", "ready_together", "stop_together"]
 
 #: The project's root folder (the working directory of every subprocess).
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,17 +58,22 @@ class WorkerProcess:
     #: What its log says once it serves, and what it is called in errors.
     READY, WHAT = " ready.", "worker"
 
+    def ready(self) -> bool:
+        """Whether its log says it serves.
+
+        Raises:
+            RuntimeError: it exited, with the end of its log.
+        """
+        if self.READY in self.log():
+            return True
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.WHAT} exited with {self.process.returncode}:\n"
+                               f"{self.log()[-3000:]}")
+        return False
+
     def wait_ready(self, timeout_s: float = 90.0) -> WorkerProcess:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.READY in self.log():
-                return self
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.WHAT} exited with {self.process.returncode}:\n"
-                                   f"{self.log()[-3000:]}")
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"{self.WHAT} not ready in {timeout_s} s:\n{self.log()[-3000:]}")
+        ready_together([self], timeout_s)
+        return self
 
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_process(self.process, signal.SIGTERM, timeout_s)
@@ -97,16 +104,71 @@ class GatewayProcess(WorkerProcess):
         self.grpc_url = f"127.0.0.1:{grpc_port}"
 
 
-def start_gateway(redis_url: str, log_path: Path, *args: str, **env: str) -> GatewayProcess:
+def launch_gateway(redis_url: str, log_path: Path, *args: str, **env: str) -> GatewayProcess:
     """Start ``asyncinfer gateway`` (with ``args``: ``--model-control-mode explicit``, say) on
-    three free ports and wait until it serves."""
+    three free ports; return at once (``wait_ready`` or :func:`ready_together` waits)."""
     ports = [int(p) for p in gateway_ports_env().values()]
     argv = [sys.executable, "-m", "asyncinfer", "gateway", "--http-port", str(ports[0]),
             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), *args]
-    proc = GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
+    return GatewayProcess(argv, worker_env(redis_url, **env), log_path, http_port=ports[0],
                           grpc_port=ports[1], metrics_port=ports[2])
+
+
+def start_gateway(redis_url: str, log_path: Path, *args: str, **env: str) -> GatewayProcess:
+    """:func:`launch_gateway`, then wait until it serves."""
+    proc = launch_gateway(redis_url, log_path, *args, **env)
     proc.wait_ready(60.0)
     return proc
+
+
+P = TypeVar("P", bound=WorkerProcess)
+
+
+def ready_together(procs: Sequence[P], timeout_s: float = 90.0) -> Sequence[P]:
+    """Wait until every one of ``procs`` (launched, not waited for: they start side by side)
+    serves, all within one ``timeout_s``; return them. If one exits or the time runs out, every
+    one of them is stopped (by its PID) before the error is raised.
+
+    Raises:
+        RuntimeError: one exited (its log's end); TimeoutError: naming those not ready.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = list(procs)
+    try:
+        while waiting:
+            waiting = [p for p in waiting if not p.ready()]
+            if not waiting:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError("; ".join(f"{p.WHAT} {p.pid} not ready in {timeout_s} s:\n"
+                                             f"{p.log()[-3000:]}" for p in waiting))
+            time.sleep(0.05)
+    except BaseException:
+        stop_together(procs)
+        raise
+    return procs
+
+
+def stop_together(procs: Iterable[WorkerProcess], timeout_s: float = 20.0,
+                  sig: int = signal.SIGTERM) -> None:
+    """Stop every one of ``procs`` by its PID at once: ``sig`` to each still running, then wait
+    for them all within one ``timeout_s``, SIGKILL for any left; each one's log closed."""
+    procs = list(procs)
+    for p in procs:
+        if p.process.poll() is None:
+            try:
+                p.process.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.process.kill()
+            p.process.wait()
+        finally:
+            p._log.close()
 
 
 def gateway_ports_env() -> dict[str, str]:
