@@ -32,8 +32,12 @@ import json, os, sys, time
 import numpy as np
 import redis
 from asyncinfer import Client
-from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
-from asyncinfer.ops.benchmark.systems import process_cpu_s
+try:
+    from asyncinfer.ops.benchmark.loadgen import percentile, run_closed_loop
+    from asyncinfer.ops.benchmark.systems import process_cpu_s
+except ImportError:  # a tree from before the benchmark moved under ops/
+    from asyncinfer.bench.loadgen import percentile, run_closed_loop
+    from asyncinfer.bench.systems import process_cpu_s
 
 url, worker_pid, redis_pid, tag, model, levels, rtt_ms, requests = sys.argv[1:9]
 client, stats = Client(broker_url=url), redis.Redis.from_url(url)

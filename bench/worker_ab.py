@@ -150,6 +150,7 @@ def _run(tag: str, tree: Path, url: str, redis_pid: int, args: argparse.Namespac
         load = subprocess.Popen([sys.executable, "-c", _LOAD, url, str(worker.pid), str(redis_pid),
                                  args.model, str(args.in_flight), str(args.requests), broker],
                                 env={**env, "PYTHONPATH": str(client_tree)},
+                                cwd=client_tree,  # ``-c`` puts its cwd first on sys.path
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert load.stdin is not None and load.stdout is not None
         load.stdout.readline()  # ready
