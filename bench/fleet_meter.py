@@ -121,12 +121,25 @@ class Meter:
 
 
 def script_names() -> dict[bytes, str]:
-    """SHA-1 (hex, as EVALSHA names it) → ``module.NAME`` of each Lua text in SCRIPT_MODULES."""
+    """SHA-1 (hex, as EVALSHA names it) → the name of each script of asyncinfer/broker/scripts/
+    (and of any Lua text still held by a module of SCRIPT_MODULES, in a tree from before the
+    scripts were files)."""
     names: dict[bytes, str] = {}
+    try:
+        from asyncinfer.broker.scripts import names as script_files
+        from asyncinfer.broker.scripts import script
+    except ImportError:
+        script_files = None
+    if script_files is not None:
+        for name in script_files():
+            names[hashlib.sha1(script(name).encode()).hexdigest().encode()] = name
     for module_name in SCRIPT_MODULES:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
         for name, value in vars(module).items():
-            if isinstance(value, str) and "redis.call" in value:
+            if isinstance(value, str) and "redis.call" in value and not name.startswith("__"):
                 sha = hashlib.sha1(value.encode()).hexdigest().encode()
                 names.setdefault(sha, f"{module_name.rsplit('.', 1)[1]}.{name}")
     return names

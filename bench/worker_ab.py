@@ -65,11 +65,12 @@ print("ready", flush=True)
 sys.stdin.readline()  # the thread counts are read now
 stats = redis.Redis.from_url(url)
 calls = lambda: {k: v["calls"] for k, v in stats.info("commandstats").items()}
-s0 = calls()
+usec = lambda: {k: v["usec"] for k, v in stats.info("commandstats").items()}
+s0, u0 = calls(), usec()
 c0, w0, r0 = time.process_time(), process_cpu_s(worker_pid), process_cpu_s(redis_pid)
 res = run_closed_loop("ab", submit, total, level)
 n = max(1, len(res.latencies_ms))
-s1 = calls()
+s1, u1 = calls(), usec()
 sizes = res.batch_sizes
 print(json.dumps({
     "req_per_s": round(res.throughput, 1), "p50_ms": round(percentile(res.latencies_ms, 50), 2),
@@ -81,6 +82,8 @@ print(json.dumps({
     "redis_commands_per_request": round((sum(s1.values()) - sum(s0.values())) / n, 2),
     "redis_commands": {k.removeprefix("cmdstat_"): round((s1[k] - s0.get(k, 0)) / n, 2)
                        for k in s1 if (s1[k] - s0.get(k, 0)) / n >= 0.05},
+    "redis_usec_per_request": {k.removeprefix("cmdstat_"): round((u1[k] - u0.get(k, 0)) / n, 2)
+                               for k in u1 if (u1[k] - u0.get(k, 0)) / n >= 0.05},
     "requests": n, "failures": res.failures}), flush=True)
 client.close()
 '''
