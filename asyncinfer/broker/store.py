@@ -39,15 +39,18 @@ from asyncinfer.wire.keys import (
     UNACKED_KEY,
 )
 
-__all__ = ["GUARDED", "Entry", "StoreScript", "as_out_of_memory", "error_texts", "store_reply"]
+__all__ = ["GUARDED", "QUIET", "Entry", "StoreScript", "as_out_of_memory", "error_texts", "store_reply"]
 
 #: One request's part of a batch: result key ('' for none), stored text, reply channel ('' for
 #: none), delivery tag ('' when it was never recorded as unacknowledged), guard (:data:`GUARDED`:
-#: never replace a final state stored for the request; '': store as ever).
+#: never replace a final state stored for the request; :data:`QUIET`: store it, announce nothing;
+#: '': store and announce as ever).
 Entry = tuple[str, Any, str, str, str]
 
 #: An entry's guard: its result never replaces a final state already stored (a sequence request).
 GUARDED = "1"
+#: An entry's guard: stored, not announced (a STARTED state: waiters act on final states only).
+QUIET = "q"
 
 _STORE = script("store")
 

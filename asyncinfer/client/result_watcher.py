@@ -45,6 +45,7 @@ from redis._parsers.hiredis import _HiredisParser
 from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
 from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
+from asyncinfer.wire.reply import announced_payloads
 from asyncinfer.wire.result_json import decode_result
 
 __all__ = ["ResultWatcher", "result_key_prefix"]
@@ -227,7 +228,10 @@ class ResultWatcher:
                     if message.get("type") != "message":
                         continue
                     channel, payload = message["channel"], message["data"]
-                if self._deliver_payload(payload) and _text(channel) != self.channel:
+                if _text(channel) == self.channel and isinstance(payload, bytes):
+                    for one in announced_payloads(payload):  # a batch's results, grouped
+                        self._deliver_payload(one)
+                elif self._deliver_payload(payload) and _text(channel) != self.channel:
                     finished.append(channel)
             if finished:
                 pubsub.unsubscribe(*finished)

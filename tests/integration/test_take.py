@@ -171,3 +171,30 @@ def test_take_stores_started_for_its_own_first_deliveries_only(broker) -> None:
     assert json.loads(r.get('celery-task-meta-odd"id\\'))["task_id"] == 'odd"id\\'
     assert 0 < r.ttl("celery-task-meta-plain") <= 60
     assert not r.exists("celery-task-meta-delayed", "celery-task-meta-again", "celery-task-meta-other")
+
+
+def test_a_take_larger_than_one_commands_worth_records_and_leases_every_message(broker) -> None:
+    """The take writes its bookkeeping with one variadic command per key, in calls of at most
+    1,000 messages: a take of 1,500 across two lists records and leases each one."""
+    from asyncinfer.broker.take import LeaseTerms
+    from asyncinfer.wire.keys import LEASE_HOLDERS_KEY, LEASES_KEY
+
+    _, r = broker
+    queue = "infer.big"
+    lists = priority_lists([queue])
+    pipe = r.pipeline()
+    for i in range(1200):
+        pipe.lpush(queue, _message(f"big-{i}", queue))
+    for i in range(300):
+        pipe.lpush(f"{queue}{PRIORITY_SEP}3", _message(f"later-{i}", queue))
+    pipe.execute()
+    taken = Taker(r).take(lists, 1500, lease=LeaseTerms(10.0, "w1"))
+    ids = [json.loads(raw)["headers"]["id"] for _, raw, _, _, _ in taken]
+    assert ids == [f"big-{i}" for i in range(1200)] + [f"later-{i}" for i in range(300)]
+    tags = [json.loads(raw)["properties"]["delivery_tag"] for _, raw, _, _, _ in taken]
+    assert all(recorded for _, _, recorded, _, _ in taken)
+    assert r.hlen(UNACKED_KEY) == r.zcard(UNACKED_INDEX_KEY) == 1500
+    assert r.zcard(LEASES_KEY) == r.hlen(LEASE_HOLDERS_KEY) == 1500
+    assert r.hget(LEASE_HOLDERS_KEY, tags[-1]) == f"w1\t{queue}{PRIORITY_SEP}3".encode()
+    assert r.zscore(LEASES_KEY, tags[0]) == pytest.approx(time.time() + 10, abs=60)
+    assert not any(r.llen(k) for k in lists)

@@ -19,7 +19,7 @@ from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.messages import task_message
-from asyncinfer.wire.reply import REPLY_TO, reply_channel_of, reply_rule_broken
+from asyncinfer.wire.reply import REPLY_TO, announced_payloads, reply_channel_of, reply_rule_broken
 from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
 from asyncinfer.worker.requests.taken import TakenMessage
 
@@ -80,8 +80,9 @@ def _delivery(request_id: str, reply_to: str | None) -> TakenMessage:
 def _messages(pubsub: Any) -> list[tuple[str, dict[str, Any]]]:
     out = []
     while (message := pubsub.get_message(timeout=0.2)) is not None:
-        if message["type"] == "message":
-            out.append((message["channel"].decode(), json.loads(message["data"])))
+        if message["type"] == "message":  # a batch's results on one channel come grouped
+            out += [(message["channel"].decode(), json.loads(payload))
+                    for payload in announced_payloads(message["data"])]
     return out
 
 

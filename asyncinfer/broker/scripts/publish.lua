@@ -22,6 +22,12 @@
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local depth = nil
 local out = {}
+-- The pushes accepted, per list in order, made at the end with one LPUSH per list; a list's
+-- length counts what is pending for it.
+local pending, targets = {}, {}
+local function llen(key)
+  return redis.call('LLEN', key) + (pending[key] and #pending[key] or 0)
+end
 local function fill(stored, id)
   local cut = string.find(stored, ';', 1, true)
   if not cut then return nil end  -- not a template: a miss
@@ -50,7 +56,7 @@ local function route(pin_key, workers, mode, ends)
     local best, fewest = nil, nil
     for j = 0, #live - 1 do
       local member = live[(turn + j) % #live + 1]
-      local held = redis.call('LLEN', first_field(member))
+      local held = llen(first_field(member))
       if not best or held < fewest then best, fewest = member, held end
     end
     pin = best
@@ -116,13 +122,13 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
   if not status and bound > 0 and sequence == 0 then
     if not depth then
       depth = 0
-      for j = 1, lists do depth = depth + redis.call('LLEN', KEYS[j]) end
+      for j = 1, lists do depth = depth + llen(KEYS[j]) end
     end
     if depth >= bound then status, detail = -1, depth end
   end
   local level_bound = tonumber(ARGV[a + 6])
   if not status and level_bound > 0 and sequence == 0 then
-    local held = redis.call('LLEN', KEYS[k + 1])
+    local held = llen(KEYS[k + 1])
     if held >= level_bound then status, detail = -3, held end
   end
   if not status then
@@ -131,11 +137,22 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
     elseif tonumber(ARGV[a + 2]) > 0 then
       redis.call('SET', KEYS[k + 2], queue, 'EX', ARGV[a + 2])
     end
-    redis.call('LPUSH', target, ARGV[a])
+    if not pending[target] then
+      pending[target] = {}
+      targets[#targets + 1] = target
+    end
+    local queued = pending[target]
+    queued[#queued + 1] = ARGV[a]
     if depth and sequence == 0 then depth = depth + 1 end
     status = 1
   end
   out[#out + 1] = status
   out[#out + 1] = detail
+end
+for _, target in ipairs(targets) do  -- oldest first, as one LPUSH each would leave them
+  local queued = pending[target]
+  for from = 1, #queued, 1000 do
+    redis.call('LPUSH', target, unpack(queued, from, math.min(from + 999, #queued)))
+  end
 end
 return out

@@ -4,7 +4,9 @@
 -- replies of the announcements and acknowledgements, the result keys not written}: a guarded
 -- result (a sequence request's) never replaces a final state already stored for its request (the
 -- FAILURE another worker's sweep wrote when this worker's registration lapsed: it is not
--- announced either, and the message is still acknowledged).
+-- announced either, and the message is still acknowledged); a quiet one (guard 'q', a STARTED
+-- state) is stored and not announced. The results of the batch that name one reply channel are
+-- announced there in one message (wire/reply.py's grouped form when more than one).
 
 local ttl = tonumber(ARGV[1])
 local errors, skipped = {}, {}
@@ -19,24 +21,53 @@ local function settled(key)
   local ok, meta = pcall(cjson.decode, old)
   return ok and type(meta) == 'table' and final[meta['status']] == true
 end
+local tags = {}
+local replies, channels = {}, {}  -- the values announced on each reply channel, in order
 for i = 2, #ARGV, 5 do
   local key, value, reply_to, tag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local guard = ARGV[i + 4]
   if key ~= '' then
-    if guard ~= '' and settled(key) then
+    if guard == '1' and settled(key) then
       skipped[#skipped + 1] = key
     else
       if ttl > 0 then redis.call('SETEX', key, ttl, value) else redis.call('SET', key, value) end
-      try('PUBLISH', key, value)
-      if reply_to ~= '' then try('PUBLISH', reply_to, value) end
+      if guard ~= 'q' then  -- 'q': a STARTED state, stored and not announced
+        try('PUBLISH', key, value)
+        if reply_to ~= '' then
+          local group = replies[reply_to]
+          if not group then
+            group = {}
+            replies[reply_to] = group
+            channels[#channels + 1] = reply_to
+          end
+          group[#group + 1] = value
+        end
+      end
     end
   end
-  if tag ~= '' then
-    try('ZREM', KEYS[1], tag)
-    try('HDEL', KEYS[2], tag)
-    try('ZREM', KEYS[3], tag)
-    try('HDEL', KEYS[4], tag)
-    try('HDEL', KEYS[5], tag)
+  if tag ~= '' then tags[#tags + 1] = tag end
+end
+-- One message per reply channel: a lone value as it is, several grouped (wire/reply.py)
+for _, channel in ipairs(channels) do
+  local group = replies[channel]
+  if #group == 1 then
+    try('PUBLISH', channel, group[1])
+  else
+    local parts = {'\30'}
+    for _, value in ipairs(group) do
+      parts[#parts + 1] = #value .. ':' .. value
+    end
+    try('PUBLISH', channel, table.concat(parts))
   end
+end
+-- The acknowledgements: one variadic command per key for the whole batch, in calls of at most
+-- 1,000 tags (unpack's stack has a limit).
+for from = 1, #tags, 1000 do
+  local last = math.min(from + 999, #tags)
+  try('ZREM', KEYS[1], unpack(tags, from, last))
+  try('HDEL', KEYS[2], unpack(tags, from, last))
+  try('ZREM', KEYS[3], unpack(tags, from, last))
+  try('HDEL', KEYS[4], unpack(tags, from, last))
+  try('HDEL', KEYS[5], unpack(tags, from, last))
 end
 return {errors, skipped}

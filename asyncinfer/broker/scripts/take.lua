@@ -72,7 +72,9 @@ local function deaths(env)
 end
 
 -- Store the STARTED state of a task of ours that is neither delayed (eta) nor redelivered (its
--- answer may be stored already: the consumer looks first); 1 if stored.
+-- answer may be stored already: the consumer looks first); 1 if stored. Not announced: a waiter
+-- on the request's channel (Celery's result consumer, our clients) acts on a final state only,
+-- and a PUBLISH per request for nobody was a tenth of what a request cost Redis.
 local function start(env)
   if started_prefix == '' then return 0 end
   local h = env['headers']
@@ -84,8 +86,18 @@ local function start(env)
   local value = text_head .. cjson.encode(h['id']) .. text_tail
   if started_ttl > 0 then redis.call('SETEX', key, started_ttl, value)
   else redis.call('SET', key, value) end
-  redis.call('PUBLISH', key, value)
   return 1
+end
+
+-- The bookkeeping of what is taken, written once per take with one variadic command per key
+-- (not four commands per message): unacked_index, unacked, the leases and their holders.
+local index_args, unacked_args, lease_args, holder_args = {}, {}, {}, {}
+local function append(t, a, b) t[#t + 1] = a t[#t + 1] = b end
+-- cmd key pairs...: in calls of at most 1,000 pairs (unpack's stack has a limit)
+local function variadic(cmd, key, args)
+  for from = 1, #args, 2000 do
+    redis.call(cmd, key, unpack(args, from, math.min(from + 1999, #args)))
+  end
 end
 
 local out = {}
@@ -95,9 +107,8 @@ for i = first, #KEYS do
   local queue = KEYS[i]
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
-  while taken < room do
-    local msg = redis.call('RPOP', KEYS[i])
-    if not msg then break end
+  local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
+  for _, msg in ipairs(popped) do
     local env = envelope_of(msg)
     local recorded, started, died = 0, 0, 0
     if env then
@@ -109,12 +120,12 @@ for i = first, #KEYS do
         if type(info['routing_key']) == 'string' then routing_key = info['routing_key'] end
       end
       local tag = props['delivery_tag']
-      redis.call('ZADD', KEYS[1], ARGV[2], tag)
-      redis.call('HSET', KEYS[2], tag,
-                 '[' .. msg .. ', ' .. cjson.encode(exchange) .. ', ' .. cjson.encode(routing_key) .. ']')
+      append(index_args, ARGV[2], tag)
+      append(unacked_args, tag,
+             '[' .. msg .. ', ' .. cjson.encode(exchange) .. ', ' .. cjson.encode(routing_key) .. ']')
       if lease_s > 0 then
-        redis.call('ZADD', KEYS[3], expiry, tag)
-        redis.call('HSET', KEYS[4], tag, holder .. '\t' .. KEYS[i])
+        append(lease_args, expiry, tag)
+        append(holder_args, tag, holder .. '\t' .. KEYS[i])
       end
       recorded = 1
       started = start(env)
@@ -129,6 +140,10 @@ for i = first, #KEYS do
   end
   if taken >= room then stop = i break end
 end
+variadic('ZADD', KEYS[1], index_args)
+variadic('HSET', KEYS[2], unacked_args)
+variadic('ZADD', KEYS[3], lease_args)
+variadic('HSET', KEYS[4], holder_args)
 -- A consumer whose take took something is busy for a while: of the lists it watched and is not
 -- blocked on now (those given in KEYS), it gives up the watch of each one for which other idle
 -- consumers wait (or of every one, when it is full now and will not watch), and rings one bell

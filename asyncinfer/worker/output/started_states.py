@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from celery import states
 
-from asyncinfer.broker.store import StoreScript
+from asyncinfer.broker.store import QUIET, StoreScript
 from asyncinfer.broker.take import StartedText
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.envelope import result_meta
@@ -49,7 +49,7 @@ class StartedStates:
         :attr:`results`, as one store call."""
         prefix, suffix = self._text(hostname)
         self.store.queue(pipe, [(self.backend.get_key_for_task(d.request_id),
-                                 prefix + json.dumps(d.request_id) + suffix, "", "", "")
+                                 prefix + json.dumps(d.request_id) + suffix, "", "", QUIET)
                                 for d in deliveries])
 
     def store_now(self, deliveries: list[TakenMessage], hostname: str) -> None:
