@@ -7,12 +7,28 @@ order) and records each in ``unacked`` / ``unacked_index`` in the same atomic st
 message is at all times either on its queue or in the bookkeeping from which kombu restores it. An
 idle consumer waits without popping (wake.py), then takes with this script.
 
-Only a well-formed envelope is recorded: one whose JSON, apart from its (base64) body, decodes
-to an object with ``properties`` (an object with a string ``delivery_tag``), ``headers`` (an
-object, if present), and no deeper nesting than :data:`MAX_ENVELOPE_DEPTH`. Anything else is
-popped but not recorded — the consumer answers it as malformed — so kombu's restore sweep (which
-every worker runs over ``unacked``) never meets a message it cannot load. The ``unacked`` entry is
-kombu's ``[envelope, exchange, routing_key]``, the envelope kept byte for byte.
+What a take records depends on how its messages come back if their worker dies:
+
+- A **leased** take (the fast consumer's, ``ASYNCINFER_LEASE_S`` > 0) gives its messages back
+  through the leases (leases.py), never through kombu's sweep. It reads the few fields it needs
+  (delivery tag, request ID, task, eta, exchange and routing key) from the envelope's text where
+  the text says each plainly and once, as kombu, Celery and this project's producers write them,
+  without decoding the envelope (the decode and its checks were half of what a take cost Redis);
+  a text with an escape outside its body, a key twice, or a redelivered message is decoded as
+  below, with the same outcome. It records the message in ``unacked`` (kombu's entry: the
+  client's ``whereabouts`` and the lease sweep read it), the leases and their holders, not in
+  kombu's ``unacked_index``: kombu's restore sweep, which loads what the index names, never meets
+  it. A text that names its tag but is no valid envelope is recorded too; the consumer decodes
+  every message, answers it as malformed and acknowledges it under the tag its text names.
+- An **unleased** take (kombu's channel, ``ASYNCINFER_LEASE_S=0``: kombu's restore sweep is
+  the only way back) records only a well-formed envelope: one whose JSON, apart from its (base64)
+  body, decodes to an object with ``properties`` (an object with a string ``delivery_tag``),
+  ``headers`` (an object, if present), and no deeper nesting than :data:`MAX_ENVELOPE_DEPTH`.
+  Anything else is popped but not recorded — the consumer answers it as malformed — so kombu's
+  restore sweep (which every worker runs over ``unacked``) never meets a message it cannot load.
+
+The ``unacked`` entry is kombu's ``[envelope, exchange, routing_key]``, the envelope kept byte
+for byte.
 
 When the result backend is the broker, the same step stores each request's STARTED state
 (Celery's ``task_track_started``), text the worker gives it, so that no second round trip follows

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from asyncinfer.broker.take import StartedText, Taker
+from asyncinfer.broker.take import MAX_ENVELOPE_DEPTH, StartedText, Taker
 from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import PRIORITY_SEP, priority_lists
@@ -90,7 +90,24 @@ HOSTILE = [
     ("nested 20 deep (over 16)", _tagged({"body": "e30=", "headers": {"x": json.loads("[" * 20 + "]" * 20)},
                                "properties": {"delivery_tag": "t-20"}})),
     ("not JSON", '{"body": "e30=", "properties": {"delivery_tag": "t-trunc"'),
+    # the envelope (1), its headers (2) and 15 lists: one level over the rule
+    ("nested 17 deep", _tagged({"body": "e30=", "headers": {"x": json.loads("[" * 15 + "]" * 15)},
+                                "properties": {"delivery_tag": "t-17"}})),
 ]
+
+
+def test_take_records_an_envelope_nested_exactly_as_deep_as_allowed(broker) -> None:
+    """The nesting rule's edge: an envelope nested MAX_ENVELOPE_DEPTH deep is recorded."""
+    _, r = broker
+    queue = "infer.m"
+    envelope = json.loads(_message("deep16", queue))
+    envelope["headers"]["x"] = json.loads("[" * (MAX_ENVELOPE_DEPTH - 2) + "]" * (MAX_ENVELOPE_DEPTH - 2))
+    r.lpush(queue, json.dumps(envelope))
+
+    [(_, raw, recorded, _, _)] = Taker(r).take(priority_lists([queue]), 5)
+
+    assert recorded and json.loads(raw)["headers"]["id"] == "deep16"
+    assert r.hexists(UNACKED_KEY, envelope["properties"]["delivery_tag"])
 
 
 @pytest.mark.parametrize("name, raw", HOSTILE)
@@ -193,7 +210,8 @@ def test_a_take_larger_than_one_commands_worth_records_and_leases_every_message(
     assert ids == [f"big-{i}" for i in range(1200)] + [f"later-{i}" for i in range(300)]
     tags = [json.loads(raw)["properties"]["delivery_tag"] for _, raw, _, _, _ in taken]
     assert all(recorded for _, _, recorded, _, _ in taken)
-    assert r.hlen(UNACKED_KEY) == r.zcard(UNACKED_INDEX_KEY) == 1500
+    # a leased take leaves kombu's index alone: the leases give its messages back
+    assert r.hlen(UNACKED_KEY) == 1500 and r.zcard(UNACKED_INDEX_KEY) == 0
     assert r.zcard(LEASES_KEY) == r.hlen(LEASE_HOLDERS_KEY) == 1500
     assert r.hget(LEASE_HOLDERS_KEY, tags[-1]) == f"w1\t{queue}{PRIORITY_SEP}3".encode()
     assert r.zscore(LEASES_KEY, tags[0]) == pytest.approx(time.time() + 10, abs=60)

@@ -12,30 +12,40 @@
 -- Returns a flat list: the positions of the lists whose watch the taker gave up (a list, maybe
 -- empty), then per message: list name, message, 1 if recorded (else 0), 1 if its STARTED was
 -- stored (else 0), the worker deaths counted against its request.
+--
+-- A leased take (lease > 0) reads what it needs of a message from its text where the text says
+-- each field plainly and once (as kombu, Celery and our producers write them), without decoding
+-- the envelope, and records it in unacked, the leases and their holders, not in kombu's
+-- unacked_index (the leases give it back; kombu's sweep, which loads what the index names, never
+-- meets it). The consumer decodes every message and answers one that is no envelope, recorded
+-- or not. An unleased take (kombu's restore sweep is its only way back) decodes each envelope and
+-- records only what that sweep can load, in the index too.
 
 local max_depth = tonumber(ARGV[3])
 
-local function too_deep(value, depth)
-  if type(value) ~= 'table' then return false end
-  if depth > max_depth then return true end
-  for _, v in pairs(value) do
-    if too_deep(v, depth + 1) then return true end
-  end
-  return false
-end
-
--- The envelope without its body: a base64 body has no quotes or backslashes, so cut it out
--- rather than decode megabytes of it; any other body is decoded with the rest.
-local function envelope_of(msg)
-  local s, e = string.find(msg, '"body"%s*:%s*"')
-  local head = msg
+-- The envelope's text without its body: a base64 body has no quotes or backslashes, so cut it
+-- out rather than decode (or search) megabytes of it; any other body stays.
+local function without_body(msg)
+  local s, e = string.find(msg, '"body":"', 1, true)  -- kombu's and our producers' forms first
+  if not s then s, e = string.find(msg, '"body": "', 1, true) end
+  if not s then s, e = string.find(msg, '"body"%s*:%s*"') end
   if s then
     local close = string.find(msg, '"', e + 1, true)
     if close and string.byte(msg, close - 1) ~= 92 then
-      head = string.sub(msg, 1, e) .. string.sub(msg, close)
+      return string.sub(msg, 1, e) .. string.sub(msg, close)
     end
   end
+  return msg
+end
+
+-- The envelope, decoded; nil if it breaks the rules of a kombu message.
+local function envelope_of(msg)
+  local head = without_body(msg)
+  -- cjson enforces the nesting rule as it decodes (a walk of the decoded tables afterwards cost
+  -- more than the decode's own checks); its default (1000) is restored for every other script
+  cjson.decode_max_depth(max_depth)
   local ok, env = pcall(cjson.decode, head)
+  cjson.decode_max_depth(1000)
   if not ok or type(env) ~= 'table' then return nil end
   local props = env['properties']
   if type(props) ~= 'table' or type(props['delivery_tag']) ~= 'string'
@@ -43,7 +53,6 @@ local function envelope_of(msg)
   local headers = env['headers']
   if headers ~= nil and headers ~= cjson.null
      and (type(headers) ~= 'table' or headers[1] ~= nil) then return nil end  -- an object
-  if too_deep(env, 1) then return nil end
   return env
 end
 
@@ -60,30 +69,86 @@ if lease_s > 0 then  -- Redis' clock, not the hosts'
   expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease_s
 end
 
--- Worker deaths counted against the request of env while it was on a device (leases.py): only
--- a redelivered message can have any (what a dead worker held comes back marked so).
-local function deaths(env)
-  if deaths_prefix == '' then return 0 end
+-- What the take reads of a message (nil: not recorded): its delivery tag; the exchange and
+-- routing key of kombu's unacked entry; of its headers the request ID and task (nil if not
+-- strings), whether it has an eta and whether it was redelivered.
+local function decoded(msg, queue)
+  local env = envelope_of(msg)
+  if not env then return nil end
+  local props = env['properties']
+  local info = props['delivery_info']
+  local f = {tag = props['delivery_tag'], exchange = '', routing_key = queue,
+             eta = false, redelivered = false}
+  if type(info) == 'table' then
+    if type(info['exchange']) == 'string' then f.exchange = info['exchange'] end
+    if type(info['routing_key']) == 'string' then f.routing_key = info['routing_key'] end
+  end
   local h = env['headers']
-  if type(h) ~= 'table' or type(h['id']) ~= 'string' or h['id'] == ''
-     or h['redelivered'] == nil or h['redelivered'] == cjson.null or h['redelivered'] == false
-  then return 0 end
-  return tonumber(redis.call('GET', deaths_prefix .. h['id']) or '0') or 0
+  if type(h) == 'table' then
+    if type(h['id']) == 'string' then f.id = h['id'] end
+    if type(h['task']) == 'string' then f.task = h['task'] end
+    f.eta = h['eta'] ~= nil and h['eta'] ~= cjson.null and h['eta'] ~= ''
+    f.redelivered = h['redelivered'] ~= nil and h['redelivered'] ~= cjson.null
+                    and h['redelivered'] ~= false
+  end
+  return f
+end
+
+-- The string value of the one key `quoted` (the key's name in quotes) in head, written plainly
+-- ("name":"value" or "name": "value", no escapes in the value): the value; nil when the key is
+-- absent or null; false when the text says it more than once or otherwise. In valid JSON a
+-- quoted name followed by a colon is always a key: a string cannot hold an unescaped quote.
+local function plain(head, quoted)
+  local s, e = string.find(head, quoted, 1, true)
+  if not s then return nil end
+  if string.find(head, quoted, e + 1, true) then return false end
+  local value = string.match(head, '^%s*:%s*"([^"\\]*)"', e + 1)
+  if value then return value end
+  if string.find(head, '^%s*:%s*null', e + 1) then return nil end
+  return false
+end
+
+-- The fields of a message read from its text without decoding it; nil when the text does not
+-- say them plainly (an escape anywhere outside the body, a key twice), or the message was
+-- redelivered (its death count is read from its decoded headers): the take decodes it then.
+local function read_plainly(msg, queue)
+  local head = without_body(msg)
+  -- no backslash: every string in it says what it is, so a key found by its text is that key
+  if string.find(head, '\\', 1, true) or string.find(head, '"redelivered"', 1, true) then
+    return nil
+  end
+  local tag = plain(head, '"delivery_tag"')
+  if not tag or tag == '' then return nil end
+  local id, task, eta = plain(head, '"id"'), plain(head, '"task"'), plain(head, '"eta"')
+  local exchange, routing_key = plain(head, '"exchange"'), plain(head, '"routing_key"')
+  if id == false or task == false or eta == false or exchange == false or routing_key == false then
+    return nil
+  end
+  return {tag = tag, id = id, task = task, eta = eta ~= nil and eta ~= '', redelivered = false,
+          exchange = exchange or '', routing_key = routing_key or queue}
+end
+
+-- Worker deaths counted against the request of f while it was on a device (leases.py): only
+-- a redelivered message can have any (what a dead worker held comes back marked so).
+local function deaths(f)
+  if deaths_prefix == '' or not f.redelivered or not f.id or f.id == '' then return 0 end
+  return tonumber(redis.call('GET', deaths_prefix .. f.id) or '0') or 0
+end
+
+-- The JSON text of each string met (exchanges, routing keys, request IDs)
+local function json_of(text)
+  return cjson.encode(text)
 end
 
 -- Store the STARTED state of a task of ours that is neither delayed (eta) nor redelivered (its
 -- answer may be stored already: the consumer looks first); 1 if stored. Not announced: a waiter
 -- on the request's channel (Celery's result consumer, our clients) acts on a final state only,
 -- and a PUBLISH per request for nobody was a tenth of what a request cost Redis.
-local function start(env)
-  if started_prefix == '' then return 0 end
-  local h = env['headers']
-  if type(h) ~= 'table' or h['task'] ~= task_name or type(h['id']) ~= 'string' or h['id'] == ''
-     or (h['eta'] ~= nil and h['eta'] ~= cjson.null and h['eta'] ~= '')
-     or (h['redelivered'] ~= nil and h['redelivered'] ~= cjson.null and h['redelivered'] ~= false)
-  then return 0 end
-  local key = started_prefix .. h['id']
-  local value = text_head .. cjson.encode(h['id']) .. text_tail
+local function start(f)
+  if started_prefix == '' or f.task ~= task_name or not f.id or f.id == '' or f.eta
+     or f.redelivered then return 0 end
+  local key = started_prefix .. f.id
+  local value = text_head .. json_of(f.id) .. text_tail
   if started_ttl > 0 then redis.call('SETEX', key, started_ttl, value)
   else redis.call('SET', key, value) end
   return 1
@@ -109,27 +174,23 @@ for i = first, #KEYS do
   if sep then queue = string.sub(queue, 1, sep - 1) end
   local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
   for _, msg in ipairs(popped) do
-    local env = envelope_of(msg)
+    local f = nil
+    if lease_s > 0 then f = read_plainly(msg, queue) end
+    if f == nil then f = decoded(msg, queue) end
     local recorded, started, died = 0, 0, 0
-    if env then
-      local props = env['properties']
-      local info = props['delivery_info']
-      local exchange, routing_key = '', queue
-      if type(info) == 'table' then
-        if type(info['exchange']) == 'string' then exchange = info['exchange'] end
-        if type(info['routing_key']) == 'string' then routing_key = info['routing_key'] end
-      end
-      local tag = props['delivery_tag']
-      append(index_args, ARGV[2], tag)
+    if f then
+      local tag = f.tag
       append(unacked_args, tag,
-             '[' .. msg .. ', ' .. cjson.encode(exchange) .. ', ' .. cjson.encode(routing_key) .. ']')
+             '[' .. msg .. ', ' .. json_of(f.exchange) .. ', ' .. json_of(f.routing_key) .. ']')
       if lease_s > 0 then
         append(lease_args, expiry, tag)
         append(holder_args, tag, holder .. '\t' .. KEYS[i])
+      else
+        append(index_args, ARGV[2], tag)
       end
       recorded = 1
-      started = start(env)
-      died = deaths(env)
+      started = start(f)
+      died = deaths(f)
     end
     taken = taken + 1
     out[#out + 1] = KEYS[i]
