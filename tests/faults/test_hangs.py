@@ -98,3 +98,54 @@ def test_a_hung_kernel_is_found_at_the_defaults_and_the_fleet_serves_on(
         r.close()
         stop_up(up, started)
         log.close()
+
+
+def test_a_clean_stop_with_a_hung_batch_counts_a_death_instead_of_handing_it_on(
+        redis_db: RedisDatabase, tmp_path: Path) -> None:
+    """Stopping a worker whose device hangs (SIGTERM, its 10 s grace) does not send the hung
+    request back as if it had not run — the next worker would hang on it just the same: it stays
+    leased and marked, and the next worker on the host takes it back with a death counted, to run
+    alone; the requests the stopped worker had not started go back at once, with no death (they
+    wait behind it there: alone, it has that device to itself until its hang is found)."""
+    from asyncinfer.wire.keys import DEATHS_PREFIX, HUNG_PREFIX, LEASE_DEVICE_KEY, LEASES_KEY
+    from tests.support.marks import ForwardMarks
+    from tests.support.processes import start_worker
+
+    url = redis_db.url
+    r = redis.Redis.from_url(url)
+    marks = ForwardMarks(r, "sleep")
+    first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "sleep",
+                         **{FORWARD_MARKS_ENV: url})
+    second = None
+    client = Client(broker_url=url)
+    try:
+        hang = client.submit("sleep", np.array([[HANG_S]], np.float32))
+        marks.wait_on_device(HANG_S)
+        waiting = [client.submit("sleep", np.array([[0.5]], np.float32)) for _ in range(3)]
+        wait_for(lambda: "sent back" in first.log() or r.llen("infer.sleep") == 0, 30,
+                 "the waiting requests taken or handed on")
+        first.stop(timeout_s=60)
+        assert first.process.returncode == 0
+        assert "made no progress on the device" in first.log() and "when this worker stopped" in (
+            first.log())
+        assert r.get(HUNG_PREFIX + hang.id) is not None
+        # What it had not started is back on the queue; the hung one is still leased and marked
+        # as on the (now gone) worker's device, not handed on.
+        queued = [json.loads(m)["headers"]["id"] for m in r.lrange("infer.sleep", 0, -1)]
+        assert sorted(queued) == sorted(f.id for f in waiting)
+        assert hang.id.encode() in r.hvals(LEASE_DEVICE_KEY) and r.zcard(LEASES_KEY) == 1
+        assert r.get(DEATHS_PREFIX + hang.id) is None
+        # The next worker on the host takes it back at once, with a death counted: it runs alone.
+        second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "sleep",
+                              **{FORWARD_MARKS_ENV: url})
+        wait_for(lambda: r.get(DEATHS_PREFIX + hang.id) == b"1", 30, "a death counted")
+        wait_for(lambda: [b for b in marks.batches() if HANG_S in b] == [[HANG_S], [HANG_S]], 30,
+                 "the hung request on the second device, alone")
+        assert all(r.get(DEATHS_PREFIX + f.id) is None for f in waiting)
+    finally:
+        client.close()
+        for worker in (first, second):
+            if worker is not None and worker.process.poll() is None:
+                worker.process.kill()
+                worker.process.wait(10)
+        r.close()
