@@ -9,10 +9,12 @@ the slowest batch this runner finished (its warm-up counts too), and never less 
 ``floor_s`` — is a hang, reported once to the owner (``on_hung``, engine/hooks.py), which
 treats it as a death of that batch (policy/hangs.py).
 
-Well before that, a batch on the device for longer than :meth:`HangWatch.stall_limit_s` —
-``stall_factor`` times the slowest batch, at least ``stall_floor_s``, at most the hang limit —
-stalls the device: the owner is told once per batch (``on_stalled``) and hands what waits behind
-it to other workers; the batch itself runs on.
+Well before that, a batch that runs alone (a request in it saw a worker die: a suspect) and has
+been on the device for longer than :meth:`HangWatch.stall_limit_s` — ``stall_factor`` times the
+slowest batch, at least ``stall_floor_s``, at most the hang limit — stalls the device: the owner
+is told once per batch (``on_stalled``) and hands what waits behind it to other workers; the batch
+itself runs on. (Any other batch keeps what waits behind it: a slow batch of good requests is no
+reason to move the work.)
 
 The watch reads the clock twice a second on a thread of its own; it costs the device thread one
 list append per batch.
@@ -123,12 +125,14 @@ class HangWatch:
                                if any(item.on_device for item in items)]
             return list(self._on_device)
 
-    def overdue(self, limit_s: float | None = None) -> tuple[float, Sequence[WorkItem]] | None:
-        """The longest-running batch on the device that passed ``limit_s`` (default
-        :meth:`limit_s`), with its seconds there; None when none did."""
+    def overdue(self, limit_s: float | None = None,
+                alone: bool = False) -> tuple[float, Sequence[WorkItem]] | None:
+        """The longest-running batch on the device (``alone``: of those that run alone) that
+        passed ``limit_s`` (default :meth:`limit_s`), with its seconds there; None when none did."""
         limit = self.limit_s() if limit_s is None else limit_s
         now = self.clock()
-        batches = self.on_device()
+        batches = [(at, items) for at, items in self.on_device()
+                   if not alone or any(getattr(item, "alone", False) for item in items)]
         if not batches:
             return None
         at, items = min(batches, key=lambda batch: batch[0])
@@ -147,11 +151,12 @@ class HangWatch:
                     max(seconds for seconds, _ in over), limit_s, every)
 
     def stalled(self) -> Hung | None:
-        """Tell of a batch that passed the stall limit (once per batch); the stall told, if any."""
+        """Tell of a batch that runs alone and passed the stall limit (once per batch); the stall
+        told, if any."""
         if self._on_stalled is None:
             return None
         limit = self.stall_limit_s()
-        found = self.overdue(limit)
+        found = self.overdue(limit, alone=True)
         if found is None or found[1] is self._stalled:
             return None
         seconds, items = found

@@ -22,8 +22,8 @@ class Clock:
         return self.now
 
 
-def _item(request_id: str) -> SimpleNamespace:
-    return SimpleNamespace(request=SimpleNamespace(id=request_id), on_device=True)
+def _item(request_id: str, alone: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(request=SimpleNamespace(id=request_id), on_device=True, alone=alone)
 
 
 def _watch(clock: Clock, seen: list[Hung], after_s: float | None = None) -> HangWatch:
@@ -128,12 +128,18 @@ def test_a_worker_leaves_even_when_its_note_and_give_back_fail() -> None:
     assert left.wait(5)
 
 
-def test_a_batch_far_slower_than_the_model_s_stalls_the_device_once_before_it_hangs() -> None:
+def test_a_suspect_batch_far_slower_than_the_model_s_stalls_the_device_once_before_it_hangs(
+        ) -> None:
     clock, hung, stalls = Clock(), [], []
     watch = HangWatch("m", lambda: hung.append, on_stalled=lambda: stalls.append, clock=clock)
     watch.observe(1.0)
     assert watch.stall_limit_s() == pytest.approx(3.0) and watch.limit_s() == HANG_FLOOR_S
-    slow = [_item("slow")]
+    good = [_item("good")]  # not alone: slow, but no reason to move what waits
+    watch.launched(good, clock.now)
+    clock.now += 10
+    assert watch.check() is None and stalls == []
+    good[0].on_device = False
+    slow = [_item("slow", alone=True)]
     watch.launched(slow, clock.now)
     clock.now += 2.9
     assert watch.check() is None and stalls == []
@@ -142,7 +148,7 @@ def test_a_batch_far_slower_than_the_model_s_stalls_the_device_once_before_it_ha
     watch.check()
     assert [[i.request.id for i in s.items] for s in stalls] == [["slow"]] and hung == []
     slow[0].on_device = False  # it came off; the next slow one stalls again
-    later = [_item("later")]
+    later = [_item("later", alone=True)]
     watch.launched(later, clock.now)
     clock.now += 3.5
     watch.check()

@@ -243,9 +243,9 @@ class FastConsumer(PipelineConsumer):
         return stuck
 
     def _on_stalled(self, stall: Hung) -> None:
-        """A batch stalls the device (engine/hangs.py): take nothing until it comes off, and send
-        what of its model waits here for the device back to its queue, for other workers (the
-        batch itself runs on)."""
+        """A batch that runs alone (a suspect: a request in it saw a worker die) stalls the device
+        (engine/hangs.py): take nothing until it comes off, and send what of its model waits here
+        for the device back to its queue, for other workers (the batch itself runs on)."""
         self._stall = stall.items
         back = self.give_back(stall.model)
         if back:
