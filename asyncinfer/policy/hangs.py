@@ -7,8 +7,8 @@ When a batch stays on the device past the hang limit, the worker process:
 2. gives back at once everything it holds that is not on the device (``give_back(keep)``: it
    takes no more, writes what finished, and sends the rest back to their queues unmarked, for any
    worker), and keeps what is on the device;
-3. leaves with :data:`~asyncinfer.policy.time_limits.EXIT_WEDGED`, so that its supervisor starts
-   a fresh one.
+3. leaves with :data:`~asyncinfer.policy.time_limits.EXIT_WEDGED` (``Departure``), so that its
+   supervisor starts a fresh one.
 
 What it kept is still leased to it and marked as on its device: once the process is gone, the
 fleet's lease sweep (or its successor on the same host, at start) puts those requests back and
@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.engine.hangs import Hung
-from asyncinfer.policy.time_limits import EXIT_WEDGED
+from asyncinfer.policy.time_limits import Departure
 
 __all__ = ["Hang"]
 
@@ -41,16 +40,11 @@ class Hang:
                  exit_after_s: float = 2.0, leave: Callable[[int], Any] = os._exit) -> None:
         self.note = note
         self.give_back = give_back
-        self.exit_after_s = exit_after_s
-        self.leave = leave
-        self._lock = threading.Lock()
-        self._seen = False
+        self.departure = Departure(exit_after_s, leave)
 
     def __call__(self, hung: Hung) -> None:
-        with self._lock:
-            if self._seen:
-                return
-            self._seen = True
+        if not self.departure.first():
+            return
         log.critical("the device hung (%s); this worker process gives back what it had not "
                      "started and exits to be replaced; a death is counted against the %d "
                      "request(s) on the device", hung.describe(), len(hung.on_device))
@@ -60,10 +54,4 @@ class Hang:
                 step()
             except Exception:  # noqa: BLE001 - it leaves either way; the leases give all back
                 log.exception("while leaving a hung device")
-        timer = threading.Timer(self.exit_after_s, self._leave)
-        timer.daemon = True
-        timer.start()
-
-    def _leave(self) -> None:
-        logging.shutdown()
-        self.leave(EXIT_WEDGED)
+        self.departure.go()
