@@ -38,9 +38,9 @@ local function without_body(msg)
   return msg
 end
 
--- The envelope, decoded; nil if it breaks the rules of a kombu message.
-local function envelope_of(msg)
-  local head = without_body(msg)
+-- The envelope, decoded from its text without its body; nil if it breaks the rules of a kombu
+-- message.
+local function envelope_of(head)
   -- cjson enforces the nesting rule as it decodes (a walk of the decoded tables afterwards cost
   -- more than the decode's own checks); its default (1000) is restored for every other script
   cjson.decode_max_depth(max_depth)
@@ -72,8 +72,8 @@ end
 -- What the take reads of a message (nil: not recorded): its delivery tag; the exchange and
 -- routing key of kombu's unacked entry; of its headers the request ID and task (nil if not
 -- strings), whether it has an eta and whether it was redelivered.
-local function decoded(msg, queue)
-  local env = envelope_of(msg)
+local function decoded(head, queue)
+  local env = envelope_of(head)
   if not env then return nil end
   local props = env['properties']
   local info = props['delivery_info']
@@ -111,8 +111,7 @@ end
 -- The fields of a message read from its text without decoding it; nil when the text does not
 -- say them plainly (an escape anywhere outside the body, a key twice), or the message was
 -- redelivered (its death count is read from its decoded headers): the take decodes it then.
-local function read_plainly(msg, queue)
-  local head = without_body(msg)
+local function read_plainly(head, queue)
   -- no backslash: every string in it says what it is, so a key found by its text is that key
   if string.find(head, '\\', 1, true) or string.find(head, '"redelivered"', 1, true) then
     return nil
@@ -135,11 +134,6 @@ local function deaths(f)
   return tonumber(redis.call('GET', deaths_prefix .. f.id) or '0') or 0
 end
 
--- The JSON text of each string met (exchanges, routing keys, request IDs)
-local function json_of(text)
-  return cjson.encode(text)
-end
-
 -- Store the STARTED state of a task of ours that is neither delayed (eta) nor redelivered (its
 -- answer may be stored already: the consumer looks first); 1 if stored. Not announced: a waiter
 -- on the request's channel (Celery's result consumer, our clients) acts on a final state only,
@@ -148,7 +142,7 @@ local function start(f)
   if started_prefix == '' or f.task ~= task_name or not f.id or f.id == '' or f.eta
      or f.redelivered then return 0 end
   local key = started_prefix .. f.id
-  local value = text_head .. json_of(f.id) .. text_tail
+  local value = text_head .. cjson.encode(f.id) .. text_tail
   if started_ttl > 0 then redis.call('SETEX', key, started_ttl, value)
   else redis.call('SET', key, value) end
   return 1
@@ -174,14 +168,15 @@ for i = first, #KEYS do
   if sep then queue = string.sub(queue, 1, sep - 1) end
   local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
   for _, msg in ipairs(popped) do
+    local head = without_body(msg)
     local f = nil
-    if lease_s > 0 then f = read_plainly(msg, queue) end
-    if f == nil then f = decoded(msg, queue) end
+    if lease_s > 0 then f = read_plainly(head, queue) end
+    if f == nil then f = decoded(head, queue) end
     local recorded, started, died = 0, 0, 0
     if f then
       local tag = f.tag
       append(unacked_args, tag,
-             '[' .. msg .. ', ' .. json_of(f.exchange) .. ', ' .. json_of(f.routing_key) .. ']')
+             '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', ' .. cjson.encode(f.routing_key) .. ']')
       if lease_s > 0 then
         append(lease_args, expiry, tag)
         append(holder_args, tag, holder .. '\t' .. KEYS[i])
