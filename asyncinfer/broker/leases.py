@@ -47,6 +47,7 @@ from asyncinfer.broker.take import LeaseTerms
 from asyncinfer.supervision.vital import vital_thread
 from asyncinfer.wire.keys import (
     DEATHS_PREFIX,
+    HUNG_PREFIX,
     LEASE_DEVICE_KEY,
     LEASE_HOLDERS_KEY,
     LEASES_KEY,
@@ -158,6 +159,22 @@ class Leases:
         self.reclaimed = 0
         self.deaths_counted = 0
         self.lost = 0
+
+    def note_hang(self, request_ids: Iterable[str], line: str) -> None:
+        """Keep ``line`` (a hang of the device) against each of ``request_ids`` for as long as
+        their death counts live."""
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.set(HUNG_PREFIX + request_id, line, ex=self.deaths_ttl_s)
+        pipe.execute()
+
+    def hang_note(self, request_id: str) -> str:
+        """The last hang noted against ``request_id`` ('' when none, or Redis cannot say)."""
+        try:
+            line = self.client.get(HUNG_PREFIX + request_id)
+        except redis.RedisError:
+            return ""
+        return line.decode(errors="replace") if isinstance(line, bytes) else str(line or "")
 
     def sweeps(self, on: bool) -> None:
         """Whether this one sweeps (its interval as made) or leaves it to another of the process."""

@@ -94,6 +94,13 @@ class Settings:
         "after the first it runs in a device batch of its own, after this many it fails for good "
         "with `WorkerLost` (dead-lettered where the model keeps dead letters). 0: deaths are not "
         "counted.")
+    hang_after_s: float = _setting(
+        0.0, "ASYNCINFER_HANG_AFTER_S",
+        "Seconds a device batch may run before the worker counts it as hung (a kernel that blocks "
+        "without an error): the batch's requests get a worker death counted, the worker gives "
+        "back what it had not started, and exits to be replaced. 0: ten times the slowest batch "
+        "the model finished (its warm-up included), at least 30 s. Time limits, when set, act "
+        "first.")
     connect_timeout_s: float = _setting(
         5.0, "ASYNCINFER_CONNECT_TIMEOUT_S",
         "Seconds a client or worker waits to connect to the broker before it says it is unreachable.")

@@ -71,7 +71,7 @@ def check_settings(settings: Any) -> None:
                  "hold_s",
                  "soft_time_limit_s", "time_limit_s", "retry_backoff_s", "retry_backoff_max_s",
                  "retry_budget_ratio", "retry_budget_window_s", "submit_timeout_s",
-                 "submit_replicas_timeout_s", "lost_after_s"):
+                 "submit_replicas_timeout_s", "lost_after_s", "hang_after_s"):
         value = float(getattr(settings, name))
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {getattr(settings, name)!r}")

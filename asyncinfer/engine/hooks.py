@@ -15,9 +15,10 @@ from typing import Any
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.completion import settle
+from asyncinfer.engine.hangs import Hung, HungHandler
 
-__all__ = ["DeviceHooks", "LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_launch",
-           "settle_wedged"]
+__all__ = ["DeviceHooks", "LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_hung",
+           "ignore_launch", "settle_wedged"]
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
@@ -32,6 +33,10 @@ def ignore_launch(items: Sequence[WorkItem]) -> None:
 def ignore_batch(model: str, device: str, rows: int, compute_s: float,
                  waits_s: Sequence[float], phases_s: tuple[float, float, float]) -> None:
     """No one hears of finished batches."""
+
+
+def ignore_hung(hung: Hung) -> None:
+    """No one acts on a hang (the watch logged it): the batch stays on the device."""
 
 
 def settle_wedged(item: WorkItem, exc: BaseException) -> None:
@@ -50,3 +55,7 @@ class DeviceHooks:
     settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     #: A batch goes onto the device (the leases mark it, so a death counts against it).
     on_launch: LaunchObserver = ignore_launch
+    #: A batch stayed on the device past the hang limit (engine/hangs.py): once per runner.
+    on_hung: HungHandler = ignore_hung
+    #: A batch stayed on the device past the stall limit (engine/hangs.py): once per batch.
+    on_stalled: HungHandler = ignore_hung

@@ -34,6 +34,7 @@ from asyncinfer.engine.device import Device
 from asyncinfer.engine.failures import BatchObserver, Transient, is_transient, model_failure
 from asyncinfer.engine.gate import DeviceGate
 from asyncinfer.engine.graphs import GraphSet, capture_graphs
+from asyncinfer.engine.hangs import HangWatch
 from asyncinfer.engine.hooks import DeviceHooks, ignore_batch
 from asyncinfer.engine.job import Job, forward_only, off_device
 from asyncinfer.engine.limits import LimitWatch
@@ -61,7 +62,7 @@ class ModelRunner:
                  is_revoked: Callable[[str], bool] | None = None, timer: Timer | None = None,
                  is_transient: Transient = is_transient, on_batch: BatchObserver | None = None,
                  hooks: DeviceHooks | Callable[[], DeviceHooks] | None = None,
-                 record_batches: bool = False) -> None:
+                 record_batches: bool = False, hang_after_s: float | None = None) -> None:
         self.model = model
         #: Each request's result carries its batch's record (tracing: engine/completion.py).
         self.record_batches = record_batches
@@ -86,6 +87,10 @@ class ModelRunner:
         #: The requests' time limits, on the timer.
         self.limits = LimitWatch(model.name, timer, lambda: self._hooks().on_wedged,
                                  decoupled=model.decoupled)
+        #: Batches on the device, held to the hang limit (engine/hangs.py; ``hang_after_s``, else
+        #: derived from the batches it finished).
+        self.hangs = HangWatch(model.name, lambda: self._hooks().on_hung,
+                               on_stalled=lambda: self._hooks().on_stalled, after_s=hang_after_s)
         #: Whether the model answers in steps (Model.stream): one row per request...
         self._decoupled = model.decoupled
         #: ...and whether requests join its running batch between steps (in-flight batching).
@@ -142,7 +147,9 @@ class ModelRunner:
         self.model.load(self.device.torch_device)
         compile_model(self.model, self.device.torch_device, self.options)
         if self.sequences is None:  # a stateful model: no warm-up, no graphs (it needs controls)
+            began = time.perf_counter()
             warm_up(self.model, self.device, self.options)
+            self.hangs.observe(time.perf_counter() - began)  # what a batch may take, at least
         if self._decoupled and self.options.graph_batch_sizes:
             log.warning("model %s: graph_batch_sizes ignored: it streams (decoupled), its steps "
                         "run eager", self.model.name)
@@ -150,6 +157,7 @@ class ModelRunner:
             self.graphs = capture_graphs(self.model, self.device, self.options)
         for t in self._threads:
             t.start()
+        self.hangs.start()
         return self
 
     def submit(self, request: Request, received_at: float | None = None,
@@ -206,6 +214,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the threads; requests still queued fail with an error saying so."""
         self._closing = True
+        self.hangs.close()
         for item in self.batcher.close():
             self._shut_out(item)
         for item in self.sequences.close() if self.sequences is not None else ():
@@ -335,6 +344,7 @@ class ModelRunner:
                 item.on_device = True
             self._hooks().on_launch(job.items)
             job.launched = time.perf_counter()
+            self.hangs.launched(job.items, job.launched)
             with self.device.on_stream(stream), torch.inference_mode():
                 outputs = graphs.run(job.data) if graphs is not None else None
                 if outputs is None:  # eager: no graphs, or none for this batch
@@ -401,6 +411,7 @@ class ModelRunner:
                        device_s: float | None, launched: float | None = None) -> None:
         if device_s is not None:
             self.batch_s = device_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * device_s
+            self.hangs.observe(device_s)
         with self._hooks().settling():
             deliver(items, outputs, started, self.model.name, self.device.label, self.on_batch,
                     launched, device_s, self.record_batches,

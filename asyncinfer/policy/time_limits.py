@@ -30,7 +30,7 @@ from typing import Any
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.timer import TimeLimits
 
-__all__ = ["time_limits_of", "EXIT_WEDGED", "NO_LIMITS", "Wedge"]
+__all__ = ["time_limits_of", "Departure", "EXIT_WEDGED", "NO_LIMITS", "Wedge"]
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +38,27 @@ log = logging.getLogger(__name__)
 EXIT_WEDGED = 75
 
 
-class Wedge:
-    """A request's hard time limit passed while its batch was still on the device: the device is
-    wedged. The request fails (``fail(item, exc)``: stored as its transport stores answers), what
-    the worker holds goes back (``give_back()``: the fast consumer's held requests to their
-    queues at once; kombu's, the broker redelivers), and the process leaves with
-    :data:`EXIT_WEDGED`, after ``exit_after_s`` (time for a writer to store the failure), so
-    that its supervisor starts a fresh one. Once per process, whichever request saw it first."""
+class Departure:
+    """A worker process leaving because its device can no longer serve (wedged or hung): once,
+    whoever sees it first (:meth:`first`), then with :data:`EXIT_WEDGED` after ``exit_after_s``
+    (time for a writer to store what it must; 0: at once), so that its supervisor starts a fresh
+    one."""
 
-    def __init__(self, fail: Callable[[WorkItem, BaseException], None],
-                 give_back: Callable[[], None] = lambda: None, *, exit_after_s: float = 0.0,
-                 leave: Callable[[int], Any] = os._exit) -> None:
-        self.fail = fail
-        self.give_back = give_back
+    def __init__(self, exit_after_s: float = 0.0, leave: Callable[[int], Any] = os._exit) -> None:
         self.exit_after_s = exit_after_s
         self.leave = leave
         self._lock = threading.Lock()
         self._seen = False
 
-    def __call__(self, item: WorkItem, exc: BaseException) -> None:
-        self.fail(item, exc)
+    def first(self) -> bool:
+        """True for the first caller only."""
         with self._lock:
             if self._seen:
-                return
+                return False
             self._seen = True
-        log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
-        self.give_back()
+            return True
+
+    def go(self) -> None:
         if self.exit_after_s > 0:
             timer = threading.Timer(self.exit_after_s, self._leave)
             timer.daemon = True
@@ -74,6 +69,29 @@ class Wedge:
     def _leave(self) -> None:
         logging.shutdown()
         self.leave(EXIT_WEDGED)
+
+
+class Wedge:
+    """A request's hard time limit passed while its batch was still on the device: the device is
+    wedged. The request fails (``fail(item, exc)``: stored as its transport stores answers), what
+    the worker holds goes back (``give_back()``: the fast consumer's held requests to their
+    queues at once; kombu's, the broker redelivers), and the process leaves (:class:`Departure`).
+    Once per process, whichever request saw it first."""
+
+    def __init__(self, fail: Callable[[WorkItem, BaseException], None],
+                 give_back: Callable[[], None] = lambda: None, *, exit_after_s: float = 0.0,
+                 leave: Callable[[int], Any] = os._exit) -> None:
+        self.fail = fail
+        self.give_back = give_back
+        self.departure = Departure(exit_after_s, leave)
+
+    def __call__(self, item: WorkItem, exc: BaseException) -> None:
+        self.fail(item, exc)
+        if not self.departure.first():
+            return
+        log.critical("the device is wedged (%s); this worker process exits to be replaced", exc)
+        self.give_back()
+        self.departure.go()
 
 
 NO_LIMITS = TimeLimits()

@@ -29,6 +29,7 @@ __all__ = [
     "LEASE_HOLDERS_KEY",
     "LEASE_DEVICE_KEY",
     "DEATHS_PREFIX",
+    "HUNG_PREFIX",
     "WATCH_PREFIX",
     "BELL_PREFIX",
     "WAITERS_SUFFIX",
@@ -66,6 +67,9 @@ LEASE_DEVICE_KEY = LEASES_KEY + ":device"
 
 #: Worker deaths while a request was on the device: ``asyncinfer:deaths:<request id>`` (a count).
 DEATHS_PREFIX = KEY_PREFIX + "deaths:"
+#: + request ID: the line of the last hang of a device while the request was on it (it lives as
+#: long as the death counts; policy/hangs.py).
+HUNG_PREFIX = KEY_PREFIX + "hung:"
 
 #: The one idle consumer watching a list (wake.py): ``asyncinfer:watch:<list>`` names it, with a
 #: short TTL; ``asyncinfer:bell:<list>`` (at most one element) wakes one of the other idle ones.

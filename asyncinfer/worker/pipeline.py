@@ -95,6 +95,9 @@ class Pipeline:
         #: Whether requests carry their headers to the device as their trace tag (tracing on:
         #: their batch's record names them; the result writer records the spans).
         self.traced = traced
+        #: The last hang noted against a request ('' for none: policy/hangs.py), named when
+        #: its deaths fail it.
+        self.death_note: Callable[[str], str] = lambda request_id: ""
 
     # -- 1-3: take, parse, answered before ---------------------------------------------------------
 
@@ -294,7 +297,11 @@ class Pipeline:
             return
         lost = policy.deaths.judge(d.request_id, d.deaths)
         if lost is not None:
-            self.outcomes.fail(d, lost.error or WorkerLost(d.request_id), retry=False)
+            error = lost.error or WorkerLost(d.request_id)
+            note = self.death_note(d.request_id)
+            if note:
+                error = WorkerLost(f"{error}; the last was a hang: {note}")
+            self.outcomes.fail(d, error, retry=False)
             return
         embed: dict[str, Any] | None = None
         try:

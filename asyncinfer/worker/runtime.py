@@ -187,7 +187,8 @@ class WorkerRuntime:
         return ModelRunner(instance, self.device, options, is_revoked=is_revoked, timer=self.timer,
                            is_transient=is_transient, on_batch=self.metrics.record_batch,
                            hooks=lambda: self.hooks,  # whoever serves its requests, now
-                           record_batches=self.settings.tracing != "off")
+                           record_batches=self.settings.tracing != "off",
+                           hang_after_s=self.settings.hang_after_s or None)
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
         runner.start()

@@ -40,6 +40,7 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import priority_lists
 from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hangs import Hung
 from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.supervision.vital import vital_thread
@@ -118,9 +119,15 @@ class FastConsumer(PipelineConsumer):
         self._lists = self.pins.lists_for(self.queues) + priority_lists(self.queues)
         #: Watches its lists (None while it takes from no queue).
         self.waker: Waker | None = self._new_waker()
+        #: The batch that stalls the device, while it is there: takes wait (engine/hangs.py).
+        self._stall: Sequence[WorkItem] = ()
+        counting = self.leases is not None and self.leases.count_deaths
         self.use_device(self._give_back_all,
-                        on_launch=(self._on_launch if self.leases is not None
-                                   and self.leases.count_deaths else ignore_launch))
+                        on_launch=self._on_launch if counting else ignore_launch,
+                        give_back_but=self._give_back_but if counting else None,
+                        note_hang=self._note_hang, on_stalled=self._on_stalled)
+        if self.leases is not None:  # a request failed for its deaths names its last hang
+            self.pipeline.death_note = self.leases.hang_note
         self._thread = vital_thread(self._run, "asyncinfer-consumer")
 
     def _new_waker(self) -> Waker | None:
@@ -150,8 +157,10 @@ class FastConsumer(PipelineConsumer):
         self._close_waker()
         self._thread.join(timeout=5)
         self._drain(grace_s)
+        stuck = self._stuck_on_device(grace_s)
         if self.holdings.held():  # those in flight, and retries waiting for their eta
-            self._restore_held()
+            self._restore([h.delivery for h in self.holdings.held()
+                           if h.delivery.request_id not in stuck])
         self._let_go()
         self.pins.stop()
         if self.leases is not None:
@@ -199,6 +208,63 @@ class FastConsumer(PipelineConsumer):
                             "it not yet answered (their answers are late)", left)
         self.holdings.launched(ids)
         self.leases.on_device(self.holdings.tags_of(items), wait=alone)
+
+    def _give_back_but(self, keep: set[str]) -> None:
+        """The device hung and the process leaves (policy/hangs.py): take no more, write what is
+        finished, send every held request back to its queue at once but those in ``keep`` (on the
+        device: still leased and marked, so the sweep counts a death against each once this
+        process is gone)."""
+        self._stopping.set()
+        self._close_waker()
+        self._thread.join(timeout=5)
+        self.writer.close()
+        self._restore([h.delivery for h in self.holdings.held()
+                       if h.delivery.request_id not in keep])
+
+    def _stuck_on_device(self, grace_s: float) -> set[str]:
+        """(A stop, after its grace.) The requests of batches still on the device that count as
+        hung, as if the hang watch had found them: on the device longer than the grace and than
+        three times the model's slowest batch (at most its hang limit). They are not sent back as
+        if they had not run: they stay leased and marked, and once this process is gone the sweep
+        counts a death against each, as for a worker that died with them on its device. Empty
+        when deaths are not counted."""
+        if self.leases is None or not self.leases.count_deaths:
+            return set()
+        stuck: set[str] = set()
+        for runner in self.runtime.runners():
+            watch = runner.hangs
+            hung = watch.stuck(min(watch.limit_s(), max(grace_s, 3 * (watch.slowest_s or 0.0))))
+            if hung is None:
+                continue
+            log.warning("%s when this worker stopped; a death is counted against its request(s) "
+                        "(they go back once the leases see this process gone)", hung.describe())
+            self._note_hang(hung)
+            stuck |= {item.request.id for item in hung.items}
+        return stuck
+
+    def _on_stalled(self, stall: Hung) -> None:
+        """A batch that runs alone (a suspect: a request in it saw a worker die) stalls the device
+        (engine/hangs.py): take nothing until it comes off, and send what of its model waits here
+        for the device back to its queue, for other workers (the batch itself runs on)."""
+        self._stall = stall.items
+        back = self.give_back(stall.model)
+        if back:
+            log.warning("sent back %d requests of model %s that waited behind the stalled batch",
+                        back, stall.model)
+
+    def _stalled(self) -> bool:
+        """Whether a stalled batch is still on the device (no take until it comes off)."""
+        items = self._stall
+        if items and any(item.on_device for item in items):
+            return True
+        self._stall = ()
+        return False
+
+    def _note_hang(self, hung: Hung) -> None:
+        """Note the hang against the hung batch's requests (named when one fails for good)."""
+        if self.leases is not None:
+            self.leases.note_hang([item.request.id for item in hung.items],
+                                  f"{hung.describe()}, on worker {self.hostname}")
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished,
@@ -287,6 +353,9 @@ class FastConsumer(PipelineConsumer):
             try:
                 if self._next_queues is not None:
                     self._apply_queues()
+                if self._stalled():
+                    self._stopping.wait(0.1)
+                    continue
                 room = self.holdings.room(self._interrupted)
                 if room <= 0 or self._next_queues is not None:
                     continue
