@@ -103,10 +103,10 @@ def test_a_hung_kernel_is_found_at_the_defaults_and_the_fleet_serves_on(
 def test_a_clean_stop_with_a_hung_batch_counts_a_death_instead_of_handing_it_on(
         redis_db: RedisDatabase, tmp_path: Path) -> None:
     """Stopping a worker whose device hangs (SIGTERM, its 10 s grace) does not send the hung
-    request back as if it had not run — the next worker would hang on it just the same: it stays
-    leased and marked, and the next worker on the host takes it back with a death counted, to run
-    alone; the requests the stopped worker had not started go back at once, with no death (they
-    wait behind it there: alone, it has that device to itself until its hang is found)."""
+    request back as if it had not run — the next worker would hang on it just the same: it goes
+    back at once with a death counted (as if the worker had died with it on its device), so the
+    next worker runs it alone; the requests the stopped worker had not started go back at once
+    too, with no death."""
     from asyncinfer.wire.keys import DEATHS_PREFIX, HUNG_PREFIX, LEASE_DEVICE_KEY, LEASES_KEY
     from tests.support.marks import ForwardMarks
     from tests.support.processes import start_worker
@@ -129,16 +129,15 @@ def test_a_clean_stop_with_a_hung_batch_counts_a_death_instead_of_handing_it_on(
         assert "made no progress on the device" in first.log() and "when this worker stopped" in (
             first.log())
         assert r.get(HUNG_PREFIX + hang.id) is not None
-        # What it had not started is back on the queue; the hung one is still leased and marked
-        # as on the (now gone) worker's device, not handed on.
+        # Everything it held is back on the queue, nothing leased or marked; a death is counted
+        # against the hung one only
         queued = [json.loads(m)["headers"]["id"] for m in r.lrange("infer.sleep", 0, -1)]
-        assert sorted(queued) == sorted(f.id for f in waiting)
-        assert hang.id.encode() in r.hvals(LEASE_DEVICE_KEY) and r.zcard(LEASES_KEY) == 1
-        assert r.get(DEATHS_PREFIX + hang.id) is None
-        # The next worker on the host takes it back at once, with a death counted: it runs alone.
+        assert sorted(queued) == sorted([hang.id] + [f.id for f in waiting])
+        assert r.hlen(LEASE_DEVICE_KEY) == 0 and r.zcard(LEASES_KEY) == 0
+        assert r.get(DEATHS_PREFIX + hang.id) == b"1"
+        # The next worker runs it alone
         second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "sleep",
                               **{FORWARD_MARKS_ENV: url})
-        wait_for(lambda: r.get(DEATHS_PREFIX + hang.id) == b"1", 30, "a death counted")
         wait_for(lambda: [b for b in marks.batches() if HANG_S in b] == [[HANG_S], [HANG_S]], 30,
                  "the hung request on the second device, alone")
         assert all(r.get(DEATHS_PREFIX + f.id) is None for f in waiting)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import redis
@@ -159,8 +159,7 @@ class FastConsumer(PipelineConsumer):
         self._drain(grace_s)
         stuck = self._stuck_on_device(grace_s)
         if self.holdings.held():  # those in flight, and retries waiting for their eta
-            self._restore([h.delivery for h in self.holdings.held()
-                           if h.delivery.request_id not in stuck])
+            self._restore([h.delivery for h in self.holdings.held()], died=stuck)
         self._let_go()
         self.pins.stop()
         if self.leases is not None:
@@ -172,9 +171,11 @@ class FastConsumer(PipelineConsumer):
         timeout. One transaction: each message is either back on its queue or still unacked."""
         self._restore([h.delivery for h in self.holdings.held()])
 
-    def _restore(self, deliveries: Sequence[TakenMessage]) -> None:
+    def _restore(self, deliveries: Sequence[TakenMessage], died: Collection[str] = ()) -> None:
         """Put ``deliveries`` back on their queues, marked ``redelivered``, in one transaction
-        (those kombu delivered are left to the broker)."""
+        (those kombu delivered are left to the broker); a death is counted against those whose
+        request IDs are in ``died`` in the same transaction, as the sweep counts one for a
+        request on a dead worker's device."""
         # kombu's (an asyncinfer.infer Celery's consumer received) go back through the broker
         held = [d for d in deliveries if d.tag and d.message is None]
         if not held:
@@ -188,6 +189,8 @@ class FastConsumer(PipelineConsumer):
                 pipe.zrem(LEASES_KEY, d.tag)
                 pipe.hdel(LEASE_HOLDERS_KEY, d.tag)
                 pipe.hdel(LEASE_DEVICE_KEY, d.tag)
+                if d.request_id in died and self.leases is not None:
+                    self.leases.count_death(pipe, d.request_id)
             pipe.execute()
             log.warning("sent %d held requests back to their queues", len(held))
         except Exception:  # noqa: BLE001 - they stay unacknowledged: redelivered after the timeout
@@ -224,10 +227,11 @@ class FastConsumer(PipelineConsumer):
     def _stuck_on_device(self, grace_s: float) -> set[str]:
         """(A stop, after its grace.) The requests of batches still on the device that count as
         hung, as if the hang watch had found them: on the device longer than the grace and than
-        three times the model's slowest batch (at most its hang limit). They are not sent back as
-        if they had not run: they stay leased and marked, and once this process is gone the sweep
-        counts a death against each, as for a worker that died with them on its device. Empty
-        when deaths are not counted."""
+        three times the model's slowest batch (at most its hang limit). They go back to their
+        queues with the rest, but not as if they had not run: a death is counted against each
+        (as the sweep counts one for a worker that died with them on its device), so a request
+        that hangs every device is isolated, not passed from worker to worker. Empty when deaths
+        are not counted."""
         if self.leases is None or not self.leases.count_deaths:
             return set()
         stuck: set[str] = set()
@@ -237,7 +241,7 @@ class FastConsumer(PipelineConsumer):
             if hung is None:
                 continue
             log.warning("%s when this worker stopped; a death is counted against its request(s) "
-                        "(they go back once the leases see this process gone)", hung.describe())
+                        "(it goes back to its queue now, with the rest)", hung.describe())
             self._note_hang(hung)
             stuck |= {item.request.id for item in hung.items}
         return stuck
