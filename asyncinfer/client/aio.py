@@ -95,6 +95,7 @@ async def send_on_loop(sender: Sender, outgoing: Outgoing) -> InferFuture:
         return await publish(sender, lambda: sender.send_watched(outgoing).sent())
     span = None if sender.tracing is None else start_submit_span(sender.tracing, outgoing)
     try:
+        sender.deadline_clock(outgoing)  # once a process, and only for a request with expires
         message = outgoing.message(sender.watcher.channel, sender.settings.max_payload_bytes)
         future = sender.watched(outgoing)
     except BaseException as exc:

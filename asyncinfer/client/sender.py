@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from asyncinfer.broker.clock_skew import CLOCK_FOLLOWER
 from asyncinfer.broker.connections import broker_error, never_resend, redis_client
 from asyncinfer.broker.publisher import DUPLICATE, Publisher
 from asyncinfer.broker.scripts import script
@@ -72,6 +73,8 @@ class Sender:
             redis_client(broker_url, self.settings, socket_connect_timeout=self.settings.connect_timeout_s,
                          retry=never_resend())  # a group lost on its way back is not sent again
             if is_redis_url(broker_url) else None)
+        if self.broker is not None:  # every expires is set on the broker's clock (wire/clock.py)
+            CLOCK_FOLLOWER.follow(self.broker)
         trace_s = trace_ttl_s(self.settings.lost_after_s, self.settings.result_expires_s)
         self._publisher = (Publisher(self.broker, claim_ttl_s=self.settings.result_expires_s,
                                      replicas=self.settings.submit_replicas,
@@ -165,6 +168,12 @@ class Sender:
         end_with_future(self.tracing, span, future)
         return future
 
+    def deadline_clock(self, outgoing: Outgoing) -> None:
+        """Before a request with an ``expires`` is written: this process' offset from the
+        broker's clock is known (the deadline is set on the broker's clock: wire/clock.py)."""
+        if outgoing.expires is not None and self.broker is not None:
+            CLOCK_FOLLOWER.measured(self.broker)
+
     def _send_watched(self, outgoing: Outgoing) -> InferFuture:
         if self.grouped is None:
             future = self.watched(outgoing)
@@ -175,6 +184,7 @@ class Sender:
                 raise
             return future
         assert self._publisher is not None
+        self.deadline_clock(outgoing)
         push = self._publisher.prepare(
             message=outgoing.message(self.watcher.channel, self.settings.max_payload_bytes),
             **self.publish_options(outgoing))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from prometheus_client.registry import Collector
 from asyncinfer.constants import priority_lists, queue_for
 from asyncinfer.gateway.tensors import InferCall
 from asyncinfer.metrics_registry import process_registry
+from asyncinfer.wire.clock import now_s
 from asyncinfer.wire.messages import SENT_AT
 
 __all__ = ["GatewayMetrics"]
@@ -75,7 +75,7 @@ class _Queues(Collector):
                 pipe.llen(key)
                 pipe.lindex(key, -1)  # LPUSH in, taken from the right: the oldest is last
         replies = iter(pipe.execute())
-        now = time.time()
+        now = now_s()  # the messages' times are on the broker's clock
         for m in models:
             waiting, oldest = 0, None
             for _ in lists[m]:

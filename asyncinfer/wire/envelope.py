@@ -30,6 +30,7 @@ import msgpack
 from asyncinfer.constants import model_from_queue
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire import json_text
+from asyncinfer.wire.clock import now_utc
 from asyncinfer.wire.reply import REPLY_TO, reply_rule_broken
 
 __all__ = [
@@ -292,7 +293,8 @@ def priority_in(info: Any) -> int:
 
 
 def seconds_until(expires: Any, now: datetime | None = None) -> float | None:
-    """Seconds left until an ``expires`` value (ISO 8601 string or datetime); None if none."""
+    """Seconds left until an ``expires`` value (ISO 8601 string or datetime), on the broker's
+    clock (wire/clock.py) unless ``now`` is given; None if none."""
     if not expires:
         return None
     try:
@@ -301,7 +303,7 @@ def seconds_until(expires: Any, now: datetime | None = None) -> float | None:
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return (when - (now or datetime.now(timezone.utc))).total_seconds()
+    return (when - (now or now_utc())).total_seconds()
 
 
 def expired(headers: dict[str, Any], now: datetime | None = None) -> bool:

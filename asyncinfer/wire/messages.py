@@ -11,15 +11,15 @@ import math
 import os
 import socket
 import threading
-import time
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 import msgpack
 import orjson
 
 from asyncinfer.wire import json_text
+from asyncinfer.wire.clock import now_s, now_utc
 from asyncinfer.wire.envelope import JSON_TYPE, MSGPACK_TYPES, Message, payload_too_large
 from asyncinfer.wire.reply import REPLY_TO
 
@@ -66,7 +66,7 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
         raise payload_too_large(request_id, len(encoded_body), max_body_bytes)
     expires = None
     if expires_s is not None:
-        expires = (datetime.now(timezone.utc) + timedelta(seconds=expires_s)).isoformat()
+        expires = (now_utc() + timedelta(seconds=expires_s)).isoformat()
     envelope: dict[str, Any] = {
         "body": encoded_body,
         "content-encoding": "utf-8" if serializer == "json" else "binary",
@@ -85,7 +85,7 @@ def task_message(task: str, request_id: str, kwargs: dict[str, Any], queue: str,
             "delivery_info": {"exchange": "", "routing_key": queue}, "priority": priority,
             "body_encoding": "base64", "delivery_tag": uuid4_text(),
             # when it was sent (epoch seconds): the gateway's oldest-request-age gauge reads it
-            SENT_AT: round(time.time(), 3),
+            SENT_AT: round(now_s(), 3),
         },
     }
     if all(v is None or (type(v) in (int, float) and math.isfinite(v))
@@ -142,7 +142,7 @@ def retry_message(delivery: Message, countdown_s: float, now: datetime | None = 
     envelope = json.loads(delivery.raw)  # a fresh copy of the envelope
     headers = envelope.setdefault("headers", {})
     headers["retries"] = int(headers.get("retries") or 0) + 1
-    headers["eta"] = ((now or datetime.now(timezone.utc)) + timedelta(seconds=countdown_s)).isoformat()
+    headers["eta"] = ((now or now_utc()) + timedelta(seconds=countdown_s)).isoformat()
     headers.pop("redelivered", None)
     properties = envelope["properties"]
     properties["delivery_tag"] = uuid4_text()

@@ -44,6 +44,7 @@ from asyncinfer.constants import TASK_NAME, queue_of_list
 from asyncinfer.errors import AsyncInferError, InvalidRequest, WorkerLost
 from asyncinfer.policy.admission import DELAY, EXPIRED, REFUSED, REVOKED
 from asyncinfer.policy.policy import Policy
+from asyncinfer.wire.clock import now_s
 from asyncinfer.wire.envelope import (
     MALFORMED_DROPPED,
     decode_body,
@@ -151,7 +152,7 @@ class Pipeline:
     def _count_redis_waits(self, deliveries: list[TakenMessage]) -> None:
         """Add how long each message lay in Redis (its ``asyncinfer_sent_at`` → now) to the
         statistics of its model, one call per model of the take."""
-        now = time.time()
+        now = now_s()  # both on the broker's clock
         waits: dict[str, list[float]] = {}
         for d in deliveries:
             sent = (d.envelope.get("properties") or {}).get(SENT_AT)

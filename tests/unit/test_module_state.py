@@ -31,6 +31,11 @@ ALLOWED = {
         "guards torch.load's process-wide safe-globals list, which is torch's state, not ours",
     ("asyncinfer.worker.worker", "_making"):
         "guards the making of an app's one worker where Celery's worker_init made none",
+    ("asyncinfer.wire.clock", "BROKER_CLOCK"):
+        "this host's clock's offset from the broker's: a fact of the host, like its clock, shared "
+        "by every worker and client of the process",
+    ("asyncinfer.broker.clock_skew", "CLOCK_FOLLOWER"):
+        "keeps BROKER_CLOCK measured: one thread a process, for the process' one clock",
     ("asyncinfer.wire.messages", "_random"):
         "os.urandom's bytes read ahead for request IDs: the process's randomness, as os.urandom's "
         "own; a forked child drops it",

@@ -32,6 +32,7 @@ import redis
 from celery import Celery
 
 from asyncinfer.backoff import Backoff
+from asyncinfer.broker.clock_skew import CLOCK_FOLLOWER
 from asyncinfer.broker.connections import redis_client
 from asyncinfer.broker.leases import Leases, holder_of_this_process
 from asyncinfer.broker.take import Taker
@@ -142,6 +143,9 @@ class FastConsumer(PipelineConsumer):
                      self._lists, stopping=self._stopping.is_set)
 
     def start(self) -> FastConsumer:
+        # every expires and eta is judged on the broker's clock (wire/clock.py), from the first take
+        CLOCK_FOLLOWER.follow(redis_client(self.app.conf.broker_url, self._settings,
+                                           health_check_interval=30), wait=True)
         if self.leases is not None:  # what a dead predecessor on this host held comes back first
             self.leases.start()
         self.pins.start()  # registered before it serves: a sequence may start here at once
