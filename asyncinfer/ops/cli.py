@@ -11,12 +11,13 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncinfer.config.settings_checks import MODEL_CONTROL_MODES
 from asyncinfer.ops.cli_io import (
     declared_inputs,
+    failure_line,
     print_part,
     print_response,
     read_inputs,
@@ -105,10 +106,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
         try:
             if args.stream:
                 return _infer_stream(client, args, inputs, parameters)
-            response = client.infer(args.model, inputs, parameters=parameters,
-                                    timeout_s=args.timeout_s)
+            future = client.submit(args.model, inputs, parameters=parameters)
+            response = _outcome(args, future.id, lambda: future.result(timeout=args.timeout_s))
         except InvalidRequest as exc:
             raise with_datatype_hint(exc, args.datatype) from None
+        if response is None:
+            return 1
         print_response(response, args)
     return 0
 
@@ -140,9 +143,30 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_result(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print_response(client.result(args.request_id, timeout_s=args.timeout_s,
-                                     model=args.model), args)
+        response = _outcome(args, args.request_id, lambda: client.result(
+            args.request_id, timeout_s=args.timeout_s, model=args.model))
+        if response is None:
+            return 1
+        print_response(response, args)
     return 0
+
+
+def _outcome(args: argparse.Namespace, request_id: str, wait: Callable[[], Any]) -> Any:
+    """``wait()``'s response, or None once a request that failed is said on one line (stderr).
+
+    asyncinfer's own errors go on to :func:`main`, which says them (they name the request);
+    anything else is what the request's stored failure decoded to (Celery's time limits and
+    revokes, a worker that died, a type Celery rebuilt by name), which would otherwise end the
+    command with a traceback."""
+    from asyncinfer.errors import AsyncInferError
+
+    try:
+        return wait()
+    except AsyncInferError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - said on one line, exit status 1
+        print(failure_line(args.command, request_id, exc), file=sys.stderr)
+        return None
 
 
 def cmd_dead(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """What the ``asyncinfer`` command reads and prints for a request: its inputs (a file or stdin,
-with the datatypes the model catalogue declares), its response (JSON or ``.npz``), and the hint a
-refused datatype gets."""
+with the datatypes the model catalogue declares), its response (JSON or ``.npz``), the line a
+failed request gets, and the hint a refused datatype gets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["read_inputs", "declared_inputs", "print_response", "print_part", "with_datatype_hint"]
+__all__ = ["read_inputs", "declared_inputs", "print_response", "print_part", "failure_line",
+           "with_datatype_hint"]
+
+#: Celery's reasons for a revoke (the whole message of the ``TaskRevokedError`` it stores), in words.
+_REVOKED = {"revoked": "revoked before a worker ran it",
+            "expired": "expired before a worker ran it (its expires, or the deadline of its timeout)",
+            "terminated": "revoked and ended while it ran"}
 
 #: A model's refusal of a datatype (models/base.py), which ``--datatype`` answers for list inputs.
 _DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+)")
@@ -120,3 +126,43 @@ def with_datatype_hint(exc: Exception, given: str | None) -> Exception:
         return exc
     return type(exc)(f"{exc}; the list was sent as {refused.group(1)}: pass "
                      f"--datatype {refused.group(2)}")
+
+
+def failure_line(command: str, request_id: str, exc: BaseException) -> str:
+    """The one line ``asyncinfer <command>`` prints when request ``request_id`` failed with
+    ``exc``: ``asyncinfer <command>: <type>: request <id>: <what happened>``, the shape of the
+    command's other errors.
+
+    ``exc`` is whatever the request's stored failure decodes to, not only asyncinfer's errors
+    (whose messages name the request already): Celery's time limits, whose message is the bare
+    limit when Celery's pool stored them (``TimeLimitExceeded(2.0,)``); a worker process that died;
+    a revoke (``TaskRevokedError('expired')``); a type this process cannot import, which Celery
+    rebuilds by its name; an exception raised without a message.
+    """
+    text = _what_happened(exc)
+    if not (text.startswith(f"request {request_id}:") or text.startswith(f"request {request_id} ")):
+        text = f"request {request_id}: {text}"
+    return f"asyncinfer {command}: {type(exc).__name__}: {text}"
+
+
+def _what_happened(exc: BaseException) -> str:
+    from celery.exceptions import (
+        SoftTimeLimitExceeded,
+        TaskRevokedError,
+        TimeLimitExceeded,
+        WorkerLostError,
+    )
+
+    if isinstance(exc, (TimeLimitExceeded, SoftTimeLimitExceeded)):  # str() is their repr
+        kind = "time limit" if isinstance(exc, TimeLimitExceeded) else "soft time limit"
+        limit = exc.args[0] if len(exc.args) == 1 else None
+        if isinstance(limit, (int, float)):
+            return f"{kind} ({limit:g} s) exceeded"
+        return str(limit) if limit else f"{kind} exceeded"
+    text = str(exc).strip()
+    if isinstance(exc, WorkerLostError):
+        return f"its worker process died while it ran ({text})" if text else \
+            "its worker process died while it ran"
+    if isinstance(exc, TaskRevokedError):
+        return _REVOKED.get(text, text or "revoked")
+    return text or "(no message)"

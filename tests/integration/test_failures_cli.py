@@ -12,12 +12,17 @@ import time
 import uuid
 
 import pytest
+from celery.exceptions import (
+    SoftTimeLimitExceeded,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 
 from asyncinfer.client.responses import whereabouts
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.supervision.supervisor import CANNOT_START, Child, Supervisor
-from tests.support.processes import ROOT, worker_env
+from tests.support.processes import ROOT, start_worker, worker_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -55,6 +60,66 @@ def test_result_of_a_queued_request_names_its_queue_and_place(redis_db) -> None:
     assert error_lines(out) == [
         f"asyncinfer result: RequestTimeout: request {ids[1]}: no result within 0.5 s; it is "
         f"queued on infer.nobody-serves (1 requests ahead of it)"]
+
+
+def test_result_of_a_request_past_its_time_limit_is_one_line(redis_db, tmp_path) -> None:
+    # Given: a worker whose time limit (1 s) a request of 30 s passes
+    worker = start_worker(redis_db.url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "sleep", ASYNCINFER_TIME_LIMIT_S="1", ASYNCINFER_MAX_RETRIES="0")
+    try:
+        env = worker_env(redis_db.url)
+        sent = asyncinfer(env, "submit", "sleep", "--input", "-", stdin=json.dumps([[30.0]]))
+        assert sent.returncode == 0, sent.stderr
+        request_id = sent.stdout.strip()
+        # When
+        out = asyncinfer(env, "result", request_id, "--timeout-s", "60")
+    finally:
+        worker.stop()
+    # Then: the request and its failure on one line, no traceback
+    assert out.returncode == 1
+    assert error_lines(out) == [
+        f"asyncinfer result: TimeLimitExceeded: request {request_id}: time limit (1 s) exceeded "
+        f"on model 'sleep' (its batch is still on the device)"]
+
+
+class UserModelError(Exception):
+    """An exception type of a worker's own code, which the command's process cannot import."""
+
+
+UserModelError.__module__ = "somebody_elses.models"
+
+
+@pytest.mark.parametrize(("stored", "said"), [
+    (TimeLimitExceeded(2.0), "TimeLimitExceeded: request {id}: time limit (2 s) exceeded"),
+    (SoftTimeLimitExceeded(), "SoftTimeLimitExceeded: request {id}: soft time limit exceeded"),
+    (WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 3."),
+     "WorkerLostError: request {id}: its worker process died while it ran (Worker exited "
+     "prematurely: signal 9 (SIGKILL) Job: 3.)"),
+    (UserModelError("tokenizer missing"), "UserModelError: request {id}: tokenizer missing"),
+], ids=["time-limit", "soft-time-limit", "worker-lost", "unknown-type"])
+def test_result_of_each_stored_failure_is_one_line(redis_db, stored, said) -> None:
+    # Given: the failure stored as Celery's worker stores it (its pool's hard time limit too)
+    from asyncinfer.celery_app import create_app
+
+    request_id = f"failed-{uuid.uuid4().hex}"
+    create_app(Settings(broker_url=redis_db.url)).backend.mark_as_failure(request_id, stored)
+    # When
+    out = asyncinfer(worker_env(redis_db.url), "result", request_id, "--timeout-s", "10")
+    # Then
+    assert out.returncode == 1
+    assert error_lines(out) == [f"asyncinfer result: {said.format(id=request_id)}"]
+
+
+def test_result_of_an_expired_request_is_one_line(redis_db) -> None:
+    from asyncinfer.celery_app import create_app
+
+    request_id = f"expired-{uuid.uuid4().hex}"
+    create_app(Settings(broker_url=redis_db.url)).backend.mark_as_revoked(request_id, "expired")
+    out = asyncinfer(worker_env(redis_db.url), "result", request_id, "--timeout-s", "10")
+    assert out.returncode == 1
+    assert error_lines(out) == [
+        f"asyncinfer result: TaskRevokedError: request {request_id}: expired before a worker ran "
+        f"it (its expires, or the deadline of its timeout)"]
 
 
 def test_whereabouts_of_taken_running_and_unclaimed_queued_requests(redis_db) -> None:

@@ -6,11 +6,19 @@ import os
 from pathlib import Path
 
 import pytest
+from celery.exceptions import (
+    SoftTimeLimitExceeded,
+    TaskRevokedError,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 
+from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings, setting_sources
 from asyncinfer.engine.device import DeviceSpec
 from asyncinfer.errors import BrokerUnavailable, InvalidRequest
 from asyncinfer.models.registry import Registry
+from asyncinfer.ops.cli_io import failure_line
 from asyncinfer.ops.cli_io import with_datatype_hint as _with_datatype_hint
 from asyncinfer.worker.launch import WorkerCannotStart, check_device, check_models
 
@@ -129,3 +137,56 @@ def test_a_refused_inferred_datatype_gets_the_flag_to_pass() -> None:
     assert _with_datatype_hint(refused, "INT64") is refused  # the user chose it
     other = InvalidRequest("request r: shape [1, 2] does not match [n, 16]")
     assert _with_datatype_hint(other, None) is other
+
+
+class UserModelError(Exception):
+    """An exception type of the worker's own code, which this process cannot import."""
+
+
+UserModelError.__module__ = "somebody_elses.models"
+
+#: Each failure as a worker stores it → the line ``asyncinfer result r-1`` says for it.
+STORED_FAILURES = [
+    (TimeLimitExceeded(2.0),  # Celery's pool stores the bare limit
+     "asyncinfer result: TimeLimitExceeded: request r-1: time limit (2 s) exceeded"),
+    (TimeLimitExceeded("request r-1: time limit (2 s) exceeded on model 'sleep'"),  # the engine's
+     "asyncinfer result: TimeLimitExceeded: request r-1: time limit (2 s) exceeded on model 'sleep'"),
+    (SoftTimeLimitExceeded(),
+     "asyncinfer result: SoftTimeLimitExceeded: request r-1: soft time limit exceeded"),
+    (SoftTimeLimitExceeded(1.5),
+     "asyncinfer result: SoftTimeLimitExceeded: request r-1: soft time limit (1.5 s) exceeded"),
+    (WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 3."),
+     "asyncinfer result: WorkerLostError: request r-1: its worker process died while it ran "
+     "(Worker exited prematurely: signal 9 (SIGKILL) Job: 3.)"),
+    (TaskRevokedError("revoked"),
+     "asyncinfer result: TaskRevokedError: request r-1: revoked before a worker ran it"),
+    (TaskRevokedError("expired"),
+     "asyncinfer result: TaskRevokedError: request r-1: expired before a worker ran it (its "
+     "expires, or the deadline of its timeout)"),
+    (TaskRevokedError("terminated"),
+     "asyncinfer result: TaskRevokedError: request r-1: revoked and ended while it ran"),
+    (UserModelError("tokenizer missing"),  # rebuilt by Celery under its name
+     "asyncinfer result: UserModelError: request r-1: tokenizer missing"),
+    (MemoryError(), "asyncinfer result: MemoryError: request r-1: (no message)"),
+    (KeyError("input"), "asyncinfer result: KeyError: request r-1: 'input'"),
+]
+
+
+@pytest.mark.parametrize(("stored", "said"), STORED_FAILURES,
+                         ids=[f"{type(e).__name__}({e.args!r})" for e, _ in STORED_FAILURES])
+def test_every_stored_failure_is_one_line_naming_the_request(stored: BaseException, said: str) -> None:
+    # Given: the failure as the result backend stores it and the client decodes it
+    backend = create_app(Settings(broker_url="redis://127.0.0.1:1/0")).backend
+    decoded = backend.exception_to_python(backend.prepare_exception(stored))
+    assert type(decoded).__name__ == type(stored).__name__
+    # Then: one line, the request named once
+    assert failure_line("result", "r-1", decoded) == said
+
+
+def test_a_failure_that_names_its_request_is_not_named_twice() -> None:
+    revoked = TaskRevokedError("request r-1 was revoked")
+    assert failure_line("infer", "r-1", revoked) == (
+        "asyncinfer infer: TaskRevokedError: request r-1 was revoked")
+    other = TimeLimitExceeded("request r-10: time limit (1 s) exceeded")  # another ID's prefix
+    assert failure_line("result", "r-1", other) == (
+        "asyncinfer result: TimeLimitExceeded: request r-1: request r-10: time limit (1 s) exceeded")
