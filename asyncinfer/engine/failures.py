@@ -36,6 +36,13 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (TransientError, *TRANSIENT_CAUSES))
 
 
+def _raised_text(exc: BaseException) -> str:
+    """``exc`` as "<type>: <message>", or "<type> (no message)" for one raised without a message
+    (``raise MemoryError``), which would otherwise read as a sentence cut off at its colon."""
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message.strip() else f"{type(exc).__name__} (no message)"
+
+
 def model_failure(request_id: str, model: str, exc: Exception, transient: Transient) -> Exception:
     """What request ``request_id`` fails with when model ``model`` raised ``exc`` running it:
     ``exc`` itself when it is an :class:`InvalidRequest`; else a :class:`TransientModelError`
@@ -43,6 +50,6 @@ def model_failure(request_id: str, model: str, exc: Exception, transient: Transi
     if isinstance(exc, InvalidRequest):
         return exc
     kind = TransientModelError if transient(exc) else ModelError
-    err = kind(f"request {request_id}: model '{model}' raised {type(exc).__name__}: {exc}")
+    err = kind(f"request {request_id}: model '{model}' raised {_raised_text(exc)}")
     err.__cause__ = exc
     return err

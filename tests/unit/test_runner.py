@@ -154,6 +154,25 @@ def test_concurrent_requests_get_exactly_their_rows(pipelined: bool, instances: 
 # -- (b) poison isolation ----------------------------------------------------------------------
 
 
+class Hog(Poison):
+    """Poison whose forward runs out of host memory: ``MemoryError`` raised without a message."""
+
+    name = "hog"
+
+    def forward(self, batch: Batch) -> Batch:
+        raise MemoryError
+
+
+def test_a_model_error_without_a_message_says_so_instead_of_ending_at_a_colon() -> None:
+    runner = runner_for(Hog())
+    future = runner.submit(scalar_request("hog-1", 1.0, model="hog"))
+    with started(runner):
+        error = future.exception(WAIT_S)
+    assert isinstance(error, ModelError)
+    assert str(error) == "request hog-1: model 'hog' raised MemoryError (no message)"
+    assert isinstance(error.__cause__, MemoryError)
+
+
 def test_a_poisoned_request_fails_alone() -> None:
     # Given: five good requests and one negative one queued before the device starts,
     # so that they form one batch
