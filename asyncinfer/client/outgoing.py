@@ -7,32 +7,79 @@ both send exactly the same message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncinfer.constants import TASK_NAME, model_from_queue, queue_for
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.envelope import check_request_id, printable
+from asyncinfer.wire.datatypes import SPECS
+from asyncinfer.wire.envelope import check_request_id, payload_too_large, printable
 from asyncinfer.wire.messages import task_message
-from asyncinfer.wire.payloads import to_input_payload
+from asyncinfer.wire.payloads import array_from_value, encode_payload
 from asyncinfer.wire.reply import REPLY_TO
 from asyncinfer.wire.request_identity import identity
 from asyncinfer.wire.sequence import SequenceFlags, sequence_of
 
-__all__ = ["Outgoing", "input_payloads"]
+__all__ = ["Outgoing", "input_payloads", "least_body_bytes"]
 
 
-def input_payloads(inputs: Any, binary: bool) -> list[dict[str, Any]]:
+def input_payloads(inputs: Any, binary: bool, *, serializer: str = "json",
+                   max_body_bytes: int | None = None, request_id: str = "") -> list[dict[str, Any]]:
     """The v2 inputs of what :meth:`Client.submit` takes: a mapping name → value, v2 input dicts
-    as they are, or one value (named ``input``)."""
-    if isinstance(inputs, Mapping):
-        return [to_input_payload(str(name), value, binary=binary) for name, value in inputs.items()]
+    as they are, or one value (named ``input``).
+
+    With ``max_body_bytes``, values whose message body (``serializer``'s) must be longer are
+    refused before they are encoded (:func:`least_body_bytes`): encoding 200 MB takes seconds,
+    only for :func:`~asyncinfer.wire.messages.task_message` to refuse the result."""
+    def refuse_over(least: int) -> None:
+        if max_body_bytes and least > max_body_bytes:
+            raise payload_too_large(printable(request_id), least, max_body_bytes, at_least=True)
+
     if isinstance(inputs, list) and inputs and all(
             isinstance(i, Mapping) and {"name", "datatype", "shape", "data"} <= i.keys()
-            for i in inputs):
-        return [dict(i) for i in inputs]  # already v2 input dicts
-    return [to_input_payload("input", inputs, binary=binary)]
+            for i in inputs):  # already v2 input dicts: only raw data is quick to count
+        refuse_over(_base64_bytes(sum(len(i["data"]) for i in inputs
+                                      if isinstance(i["data"], (bytes, bytearray)))))
+        return [dict(i) for i in inputs]
+    named = inputs.items() if isinstance(inputs, Mapping) else [("input", inputs)]
+    arrays = [(str(name), *array_from_value(str(name), value)) for name, value in named]
+    if max_body_bytes:
+        refuse_over(least_body_bytes([(datatype, value) for _, datatype, _, value in arrays],
+                                     binary, serializer))
+    return [encode_payload(name, datatype, shape, value, binary)
+            for name, datatype, shape, value in arrays]
+
+
+#: Least bytes one element's ``data`` takes in a body, when data is a list: JSON text ("0,", a
+#: float never shorter than "0.0,", "true,") and msgpack (a fixint or bool: 1; a Python float is
+#: packed as a float64: 9).
+_LEAST_LIST_ITEM_BYTES = {"json": {"int": 2, "float": 4, "bool": 5},
+                          "msgpack": {"int": 1, "float": 9, "bool": 1}}
+
+
+def least_body_bytes(values: Sequence[tuple[str, Any]], binary: bool, serializer: str) -> int:
+    """The fewest bytes the base64 body of a request of these ``(datatype, values)`` can take:
+    its data alone (raw bytes: the wire itemsize per element; a list: the least text or msgpack
+    of each element; BYTES: each element's length), which base64 makes 4/3 as long. The
+    envelope around it only adds, so a request whose estimate is over a limit is over it."""
+    data_bytes = 0
+    for datatype, value in values:
+        spec = SPECS[datatype]
+        if spec.kind == "bytes":
+            data_bytes += sum(len(x) for x in np.asarray(value, dtype=object).reshape(-1).tolist()
+                              if isinstance(x, (str, bytes)))
+        else:
+            per_item = spec.itemsize if binary else _LEAST_LIST_ITEM_BYTES[serializer][spec.kind]
+            data_bytes += int(np.size(value)) * per_item
+    return _base64_bytes(data_bytes)
+
+
+def _base64_bytes(size_bytes: int) -> int:
+    """The length of ``size_bytes`` bytes in base64: 4 characters per 3 bytes, the last 3 padded."""
+    return 4 * -(-size_bytes // 3)
 
 
 @dataclass
@@ -69,9 +116,13 @@ class Outgoing:
     @classmethod
     def infer(cls, model: str, inputs: Any, request_id: str, claim: bool, serializer: str, *,
               binary: bool, parameters: Mapping[str, Any] | None = None,
-              **options: Any) -> Outgoing:
-        """An ``asyncinfer.infer`` request for ``model`` on its queue ``infer.<model>``."""
-        payload = {"model": model, "inputs": input_payloads(inputs, binary),
+              max_body_bytes: int | None = None, **options: Any) -> Outgoing:
+        """An ``asyncinfer.infer`` request for ``model`` on its queue ``infer.<model>``
+        (InvalidRequest, before its inputs are encoded, when they show its body must be over
+        ``max_body_bytes``)."""
+        payload = {"model": model, "inputs": input_payloads(
+                       inputs, binary, serializer=serializer, max_body_bytes=max_body_bytes,
+                       request_id=request_id),
                    "parameters": dict(parameters or {})}
         options["priority"] = options.get("priority") or 0
         return cls(TASK_NAME, queue_for(model), payload, request_id, claim, serializer,

@@ -141,8 +141,11 @@ class Sender:
                 priority).default_timeout_s
             if timeout_s > 0:
                 options["expires"] = timeout_s
+        # a body limit the client holds requests to on Redis only (Outgoing.message): a request
+        # whose inputs show it is over is refused there before they are encoded
+        limit = self.settings.max_payload_bytes if self.broker is not None else None
         return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
-                              parameters=parameters, **options)
+                              parameters=parameters, max_body_bytes=limit, **options)
 
     def submit(self, model: str, inputs: Any, **options: Any) -> InferFuture:
         """Send one ``asyncinfer.infer`` request (:meth:`submission`'s options); its future."""

@@ -227,9 +227,13 @@ def undecodable_body(request_id: str, content_type: object, exc: BaseException) 
                           f"({type(exc).__name__}: {printable(exc)})")
 
 
-def payload_too_large(request_id: str, size_bytes: int, limit_bytes: int) -> InvalidRequest:
-    """The error a request larger than the configured limit gets (at submit or in the worker)."""
-    return InvalidRequest(f"request {request_id}: message body of {size_bytes} bytes is over the "
+def payload_too_large(request_id: str, size_bytes: int, limit_bytes: int, *,
+                      at_least: bool = False) -> InvalidRequest:
+    """The error a request larger than the configured limit gets (at submit or in the worker);
+    ``at_least``: ``size_bytes`` is the least its body could be (the client's estimate before
+    encoding)."""
+    size = f"at least {size_bytes}" if at_least else str(size_bytes)
+    return InvalidRequest(f"request {request_id}: message body of {size} bytes is over the "
                           f"limit of {limit_bytes} bytes (ASYNCINFER_MAX_PAYLOAD_BYTES)")
 
 
