@@ -280,6 +280,23 @@ class Settings:
         "--gateway-processes`): N supervised processes share the HTTP and gRPC ports "
         "(SO_REUSEPORT; one that dies is restarted; process i serves metrics on the metrics port "
         "+ i). 0: one process, and a port another process holds is an error.")
+    gateway_header_timeout_s: float = _setting(
+        10.0, "ASYNCINFER_GATEWAY_HEADER_TIMEOUT_S",
+        "Seconds an HTTP caller of the gateway has to send a request's headers, counted from "
+        "connecting (or from the first byte of a later request on a kept-alive connection); "
+        "past it the connection is closed, so a caller that sends nothing, or a byte a second, "
+        "holds no socket for long. Also gRPC's connection handshake timeout.")
+    gateway_body_timeout_s: float = _setting(
+        60.0, "ASYNCINFER_GATEWAY_BODY_TIMEOUT_S",
+        "Seconds an HTTP caller of the gateway has to send a request's body once its headers are "
+        "in; past it the connection is closed and the call dropped.")
+    gateway_max_connections: int = _setting(
+        0, "ASYNCINFER_GATEWAY_MAX_CONNECTIONS",
+        "Connections each front of a gateway process holds at most (HTTP, and gRPC). At the cap a "
+        "new HTTP connection closes the longest-idle one not in a request (none: the newcomer "
+        "gets a 503); gRPC refuses it. 0: from the open-files limit (which the gateway raises to "
+        "its hard limit at start), less a reserve for Redis, files and accepts in flight: "
+        "three quarters to HTTP, a quarter to gRPC.")
     allow_client_shm: bool = _setting(
         False, "ASYNCINFER_ALLOW_CLIENT_SHM",
         "Whether the gateway lets callers register system shared-memory regions (Triton's "

@@ -75,6 +75,14 @@ def check_settings(settings: Any) -> None:
         value = float(getattr(settings, name))
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {getattr(settings, name)!r}")
+    for name in ("gateway_header_timeout_s", "gateway_body_timeout_s"):
+        value = float(getattr(settings, name))
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got "
+                             f"{getattr(settings, name)!r}")
+    if settings.gateway_max_connections < 0:
+        raise ValueError(f"gateway_max_connections must be >= 0 (0: from the open-files limit), "
+                         f"got {settings.gateway_max_connections!r}")
     if settings.gateway_processes < 0:
         raise ValueError(f"gateway_processes must be >= 0 (0: one process, no shared ports), "
                          f"got {settings.gateway_processes!r}")

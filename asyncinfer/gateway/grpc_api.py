@@ -231,18 +231,31 @@ def make_handler(service: Service) -> grpc.GenericRpcHandler:
 
 async def start_grpc(service: Service, host: str, port: int, *,
                      max_message_bytes: int = MAX_MESSAGE_BYTES,
-                     reuse_port: bool = False) -> grpc.aio.Server:
+                     reuse_port: bool = False, max_connections: int = 0,
+                     handshake_timeout_s: float = 10.0,
+                     idle_timeout_s: float = 0.0) -> grpc.aio.Server:
     """Serve the gRPC front on ``host:port``; stop with ``await server.stop(grace_s)``.
     ``reuse_port``: share the port with other processes that set it (``SO_REUSEPORT``).
+    ``max_connections`` (0: no cap): grpc closes a connection over it at once. A connection
+    must finish its HTTP/2 handshake within ``handshake_timeout_s``; one with no call for
+    ``idle_timeout_s`` (0: no limit) is closed (GOAWAY), as the REST front's idle keep-alive
+    connections are.
 
     Raises:
         OSError: ``host:port`` cannot be bound (grpc itself raises RuntimeError).
     """
     # gRPC sets SO_REUSEPORT by default: a second gateway on a taken port would share it silently,
     # so it is off unless asked for (gateway --processes).
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.max_send_message_length", max_message_bytes),
-                                      ("grpc.so_reuseport", int(reuse_port))])
+    options: list[tuple[str, int]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", int(reuse_port)),
+        ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000))]
+    if idle_timeout_s > 0:
+        options.append(("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)))
+    if max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
+    server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((make_handler(service),))
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -9,7 +9,8 @@ most ``max_body_bytes`` come out, so a small body that inflates past the limit (
 is refused with 413 after that much work, not inflated to its end on the event loop; a body that
 is not what its ``Content-Encoding`` says is a 400, an encoding other than gzip, deflate or
 identity a 415. A response is compressed when the client accepts it. A client that disconnects
-cancels its handler (``handler_cancellation``), and the service revokes its request.
+cancels its handler (``handler_cancellation``), and the service revokes its request. Connections
+are capped, and a request's header and body must arrive in time (connections.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway import shared_memory_api
 from asyncinfer.gateway.binary import HEADER_LENGTH, parse_infer_body, render_infer_result
 from asyncinfer.gateway.call_errors import GatewayError
+from asyncinfer.gateway.connections import ConnectionGuard, GuardedSite
 from asyncinfer.gateway.generate import generate_call, generate_response
 from asyncinfer.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
 from asyncinfer.gateway.service import Service, off_loop_if_large
@@ -367,15 +369,28 @@ KEEPALIVE_S = 75.0
 
 
 async def start_http(service: Service, host: str, port: int, *, max_body_bytes: int,
-                     shutdown_timeout_s: float = 5.0, reuse_port: bool = False) -> web.AppRunner:
+                     shutdown_timeout_s: float = 5.0, reuse_port: bool = False,
+                     max_connections: int = 1000, header_timeout_s: float = 10.0,
+                     body_timeout_s: float = 60.0) -> web.AppRunner:
     """Serve the REST front on ``host:port``; stop with ``await runner.cleanup()`` (calls still
     running get ``shutdown_timeout_s``, then are cut off). Request bodies reach the handlers as
     sent (``auto_decompress=False``): the infer route inflates them, bounded. ``reuse_port``:
-    share the port with other processes that set it (``SO_REUSEPORT``)."""
-    runner = web.AppRunner(make_app(service, max_body_bytes=max_body_bytes), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           auto_decompress=False, keepalive_timeout=KEEPALIVE_S)
+    share the port with other processes that set it (``SO_REUSEPORT``). At most
+    ``max_connections`` are open; a request's header must arrive within ``header_timeout_s``, its
+    body ``body_timeout_s`` after (:class:`~asyncinfer.gateway.connections.ConnectionGuard`)."""
+    app = make_app(service, max_body_bytes=max_body_bytes)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s, auto_decompress=False,
+                           keepalive_timeout=KEEPALIVE_S)
+    guard = ConnectionGuard(lambda: _protocol(runner), max_connections=max_connections,
+                            header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
+    app.middlewares.insert(0, guard.middleware)  # first: it sees each request as it begins
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+    await GuardedSite(runner, guard, host, port, reuse_port=reuse_port).start()
     return runner
 
+
+def _protocol(runner: web.AppRunner) -> asyncio.Protocol:
+    server = runner.server
+    assert server is not None  # set up before the site starts
+    return server()

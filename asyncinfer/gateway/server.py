@@ -4,6 +4,11 @@ Both fronts run on one asyncio loop and share one :class:`~asyncinfer.gateway.se
 (one :class:`~asyncinfer.client.Client`: one set of Redis connections, one result watcher). Any
 number of gateways may run on any hosts: each is stateless; the queues and results are in Redis.
 SIGTERM or SIGINT stops it: the fronts stop taking calls, calls in flight get ``GRACE_S`` to end.
+
+At start it raises its open-files limit to the hard limit and caps each front's connections below
+it (open_files.py): past the cap callers are refused cleanly (connections.py), not left to time
+out on a process out of descriptors; the errors that could still repeat without bound are logged
+once an interval with a count (repeated_logs.py).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from asyncinfer import __version__
 from asyncinfer.client.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.gateway.grpc_api import start_grpc
-from asyncinfer.gateway.http_api import start_http
+from asyncinfer.gateway.http_api import KEEPALIVE_S, start_http
 from asyncinfer.gateway.metrics import GatewayMetrics
+from asyncinfer.gateway.open_files import connection_caps, raise_open_files_limit
+from asyncinfer.gateway.repeated_logs import RepeatFolder
 from asyncinfer.gateway.service import Service
 from asyncinfer.gateway.shared_memory import SharedMemory
 from asyncinfer.supervision.supervisor import CANNOT_START
@@ -58,15 +65,23 @@ def run_gateway(settings: Settings, ports: Ports | None = None, *, reuse_port: b
     processes of ``gateway --processes`` (processes.py); without it a port another process holds
     is an error."""
     ports = ports or Ports.of(settings)
+    folder = RepeatFolder()
+    folder.install()
     try:
-        return asyncio.run(_serve(settings, ports, reuse_port))
+        return asyncio.run(_serve(settings, ports, reuse_port, folder))
     except OSError as exc:
         print(f"asyncinfer gateway: cannot start: {exc}", file=sys.stderr, flush=True)
         return CANNOT_START
+    finally:
+        folder.flush(everything=True)
+        folder.uninstall()
 
 
-async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
+async def _serve(settings: Settings, ports: Ports, reuse_port: bool, folder: RepeatFolder) -> int:
     loop = asyncio.get_running_loop()
+    caps = connection_caps(raise_open_files_limit(), settings.gateway_max_connections)
+    log.info("gateway connection caps: HTTP %d, gRPC %d", caps.http, caps.grpc)
+    flushing = loop.create_task(_flush_every(folder))
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
         EXECUTOR_THREADS, thread_name_prefix="asyncinfer-gateway"))
     stop = asyncio.Event()
@@ -86,12 +101,16 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
             fronts.append(await start_http(service, ports.host, ports.http,
                                            max_body_bytes=settings.max_payload_bytes,
                                            shutdown_timeout_s=GRACE_S / 2,  # aiohttp waits twice
-                                           reuse_port=reuse_port))
+                                           reuse_port=reuse_port, max_connections=caps.http,
+                                           header_timeout_s=settings.gateway_header_timeout_s,
+                                           body_timeout_s=settings.gateway_body_timeout_s))
         grpc_server = None
         if ports.grpc:
             grpc_server = await start_grpc(service, ports.host, ports.grpc,
                                            max_message_bytes=settings.max_payload_bytes,
-                                           reuse_port=reuse_port)
+                                           reuse_port=reuse_port, max_connections=caps.grpc,
+                                           handshake_timeout_s=settings.gateway_header_timeout_s,
+                                           idle_timeout_s=KEEPALIVE_S)
         metrics_server = metrics.serve(ports.host, ports.metrics) if ports.metrics else None
         where = [f"HTTP on http://{ports.host}:{ports.http}" if ports.http else "",
                  f"gRPC on {ports.host}:{ports.grpc}" if ports.grpc else "",
@@ -114,5 +133,13 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool) -> int:
             await runner.cleanup()
         log.info("gateway: fronts closed")
         await service.close()
+        flushing.cancel()
         log.info("gateway stopped")
     return 0
+
+
+async def _flush_every(folder: RepeatFolder) -> None:
+    """Log the counts of repeated records held back, once an interval."""
+    while True:
+        await asyncio.sleep(folder.interval_s)
+        folder.flush()
