@@ -89,11 +89,12 @@ class Settings:
         "a worker restarted on the same host takes its predecessor's back at once. The visibility "
         "timeout stays as the backstop. 0: no leases (the visibility timeout alone).")
     max_worker_deaths: int = _setting(
-        2, "ASYNCINFER_MAX_WORKER_DEATHS",
+        3, "ASYNCINFER_MAX_WORKER_DEATHS",
         "Worker deaths a request may see while it is on the device (it may be what kills them): "
-        "after the first it runs in a device batch of its own, after this many it fails for good "
-        "with `WorkerLost` (dead-lettered where the model keeps dead letters). 0: deaths are not "
-        "counted.")
+        "after the first it runs again with the batch-mates that died with it (most deaths are "
+        "the host's), after the second in a device batch of its own, after this many it fails "
+        "for good with `WorkerLost` (dead-lettered where the model keeps dead letters). Below 3 "
+        "it runs alone after the first. 0: deaths are not counted.")
     hang_after_s: float = _setting(
         0.0, "ASYNCINFER_HANG_AFTER_S",
         "Seconds a device batch may run before the worker counts it as hung (a kernel that blocks "

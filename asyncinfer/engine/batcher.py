@@ -52,8 +52,12 @@ class WorkItem:
     deadline: float | None = None
     #: Whether the request's batch is on the device (launched, not yet back).
     on_device: bool = False
-    #: Whether it runs in a device batch of its own (a worker died while it was on the device).
+    #: Whether it runs in a device batch of its own (workers died more than once while it was
+    #: on the device: policy/deaths.py).
     alone: bool = False
+    #: Whether it runs in a batch of suspects only (a worker died once while it was on the
+    #: device, usually the host's fault: its batch-mates, back with it, run again together).
+    suspect: bool = False
     #: What one of its rows costs the device (the model's ``row_cost``: MiniLM, its length);
     #: None: rows cost alike.
     cost: float | None = None
@@ -78,13 +82,23 @@ class WorkItem:
         if self.received_at < 0:
             self.received_at = self.enqueued_at
 
+    @property
+    def isolated(self) -> bool:
+        """Whether its batch has the device to itself (it saw a worker die: engine/gate.py)."""
+        return self.alone or self.suspect
+
+    def batches_with(self, other: WorkItem) -> bool:
+        """Whether ``other`` may share a batch led by this item: a request that runs alone shares
+        with none, a suspect only with suspects, any other only with those that saw no death."""
+        return not self.alone and not other.alone and self.suspect == other.suspect
+
 
 class Batcher:
     """A queue of work items that hands out batches of compatible items.
 
     Items are compatible when their signatures are equal (same input names, datatypes and row
     shapes); others wait, in order, for a later batch. An item marked ``alone`` forms a batch of
-    its own. With ``preferred_batch_sizes`` (Triton's
+    its own; ``suspect`` items batch only with each other. With ``preferred_batch_sizes`` (Triton's
     knob) a batch stops waiting once it holds the largest preferred size, and a batch that holds
     no preferred size gives back whole requests down to the largest preferred size it can keep.
     """
@@ -223,7 +237,7 @@ class Batcher:
         """Without waiting: the items that join a running batch of ``signature`` (in-flight
         batching), at most ``room_rows`` rows. They are taken in the order batches are served
         (by level, then arrival), up to the first that cannot join (another signature, one that
-        runs ``alone``, or one that does not fit): a running batch never takes a request ahead
+        runs ``alone`` or is a suspect, or one that does not fit): a running batch never takes a request ahead
         of one that would be served before it, so a stream of compatible arrivals cannot starve
         the others (once one of them leads the queue, the batch takes no more and ends)."""
         with self._cond:
@@ -232,7 +246,7 @@ class Batcher:
             taken: list[WorkItem] = []
             rows = 0
             for item in self._by_level():
-                if item.signature != signature or item.alone or rows + item.rows > room_rows:
+                if item.signature != signature or item.isolated or rows + item.rows > room_rows:
                     break
                 taken.append(item)
                 rows += item.rows
@@ -291,7 +305,7 @@ class Batcher:
         taken: set[int] = set()
         for item in self._by_level():
             if (item.signature == signature and rows + item.rows <= self.max_batch_size
-                    and not item.alone):
+                    and batch[0].batches_with(item)):
                 batch.append(item)
                 taken.add(id(item))
                 rows += item.rows
@@ -306,7 +320,7 @@ class Batcher:
         first = batch[0]
         target = math.log1p(max(0.0, first.cost or 0.0))
         candidates = [item for item in self._pending
-                      if item.signature == first.signature and not item.alone]
+                      if item.signature == first.signature and first.batches_with(item)]
         candidates.sort(key=lambda item: (self._level(item) if self._ranked else 0,
                                           abs(math.log1p(max(0.0, item.cost or 0.0)) - target)))
         costs = [max(1.0, item.cost or 1.0) for item in batch]

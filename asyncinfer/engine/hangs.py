@@ -132,7 +132,7 @@ class HangWatch:
         limit = self.limit_s() if limit_s is None else limit_s
         now = self.clock()
         batches = [(at, items) for at, items in self.on_device()
-                   if not alone or any(getattr(item, "alone", False) for item in items)]
+                   if not alone or any(getattr(item, "isolated", False) for item in items)]
         if not batches:
             return None
         at, items = min(batches, key=lambda batch: batch[0])

@@ -162,7 +162,7 @@ class ModelRunner:
 
     def submit(self, request: Request, received_at: float | None = None,
                expires_in_s: float | None = None,
-               time_limits: TimeLimits | None = None, alone: bool = False,
+               time_limits: TimeLimits | None = None, alone: bool = False, suspect: bool = False,
                priority: int = 0, trace: Any = None,
                on_part: Callable[[int, list[Any]], None] | None = None) -> Future[Completed]:
         """Validate ``request`` against the model and queue it for the device.
@@ -171,7 +171,8 @@ class ModelRunner:
         default now. A request still waiting ``expires_in_s`` after that never runs: its future
         raises :class:`RequestExpired`. ``time_limits`` (counted from ``received_at``) make it
         fail with :class:`SoftTimeLimit` / :class:`HardTimeLimit` (see
-        :mod:`asyncinfer.policy.time_limits`). An ``alone`` request runs in a batch of its own.
+        :mod:`asyncinfer.policy.time_limits`). An ``alone`` request runs in a batch of its own, a
+        ``suspect`` one in a batch of suspects; either with the device to itself.
         ``priority`` (Celery's, 0-9; 0 first) decides which waiting requests batch first.
         ``on_part(index, outputs)``: a decoupled model's parts of the request, as they come
         (index 1-based; outputs its v2 tensors); such a request holds exactly one row.
@@ -196,6 +197,7 @@ class ModelRunner:
                 f"of model '{self.model.name}'")
         item = WorkItem(request=request, rows=rows,
                         signature=(forward_only, self.model.signature(request)), alone=alone,
+                        suspect=suspect and not alone,
                         priority=priority, trace=trace,
                         cost=self.model.row_cost(request) if self.options.group_by_cost else None,
                         on_part=on_part)
@@ -338,7 +340,7 @@ class ModelRunner:
         if self._decoupled:
             launch_stream(self, job, stream)
             return
-        alone = any(item.alone for item in job.items)
+        alone = any(item.isolated for item in job.items)
         with self._gate.enter(alone):
             for item in job.items:
                 item.on_device = True

@@ -78,7 +78,7 @@ def launch_stream(runner: StreamHost, job: Job, stream: Any) -> None:
     """A decoupled model's batch: its steps, one after another, on the device thread; each
     request is answered when its row finishes (or is cancelled). With in-flight batching,
     the requests that arrive meanwhile join it between steps (:func:`_joining`)."""
-    alone = any(item.alone for item in job.items)
+    alone = any(item.isolated for item in job.items)
     waits_s = [job.started - item.received_at for item in job.items]
     joining = (_joining(runner, job, stream, waits_s)
                if runner._inflight and not alone and not job.isolated else None)

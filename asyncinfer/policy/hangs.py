@@ -12,10 +12,10 @@ When a batch stays on the device past the hang limit, the worker process:
 
 What it kept is still leased to it and marked as on its device: once the process is gone, the
 fleet's lease sweep (or its successor on the same host, at start) puts those requests back and
-counts a worker death against each (broker/leases.py). A request that hangs every device
-therefore runs alone after the first hang and fails with ``WorkerLost`` after
-``ASYNCINFER_MAX_WORKER_DEATHS``, its error naming the hang; its batch-mates are back after one
-death and run again. Once per process.
+counts a worker death against each (broker/leases.py); the note makes it count as two
+(policy/deaths.py). A request that hangs every device therefore runs alone after the first hang
+and fails with ``WorkerLost`` at the second (``ASYNCINFER_MAX_WORKER_DEATHS``, 3), its error
+naming the hang; its batch-mates run again, each alone. Once per process.
 """
 
 from __future__ import annotations

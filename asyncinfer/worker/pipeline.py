@@ -296,10 +296,12 @@ class Pipeline:
         if admission.verdict == REFUSED:
             self.outcomes.fail(d, admission.error or InvalidRequest(d.request_id))
             return
-        lost = policy.deaths.judge(d.request_id, d.deaths)
+        # a hang is never the host's fault: it counts as two deaths (the rerun with its batch-mates
+        # is skipped), and names itself when the request fails for its deaths
+        note = self.death_note(d.request_id) if d.deaths else ""
+        lost = policy.deaths.judge(d.request_id, d.deaths, hung=bool(note))
         if lost is not None:
             error = lost.error or WorkerLost(d.request_id)
-            note = self.death_note(d.request_id)
             if note:
                 error = WorkerLost(f"{error}; the last was a hang: {note}")
             self.outcomes.fail(d, error, retry=False)
@@ -312,7 +314,9 @@ class Pipeline:
                 d.request_id, v2, received_at=d.received_at,
                 expires_in_s=admission.expires_in_s,
                 time_limits=self.policy.limits_for(headers.get("timelimit")),
-                alone=policy.deaths.alone(d.deaths), priority=priority_in(d.envelope.get("properties")),
+                alone=policy.deaths.alone(d.deaths, bool(note)),
+                suspect=policy.deaths.suspect(d.deaths, bool(note)),
+                priority=priority_in(d.envelope.get("properties")),
                 trace=headers if self.traced else None,
                 streaming=lambda max_parts: self._stream(d, max_parts))
         except AsyncInferError as exc:

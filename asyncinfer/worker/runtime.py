@@ -293,12 +293,12 @@ class WorkerRuntime:
     def submit(self, request_id: str, kwargs: Any, *, received_at: float | None = None,
                expires_in_s: float | None = None,
                time_limits: TimeLimits | None = None,
-               alone: bool = False, priority: int = 0,
+               alone: bool = False, suspect: bool = False, priority: int = 0,
                trace: Any = None,
                streaming: Callable[[int], PartCallback] | None = None,
                ) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device (``alone``: in a batch of
-        its own; ``priority``: Celery's, 0 first; ``trace``: its trace tag, handed back in its
+        its own; ``suspect``: in a batch of suspects; ``priority``: Celery's, 0 first; ``trace``: its trace tag, handed back in its
         batch's record when tracing); InvalidRequest if bad. For a decoupled model,
         ``streaming(stream_max_parts)`` is called first (before the request is decoded) and
         gives where its parts go."""
@@ -315,7 +315,8 @@ class WorkerRuntime:
                 request.parameters[PARAMETER] = runner.model.version
             return request, runner.submit(request, received_at=received_at,
                                           expires_in_s=expires_in_s, time_limits=time_limits,
-                                          alone=alone, priority=priority, trace=trace,
+                                          alone=alone, suspect=suspect, priority=priority,
+                                          trace=trace,
                                           on_part=on_part)
 
     def infer(self, request_id: str, kwargs: Mapping[str, Any], worker: str,

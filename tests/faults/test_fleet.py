@@ -15,27 +15,27 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from urllib.parse import urlsplit
 
-import numpy as np
 import pytest
 import redis
 
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
-from asyncinfer.ops.status import cluster_status
 from asyncinfer.wire.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
+from tests.support.crashy import (
+    crashy_batches,
+    crashy_env,
+    crashy_index,
+    crashy_starts,
+    crashy_under_up,
+    report_counts,
+    two_crashy_workers,
+)
 from tests.support.lost import lost_check_of
 from tests.support.processes import (
-    launch_worker,
-    ready_together,
-    start_up,
     stop_together,
-    stop_up,
-    worker_env,
 )
 from tests.support.proxy import Partition
 from tests.support.sentinel import SentinelGroup
@@ -44,60 +44,6 @@ from tests.support.waiting import wait_for
 #: How long a future may wait here: the lease (10 s) plus a sweep plus the work, with room for a
 #: loaded host, and far below the visibility timeout (3,600 s) that stranded them before.
 ANSWER_WITHIN_S = 60
-
-
-def _index(i: int) -> dict[str, np.ndarray]:
-    return {"index": np.array([[float(i)]], np.float64)}
-
-
-def _crashy(url: str, tag: str, sleep_s: float) -> tuple[str, dict[str, str]]:
-    prefix = f"{tag}-{os.urandom(4).hex()}"
-    return prefix, {"CRASHY_REDIS_URL": url, "CRASHY_PREFIX": prefix, "CRASHY_SLEEP_S": str(sleep_s)}
-
-
-def _starts(r: redis.Redis, prefix: str) -> dict[int, int]:
-    return {int(k): int(v) for k, v in r.hgetall(f"{prefix}:starts").items()}
-
-
-def _batches(r: redis.Redis, prefix: str) -> list[list[int]]:
-    return [json.loads(b) for b in r.lrange(f"{prefix}:batches", 0, -1)]
-
-
-def _two_workers(first_url: str, url: str, tmp_path, first_env: dict[str, str],  # noqa: ANN202
-                 second_env: dict[str, str]):
-    args = ("--device", "cpu", "--models", "crashy")
-    first = launch_worker(first_url, tmp_path / "first.log", *args, "--hostname", "first@%h",
-                          **first_env)
-    second = launch_worker(url, tmp_path / "second.log", *args, "--hostname", "second@%h",
-                           **second_env)
-    ready_together([first, second])  # started side by side; on a failure both stopped
-    return first, second
-
-
-def _report(fault: str, sent: int, answered: int, starts: dict[int, int], seconds: float) -> None:
-    twice = sum(1 for n in starts.values() if n == 2)
-    print(f"\n{fault}: sent {sent}, answered {answered}, lost {sent - answered}, ran twice "
-          f"{twice}, more than twice {sum(1 for n in starts.values() if n > 2)}, last answer "
-          f"{seconds:.1f} s after the fault")
-
-
-@contextmanager
-def _crashy_under_up(url: str, env: dict[str, str], tmp_path) -> Iterator[tuple[Client, list[int]]]:
-    """``asyncinfer up`` (no gateway) with one worker of "crashy" on ``url``; yields a client and
-    the PIDs of the workers seen (the test adds those it sees later; all are stopped by PID)."""
-    log = open(tmp_path / "up.log", "wb")
-    up = start_up({**worker_env(url), **env}, log, "--models", "crashy", "--no-gateway")
-    client = Client(broker_url=url)
-    seen: list[int] = []
-    try:
-        seen += [w.pid for w in wait_for(lambda: cluster_status(client.app, 0.5).workers, 90,
-                                         "a worker")]
-        yield client, seen
-        seen += [w.pid for w in cluster_status(client.app, 0.5).workers]
-    finally:
-        client.close()
-        stop_up(up, sorted(set(seen)))
-        log.close()
 
 
 @pytest.mark.timeout(180)
@@ -109,20 +55,20 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
     # on the fast one)
     url, r = redis_db.url, redis_db.client
     link = Partition(urlsplit(url).port or 6379)
-    prefix, slow = _crashy(url, "held", 15)
+    prefix, slow = crashy_env(url, "held", 15)
     stock = fault.endswith("stock consumer")
     if stock:
         slow["ASYNCINFER_CONSUMER"] = "celery"
-    first, second = _two_workers(link.url(redis_db.number), url, tmp_path, slow,
+    first, second = two_crashy_workers(link.url(redis_db.number), url, tmp_path, slow,
                                  {**slow, "CRASHY_SLEEP_S": "0.2"})
     client = Client(broker_url=url)
     try:
         # And 12 requests held by the first: a batch on its device, the others waiting
         os.kill(second.pid, signal.SIGSTOP)
-        futures = [client.submit("crashy", _index(i)) for i in range(12)]
+        futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
         wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
                  "the first worker to hold all 12")
-        wait_for(lambda: _batches(r, prefix), 30, "a batch on the first worker's device")
+        wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
         os.kill(second.pid, signal.SIGCONT)
         assert r.zcard(LEASES_KEY) == 12
         # When the first is killed outright, frozen, or cut off from Redis
@@ -139,15 +85,16 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
         last_s = time.monotonic() - struck
         assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
         assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
-        # And those on the first's device ran once more each (alone, on the fast consumer, which
-        # counts deaths on the device); the others once
-        on_device = _batches(r, prefix)[0]
-        starts = _starts(r, prefix)
+        # And those on the first's device ran once more each (together, as the suspects they are,
+        # on the fast consumer, which counts deaths on the device: a lost worker costs a batch
+        # time, not one per row); the others once
+        on_device = crashy_batches(r, prefix)[0]
+        starts = crashy_starts(r, prefix)
         assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
         if not stock:
-            later = _batches(r, prefix)[1:]
-            assert all([i] in later for i in on_device), later
-        _report(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
+            later = crashy_batches(r, prefix)[1:]
+            assert [sorted(b) for b in later if set(b) & set(on_device)] == [sorted(on_device)], later
+        report_counts(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
         if not fault.startswith("kill -9"):
             # When the worker wakes or the link heals, it learns that its leases went to another
             # worker; what it answers again keeps a valid final state
@@ -176,16 +123,16 @@ def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis
     # Given two workers at the default settings (a 10 s lease), and a client that declares a
     # request lost after a few seconds without a trace of it
     url, r = redis_db.url, redis_db.client
-    prefix, env = _crashy(url, "long", 0)
-    first, second = _two_workers(url, url, tmp_path, env, env)
+    prefix, env = crashy_env(url, "long", 0)
+    first, second = two_crashy_workers(url, url, tmp_path, env, env)
     client = Client(settings=Settings.from_env(broker_url=url, lost_after_s=4.0))
     try:
         # When one runs a 25 s kernel while the other idles beside it
-        future = client.submit("crashy", _index(1025))
+        future = client.submit("crashy", crashy_index(1025))
         check = lost_check_of(client)
         answer = future.result(timeout=ANSWER_WITHIN_S)
         # Then it ran exactly once: its renewed lease kept it from the idle one's sweep
-        assert answer["output"].tolist() == [[1025.0]] and _starts(r, prefix) == {1025: 1}
+        assert answer["output"].tolist() == [[1025.0]] and crashy_starts(r, prefix) == {1025: 1}
         assert r.hlen(UNACKED_KEY) == 0 and r.zcard(LEASES_KEY) == 0
         # And the client, which looked for it all along, never declared it lost
         assert check.looks >= 25 / check.period_s - 2
@@ -200,10 +147,10 @@ def test_a_worker_killed_under_up_is_restarted_and_takes_back_what_it_held_at_on
         redis_db, tmp_path) -> None:
     # Given `asyncinfer up` with one worker on a slow kernel (30 s a batch), holding 12 requests
     url, r = redis_db.url, redis_db.client
-    prefix, env = _crashy(url, "restart", 30)
-    with _crashy_under_up(url, env, tmp_path) as (client, seen):
-        futures = [client.submit("crashy", _index(i)) for i in range(12)]
-        wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and _batches(r, prefix), 30,
+    prefix, env = crashy_env(url, "restart", 30)
+    with crashy_under_up(url, env, tmp_path) as (client, seen):
+        futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
+        wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and crashy_batches(r, prefix), 30,
                  "12 held, a batch on the device")
         # When it is killed outright (no other worker anywhere) and its device gets fast
         r.set(f"{prefix}:fast", 1)
@@ -215,10 +162,10 @@ def test_a_worker_killed_under_up_is_restarted_and_takes_back_what_it_held_at_on
         last_s = time.monotonic() - struck
         assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
         assert len({a.parameters["worker"] for a in answers}) == 1
-        starts = _starts(r, prefix)
-        on_device = _batches(r, prefix)[0]
+        starts = crashy_starts(r, prefix)
+        on_device = crashy_batches(r, prefix)[0]
         assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
-        _report("kill -9 of the one worker under up, restarted", 12, len(answers), starts, last_s)
+        report_counts("kill -9 of the one worker under up, restarted", 12, len(answers), starts, last_s)
         up_log = (tmp_path / "up.log").read_text(errors="replace")
         assert "took back 12 requests that a dead worker of this host held" in up_log, up_log[-3000:]
 
@@ -228,29 +175,32 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
         redis_db, tmp_path) -> None:
     # Given `asyncinfer up` with one worker and a model that keeps its dead letters
     url, r = redis_db.url, redis_db.client
-    prefix, env = _crashy(url, "killer", 0.1)
+    prefix, env = crashy_env(url, "killer", 0.1)
     env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
-    with _crashy_under_up(url, env, tmp_path) as (client, _):
+    with crashy_under_up(url, env, tmp_path) as (client, _):
         # When 40 good requests and one that kills its worker (-1) are sent in one burst
-        good = [client.submit("crashy", _index(i)) for i in range(20)]
-        killer = client.submit("crashy", _index(-1))
-        good += [client.submit("crashy", _index(i)) for i in range(20, 40)]
+        good = [client.submit("crashy", crashy_index(i)) for i in range(20)]
+        killer = client.submit("crashy", crashy_index(-1))
+        good += [client.submit("crashy", crashy_index(i)) for i in range(20, 40)]
         sent_at = time.monotonic()
         # Then every good one is answered, none started more than twice
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
         last_s = time.monotonic() - sent_at
         assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
         # And the killer fails for good, naming the deaths, after at most N + 1 of them
-        with pytest.raises(WorkerLost, match="died 2 times"):
+        with pytest.raises(WorkerLost, match="died 3 times"):
             killer.result(timeout=ANSWER_WITHIN_S)
-        starts = _starts(r, prefix)
-        assert 2 <= starts[-1] <= 3 and all(starts[i] <= 2 for i in range(40))
-        # it ran alone after its first death, so no good request shared its second
-        assert [b for b in _batches(r, prefix) if -1 in b][1:] == [[-1]] * (starts[-1] - 1)
+        starts = crashy_starts(r, prefix)
+        assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
+        # after its first death it ran again with the batch-mates that died with it (suspects
+        # only: no request that saw no death), then alone, so no good request shared its third
+        killer_batches = [b for b in crashy_batches(r, prefix) if -1 in b]
+        assert sorted(killer_batches[1]) == sorted(killer_batches[0]), killer_batches
+        assert killer_batches[2:] == [[-1]] * (starts[-1] - 2)
         # And it is kept as a dead letter
         dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
         assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
-        _report("a request that kills its worker, among 40 (asyncinfer up)", 41,
+        report_counts("a request that kills its worker, among 40 (asyncinfer up)", 41,
                 len(answers) + 1, starts, last_s)
 
 
@@ -260,32 +210,35 @@ def test_a_kernel_that_kills_its_worker_at_once_is_counted_against_its_batch_onl
     # Given `asyncinfer up` with one worker whose model ends the process the moment a batch with
     # -2 starts (no round trip first: the device marks must already be on their way to Redis)
     url, r = redis_db.url, redis_db.client
-    prefix, env = _crashy(url, "at-once", 0.05)
+    prefix, env = crashy_env(url, "at-once", 0.05)
     crashes = tmp_path / "crashes.jsonl"
     env["CRASHY_CRASH_LOG"] = str(crashes)
-    with _crashy_under_up(url, env, tmp_path) as (client, _):
+    with crashy_under_up(url, env, tmp_path) as (client, _):
         # When 8 good requests, the killer and 16 more are sent in one burst (batches of 8: the
         # killer's batch has a batch before it, and one formed after it)
-        good = [client.submit("crashy", _index(i)) for i in range(8)]
-        killer = client.submit("crashy", _index(-2))
-        good += [client.submit("crashy", _index(i)) for i in range(8, 24)]
+        good = [client.submit("crashy", crashy_index(i)) for i in range(8)]
+        killer = client.submit("crashy", crashy_index(-2))
+        good += [client.submit("crashy", crashy_index(i)) for i in range(8, 24)]
         sent_at = time.monotonic()
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
         last_s = time.monotonic() - sent_at
         assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(24)]
-        # Then the killer fails for good after exactly two deaths: each was counted, though the
-        # process died microseconds after the launch
-        with pytest.raises(WorkerLost, match="died 2 times"):
+        # Then the killer fails for good after exactly three deaths: each was counted, though the
+        # process died microseconds after the launch (its batch; the rerun of that batch, as
+        # suspects; then alone)
+        with pytest.raises(WorkerLost, match="died 3 times"):
             killer.result(timeout=ANSWER_WITHIN_S)
         batches = [json.loads(line) for line in crashes.read_text().splitlines()]
-        assert len(batches) == 2 and batches[1] == [-2] and -2 in batches[0]
-        assert r.get(DEATHS_PREFIX + killer.id) == b"2"
-        # And a death counted against the good requests of the killer's batch, once, and against
-        # no other: not the batch before it (done, perhaps not yet acknowledged), not the next
+        assert len(batches) == 3 and batches[2] == [-2] and -2 in batches[0]
+        assert sorted(batches[1]) == sorted(batches[0])
+        assert r.get(DEATHS_PREFIX + killer.id) == b"3"
+        # And deaths counted against the good requests of the killer's batch, twice (the batch
+        # and its rerun), and against no other: not the batch before it (done, perhaps not yet
+        # acknowledged), not the next
         deaths = {i: int(r.get(DEATHS_PREFIX + f.id) or 0) for i, f in enumerate(good)}
-        assert deaths == {i: int(i in batches[0]) for i in range(24)}
-        _report("a kernel that kills its worker at once, among 24 (asyncinfer up)", 25,
-                len(answers) + 1, _starts(r, prefix), last_s)
+        assert deaths == {i: 2 * int(i in batches[0]) for i in range(24)}
+        report_counts("a kernel that kills its worker at once, among 24 (asyncinfer up)", 25,
+                len(answers) + 1, crashy_starts(r, prefix), last_s)
 
 
 @pytest.mark.timeout(150)
@@ -294,21 +247,21 @@ def test_leases_are_renewed_across_a_sentinel_failover(tmp_path, redis_url) -> N
     # kernel (its starts counted on another Redis, which the failover leaves alone)
     group = SentinelGroup(tmp_path / "sentinel", replicas=1).start()
     url = group.url(db=0)
-    prefix, env = _crashy(redis_url, "failover", 0)
+    prefix, env = crashy_env(redis_url, "failover", 0)
     counts = redis.Redis.from_url(redis_url)
-    first, second = _two_workers(url, url, tmp_path, env, env)
+    first, second = two_crashy_workers(url, url, tmp_path, env, env)
     client = Client(broker_url=url)
     try:
-        future = client.submit("crashy", _index(1012))
-        wait_for(lambda: _starts(counts, prefix), 30, "the request on a device")
+        future = client.submit("crashy", crashy_index(1012))
+        wait_for(lambda: crashy_starts(counts, prefix), 30, "the request on a device")
         # When the master dies mid-kernel and Sentinel promotes the replica
         old = group.kill_master()
         group.wait_promoted(old)
         # Then the worker that runs it renews its lease on the new master: the idle one's sweep
         # never takes it, and it runs exactly once
         assert future.result(timeout=ANSWER_WITHIN_S)["output"].tolist() == [[1012.0]]
-        assert _starts(counts, prefix) == {1012: 1}
-        _report("a Sentinel failover under a 12 s kernel", 1, 1, _starts(counts, prefix), 0.0)
+        assert crashy_starts(counts, prefix) == {1012: 1}
+        report_counts("a Sentinel failover under a 12 s kernel", 1, 1, crashy_starts(counts, prefix), 0.0)
     finally:
         client.close()
         stop_together([first, second])

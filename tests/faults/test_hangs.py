@@ -67,7 +67,9 @@ def test_a_hung_kernel_is_found_at_the_defaults_and_the_fleet_serves_on(
         last_good_s = time.monotonic() - sent_at
         assert answered == {v: [[pytest.approx(v)]] for v in values}
         with pytest.raises(WorkerLost, match=rf"request {hang.id}: worker processes died 2 times "
-                                             r".*the last was a hang: model 'sleep': a batch of "
+                                             r"while this request was on their device \(a hang "
+                                             r"counts as two deaths\).*the last was a hang: "
+                                             r"model 'sleep': a batch of "
                                              r"\d+ request\(s\) made no progress on the device for "
                                              r"3\d s \(the hang limit: 30 s\)"):
             hang.result(timeout=300)

@@ -55,6 +55,20 @@ def test_deaths_isolate_a_request_then_fail_it_for_good() -> None:
     assert WorkerDeaths(0).judge("r", 9) is None  # not counted
 
 
+def test_a_first_death_reruns_the_batch_a_second_isolates_the_request() -> None:
+    from asyncinfer.config.settings import Settings
+
+    deaths = WorkerDeaths(Settings().max_worker_deaths)  # the default bound, 3
+    assert deaths.max_deaths == 3
+    assert [(deaths.suspect(n), deaths.alone(n)) for n in range(3)] == [
+        (False, False), (True, False), (False, True)]
+    assert deaths.judge("r", 2) is None
+    lost = deaths.judge("r", 3)
+    assert lost is not None and "died 3 times" in str(lost.error)
+    # with no room for a rerun below 3, alone after the first
+    assert not WorkerDeaths(2).suspect(1) and WorkerDeaths(2).alone(1)
+
+
 def test_admission_asks_the_eta_first_then_the_allow_list_then_revocation_and_expiry() -> None:
     gone = lambda request_id: True  # noqa: E731 - revoked, whatever else
     assert admit("r", "other", "infer.m", eta=_iso(10), revoked=gone).verdict == DELAY

@@ -331,6 +331,27 @@ def test_an_item_marked_alone_forms_a_batch_of_its_own_and_is_never_taken_into_a
     assert tags(batcher.next_batch()) == ["suspect"] and tags(batcher.next_batch()) == ["d"]
 
 
+def test_suspects_batch_together_and_never_with_requests_that_saw_no_death() -> None:
+    # Given the batch-mates of a lost worker (one death each) among fresh requests and one that
+    # runs alone (two deaths)
+    batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    mates = [WorkItem(request=f"s{i}", rows=1, signature="a", suspect=True) for i in range(3)]
+    lone = WorkItem(request="alone", rows=1, signature="a", alone=True)
+    fresh = [item("f0"), item("f1")]
+    for i in (fresh[0], mates[0], lone, mates[1], fresh[1], mates[2]):
+        batcher.put(i)
+    # Then the fresh ones go together, the suspects together (one batch, not one each), and the
+    # lone one by itself
+    assert tags(batcher.next_batch()) == ["f0", "f1"]
+    assert tags(batcher.next_batch()) == ["s0", "s1", "s2"]
+    assert tags(batcher.next_batch()) == ["alone"]
+    # And a suspect's batch has the device to itself, as a lone one's
+    assert mates[0].isolated and lone.isolated and not fresh[0].isolated
+    # And a running batch of fresh requests takes no suspect in (in-flight batching)
+    batcher.put(WorkItem(request="s3", rows=1, signature="a", suspect=True))
+    assert batcher.take_joining("a", 4) == []
+
+
 def test_withdrawn_items_leave_the_queue_and_the_others_keep_their_order() -> None:
     batcher = Batcher(max_batch_size=8, max_delay_ms=0)
     items = [WorkItem(request=SimpleNamespace(id=f"r{i}"), rows=1, signature="s") for i in range(4)]

@@ -23,7 +23,9 @@ class Clock:
 
 
 def _item(request_id: str, alone: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(request=SimpleNamespace(id=request_id), on_device=True, alone=alone)
+    """A work item on the device; ``alone``: its batch has the device to itself (a suspect's)."""
+    return SimpleNamespace(request=SimpleNamespace(id=request_id), on_device=True, alone=alone,
+                           isolated=alone)
 
 
 def _watch(clock: Clock, seen: list[Hung], after_s: float | None = None) -> HangWatch:

@@ -207,7 +207,7 @@ class FastConsumer(PipelineConsumer):
         answered (up to ``SETTLE_S``), and for Redis to have its marks."""
         assert self.leases is not None
         ids = {i.request.id for i in items}
-        alone = any(i.alone for i in items)
+        alone = any(i.isolated for i in items)
         if alone:
             left = self.holdings.settle(ids, self.SETTLE_S)
             if left:
