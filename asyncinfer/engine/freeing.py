@@ -10,7 +10,6 @@ freed) for the process: ``malloc_trim`` hands them back, so the worker's residen
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 from typing import Any
@@ -23,9 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def _libc() -> Any:
-    name = ctypes.util.find_library("c")
+    # the process' own symbols (libc's among them): find_library would run ldconfig at import
     try:
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if libc is not None and hasattr(libc, "malloc_trim") else None

@@ -298,10 +298,10 @@ class WorkerRuntime:
                streaming: Callable[[int], PartCallback] | None = None,
                ) -> tuple[Request, Future[Completed]]:
         """Decode and validate one request and queue it for the device (``alone``: in a batch of
-        its own; ``suspect``: in a batch of suspects; ``priority``: Celery's, 0 first; ``trace``: its trace tag, handed back in its
-        batch's record when tracing); InvalidRequest if bad. For a decoupled model,
-        ``streaming(stream_max_parts)`` is called first (before the request is decoded) and
-        gives where its parts go."""
+        its own; ``suspect``: in a batch of suspects; ``priority``: Celery's, 0 first; ``trace``:
+        its trace tag, handed back in its batch's record when tracing); InvalidRequest if bad.
+        For a decoupled model, ``streaming(stream_max_parts)`` is called first (before the
+        request is decoded) and gives where its parts go."""
         model = kwargs.get("model") if isinstance(kwargs, Mapping) else None
         if not isinstance(model, str):
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
