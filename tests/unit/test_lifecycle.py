@@ -49,7 +49,7 @@ def _never(request_id: str) -> bool:
 def test_admission_runs_delays_refuses_revokes_and_expires() -> None:
     assert admit("r", TASK_NAME, "infer.m", revoked=_never).verdict == RUN
     later = admit("r", TASK_NAME, "infer.m", eta=_iso(30), revoked=_never)
-    assert later.verdict == DELAY and 29 < later.delay_s <= 30
+    assert later.verdict == DELAY and 29 < later.delay_s <= 30.5  # on the broker clock (ms off)
     assert admit("r", TASK_NAME, "infer.m", eta=_iso(-1), revoked=_never).verdict == RUN
     refused = admit("r", "celery.map", "infer.m", revoked=_never)
     assert refused.verdict == REFUSED and isinstance(refused.error, InvalidRequest)
