@@ -2,7 +2,7 @@
 
 Every setting is one field of :class:`Settings`; its metadata holds the environment variable and the
 line of documentation that docs/configuration.md's settings table shows (``asyncinfer config --table``
-prints it).
+prints it: config/settings_report.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from asyncinfer.config.published import published_url
 from asyncinfer.config.routes import Routes
 from asyncinfer.config.settings_checks import check_settings
 
-__all__ = ["Settings", "settings_table", "setting_sources", "default_state_dir",
-           "DEFAULT_BROKER_URL"]
+__all__ = ["Settings", "default_state_dir", "DEFAULT_BROKER_URL"]
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 
@@ -382,22 +381,6 @@ class Settings:
             f"ASYNCINFER_RESULT_BACKEND must be set when the broker is not Redis (broker: {broker})")
 
 
-def setting_sources(environ: Mapping[str, str] | None = None, **overrides: Any) -> dict[str, str]:
-    """Where each setting of ``Settings.from_env(environ, **overrides)`` comes from: ``flag``,
-    ``environment (VAR)`` or ``default``."""
-    env = os.environ if environ is None else environ
-    sources = {}
-    for f in dataclasses.fields(Settings):
-        var = f.metadata["env"]
-        if overrides.get(f.name) is not None:
-            sources[f.name] = "flag"
-        elif env.get(var):
-            sources[f.name] = f"environment ({var})"
-        else:
-            sources[f.name] = "default"
-    return sources
-
-
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = type(f.default)
     if kind is bool:
@@ -416,15 +399,3 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
     except ValueError:
         raise ValueError(f"{f.metadata['env']} must be a {kind.__name__}, got {raw!r}") from None
     return raw
-
-
-def settings_table() -> str:
-    """The Markdown table of every environment variable, its default and meaning."""
-    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(Settings):
-        default = f.default
-        shown = ",".join(default) if isinstance(default, tuple) else str(default)
-        shown = shown.lower() if isinstance(default, bool) else shown
-        shown = f"`{shown}`" if shown else "(unset)"
-        lines.append(f"| `{f.metadata['env']}` | {shown} | {f.metadata['doc']} |")
-    return "\n".join(lines)

@@ -90,7 +90,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from asyncinfer.config.settings import Settings, setting_sources, settings_table
+    from asyncinfer.config.settings import Settings
+    from asyncinfer.config.settings_report import setting_sources, settings_table
 
     if args.table:
         print(settings_table())

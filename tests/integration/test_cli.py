@@ -60,7 +60,7 @@ def test_status_lists_workers_devices_models_and_queues(worker, redis_url) -> No
 
 
 def test_config_table_lists_every_variable() -> None:
-    from asyncinfer.config.settings import settings_table
+    from asyncinfer.config.settings_report import settings_table
 
     out = subprocess.run([sys.executable, "-m", "asyncinfer", "config", "--table"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)

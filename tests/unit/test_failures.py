@@ -14,7 +14,8 @@ from celery.exceptions import (
 )
 
 from asyncinfer.celery_app import create_app
-from asyncinfer.config.settings import Settings, setting_sources
+from asyncinfer.config.settings import Settings
+from asyncinfer.config.settings_report import setting_sources
 from asyncinfer.engine.device import DeviceSpec
 from asyncinfer.errors import BrokerUnavailable, InvalidRequest
 from asyncinfer.models.registry import Registry

@@ -12,7 +12,8 @@ import pytest
 
 from asyncinfer.config.celery_config import celery_config
 from asyncinfer.config.published import PID_FILE, URL_FILE
-from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings, settings_table
+from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
+from asyncinfer.config.settings_report import settings_table
 
 pytestmark = pytest.mark.timeout(30)
 
