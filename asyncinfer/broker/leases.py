@@ -13,6 +13,10 @@ the same atomic step, until a time on Redis' clock (``ASYNCINFER_LEASE_S`` ahead
   — and puts those messages back at the front of the lists they came from, marked
   ``redelivered`` as kombu marks them, all in one script that checks the lease is still expired
   (a holder that renewed in between keeps it);
+- a renewal that finds no holder for a message it holds, and no mark that the message went back
+  to its queue, knows Redis forgot it (restarted without its data, or a failover to a replica
+  behind): the holder leases it again from what it holds (and runs it), unless its answer is
+  stored already — nobody else can have it;
 - a worker starting on a host takes back at once what a dead process of that host held (a
   restarted worker gets its predecessor's requests without waiting for the lease);
 - while a request's batch is on the device its lease says so (the device marks, written by the
@@ -51,6 +55,7 @@ from asyncinfer.wire.keys import (
     LEASE_DEVICE_KEY,
     LEASE_HOLDERS_KEY,
     LEASES_KEY,
+    RECLAIMED_PREFIX,
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
@@ -62,6 +67,7 @@ log = logging.getLogger(__name__)
 _RENEW = script("lease_renew")
 _EXPIRED = script("lease_expired")
 _RECLAIM = script("lease_reclaim")
+_ADOPT = script("lease_adopt")
 
 _RECLAIM_KEYS = (LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY, UNACKED_INDEX_KEY, UNACKED_KEY)
 
@@ -133,7 +139,8 @@ class Leases:
     def __init__(self, client: redis.Redis, marks: redis.Redis, *, node: str, lease_s: float,
                  deaths_ttl_s: float, count_deaths: bool, held: Callable[[], Iterable[str]],
                  sweep_every_s: float = 1.0,
-                 on_lost: Callable[[list[str]], object] | None = None) -> None:
+                 on_lost: Callable[[list[str]], object] | None = None,
+                 on_forgotten: Callable[[list[str]], object] | None = None) -> None:
         self.client = client  # the lease thread's own connection
         # ``marks``: the client whose address, credentials and TLS the device marks take (on a
         # connection of their own)
@@ -147,18 +154,24 @@ class Leases:
         self._held = held
         #: Told the tags of held messages found leased to another worker (what it need not run).
         self.on_lost = on_lost
+        #: Told the tags of held messages that Redis forgot (no holder, never put back): the
+        #: holder takes them again (:meth:`adopt`) or gives them up.
+        self.on_forgotten = on_forgotten
         self._renew = client.register_script(_RENEW)
         self._expired = client.register_script(_EXPIRED)
         self._reclaim = client.register_script(_RECLAIM)
+        self._adopt = client.register_script(_ADOPT)
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-leases")
         #: What is on the device now, on Redis (device_marks.py).
         self.device_marks = DeviceMarks(marks)
         #: Counts for the note and the tests: put back by this worker's sweeps, deaths counted,
-        #: held requests found leased to another (this worker was too late renewing).
+        #: held requests found leased to another (this worker was too late renewing), held
+        #: requests Redis forgot and this worker leased again.
         self.reclaimed = 0
         self.deaths_counted = 0
         self.lost = 0
+        self.adopted = 0
 
     def note_hang(self, request_ids: Iterable[str], line: str) -> None:
         """Keep ``line`` (a hang of the device) against each of ``request_ids`` for as long as
@@ -219,23 +232,44 @@ class Leases:
     # -- renewal and sweep ---------------------------------------------------------------------
 
     def renew(self) -> list[str]:
-        """Renew the lease of everything held; the tags found leased to another holder."""
+        """Renew the lease of everything held; the tags found leased to another holder (or gone
+        back to their queue). Those that Redis forgot go to ``on_forgotten``."""
         tags = [t for t in self._held() if t]
         if not tags:
             return []
-        lost = [t.decode() if isinstance(t, bytes) else str(t) for t in self._renew(
+        lost, forgotten = ([_text(t) for t in found] for found in self._renew(
             keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_INDEX_KEY],
-            args=[self.lease_s, self.holder, time.time(), *tags])]
-        if lost:  # those answered since the snapshot are no longer held: not lost
+            args=[self.lease_s, self.holder, time.time(), RECLAIMED_PREFIX, *tags]))
+        if lost or forgotten:  # those answered since the snapshot are no longer held
             still = set(self._held())
             lost = [t for t in lost if t in still]
+            forgotten = [t for t in forgotten if t in still]
         if lost:
             self.lost += len(lost)
             log.warning("%d held requests are leased to another worker now (this one renewed too "
                         "late: frozen, or cut off from Redis); they may run twice", len(lost))
             if self.on_lost is not None:
                 self.on_lost(lost)
+        if forgotten:
+            log.warning("Redis forgot %d requests this worker holds (restarted without its data, "
+                        "or a failover to a replica behind); leasing them again", len(forgotten))
+            if self.on_forgotten is not None:
+                self.on_forgotten(forgotten)
         return lost
+
+    def adopt(self, messages: Sequence[tuple[str, str, str]]) -> list[str]:
+        """Lease again ``messages`` — (tag, the list it came from, kombu's unacked entry) — that
+        Redis forgot; the tags leased (not those another holder took, or that went back to their
+        queue, meanwhile)."""
+        if not messages:
+            return []
+        args: list[Any] = [self.lease_s, self.holder, RECLAIMED_PREFIX]
+        for message in messages:
+            args += message
+        adopted = [_text(t) for t in self._adopt(
+            keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_KEY], args=args)]
+        self.adopted += len(adopted)
+        return adopted
 
     def sweep(self) -> int:
         """Put back what expired leases held; how many messages went back."""
@@ -263,7 +297,8 @@ class Leases:
         # Deaths are counted for whatever another holder marked as on its device, whether or not
         # this holder marks its own (every sweeper of the fleet must count them, or a request
         # that kills its workers would be isolated only when the right worker swept)
-        args: list[Any] = ["1" if expired_only else "0", DEATHS_PREFIX, self.deaths_ttl_s]
+        args: list[Any] = ["1" if expired_only else "0", DEATHS_PREFIX, self.deaths_ttl_s,
+                           RECLAIMED_PREFIX]
         for tag, entry, unacked in found:
             came_from = _text(entry).split("\t", 1)
             restored = redelivered_text(unacked) if unacked else None

@@ -97,9 +97,12 @@ class Message:
 
     @property
     def unacked_entry(self) -> str:
-        """What kombu keeps in its ``unacked`` hash for this message."""
+        """What kombu keeps in its ``unacked`` hash for this message, as the take writes it: its
+        text as taken, then its exchange and routing key."""
         info = (self.envelope.get("properties") or {}).get("delivery_info") or {}
-        return json.dumps([self.envelope, info.get("exchange", ""), info.get("routing_key", self.queue)])
+        exchange, routing_key = info.get("exchange", ""), info.get("routing_key", self.queue)
+        text = self.raw.decode() if isinstance(self.raw, bytes) else str(self.raw)
+        return f"[{text}, {json.dumps(exchange)}, {json.dumps(routing_key)}]"
 
 
 def parse_envelope(delivery: Message, loads: Callable[[Any], Any] = json_text.loads) -> None:

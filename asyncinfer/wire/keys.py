@@ -30,6 +30,7 @@ __all__ = [
     "LEASE_DEVICE_KEY",
     "DEATHS_PREFIX",
     "HUNG_PREFIX",
+    "RECLAIMED_PREFIX",
     "WATCH_PREFIX",
     "BELL_PREFIX",
     "WAITERS_SUFFIX",
@@ -70,6 +71,11 @@ DEATHS_PREFIX = KEY_PREFIX + "deaths:"
 #: + request ID: the line of the last hang of a device while the request was on it (it lives as
 #: long as the death counts; policy/hangs.py).
 HUNG_PREFIX = KEY_PREFIX + "hung:"
+#: + delivery tag: the message went back to its queue from a lease that expired or a dead holder
+#: (it lives as long as the death counts). A renewal that finds no holder for a tag it holds
+#: tells by it whether the message went back (it runs there) or Redis forgot it (a restart
+#: without its data, a failover to a replica behind: the holder takes it again, broker/leases.py).
+RECLAIMED_PREFIX = KEY_PREFIX + "reclaimed:"
 
 #: The one idle consumer watching a list (wake.py): ``asyncinfer:watch:<list>`` names it, with a
 #: short TTL; ``asyncinfer:bell:<list>`` (at most one element) wakes one of the other idle ones.

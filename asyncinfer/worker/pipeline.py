@@ -239,6 +239,18 @@ class Pipeline:
                         len(given_up))
         return len(given_up)
 
+    def forgotten(self, tags: list[str]) -> list[tuple[str, str, str]]:
+        """Redis forgot the messages of ``tags`` (no holder, never put back: restarted without
+        its data, or a failover to a replica behind), and nobody else can have them: what to
+        lease again — (tag, the list it came from, kombu's unacked entry) — of those held here
+        and not answered yet (an answer stored is acknowledged as it is)."""
+        forgotten = set(tags)
+        held = [h.delivery for h in self.holdings.held() if h.delivery.tag in forgotten]
+        answered = answered_before(self.app.backend, [d.request_id for d in held if d.request_id],
+                                   self.writer.results)
+        return [(d.tag, d.list_key, d.unacked_entry) for d in held
+                if d.request_id not in answered]
+
     # -- 4-6: admit, decode, batch -----------------------------------------------------------------
 
     def _start_all(self, deliveries: list[TakenMessage]) -> None:

@@ -112,6 +112,45 @@ def test_a_renewing_holder_keeps_its_lease_and_learns_when_another_took_it(r) ->
     assert holder.renew() == held and holder.lost == 1
 
 
+def test_a_holder_takes_again_what_redis_forgot_and_not_what_went_back_to_its_queue(r) -> None:
+    # Given two requests a worker holds (taken, leased), and a third swept from under it while
+    # it was frozen past its lease
+    for rid in ("forgotten", "swept"):
+        r.lpush(QUEUE, _message(rid))
+    held: list[str] = []
+    forgotten: list[list[str]] = []
+    holder = Leases(r, r, node="n@h", lease_s=1.0, deaths_ttl_s=60, count_deaths=True,
+                    held=lambda: list(held), on_forgotten=forgotten.append)
+    taken = Taker(r).take([QUEUE], 2, lease=holder.terms)
+    tags = {json.loads(raw)["headers"]["id"]: _tag(raw) for _, raw, *_ in taken}
+    entries = {tag: r.hget(UNACKED_KEY, tag) for tag in tags.values()}
+    held += tags.values()
+    sweeper = _leases(r, [], node="other@h")
+    wait_for(lambda: sweeper.sweep() == 2, 10, "both leases swept", poll_s=0.1)
+    r.delete(QUEUE)  # both back on the queue; say another worker took and answered "swept"
+    # When Redis forgets the other (restarted without its data): not on its queue, no holder, no
+    # mark that it went back
+    r.delete("asyncinfer:reclaimed:" + tags["forgotten"])
+    # Then the renewal tells the forgotten one apart from the one that went back
+    assert holder.renew() == [tags["swept"]] and holder.lost == 1
+    assert forgotten == [[tags["forgotten"]]]
+    held.remove(tags["swept"])  # the worker gives it up (it runs where it went)
+    # And the holder leases it again as the take had: holder, lease, kombu's entry
+    tag = tags["forgotten"]
+    assert holder.adopt([(tag, QUEUE, entries[tag].decode())]) == [tag] and holder.adopted == 1
+    assert r.hget(LEASE_HOLDERS_KEY, tag).decode() == f"{holder.holder}\t{QUEUE}"
+    assert r.zscore(LEASES_KEY, tag) is not None and r.hget(UNACKED_KEY, tag) == entries[tag]
+    # And the next renewal keeps it; if the holder dies, the sweep puts it back on its queue
+    assert holder.renew() == [] and forgotten == [[tag]]
+    wait_for(lambda: sweeper.sweep() == 1, 10, "the lease taken again swept", poll_s=0.1)
+    assert [json.loads(m)["headers"]["id"] for m in r.lrange(QUEUE, 0, -1)] == ["forgotten"]
+    # And a message that went back, or another holds, is never leased again
+    assert holder.adopt([(tags["swept"], QUEUE, entries[tags["swept"]].decode())]) == []
+    r.hset(LEASE_HOLDERS_KEY, "t-other", f"{sweeper.holder}\t{QUEUE}")
+    assert holder.adopt([("t-other", QUEUE, "[]")]) == []
+    assert r.hget(LEASE_HOLDERS_KEY, "t-other").decode().startswith(sweeper.holder)
+
+
 def test_a_death_counts_only_against_what_was_on_the_device_and_the_take_reads_it(r) -> None:
     for rid in ("on-device", "waiting"):
         r.lpush(QUEUE, _message(rid))

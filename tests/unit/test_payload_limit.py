@@ -41,12 +41,14 @@ SHORTEST = {
 ENCODINGS = [("json", False), ("msgpack", False), ("msgpack", True)]
 
 
-@pytest.mark.parametrize(("serializer", "binary"), ENCODINGS)
-@pytest.mark.parametrize("kind", list(SHORTEST))
+#: Every value in every encoding that can carry it (a JSON body holds no raw bytes).
+CASES = [(kind, serializer, binary) for kind in SHORTEST for serializer, binary in ENCODINGS
+         if not (serializer == "json" and kind == "BYTES-bytes")]
+
+
+@pytest.mark.parametrize(("kind", "serializer", "binary"), CASES)
 def test_the_estimate_is_never_over_the_encoded_body(kind: str, serializer: str, binary: bool) -> None:
     inputs = SHORTEST[kind]
-    if serializer == "json" and kind == "BYTES-bytes":
-        pytest.skip("a JSON body holds no bytes")
     exact = body_bytes(Outgoing.infer("m", inputs, "r-1", False, serializer, binary=binary))
     assert 0 < estimate(inputs, binary, serializer) <= exact
 

@@ -1,13 +1,15 @@
 -- Reclaim expired leases or a dead holder's (asyncinfer/broker/leases.py).
 -- KEYS: leases, holders, device marks, unacked_index, unacked. ARGV: 1 to reclaim only expired
 -- leases (else those of a dead holder, expired or not), the deaths prefix, the deaths' lifetime
--- (s), then per tag: tag, the holder entry it was read with, the list to put it back on ('' for
--- none), the message as it goes back. Returns {messages put back, deaths counted}.
+-- (s), the prefix of the reclaimed marks, then per tag: tag, the holder entry it was read with,
+-- the list to put it back on ('' for none), the message as it goes back. Returns {messages put
+-- back, deaths counted}. Each tag reclaimed is marked so for as long as deaths are counted (its
+-- late holder's renewal reads it: the message went back, Redis did not forget it).
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local back, deaths = 0, 0
-for i = 4, #ARGV, 4 do
+for i = 5, #ARGV, 4 do
   local tag, holder, list, text = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local ok = (redis.call('HGET', KEYS[2], tag) or '') == holder
   if ok and ARGV[1] == '1' then
@@ -30,6 +32,7 @@ for i = 4, #ARGV, 4 do
     redis.call('HDEL', KEYS[3], tag)
     redis.call('ZREM', KEYS[4], tag)
     redis.call('HDEL', KEYS[5], tag)
+    redis.call('SET', ARGV[4] .. tag, '1', 'EX', tonumber(ARGV[3]))
   end
 end
 return {back, deaths}

@@ -102,7 +102,8 @@ class FastConsumer(PipelineConsumer):
             redis_client(app.conf.broker_url, settings, health_check_interval=30),
             node=hostname, lease_s=settings.lease_s, deaths_ttl_s=settings.result_expires_s,
             count_deaths=policy.deaths.max_deaths > 0, held=self.holdings.tags,
-            on_lost=lambda tags: self.pipeline.forget(tags))
+            on_lost=lambda tags: self.pipeline.forget(tags),
+            on_forgotten=self._lease_again)
         #: Sequence batching: this worker's registrations and the sweep of dead workers' lists
         #: (sequence_pins.py); its sweeps take on a connection of their own.
         lease_s = settings.lease_s or 10.0
@@ -168,6 +169,17 @@ class FastConsumer(PipelineConsumer):
         self.pins.stop()
         if self.leases is not None:
             self.leases.stop()
+
+    def _lease_again(self, tags: list[str]) -> None:
+        """Redis forgot what ``tags`` held here (leases.py): lease again those not answered, so
+        that they run here and go back to their queue if this worker dies; give up any another
+        holder took meanwhile."""
+        assert self.leases is not None
+        again = self.pipeline.forgotten(tags)
+        adopted = set(self.leases.adopt(again))
+        taken = [tag for tag, _list, _entry in again if tag not in adopted]
+        if taken:
+            self.pipeline.forget(taken)
 
     def _restore_held(self) -> None:
         """Put every message still held back on its queue at once, as kombu restores an
