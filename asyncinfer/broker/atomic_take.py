@@ -57,10 +57,19 @@ class AtomicTake:
     #: the leases of what it holds and sweeps expired ones (broker/leases.py).
     lease_s = 0.0
     lease_node = ""
+    #: Count a worker death against each request on the device when it dies (its batches are
+    #: marked by the pipeline that runs them: worker/consumers/kombu_intake.py), kept this many
+    #: seconds (transport options ``lease_deaths`` and ``lease_deaths_ttl_s``).
+    lease_deaths = False
+    lease_deaths_ttl_s = 86400.0
     #: The transport options above.
-    OPTIONS = ("atomic_take", "take_wait_s", "lease_s", "lease_node")
+    OPTIONS = ("atomic_take", "take_wait_s", "lease_s", "lease_node", "lease_deaths",
+               "lease_deaths_ttl_s")
 
     _leases: Any = None
+    #: Delivery tag → the worker deaths the take read for its request (those with any), until the
+    #: pipeline that receives the message takes the count (:meth:`deaths_of`).
+    _deaths: dict[str, int] | None = None
 
     _take_next = _TAKE
     _take_sent = ""
@@ -107,7 +116,8 @@ class AtomicTake:
 
     def _lease_terms(self, control_only: bool) -> Any:
         """The lease terms of this channel's takes (its leases started on first use); None
-        without leases. Deaths are not counted on this path (no device batches to mark). A
+        without leases. With ``lease_deaths`` the take reads each redelivered request's deaths,
+        and a death counts against what the pipeline marked on the device. A
         channel that reads only queues where no task is served (beside a fast consumer, whose
         leases sweep for the worker) renews what it holds and does not sweep."""
         if not self.lease_s:
@@ -118,21 +128,32 @@ class AtomicTake:
             ch: Any = self
             self._leases = Leases(ch._create_client(), ch._create_client(),
                                   node=self.lease_node or "celery", lease_s=float(self.lease_s),
-                                  deaths_ttl_s=86400, count_deaths=False,
+                                  deaths_ttl_s=float(self.lease_deaths_ttl_s),
+                                  count_deaths=bool(self.lease_deaths),
                                   held=lambda: list(ch.qos._delivered.copy())).start()
         # Decided at every take: Celery's consumer adds its queues one by one, so a channel's
         # first take may see only the control queue.
         self._leases.sweeps(not control_only)
         return self._leases.terms
 
+    @property
+    def leases(self) -> Any:
+        """This channel's leases (broker/leases.py), None before its first take or without."""
+        return self._leases
+
+    def deaths_of(self, tag: str) -> int:
+        """The worker deaths counted against the request of the message ``tag`` when it was taken
+        (read once: the count is forgotten here)."""
+        return self._deaths.pop(tag, 0) if self._deaths else 0
+
     def _stop_leases(self) -> None:
         if self._leases is not None:
             self._leases.stop()
             self._leases = None
 
-    def _take_reply(self, **options: Any) -> list[tuple[str, Any, bool]]:
+    def _take_reply(self, **options: Any) -> list[tuple[str, Any, bool, int]]:
         """The reply of what :meth:`_take_start` sent: what a take took, as ``(queue, message,
-        recorded)``; Empty when it took nothing (or it was the wait)."""
+        recorded, deaths)``; Empty when it took nothing (or it was the wait)."""
         ch: Any = self
         sent, self._take_sent = self._take_sent, ""
         try:
@@ -150,8 +171,8 @@ class AtomicTake:
             raise virtual.Empty()
         from asyncinfer.broker.take import parse_taken
 
-        taken = [(bytes_to_str(key).rsplit(ch.sep, 1)[0], raw, recorded)
-                 for key, raw, recorded, _, _ in parse_taken(reply or ())[1]]
+        taken = [(bytes_to_str(key).rsplit(ch.sep, 1)[0], raw, recorded, int(died))
+                 for key, raw, recorded, _, died in parse_taken(reply or ())[1]]
         # fewer than it asked for: the lists are empty, it waits (the room grew meanwhile, as
         # acknowledgements came, says nothing of the lists)
         self._take_next = _TAKE if len(taken) >= self._take_room else _WAIT
@@ -159,7 +180,7 @@ class AtomicTake:
             raise virtual.Empty()
         return taken
 
-    def _took(self, queue: str, raw: Any, recorded: bool) -> None:
+    def _took(self, queue: str, raw: Any, recorded: bool, died: int = 0) -> None:
         """Deliver one message a take popped; its record is not written again. One that breaks
         the rules (the fast consumer's are stricter than the script's) is answered and leaves
         the bookkeeping; one the script did not record is delivered as kombu delivers a BRPOP's."""
@@ -172,6 +193,10 @@ class AtomicTake:
                 ch.qos._remove_from_indices(tag).execute()
             return
         tag = envelope["properties"]["delivery_tag"]
+        if died:
+            if self._deaths is None:
+                self._deaths = {}
+            self._deaths[tag] = died
         if recorded:
             ch.qos.recorded.add(tag)
         try:

@@ -258,8 +258,8 @@ class Channel(AtomicTake, kombu_redis.Channel):
                 raise
             self._backoff.reset()
             if taken:
-                for queue, raw, recorded in taken:
-                    self._took(queue, raw, recorded)
+                for queue, raw, recorded, died in taken:
+                    self._took(queue, raw, recorded, died)
                 return True
             if not dest__item:
                 raise _Empty()

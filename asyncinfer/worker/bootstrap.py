@@ -78,7 +78,9 @@ def take_atomically(app: Celery, node: str = "") -> None:
     settings = settings_of(app) or Settings.from_env()
     app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
                                          "atomic_take": True, "lease_s": settings.lease_s,
-                                         "lease_node": node}
+                                         "lease_node": node,
+                                         "lease_deaths": settings.max_worker_deaths > 0,
+                                         "lease_deaths_ttl_s": settings.result_expires_s}
 
 
 def withdraw_when_stopping(worker: Worker) -> Callable[..., None]:

@@ -25,6 +25,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
 from asyncinfer.wire.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from tests.support.crashy import (
+    burst_with_killer,
     crashy_batches,
     crashy_env,
     crashy_index,
@@ -179,9 +180,7 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
     env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
     with crashy_under_up(url, env, tmp_path) as (client, _):
         # When 40 good requests and one that kills its worker (-1) are sent in one burst
-        good = [client.submit("crashy", crashy_index(i)) for i in range(20)]
-        killer = client.submit("crashy", crashy_index(-1))
-        good += [client.submit("crashy", crashy_index(i)) for i in range(20, 40)]
+        good, killer = burst_with_killer(client, 20, 20)
         sent_at = time.monotonic()
         # Then every good one is answered, none started more than twice
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
@@ -216,9 +215,7 @@ def test_a_kernel_that_kills_its_worker_at_once_is_counted_against_its_batch_onl
     with crashy_under_up(url, env, tmp_path) as (client, _):
         # When 8 good requests, the killer and 16 more are sent in one burst (batches of 8: the
         # killer's batch has a batch before it, and one formed after it)
-        good = [client.submit("crashy", crashy_index(i)) for i in range(8)]
-        killer = client.submit("crashy", crashy_index(-2))
-        good += [client.submit("crashy", crashy_index(i)) for i in range(8, 24)]
+        good, killer = burst_with_killer(client, 8, 16, killer=-2)
         sent_at = time.monotonic()
         answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
         last_s = time.monotonic() - sent_at

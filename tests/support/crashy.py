@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import redis
@@ -21,6 +22,16 @@ from tests.support.waiting import wait_for
 def crashy_index(i: int) -> dict[str, np.ndarray]:
     """The inputs of the request of value ``i`` (-1 kills the worker that runs it)."""
     return {"index": np.array([[float(i)]], np.float64)}
+
+
+def burst_with_killer(client: Client, before: int, after: int,
+                      killer: int = -1) -> tuple[list[Any], Any]:
+    """Send ``before`` good requests (values 0..), the ``killer``, then ``after`` more in one
+    burst; the good ones' futures, in value order, and the killer's."""
+    good = [client.submit("crashy", crashy_index(i)) for i in range(before)]
+    bad = client.submit("crashy", crashy_index(killer))
+    good += [client.submit("crashy", crashy_index(i)) for i in range(before, before + after)]
+    return good, bad
 
 
 def crashy_env(url: str, tag: str, sleep_s: float) -> tuple[str, dict[str, str]]:

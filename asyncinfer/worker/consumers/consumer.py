@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -115,8 +115,10 @@ class PipelineConsumer:
                 raw = envelope_text(message)
             except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
                 raw = f"message of {queue}: {type(exc).__name__}: {exc}"
+            deaths_of = getattr(message.channel, "deaths_of", None)  # the take's count (leases)
+            deaths = deaths_of(message.delivery_tag) if deaths_of is not None else 0
             deliveries.append(TakenMessage(raw=raw.encode(), queue=queue, message=message,
-                                           received_at=received_at))
+                                           received_at=received_at, deaths=deaths))
         self.pipeline.received(deliveries)
 
     def _on_scheduled(self, n: int) -> None:
@@ -129,6 +131,27 @@ class PipelineConsumer:
             qos.increment_eventually(n)
         elif n < 0:
             qos.decrement_eventually(-n)
+
+    #: Longest a batch that runs alone waits for the answers of what ran before it (seconds).
+    SETTLE_S = 10.0
+
+    def _on_launch(self, items: Sequence[WorkItem]) -> None:
+        """A batch goes onto the device: a death from now on counts against its requests. One
+        that runs alone (a request in it saw a death) first waits until what ran before it is
+        answered (up to ``SETTLE_S``), and for Redis to have its marks."""
+        ids = {i.request.id for i in items}
+        alone = any(i.isolated for i in items)
+        if alone:
+            left = self.holdings.settle(ids, self.SETTLE_S)
+            if left:
+                log.warning("a batch that runs alone launches with %d requests that ran before "
+                            "it not yet answered (their answers are late)", left)
+        self.holdings.launched(ids)
+        self._mark_on_device(items, alone)
+
+    def _mark_on_device(self, items: Sequence[WorkItem], wait: bool) -> None:
+        """Mark ``items`` as on the device in their leases (each transport its own way); wait
+        for Redis to have the marks when ``wait``."""
 
     def use_device(self, give_back: Callable[[], None],
                    on_launch: LaunchObserver = ignore_launch,

@@ -70,9 +70,6 @@ log = logging.getLogger(__name__)
 class FastConsumer(PipelineConsumer):
     """Consumes ``queues`` for ``runtime`` until :meth:`stop`; at most ``max_in_flight`` at once."""
 
-    #: Longest a batch that runs alone waits for the answers of what ran before it (seconds).
-    SETTLE_S = 10.0
-
     def __init__(self, app: Celery, runtime: WorkerRuntime, queues: Sequence[str], *,
                  hostname: str, policy: Policy, send_events: bool = False,
                  tracing: Tracing | None = None) -> None:
@@ -213,20 +210,9 @@ class FastConsumer(PipelineConsumer):
             log.exception("could not send %d held requests back; they are redelivered after the "
                           "visibility timeout", len(held))
 
-    def _on_launch(self, items: Sequence[WorkItem]) -> None:
-        """A batch goes onto the device: a death from now on counts against its requests. One
-        that runs alone (a request in it saw a death) first waits until what ran before it is
-        answered (up to ``SETTLE_S``), and for Redis to have its marks."""
+    def _mark_on_device(self, items: Sequence[WorkItem], wait: bool) -> None:
         assert self.leases is not None
-        ids = {i.request.id for i in items}
-        alone = any(i.isolated for i in items)
-        if alone:
-            left = self.holdings.settle(ids, self.SETTLE_S)
-            if left:
-                log.warning("a batch that runs alone launches with %d requests that ran before "
-                            "it not yet answered (their answers are late)", left)
-        self.holdings.launched(ids)
-        self.leases.on_device(self.holdings.tags_of(items), wait=alone)
+        self.leases.on_device(self.holdings.tags_of(items), wait=wait)
 
     def _give_back_but(self, keep: set[str]) -> None:
         """The device hung and the process leaves (policy/hangs.py): take no more, write what is

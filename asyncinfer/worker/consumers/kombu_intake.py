@@ -18,13 +18,18 @@ What differs from the fast consumer (fast_consumer.py) is only the transport's p
   restores it (Redis), marked ``redelivered``;
 - a held message waiting for its ``eta`` widens the prefetch window by one while it waits, as
   Celery's consumer does for its ETA tasks;
-- no leases or death counts of the fast consumer's Redis scripts: redelivery is the broker's.
+- leases and death counts on Redis only: the project's kombu channel takes, leases and reads
+  each redelivered request's deaths with the fast consumer's script (broker/atomic_take.py), and
+  this pipeline marks each batch on the device in that channel's leases, so a request that kills
+  its workers is isolated and failed as on the fast consumer; on RabbitMQ redelivery is the
+  broker's, and deaths are not counted.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -32,6 +37,8 @@ from asyncinfer.broker.connections import redis_client
 from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
+from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.worker.consumers.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.runtime import WorkerRuntime
@@ -58,7 +65,11 @@ class KombuIntake(PipelineConsumer):
         super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
                          tracing=tracing,
                          results=results, shared=None if on_redis else True)
-        self.use_device(self._give_back_all)
+        # On Redis the channel that took a message leases it (broker/atomic_take.py): a batch
+        # on the device is marked in those leases, so a death counts against its requests
+        self.use_device(self._give_back_all,
+                        on_launch=self._on_launch if on_redis and settings.lease_s
+                        and policy.deaths.max_deaths > 0 else ignore_launch)
         log.info("the pipeline serves what Celery's consumer receives on the infer queues")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -69,6 +80,20 @@ class KombuIntake(PipelineConsumer):
         self._stopping.set()
         self._drain(grace_s)
         self._let_go()
+
+    def _mark_on_device(self, items: Sequence[WorkItem], wait: bool) -> None:
+        """Mark ``items`` on the device in the leases of the channel that took each."""
+        by_leases: dict[int, tuple[Any, list[tuple[str, str, WorkItem]]]] = {}
+        for item in items:
+            d = self.holdings.find(item.request.id)
+            message: Any = d.message if d is not None else None
+            leases = getattr(getattr(message, "channel", None), "leases", None)
+            if leases is None or not message.delivery_tag:
+                continue
+            by_leases.setdefault(id(leases), (leases, []))[1].append(
+                (str(message.delivery_tag), item.request.id, item))
+        for leases, marks in by_leases.values():
+            leases.on_device(marks, wait=wait)
 
     def _give_back_all(self) -> None:
         """The device is wedged and the process leaves: take no more, write what is finished;
