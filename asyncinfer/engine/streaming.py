@@ -16,6 +16,11 @@ after the last, their parts numbered from 1 like any row's), as many as ``joinin
 rows left free; the loop ends once no row is live and none joined. A joined row's ``queue_ms`` and
 ``compute_ms`` count from when it joined.
 
+A stream of suspects (requests that saw one worker death: policy/deaths.py) has the device to
+itself for its first step only, the step that was on the device at the death; after it the device
+is shared again and, with in-flight batching, waiting requests join it. A request that saw two
+deaths (``alone``) keeps the device for its whole stream.
+
 A step that raises leaves the batch to the runner, which runs each request again alone (its
 parts are numbered from 1 again: whoever writes them skips those already written).
 
@@ -79,10 +84,15 @@ def launch_stream(runner: StreamHost, job: Job, stream: Any) -> None:
     request is answered when its row finishes (or is cancelled). With in-flight batching,
     the requests that arrive meanwhile join it between steps (:func:`_joining`)."""
     alone = any(item.isolated for item in job.items)
+    # suspects only (each saw one death, none must run alone): the step that was on the device
+    # at the death is the suspect one; after the first step passes the device is shared again
+    suspects = alone and not any(item.alone for item in job.items) and not job.isolated
     waits_s = [job.started - item.received_at for item in job.items]
     joining = (_joining(runner, job, stream, waits_s)
-               if runner._inflight and not alone and not job.isolated else None)
-    with runner._gate.enter(alone):
+               if runner._inflight and (suspects or not alone) and not job.isolated else None)
+    with runner._gate.enter(alone) as share:
+        if suspects:
+            joining = _after_first_step(joining, share)
         for item in job.items:
             item.on_device = True
         runner._hooks().on_launch(job.items)
@@ -110,6 +120,23 @@ def launch_stream(runner: StreamHost, job: Job, stream: Any) -> None:
                     (job.launched - job.started, job.device_s, 0.0))
     if job.unprepared and job.unprepared_error is not None:
         runner._isolate(job.unprepared, job.unprepared_error)
+
+
+def _after_first_step(joining: Joining | None, share: Callable[[], None]) -> Joining:
+    """A stream of suspects: nothing joins before its first step ran (the device is its own);
+    then the device is shared (``share()``) and, with in-flight batching, requests join."""
+    steps_before = 0
+
+    def join(live_rows: int) -> tuple[Sequence[WorkItem], Batch] | None:
+        nonlocal steps_before
+        steps_before += 1
+        if steps_before == 1:
+            return None
+        if steps_before == 2:
+            share()
+        return joining(live_rows) if joining is not None else None
+
+    return join
 
 
 def _joining(runner: StreamHost, job: Job, stream: Any, waits_s: list[float]) -> Joining:

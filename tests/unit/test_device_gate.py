@@ -55,3 +55,44 @@ def test_an_alone_batch_waits_for_the_device_to_empty_and_holds_it_alone() -> No
     for t in (first, lone, later):
         t.join(10)
     assert events == ["first in", "first out", "alone in", "alone out", "later in", "later out"]
+
+
+def test_a_batch_alone_that_shares_lets_others_in_while_it_stays() -> None:
+    # Given a batch alone on the device, an ordinary batch and another lone batch waiting
+    gate = DeviceGate()
+    entered: list[str] = []
+    shared_now = threading.Event()
+    leave = threading.Event()
+
+    def enter(name: str, alone: bool) -> None:
+        with gate.enter(alone=alone):
+            entered.append(name)
+
+    def first() -> None:
+        with gate.enter(alone=True) as share:
+            entered.append("suspects")
+            shared_now.wait(10)
+            share()
+            leave.wait(10)
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    while not entered:
+        threading.Event().wait(0.001)
+    ordinary = threading.Thread(target=enter, args=("ordinary", False))
+    ordinary.start()
+    ordinary.join(0.2)
+    assert entered == ["suspects"]  # it waits while the device is held alone
+    # When the first shares the device (its first step passed)
+    shared_now.set()
+    ordinary.join(10)
+    # Then the ordinary batch enters beside it; a lone batch still waits for the device to empty
+    assert entered == ["suspects", "ordinary"]
+    lone = threading.Thread(target=enter, args=("lone", True))
+    lone.start()
+    lone.join(0.2)
+    assert entered == ["suspects", "ordinary"]
+    leave.set()
+    for t in (holder, lone):
+        t.join(10)
+    assert entered == ["suspects", "ordinary", "lone"]

@@ -119,9 +119,9 @@ class Setup:
         self.futures: dict[str, Future[Completed]] = {}
 
     def submit(self, n: int, then: Callable[[int], None] | None = None,
-               request_id: str | None = None) -> None:
+               request_id: str | None = None, **how: bool) -> None:
         req = request(n, request_id)
-        self.futures[req.id] = self.runner.submit(req, on_part=self.parts.to(req.id, then))
+        self.futures[req.id] = self.runner.submit(req, on_part=self.parts.to(req.id, then), **how)
 
     def submit_at(self, index: int, *ns: int) -> Callable[[int], None]:
         """An ``on_part`` continuation: at part ``index``, submit requests of ``ns``."""
@@ -162,6 +162,43 @@ def test_a_request_arriving_while_a_batch_streams_joins_it_at_the_next_step() ->
     # the joined request was marked on the device as it joined (the leases' marks)
     assert [item.request.id for item in s.launched] == ["req-10", "req-3"]
     assert [item.on_device for item in s.launched] == [False, False]  # and is off it now
+
+
+@pytest.mark.parametrize(("how", "joins"), [({"suspect": True}, True), ({"alone": True}, False)],
+                         ids=["suspect", "alone"])
+def test_a_stream_of_suspects_has_the_device_to_itself_for_its_first_step_only(
+        how: dict[str, bool], joins: bool) -> None:
+    # Given a request that saw a worker die on the device (a suspect: one death; alone: two)
+    # streaming 6 steps; a request arrives before its first step ends, another at its 3rd part
+    model = Joiner()
+    with Setup(model) as s:
+        first_step = threading.Event()
+        go_on = threading.Event()
+
+        def at_part(seen: int) -> None:
+            if seen == 1:
+                first_step.set()
+                go_on.wait(WAIT_S)
+            if seen == 3:
+                s.submit(2, request_id="late")
+
+        s.submit(6, at_part, request_id="suspect", **how)
+        assert first_step.wait(WAIT_S)
+        s.submit(3, request_id="early")
+        go_on.set()
+        answers = {rid: s.futures[rid].result(WAIT_S) for rid in ("suspect", "early", "late")}
+    # Then nothing joined its first step (the one that was on the device at the death); a
+    # suspect's stream takes requests from its 2nd step on, one that must run alone never
+    assert model.steps[0] == [6]
+    if joins:
+        assert model.batches == [[6]]
+        assert model.steps[:5] == [[6], [6, 3], [6, 3], [6, 3, 2], [6, 2]]
+    else:
+        assert model.batches[0] == [6] and model.steps[:6] == [[6]] * 6
+    for rid, n in (("suspect", 6), ("early", 3), ("late", 2)):
+        assert s.parts.seen[rid] == s.parts.expected(n)
+        assert answers[rid].outputs[0].value.tolist() == [[v for k in range(1, n + 1)
+                                                           for v in (n, k)]]
 
 
 def test_a_joined_row_is_on_the_device_while_it_streams() -> None:
