@@ -1,7 +1,15 @@
-"""What a caller holds for one request: its future, and the v2 response it resolves to.
+"""What a caller holds for one request: its future, the v2 response it resolves to, and the
+error a stored failure raises.
 
 ``InferFuture`` is a ``concurrent.futures.Future`` settled by the client's result watcher;
 ``cancel()`` revokes the request. ``InferResponse`` reads outputs as numpy arrays or torch tensors.
+
+A stored failure is rebuilt as Celery rebuilds it (its ``exc_module`` looked up among the modules
+already imported, never imported, never unpickled). One that names no exception type a caller can
+be given (stored by another producer or a tool: ``builtins.dict``, ``os.system``, none at all),
+on which Celery raises where the result is read, is an :class:`~asyncinfer.errors.AsyncInferError`
+naming the request and what was stored (:func:`python_error`), so every future settles and the
+result watcher reads on.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ import concurrent.futures
 import json
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from celery import states
@@ -22,14 +30,23 @@ from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.wire.keys import CLAIM_PREFIX, UNACKED_KEY
 from asyncinfer.wire.payloads import output_to_numpy, output_to_torch
 from asyncinfer.wire.request_identity import queue_of
-from asyncinfer.wire.result_json import decode_result
+from asyncinfer.wire.result_json import decode_meta
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from asyncinfer.client.result_watcher import ResultWatcher
+__all__ = ["InferFuture", "InferResponse", "StreamPart", "stored_outcome", "decode_stored",
+           "python_error", "whereabouts"]
 
-__all__ = ["InferFuture", "InferResponse", "StreamPart", "stored_outcome", "whereabouts"]
+#: How much of a stored failure an error quotes at most (characters).
+_QUOTED_CHARS = 300
+
+
+class _Watcher(Protocol):
+    """What a future needs of the result watcher (client/result_watcher.py, which imports this
+    module): to stop being called."""
+
+    def unwatch(self, request_id: str, callback: Any = None) -> None: ...
 
 
 class _Outputs:
@@ -109,18 +126,72 @@ def stored_outcome(app: Celery, request_id: str, meta: Mapping[str, Any]) -> Any
     """What a request's stored final state (a result meta: ``status``, ``result``) comes to, as
     its future settles it: the response (SUCCESS; an :class:`InferResponse` when the result is
     one), or the exception its ``result()`` raises (returned, not raised); a REVOKED is Celery's
-    ``TaskRevokedError``."""
+    ``TaskRevokedError``; a failure that names no exception type, an
+    :class:`~asyncinfer.errors.AsyncInferError` saying what was stored."""
     status = meta.get("status")
     if status == states.SUCCESS:
         result = meta["result"]
         is_response = isinstance(result, dict) and "outputs" in result and "id" in result
         return InferResponse(result) if is_response else result
-    stored = app.backend.exception_to_python(meta.get("result"))
+    stored = python_error(app.backend, request_id, meta.get("result"))
     if status == states.REVOKED and not isinstance(stored, TaskRevokedError):
         return TaskRevokedError(f"request {request_id} was revoked")
-    if not isinstance(stored, BaseException):
-        return AsyncInferError(f"request {request_id}: ended {status} ({stored!r})")
     return stored
+
+
+def decode_stored(backend: Any, payload: Any) -> dict[str, Any]:
+    """A stored result payload → its meta (``backend.decode_result``), a failure's ``result``
+    rebuilt by :func:`python_error`: this never raises for what a failure holds. A payload that
+    is no result at all (not a mapping with a ``status``) raises ``ValueError``."""
+    meta = decode_meta(backend, payload)
+    if not isinstance(meta, dict) or not isinstance(meta.get("status"), str):
+        raise ValueError(f"not a stored result (no status): {_quoted(meta)}")
+    if meta["status"] in states.EXCEPTION_STATES:
+        request_id = meta.get("task_id")
+        meta["result"] = python_error(backend, request_id if isinstance(request_id, str) else "?",
+                                      meta.get("result"))
+    return meta
+
+
+def python_error(backend: Any, request_id: str, stored: Any) -> BaseException:
+    """The exception a stored failure (Celery's ``exc_type``, ``exc_module``, ``exc_message``)
+    holds, as Celery rebuilds it; an :class:`~asyncinfer.errors.AsyncInferError` naming the
+    request and what was stored when it names no exception type a caller can be given (not a
+    type, not an exception, or one that is no error: ``SystemExit``, ``StopIteration``)."""
+    if isinstance(stored, BaseException):
+        return stored
+    try:
+        rebuilt = backend.exception_to_python(stored)
+    except Exception:  # noqa: BLE001 - Celery's SecurityError, ValueError, TypeError, ...
+        rebuilt = None
+    if not isinstance(rebuilt, BaseException):
+        return AsyncInferError(f"request {request_id} failed with an error of unknown type "
+                               f"{_stored_type(stored)}: {_stored_message(stored)}")
+    if not isinstance(rebuilt, Exception) or isinstance(rebuilt, (StopIteration,
+                                                                  StopAsyncIteration)):
+        return AsyncInferError(f"request {request_id} failed with an error of type "
+                               f"{_stored_type(stored)}, which is not raised to a caller: "
+                               f"{_stored_message(stored)}")
+    return rebuilt
+
+
+def _stored_type(stored: Any) -> str:
+    kind = stored.get("exc_type") if isinstance(stored, Mapping) else None
+    if kind is None:
+        return "(none stored)"
+    module = stored.get("exc_module")
+    return repr(f"{module}.{kind}" if module else str(kind))
+
+
+def _stored_message(stored: Any) -> str:
+    if isinstance(stored, Mapping) and stored.get("exc_type") is not None:
+        return _quoted(stored.get("exc_message"))
+    return _quoted(stored)
+
+
+def _quoted(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "…"
 
 
 class InferFuture(concurrent.futures.Future[InferResponse]):
@@ -130,7 +201,7 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
     queue when ``submit()`` returns: :meth:`sent` waits until it is there, or raises why it is
     not (the same error :meth:`result` raises then)."""
 
-    def __init__(self, request_id: str, app: Celery, watcher: ResultWatcher) -> None:
+    def __init__(self, request_id: str, app: Celery, watcher: _Watcher) -> None:
         super().__init__()
         self.id = request_id
         self._app = app
@@ -222,9 +293,12 @@ def whereabouts(request_id: str, results: Any, backend: Any, broker: Any | None)
     """
     payload = results.get(backend.get_key_for_task(request_id))
     if payload is not None:
-        meta = decode_result(backend, payload)
-        status = meta.get("status")
-        info = meta.get("result") if isinstance(meta.get("result"), dict) else {}
+        try:
+            meta = decode_stored(backend, payload)
+        except Exception as exc:  # noqa: BLE001 - what a tool wrote there
+            return f"its stored result cannot be read ({type(exc).__name__}: {exc})"
+        status, result = meta.get("status"), meta.get("result")
+        info: dict[str, Any] = result if isinstance(result, dict) else {}
         if status == states.STARTED:
             return f"it is running on worker {info.get('hostname') or '?'} (STARTED)"
         return f"its state is {status}"

@@ -44,9 +44,10 @@ from redis._parsers.hiredis import _HiredisParser
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
+from asyncinfer.client.responses import decode_stored
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.reply import announced_payloads
-from asyncinfer.wire.result_json import decode_result
 
 __all__ = ["ResultWatcher", "result_key_prefix"]
 
@@ -154,6 +155,11 @@ class ResultWatcher:
         if self.lost_check is not None:
             self.lost_check.forget(request_id)
 
+    def _id_of(self, channel: Any) -> str | None:
+        """The request whose result key ``channel`` is (None: another channel)."""
+        name = _text(channel)
+        return name[len(self._key_prefix):] if name.startswith(self._key_prefix) else None
+
     def trace(self, request_id: str, *, seen: bool) -> None:
         """Judge whether the broker lost the watched ``request_id`` (lost_check.py); ``seen``: this
         client's publish wrote its trace. Nothing without a lost check."""
@@ -231,7 +237,8 @@ class ResultWatcher:
                 if _text(channel) == self.channel and isinstance(payload, bytes):
                     for one in announced_payloads(payload):  # a batch's results, grouped
                         self._deliver_payload(one)
-                elif self._deliver_payload(payload) and _text(channel) != self.channel:
+                elif (self._deliver_payload(payload, self._id_of(channel))
+                      and _text(channel) != self.channel):
                     finished.append(channel)
             if finished:
                 pubsub.unsubscribe(*finished)
@@ -270,8 +277,9 @@ class ResultWatcher:
             return []
         keys = [self.key(i) for i in ids]
         pubsub.subscribe(*keys)
-        return [key for key, payload in zip(keys, self._client.mget(keys), strict=True)
-                if payload is not None and self._deliver_payload(payload)]
+        return [key for key, request_id, payload in zip(keys, ids, self._client.mget(keys),
+                                                        strict=True)
+                if payload is not None and self._deliver_payload(payload, request_id)]
 
     def _look_up(self, request_ids: list[str], *, late_after_s: float | None = None) -> list[str]:
         """Read the keys of ``request_ids`` and deliver the finished; return those not finished.
@@ -281,7 +289,7 @@ class ResultWatcher:
             ids = request_ids[start:start + self.sweep_chunk]
             payloads = self._client.mget([self.key(i) for i in ids])
             for request_id, payload in zip(ids, payloads, strict=True):
-                meta = self._deliver_payload(payload) if payload is not None else None
+                meta = self._deliver_payload(payload, request_id) if payload is not None else None
                 if meta is None:
                     pending.append(request_id)
                 elif late_after_s is not None and _age_s(meta) > late_after_s:
@@ -337,18 +345,36 @@ class ResultWatcher:
                         "their own channels for %.0f s", request_id, self.fallback_for_s)
         self._fallback_until = time.monotonic() + self.fallback_for_s
 
-    def _deliver_payload(self, payload: Any) -> dict[str, Any] | None:
-        """Hand a stored result to its callbacks; its meta when the request is finished."""
+    def _deliver_payload(self, payload: Any, key_id: str | None = None) -> dict[str, Any] | None:
+        """Hand a stored result to its callbacks; its meta when the request is finished.
+
+        ``key_id``: the request whose key (or channel) held it, when known. What someone else
+        stored never stops the watcher: a failure naming no exception type settles its future
+        with an error saying so (client/stored_errors.py); a payload that is no result at all
+        settles the future of ``key_id`` likewise, and is otherwise logged and skipped."""
         if isinstance(payload, bytes) and _STARTED in payload[:32]:
             return None  # the STARTED state (task_track_started): not worth decoding
-        meta = decode_result(self.backend, payload)
+        try:
+            meta = decode_stored(self.backend, payload)
+        except Exception as exc:  # noqa: BLE001 - another producer's or a tool's writing
+            if key_id is None:
+                log.warning("result watcher: a payload that is no stored result was skipped "
+                            "(%s: %s)", type(exc).__name__, exc)
+                return None
+            meta = {"status": states.FAILURE, "task_id": key_id, "result": AsyncInferError(
+                f"request {key_id}: its stored result cannot be read "
+                f"({type(exc).__name__}: {exc})")}
         if meta.get("status") not in states.READY_STATES:
             return None
         request_id = meta.get("task_id")
+        if not isinstance(request_id, str):
+            if key_id is None:
+                return meta  # stored without its ID, by hand: whose it is, nobody can say
+            request_id = meta["task_id"] = key_id
         with self._lock:
             callbacks = self._callbacks.pop(request_id, None) or []
             self._keyed.discard(request_id)
-        if self.lost_check is not None and isinstance(request_id, str):
+        if self.lost_check is not None:
             self.lost_check.forget(request_id)
         for callback in callbacks:
             try:

@@ -32,13 +32,18 @@ from asyncinfer.broker.urls import is_redis_url, is_sentinel_url
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
-from asyncinfer.client.responses import InferFuture, InferResponse, StreamPart, stored_outcome
+from asyncinfer.client.responses import (
+    InferFuture,
+    InferResponse,
+    StreamPart,
+    decode_stored,
+    stored_outcome,
+)
 from asyncinfer.client.result_watcher import result_key_prefix
 from asyncinfer.client.stream_progress import Interruption, StreamProgress
 from asyncinfer.client.stream_reader import MAX_BLOCK_S, AsyncStreamReader, Stored, StreamReader, block_s_of
 from asyncinfer.errors import AsyncInferError, RequestLost
 from asyncinfer.wire.messages import uuid4_text
-from asyncinfer.wire.result_json import decode_result
 
 if TYPE_CHECKING:
     from asyncinfer.client.brokers import BrokerGroup
@@ -107,7 +112,7 @@ class Streams:
         app = self.group.app
 
         def outcome(payload: Any) -> tuple[str, Any]:
-            meta = decode_result(app.backend, payload)
+            meta = decode_stored(app.backend, payload)
             status = str(meta.get("status") or "")
             if status not in states.READY_STATES:
                 return status, None
