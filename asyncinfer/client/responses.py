@@ -9,7 +9,8 @@ already imported, never imported, never unpickled). One that names no exception 
 be given (stored by another producer or a tool: ``builtins.dict``, ``os.system``, none at all),
 on which Celery raises where the result is read, is an :class:`~asyncinfer.errors.AsyncInferError`
 naming the request and what was stored (:func:`python_error`), so every future settles and the
-result watcher reads on.
+result watcher reads on. Celery's revoke is raised as :class:`RequestRevoked` (an expired request:
+:class:`RequestExpired`), asyncinfer's errors that Celery's ``TaskRevokedError`` catches too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
+from asyncinfer import errors
 from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.wire.keys import CLAIM_PREFIX, UNACKED_KEY
@@ -35,8 +37,8 @@ from asyncinfer.wire.result_json import decode_meta
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["InferFuture", "InferResponse", "StreamPart", "stored_outcome", "decode_stored",
-           "python_error", "whereabouts"]
+__all__ = ["InferFuture", "InferResponse", "StreamPart", "RequestRevoked", "RequestExpired",
+           "stored_outcome", "decode_stored", "python_error", "revoked_error", "whereabouts"]
 
 #: How much of a stored failure an error quotes at most (characters).
 _QUOTED_CHARS = 300
@@ -122,21 +124,53 @@ class StreamPart(_Outputs):
         return f"StreamPart(request_id={self.request_id!r}, index={self.index}, outputs={{{shapes}}})"
 
 
+class RequestRevoked(errors.RequestRevoked, TaskRevokedError):
+    """:class:`asyncinfer.errors.RequestRevoked` as the client raises it: Celery's
+    ``TaskRevokedError`` too, so code written against either catches it. Its ``__cause__`` is the
+    ``TaskRevokedError`` the worker stored, where it stored one. (asyncinfer.errors imports no
+    Celery: the engine raises those errors too.)"""
+
+
+class RequestExpired(errors.RequestExpired, RequestRevoked):
+    """:class:`asyncinfer.errors.RequestExpired` as the client raises it (a ``TaskRevokedError``
+    too)."""
+
+
 def stored_outcome(app: Celery, request_id: str, meta: Mapping[str, Any]) -> Any:
     """What a request's stored final state (a result meta: ``status``, ``result``) comes to, as
     its future settles it: the response (SUCCESS; an :class:`InferResponse` when the result is
-    one), or the exception its ``result()`` raises (returned, not raised); a REVOKED is Celery's
-    ``TaskRevokedError``; a failure that names no exception type, an
-    :class:`~asyncinfer.errors.AsyncInferError` saying what was stored."""
+    one), or the exception its ``result()`` raises (returned, not raised): a REVOKED is
+    :class:`RequestRevoked` (:class:`RequestExpired` when it expired), naming the request; a
+    failure that names no exception type, an :class:`~asyncinfer.errors.AsyncInferError` saying
+    what was stored."""
     status = meta.get("status")
     if status == states.SUCCESS:
         result = meta["result"]
         is_response = isinstance(result, dict) and "outputs" in result and "id" in result
         return InferResponse(result) if is_response else result
     stored = python_error(app.backend, request_id, meta.get("result"))
-    if status == states.REVOKED and not isinstance(stored, TaskRevokedError):
-        return TaskRevokedError(f"request {request_id} was revoked")
+    if isinstance(stored, RequestRevoked):
+        return stored
+    if isinstance(stored, TaskRevokedError):
+        revoked = revoked_error(request_id, str(stored))
+        revoked.__cause__ = stored
+        return revoked
+    if status == states.REVOKED:
+        return revoked_error(request_id, "revoked")
     return stored
+
+
+def revoked_error(request_id: str, reason: str) -> RequestRevoked:
+    """:class:`RequestRevoked` (:class:`RequestExpired` for an expired one) naming
+    ``request_id``; ``reason``: what was stored (Celery's word, or a message)."""
+    reason = reason.strip() or "revoked"
+    named = reason.startswith(f"request {request_id}:")
+    said = reason[len(f"request {request_id}:"):].strip() if named else reason
+    kind = RequestExpired if said.startswith("expired") else RequestRevoked
+    if named:
+        return kind(reason)
+    return kind(f"request {request_id}: {reason}" if said.startswith(("revoked", "expired"))
+                else f"request {request_id}: revoked ({reason})")
 
 
 def decode_stored(backend: Any, payload: Any) -> dict[str, Any]:

@@ -17,12 +17,11 @@ from typing import Any
 from celery import states
 from celery.exceptions import TaskRevokedError
 
-from asyncinfer.client.responses import InferResponse, StreamPart
-from asyncinfer.errors import AsyncInferError, RequestExpired, RequestRevoked, StreamTruncated
+from asyncinfer.client.responses import InferResponse, StreamPart, revoked_error
+from asyncinfer.errors import AsyncInferError, RequestRevoked, StreamTruncated
 from asyncinfer.wire.stream import FINAL, PART, START, StreamEntry, decode_entry, parse_id, stream_key
 
-__all__ = ["FINAL_STATES", "Interruption", "StreamMalformed", "StreamProgress", "revoked_error",
-           "entry_count"]
+__all__ = ["FINAL_STATES", "Interruption", "StreamMalformed", "StreamProgress", "entry_count"]
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +220,8 @@ class StreamProgress:
 
     def as_error(self, outcome: Any) -> BaseException:
         """A stored error as a stream raises it: Celery's TaskRevokedError as RequestRevoked."""
+        if isinstance(outcome, RequestRevoked):  # the client's already (client/responses.py)
+            return outcome
         if isinstance(outcome, TaskRevokedError):
             error = revoked_error(self.request_id, str(outcome))
             error.__cause__ = outcome
@@ -228,18 +229,6 @@ class StreamProgress:
         if isinstance(outcome, BaseException):
             return outcome
         return AsyncInferError(f"request {self.request_id}: ended with {outcome!r}")
-
-
-def revoked_error(request_id: str, reason: str) -> RequestRevoked:
-    """RequestRevoked (RequestExpired for an expired one) naming ``request_id``."""
-    reason = reason.strip() or "revoked"
-    named = reason.startswith(f"request {request_id}:")
-    said = reason[len(f"request {request_id}:"):].strip() if named else reason
-    kind = RequestExpired if said.startswith("expired") else RequestRevoked
-    if named:
-        return kind(reason)
-    return kind(f"request {request_id}: {reason}" if said.startswith(("revoked", "expired"))
-                else f"request {request_id}: revoked ({reason})")
 
 
 def entry_count(reply: Any) -> int:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.asyncio
 from celery import states
-from celery.exceptions import TaskRevokedError
 
 from asyncinfer.broker.connections import redis_client
 from asyncinfer.broker.urls import is_redis_url, is_sentinel_url
@@ -298,23 +297,12 @@ def _as_part(request_id: str, response: Any) -> StreamPart:
 
 
 def _one_part(future: InferFuture, timeout_s: float | None) -> Iterator[StreamPart]:
-    """A model that does not stream: its one answer as the one part."""
-    try:
-        response = future.result(timeout=timeout_s)
-    except TaskRevokedError as exc:
-        raise _stream_error(future.id, exc) from exc
-    yield _as_part(future.id, response)
+    """A model that does not stream: its one answer as the one part (a revoke is the future's
+    RequestRevoked already, client/responses.py)."""
+    yield _as_part(future.id, future.result(timeout=timeout_s))
 
 
 async def _one_part_async(future: InferFuture,
                           timeout_s: float | None) -> AsyncIterator[StreamPart]:
-    try:
-        response = await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
-    except TaskRevokedError as exc:
-        raise _stream_error(future.id, exc) from exc
+    response = await aio.wait_response(asyncio.wrap_future(future), timeout_s, future.id)
     yield _as_part(future.id, response)
-
-
-def _stream_error(request_id: str, exc: BaseException) -> BaseException:
-    """A future's error as a stream raises it (Celery's TaskRevokedError: RequestRevoked)."""
-    return StreamProgress(request_id).as_error(exc)

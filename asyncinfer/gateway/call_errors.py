@@ -60,8 +60,11 @@ def error_for(exc: BaseException) -> GatewayError:
 
 
 def revoked_error(request_id: str, exc: BaseException) -> GatewayError:
-    """The answer to Celery's TaskRevokedError for a request: 504 when it expired, else 499."""
-    if "expired" in str(exc):
+    """The answer to Celery's TaskRevokedError for a request (the client's RequestRevoked): 504
+    when it expired, else 499."""
+    if isinstance(exc, errors.RequestExpired) or "expired" in str(exc):
         return GatewayError(504, f"request {request_id}: expired before a worker ran it "
                                  f"(parameter 'timeout' or the deadline)")
+    if str(exc).startswith(f"request {request_id}: "):  # the client's words name it already
+        return GatewayError(499, str(exc))
     return GatewayError(499, f"request {request_id}: revoked ({exc})")

@@ -157,14 +157,17 @@ def _outcome(args: argparse.Namespace, request_id: str, wait: Callable[[], Any])
     asyncinfer's own errors go on to :func:`main`, which says them (they name the request);
     anything else is what the request's stored failure decoded to (Celery's time limits and
     revokes, a worker that died, a type Celery rebuilt by name), which would otherwise end the
-    command with a traceback."""
+    command with a traceback. A revoke (the client's RequestRevoked, a TaskRevokedError too) is
+    said as what was stored."""
+    from celery.exceptions import TaskRevokedError
+
     from asyncinfer.errors import AsyncInferError
 
     try:
         return wait()
-    except AsyncInferError:
-        raise
     except Exception as exc:  # noqa: BLE001 - said on one line, exit status 1
+        if isinstance(exc, AsyncInferError) and not isinstance(exc, TaskRevokedError):
+            raise
         print(failure_line(args.command, request_id, exc), file=sys.stderr)
         return None
 

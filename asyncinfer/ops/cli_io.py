@@ -137,8 +137,15 @@ def failure_line(command: str, request_id: str, exc: BaseException) -> str:
     (whose messages name the request already): Celery's time limits, whose message is the bare
     limit when Celery's pool stored them (``TimeLimitExceeded(2.0,)``); a worker process that died;
     a revoke (``TaskRevokedError('expired')``); a type this process cannot import, which Celery
-    rebuilds by its name; an exception raised without a message.
+    rebuilds by its name; an exception raised without a message. The client's
+    ``RequestRevoked`` is said as the ``TaskRevokedError`` that was stored (its cause).
     """
+    from celery.exceptions import TaskRevokedError
+
+    from asyncinfer.errors import RequestRevoked
+
+    if isinstance(exc, RequestRevoked) and isinstance(exc.__cause__, TaskRevokedError):
+        exc = exc.__cause__
     text = _what_happened(exc)
     if not (text.startswith(f"request {request_id}:") or text.startswith(f"request {request_id} ")):
         text = f"request {request_id}: {text}"
