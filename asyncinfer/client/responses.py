@@ -10,7 +10,9 @@ be given (stored by another producer or a tool: ``builtins.dict``, ``os.system``
 on which Celery raises where the result is read, is an :class:`~asyncinfer.errors.AsyncInferError`
 naming the request and what was stored (:func:`python_error`), so every future settles and the
 result watcher reads on. Celery's revoke is raised as :class:`RequestRevoked` (an expired request:
-:class:`RequestExpired`), asyncinfer's errors that Celery's ``TaskRevokedError`` catches too.
+:class:`RequestExpired`), asyncinfer's errors that Celery's ``TaskRevokedError`` catches too; a
+time limit stored bare by Celery's pool (``TimeLimitExceeded(2.0)``), with a message naming the
+request (:func:`time_limit_words`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from celery import states
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from asyncinfer import errors
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = ["InferFuture", "InferResponse", "StreamPart", "RequestRevoked", "RequestExpired",
-           "stored_outcome", "decode_stored", "python_error", "revoked_error", "whereabouts"]
+           "stored_outcome", "decode_stored", "python_error", "revoked_error", "time_limit_words",
+           "whereabouts"]
 
 #: How much of a stored failure an error quotes at most (characters).
 _QUOTED_CHARS = 300
@@ -157,7 +160,23 @@ def stored_outcome(app: Celery, request_id: str, meta: Mapping[str, Any]) -> Any
         return revoked
     if status == states.REVOKED:
         return revoked_error(request_id, "revoked")
+    words = time_limit_words(stored)
+    if words is not None and not words.startswith("request "):  # the pool's bare limit
+        return type(stored)(f"request {request_id}: {words}")
     return stored
+
+
+def time_limit_words(exc: BaseException) -> str | None:
+    """Celery's time limit ``exc`` in words (its ``str()`` is its repr: ``TimeLimitExceeded(2.0,)``):
+    the engine's message (it names the request), or ``time limit (2 s) exceeded`` for the bare
+    limit Celery's pool stores; None for any other exception."""
+    if not isinstance(exc, (TimeLimitExceeded, SoftTimeLimitExceeded)):
+        return None
+    kind = "time limit" if isinstance(exc, TimeLimitExceeded) else "soft time limit"
+    limit = exc.args[0] if len(exc.args) == 1 else None
+    if isinstance(limit, (int, float)):
+        return f"{kind} ({limit:g} s) exceeded"
+    return str(limit) if limit else f"{kind} exceeded"
 
 
 def revoked_error(request_id: str, reason: str) -> RequestRevoked:

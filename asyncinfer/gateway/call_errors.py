@@ -4,6 +4,7 @@ and a message) and the one each error a request raised maps to."""
 from __future__ import annotations
 
 from asyncinfer import errors
+from asyncinfer.client.responses import time_limit_words
 
 __all__ = ["GatewayError", "GRPC_CODES", "error_for", "revoked_error"]
 
@@ -32,8 +33,10 @@ class GatewayError(Exception):
 
 
 def error_for(exc: BaseException) -> GatewayError:
-    """The gateway's answer to an error a request raised (submit or result)."""
-    message = str(exc) or type(exc).__name__
+    """The gateway's answer to an error a request raised (submit or result). Celery's time
+    limits (whose ``str()`` is their repr) in words: ``request R: time limit (2 s) exceeded ...``
+    (the client's futures name the request in them, client/responses.py)."""
+    message = time_limit_words(exc) or str(exc) or type(exc).__name__
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, errors.UnknownModel):

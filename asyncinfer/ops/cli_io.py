@@ -153,19 +153,13 @@ def failure_line(command: str, request_id: str, exc: BaseException) -> str:
 
 
 def _what_happened(exc: BaseException) -> str:
-    from celery.exceptions import (
-        SoftTimeLimitExceeded,
-        TaskRevokedError,
-        TimeLimitExceeded,
-        WorkerLostError,
-    )
+    from celery.exceptions import TaskRevokedError, WorkerLostError
 
-    if isinstance(exc, (TimeLimitExceeded, SoftTimeLimitExceeded)):  # str() is their repr
-        kind = "time limit" if isinstance(exc, TimeLimitExceeded) else "soft time limit"
-        limit = exc.args[0] if len(exc.args) == 1 else None
-        if isinstance(limit, (int, float)):
-            return f"{kind} ({limit:g} s) exceeded"
-        return str(limit) if limit else f"{kind} exceeded"
+    from asyncinfer.client.responses import time_limit_words
+
+    limit = time_limit_words(exc)  # Celery's time limits: str() is their repr
+    if limit is not None:
+        return limit
     text = str(exc).strip()
     if isinstance(exc, WorkerLostError):
         return f"its worker process died while it ran ({text})" if text else \
