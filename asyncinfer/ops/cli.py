@@ -118,17 +118,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def _infer_stream(client: Any, args: argparse.Namespace, inputs: Any, parameters: Any) -> int:
     """``infer --stream``: each part on its own line as it arrives; an interruption (its worker
-    died, the request runs again) on stderr."""
+    died, the request runs again) on stderr; a request that failed, the line ``infer`` and
+    ``result`` print (:func:`_outcome`), exit status 1."""
     def interrupted(interruption: Any) -> None:
         print(f"asyncinfer infer: request {interruption.request_id}: interrupted after part "
               f"{interruption.after_part} ({interruption.reason}); waiting for it to run again",
               file=sys.stderr, flush=True)
 
-    with client.stream(args.model, inputs, parameters=parameters, timeout_s=args.timeout_s,
-                       on_interrupted=interrupted) as parts:
+    def print_parts() -> bool:
         for part in parts:
             print_part(part, args)
-    return 0
+        return True
+
+    with client.stream(args.model, inputs, parameters=parameters, timeout_s=args.timeout_s,
+                       on_interrupted=interrupted) as parts:
+        return 0 if _outcome(args, parts.request_id, print_parts) else 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
