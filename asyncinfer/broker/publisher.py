@@ -25,6 +25,8 @@ rules run in turn, by Redis atomically:
   the cached answer is stored under the request's ID and announced as a worker would, the model's
   hit count goes up, and nothing is pushed (CACHED); not found, its miss count goes up and the
   rules above go on. A hit or a miss costs no round trip of its own (broker/response_cache.py).
+  The entry looked for is the one the weights answering such a request now computed: the script
+  reads their token from the key's generation first (wire/cache_key.py).
 
 - sequences (a stateful model's requests, v2 parameter ``sequence_id``: Triton's sequence
   batcher): a sequence's first request (``sequence_start``) is pushed onto the own list of one
@@ -59,6 +61,7 @@ from asyncinfer.errors import (
     SequenceStateLost,
     SequenceUnavailable,
 )
+from asyncinfer.wire.cache_key import generation_key
 from asyncinfer.wire.keys import (
     CLAIM_PREFIX,
     response_cache_stats_key,
@@ -126,7 +129,7 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     args: list[Any] = [len(lists), first.max_queue_size, first.queue]
     for push in pushes:
         keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
-                 push.cache_stats_key, push.pin_key, push.workers_key]
+                 push.cache_stats_key, push.pin_key, push.workers_key, push.cache_generation_key]
         args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
                  push.result_ttl_s, push.level_max_queue_size, push.identity,
                  push.sequence_mode, int(push.sequence is not None and push.sequence.end)]
@@ -183,6 +186,8 @@ class _Push:
         self.quoted_id = json.dumps(request_id) if self.cache_key else ""
         self.reply_to = reply_to if self.cache_key else ""
         self.result_ttl_s = publisher.claim_ttl_s if self.cache_key else 0
+        #: The token of the weights answering the request now is read there (wire/cache_key.py).
+        self.cache_generation_key = generation_key(self.cache_key) if self.cache_key else ""
         #: A sequence's request: routed to its pinned worker by the script (no cache, no bound).
         self.sequence = sequence
         self.pin_key = sequence_pin_key(model, sequence.key) if sequence else ""
@@ -190,6 +195,7 @@ class _Push:
         self.sequence_mode = 0 if sequence is None else 1 if sequence.start else 2
         if sequence is not None:  # its own script calls: never behind a push waiting for room
             self.cache_key = self.cache_stats_key = self.quoted_id = self.reply_to = ""
+            self.cache_generation_key = ""
             self.result_ttl_s = self.max_queue_size = self.level_max_queue_size = 0
             self.group_key = (queue, 0, "sequence")
         self.scripted = (claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0

@@ -19,6 +19,16 @@ clients and the workers alike). Where each part happens:
   ``maxmemory-policy``, which is the operator's and covers the queues too.
 - **the counts**: hits and misses per model in ``asyncinfer:cache:stats:<model>``
   (:func:`cache_stats`).
+- **the weights**: a model's cached answers follow its weights. Each load of a model with the cache
+  on gives its weights a token (worker/cache_generations.py: a model file's content hash, a
+  built-in's fixed one, else one of its own per load); each entry's key ends with the token of the
+  weights that computed it, and ``asyncinfer:cache:generation:<name>`` holds the token that answers
+  the requests of ``<name>`` now (the model, for requests naming no version: its latest; ``m@v`` for
+  those naming version ``v``). A worker's load, unload or reload of a version sets the
+  generations it changes (:func:`record_generations`) before its requests route the new way; the
+  look-up reads the generation first and looks for that token's entry only, and a write is kept
+  only when its token is still its generation's. So an answer of weights that no longer answer is
+  never found; its entry lapses with its TTL, and meanwhile counts in the model's bound.
 
 What is stored is the answer's result meta around its request ID (:func:`template`): the script
 puts the new request's ID in its places, so the hit's stored result, ``AsyncResult(id).get()``,
@@ -35,9 +45,15 @@ import time
 from typing import Any
 
 from asyncinfer.broker.scripts import script
-from asyncinfer.wire.keys import response_cache_index_key, response_cache_stats_key
+from asyncinfer.wire.cache_key import split_entry
+from asyncinfer.wire.keys import (
+    response_cache_generation_key,
+    response_cache_index_key,
+    response_cache_stats_key,
+)
 
-__all__ = ["template", "fill", "write", "cache_stats", "purge", "WRITE_SCRIPT", "MARK"]
+__all__ = ["template", "fill", "write", "cache_stats", "purge", "record_generations",
+           "WRITE_SCRIPT", "GENERATIONS_SCRIPT", "MARK"]
 
 #: Stands for the request ID while the template is encoded (unguessable, so no answer holds it;
 #: the template records where it stood, so another process's mark fills the same).
@@ -45,6 +61,7 @@ MARK = f"asyncinfer-cached-request-id-{secrets.token_hex(16)}"
 _QUOTED_MARK = json.dumps(MARK)
 
 WRITE_SCRIPT = script("response_cache_write")
+GENERATIONS_SCRIPT = script("response_cache_generations")
 
 
 def template(encoded: str | bytes) -> bytes:
@@ -67,16 +84,22 @@ def fill(stored: bytes, request_id: str) -> bytes:
 
 def write(pipe: Any, model: str, entries: list[tuple[str, bytes]], *, ttl_s: float,
           max_entries: int, now_ms: int | None = None) -> None:
-    """Queue the write of ``model``'s cached answers (key, template) on ``pipe``. As EVAL, not a
+    """Queue the write of ``model``'s cached answers (entry key, template) on ``pipe``: each is
+    stored only while the weights token its key ends with is its generation's
+    (wire/cache_key.py's :func:`~asyncinfer.wire.cache_key.entry_key`). As EVAL, not a
     registered script: a pipeline holding one asks Redis whether it has the script first, a round
     trip per write; EVAL of a script Redis has seen costs it a hash of the text."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     # a few slices for a very large batch: one script call holds Redis while it runs
     for start in range(0, len(entries), 1024):
         part = entries[start:start + 1024]
-        pipe.eval(WRITE_SCRIPT, 1 + len(part), response_cache_index_key(model),
-                  *(key for key, _ in part), max(1, int(ttl_s * 1000)), max_entries, now_ms,
-                  *(stored for _, stored in part))
+        keys: list[str] = [response_cache_index_key(model)]
+        args: list[Any] = [max(1, int(ttl_s * 1000)), max_entries, now_ms]
+        for key, stored in part:
+            generation, token = split_entry(key)
+            keys += [key, generation]
+            args += [token, stored]
+        pipe.eval(WRITE_SCRIPT, len(keys), *keys, *args)
 
 
 def cache_stats(client: Any, model: str) -> dict[str, int]:
@@ -90,9 +113,26 @@ def cache_stats(client: Any, model: str) -> dict[str, int]:
     return {"hits": int(hits or 0), "misses": int(misses or 0), "entries": int(entries)}
 
 
+def record_generations(client: Any, set_tokens: dict[str, str],
+                       removed: dict[str, str]) -> int:
+    """Record which weights answer now: generation name → token for ``set_tokens``; for
+    ``removed``, the name's generation goes if it still holds that token (another worker's later
+    load stands). A name is a model, or ``model@version`` (wire/cache_key.py). How many changed."""
+    names = list(set_tokens) + list(removed)
+    if not names:
+        return 0
+    args: list[str] = []
+    for token in set_tokens.values():
+        args += ["+", token]
+    for token in removed.values():
+        args += ["-", token]
+    keys = [response_cache_generation_key(name) for name in names]
+    return int(client.eval(GENERATIONS_SCRIPT, len(keys), *keys, *args))
+
+
 def purge(client: Any, model: str) -> int:
-    """Drop ``model``'s cached answers and counts (after its weights change, say); how many
-    entries went."""
+    """Drop ``model``'s cached answers and counts; how many entries went. Not needed when its
+    weights change (a load does what is needed: see the weights above); the generations stay."""
     index = response_cache_index_key(model)
     keys = [k.decode() if isinstance(k, bytes) else k for k in client.zrange(index, 0, -1)]
     pipe = client.pipeline(transaction=True)

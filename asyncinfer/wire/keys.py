@@ -17,6 +17,7 @@ __all__ = [
     "RESPONSE_CACHE_PREFIX",
     "response_cache_index_key",
     "response_cache_stats_key",
+    "response_cache_generation_key",
     "RETRY_BUDGET_PREFIX",
     "REPLICATION_MARK_CHANNEL",
     "REPLY_CHANNEL_PREFIX",
@@ -104,8 +105,11 @@ def dead_letter_key(model: str) -> str:
     return DEAD_LETTER_PREFIX + model
 
 
-#: The response cache (broker/response_cache.py): ``…entry:<model>:<sha256>`` one cached answer (a
-#: string with a TTL); ``…index:<model>`` sorted set of the model's entries by write time (its size
+#: The response cache (broker/response_cache.py): ``…entry:<name>:<sha256>:<weights>`` one cached
+#: answer (a string with a TTL; ``<name>`` the model, or ``<model>@<version>`` for a request naming a
+#: version; ``<weights>`` the token of the weights that computed it); ``…generation:<name>`` the
+#: token of the weights such requests are answered with now (no TTL; set and removed by the workers'
+#: loads and unloads); ``…index:<model>`` sorted set of the model's entries by write time (its size
 #: bound); ``…stats:<model>`` hash of ``hits`` and ``misses``.
 RESPONSE_CACHE_PREFIX = KEY_PREFIX + "cache:"
 
@@ -118,6 +122,12 @@ def response_cache_index_key(model: str) -> str:
 def response_cache_stats_key(model: str) -> str:
     """The hash of ``model``'s cache hits and misses."""
     return RESPONSE_CACHE_PREFIX + "stats:" + model
+
+
+def response_cache_generation_key(name: str) -> str:
+    """The token of the weights that answer ``name``'s requests now (``name``: a model, for the
+    requests naming no version; ``model@version`` for those naming one)."""
+    return RESPONSE_CACHE_PREFIX + "generation:" + name
 
 
 

@@ -37,6 +37,7 @@ from asyncinfer.wire.model_versions import (
 )
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.wire.triton_words import unknown_model
+from asyncinfer.worker.cache_generations import CacheGenerations
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.metrics import WorkerMetrics
 
@@ -52,13 +53,19 @@ class WorkerRuntime:
     """One device and the models this process serves on it.
 
     ``device_label``: the device as the user named it (``cuda:1``), for reporting (None: as the
-    runtime names it); ``metrics``: where each device batch is recorded.
+    runtime names it); ``metrics``: where each device batch is recorded; ``cache_generations``:
+    where each change of routes is told which weights answer each model now, for the response
+    cache (worker/cache_generations.py; None: no answer of this runtime's is cached).
     """
 
     def __init__(self, settings: Settings, *, device_label: str | None = None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None,
+                 cache_generations: CacheGenerations | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
+        self.cache_generations = cache_generations
+        #: Runner key → (its runner, the token of the weights it loaded) for the response cache.
+        self._weights: dict[str, tuple[ModelRunner, str]] = {}
         spec = parse_device(settings.device)
         label = device_label
         if label is None and spec.type != "auto":
@@ -144,7 +151,36 @@ class WorkerRuntime:
                 routes.setdefault(split_key(key)[0], []).append((key, runner.model.version))
         for versions in routes.values():
             versions.sort(key=lambda kv: version_order(kv[1]))
-        self._routes = routes
+        generations = self.cache_generations
+        if generations is None:
+            self._routes = routes
+            return
+        with generations.changing(self._answering(routes)):  # recorded before they route
+            self._routes = routes
+
+    def _answering(self, routes: dict[str, list[tuple[str, str]]]) -> dict[str, str]:
+        """(Under the lock.) Generation name → the token of the weights that answer it under
+        ``routes``: each cached model (its latest) and each of its versions (``m@v``), as
+        :meth:`_route` picks them."""
+        tokens: dict[str, str] = {}
+        for model, versions in routes.items():
+            latest = self._token_of(versions[-1][0])
+            if latest:
+                tokens[model] = latest
+            seen: set[str] = set()
+            for key, version in versions:
+                if version not in seen:
+                    seen.add(version)
+                    token = self._token_of(key)
+                    if token:
+                        tokens[version_key(model, version)] = token
+        return tokens
+
+    def _token_of(self, key: str) -> str:
+        """(Under the lock.) The token of the weights of the runner loaded as ``key`` ("" for
+        none: not cached)."""
+        weights = self._weights.get(key)
+        return weights[1] if weights is not None and weights[0] is self._runners.get(key) else ""
 
     def _no_version(self, model: str, version: str, request_id: str | None) -> UnknownModel:
         who = f" (request {request_id})" if request_id else ""
@@ -191,7 +227,13 @@ class WorkerRuntime:
                            hang_after_s=self.settings.hang_after_s or None)
 
     def _start(self, model: str, runner: ModelRunner) -> ModelRunner:
-        runner.start()
+        generations = self.cache_generations
+        if generations is None or not generations.caches(split_key(model)[0]):
+            runner.start()
+        else:
+            before = generations.before_load(runner.model)
+            runner.start()
+            self._weights[model] = (runner, generations.token(runner.model, before))
         log.info("model %s loaded on %s", model, self.device.label)
         self._runners[model] = runner
         self._reroute()
@@ -254,6 +296,7 @@ class WorkerRuntime:
         free its memory; False when it was not loaded."""
         with self._lock:
             runner = self._runners.pop(model, None)
+            self._weights.pop(model, None)
             self._reroute()
         if runner is None:
             return False

@@ -33,6 +33,7 @@ from asyncinfer.policy.policy import Policy
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.model_versions import sorted_versions, split_key
 from asyncinfer.worker.announcer import Announcer, announcer_for
+from asyncinfer.worker.cache_generations import generations_of
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import WorkerRuntime
 from asyncinfer.worker.stats import StatsFlusher, flusher_for
@@ -93,7 +94,8 @@ class Worker:
                 runtime = self._runtime
                 if runtime is None:
                     runtime = self._runtime = WorkerRuntime(
-                        self.settings, device_label=self.device_label, metrics=self.metrics)
+                        self.settings, device_label=self.device_label, metrics=self.metrics,
+                        cache_generations=generations_of(self.app))
                     self.metrics.watch(device=runtime.device.label, pending=runtime.pending)
         return runtime
 

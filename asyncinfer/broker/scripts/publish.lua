@@ -1,8 +1,10 @@
 -- Publish requests (asyncinfer/broker/publisher.py; grouped.py and loop_publisher.py send it too).
 -- One or more pushes onto one queue, in order, atomically: the same rules for each push.
 -- KEYS: the queue's lists (its priority lists, ARGV[1] of them), then per push: the list to push
--- on, its claim key, its result key, its response cache key ('' for none), the model's cache
--- counts ('' for none), its sequence's pin and the model's sequence workers ('' for none).
+-- on, its claim key, its result key, its response cache key's stem ('' for none), the model's cache
+-- counts ('' for none), its sequence's pin and the model's sequence workers ('' for none), its
+-- cache key's generation ('' for none: the token of the weights answering it now, appended to the
+-- stem with ':' to give the entry; none stored, a miss).
 -- ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
 -- message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
 -- check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none),
@@ -74,7 +76,7 @@ local function route(pin_key, workers, mode, ends)
   return first_field(pin), nil, ''
 end
 for i = 0, (#ARGV - 3) / 10 - 1 do
-  local k, a = lists + 7 * i, 4 + 10 * i
+  local k, a = lists + 8 * i, 4 + 10 * i
   local claim_ttl = tonumber(ARGV[a + 1])
   local status, detail = nil, ''
   if claim_ttl > 0 then
@@ -97,7 +99,8 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
     end
   end
   if not status and KEYS[k + 4] ~= '' then
-    local stored = redis.call('GET', KEYS[k + 4])
+    local generation = KEYS[k + 8] ~= '' and redis.call('GET', KEYS[k + 8])
+    local stored = generation and redis.call('GET', KEYS[k + 4] .. ':' .. generation)
     local value = stored and fill(stored, ARGV[a + 3])
     if value then
       local result_ttl = tonumber(ARGV[a + 5])

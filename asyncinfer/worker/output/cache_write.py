@@ -5,6 +5,8 @@ Only a successful answer is written (the result writer calls :meth:`CacheWrites.
 SUCCESS alone): a failure, a retry, a revocation, an answer that could not be encoded, or a
 request whose own row of a batch failed never reaches the cache. The worker does not read the
 cache: the look-up happens at submit, in the publish script, where a hit saves the queue too.
+An answer is written under the token of the weights that computed it, and kept only while they
+answer its requests (worker/cache_generations.py).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from celery import Celery, states
 from asyncinfer.broker import response_cache
 from asyncinfer.broker.store import Entry, StoreScript, as_out_of_memory, store_reply
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.wire.cache_key import cache_key
+from asyncinfer.wire.cache_key import cache_key, entry_key, generation_name
 from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.result_json import encode_meta
+from asyncinfer.worker.cache_generations import generations_of
 from asyncinfer.worker.dead_letters import options_of
 from asyncinfer.worker.requests.taken import TakenMessage
 
@@ -31,14 +34,22 @@ log = logging.getLogger(__name__)
 
 
 def cache_key_of(app: Celery, d: TakenMessage, kwargs: Any) -> str:
-    """The response cache entry ``d``'s answer fills: '' unless its model caches answers
-    (``response_cache``) and the request is keyable and does not bypass it."""
+    """The response cache entry ``d``'s answer fills, once it is routed (worker/runtime.py): ''
+    unless its model caches answers (``response_cache``), the request is keyable and does not
+    bypass it, and the weights that run it are known (worker/cache_generations.py: the routes did
+    not change since it was taken). The entry names those weights: a look-up finds it only while
+    they answer such requests."""
     model = d.model
     if not model or d.headers.get("task") != TASK_NAME or not isinstance(kwargs, Mapping):
         return ""
     if not options_of(app, model).response_cache:
         return ""
-    return cache_key(model, kwargs) or ""
+    generations = generations_of(app)
+    stem = cache_key(model, kwargs) if generations is not None else None
+    if generations is None or not stem:
+        return ""
+    token = generations.entry_token(generation_name(model, kwargs), d.received_at)
+    return entry_key(stem, token) if token else ""
 
 
 class CacheWrites:
