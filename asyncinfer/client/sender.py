@@ -17,9 +17,11 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from asyncinfer.broker.clock_skew import CLOCK_FOLLOWER
 from asyncinfer.broker.connections import broker_error, never_resend, redis_client
+from asyncinfer.broker.kombu_connection import publish_blocked
 from asyncinfer.broker.publisher import DUPLICATE, Publisher
 from asyncinfer.broker.scripts import script
 from asyncinfer.broker.urls import is_redis_url
@@ -34,7 +36,13 @@ from asyncinfer.client.submit_span import end_with_error, end_with_future, start
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.constants import TASK_NAME
-from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, RequestIdReused
+from asyncinfer.errors import (
+    AsyncInferError,
+    BrokerRefused,
+    BrokerUnavailable,
+    InvalidRequest,
+    RequestIdReused,
+)
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.keys import CLAIM_PREFIX
@@ -234,11 +242,37 @@ class Sender:
         if outgoing.sequence is not None:  # its routing is the Redis publish script's
             raise InvalidRequest(f"request {request_id}: sequence batching (parameter "
                                  f"'sequence_id') needs a Redis broker")
-        if outgoing.claim and not self._claim(outgoing):
-            # already sent, perhaps by another producer: wait on its own channel
-            self.watcher.watch_own_channel(request_id)
-            return
-        self.app.send_task(outgoing.task, **outgoing.send_task_options(self.watcher.channel))
+        timeout_s = (self.settings.submit_timeout_s if outgoing.timeout_s is None
+                     else outgoing.timeout_s)
+        try:
+            blocked = self._publish_blocked(timeout_s)
+            if blocked is not None:
+                # Written, it would wait in the socket until the alarm clears: a submit that
+                # says it was sent while the broker has not taken it, and runs whenever that is.
+                waited = f", after waiting {timeout_s:g} s for it to lift" if timeout_s > 0 else ""
+                raise BrokerRefused(
+                    f"request {request_id}: RabbitMQ blocks publishing ({blocked}: a memory or "
+                    f"disk alarm is raised on the broker, which takes no message until it "
+                    f"clears); not sent{waited} (timeout_s, default submit_timeout_s)")
+            if outgoing.claim and not self._claim(outgoing):
+                # already sent, perhaps by another producer: wait on its own channel
+                self.watcher.watch_own_channel(request_id)
+                return
+            self.app.send_task(outgoing.task, **outgoing.send_task_options(self.watcher.channel))
+        except OperationalError as exc:  # kombu's: unreachable, refused, or a write timed out
+            maybe = ("it may have been sent all the same (a broker that stops reading times a "
+                     "write out: RabbitMQ during a memory or disk alarm, a network partition)"
+                     if _timed_out(exc) else "not sent")
+            raise self.broker_error(BrokerUnavailable(
+                f"request {request_id}: the broker did not take it ({exc}); {maybe}")) from exc
+
+    def _publish_blocked(self, wait_s: float) -> str | None:
+        """Why the broker blocks publishing on the connection the next send takes from the pool
+        (RabbitMQ during a memory or disk alarm), waiting up to ``wait_s`` for it to lift; None
+        when it does not. (Told after the producer went back: an error inside its block would
+        close the connection, which a blocked broker does not answer.)"""
+        with self.app.producer_or_acquire() as producer:
+            return publish_blocked(producer.connection, wait_s=wait_s)
 
     def publish_options(self, outgoing: Outgoing) -> dict[str, Any]:
         """The publisher's arguments for ``outgoing`` (all but its message)."""
@@ -323,3 +357,14 @@ class Sender:
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:
     return None
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or what caused it is a timeout (kombu says so in words)."""
+    for _ in range(8):  # a chain, not a cycle
+        if exc is None:
+            return False
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -43,6 +43,11 @@ _BUFFER_LIMIT = 512
 FLUSH_INTERVAL_S = 0.1
 #: Events kept for the next try while the broker cannot take them; older ones are dropped.
 _KEPT_LIMIT = 10_000
+#: A publish that finds the connection gone (the broker restarted, closed it, a partition healed)
+#: connects again once, at once, then publishes: without it the connection stays dead and every
+#: event after it is dropped until the worker restarts. A broker still away fails the flush (the
+#: events are kept); the next flush tries again.
+_RECONNECT_ONCE = {"max_retries": 1, "interval_start": 0, "interval_step": 1, "interval_max": 1}
 
 
 class TaskEvents:
@@ -153,7 +158,8 @@ class TaskEvents:
             dispatcher.producer.publish(
                 body, routing_key="task.multi", exchange=dispatcher.exchange.name,
                 declare=[dispatcher.exchange], headers=dispatcher.headers,
-                delivery_mode=dispatcher.delivery_mode, **options)
+                delivery_mode=dispatcher.delivery_mode, retry=True,
+                retry_policy=_RECONNECT_ONCE, **options)
         except Exception as exc:  # noqa: BLE001 - events are best effort, requests are not
             dropped = max(0, taken - _KEPT_LIMIT)
             log.warning("could not send %d task events (%s)%s", taken, exc,
