@@ -62,14 +62,20 @@ class AtomicTake:
     #: seconds (transport options ``lease_deaths`` and ``lease_deaths_ttl_s``).
     lease_deaths = False
     lease_deaths_ttl_s = 86400.0
+    #: The largest message body taken whole, in bytes of its text (transport option
+    #: ``max_body_bytes``; 0: any): a larger one is taken without it, for its consumer to refuse.
+    max_body_bytes = 0
     #: The transport options above.
     OPTIONS = ("atomic_take", "take_wait_s", "lease_s", "lease_node", "lease_deaths",
-               "lease_deaths_ttl_s")
+               "lease_deaths_ttl_s", "max_body_bytes")
 
     _leases: Any = None
     #: Delivery tag → the worker deaths the take read for its request (those with any), until the
     #: pipeline that receives the message takes the count (:meth:`deaths_of`).
     _deaths: dict[str, int] | None = None
+    #: Delivery tag → the bytes of its body the take left out (over ``max_body_bytes``), until its
+    #: consumer reads it (:meth:`body_cut_of`).
+    _cut: dict[str, int] | None = None
 
     _take_next = _TAKE
     _take_sent = ""
@@ -107,7 +113,8 @@ class AtomicTake:
             room = self._take_room = ch.qos.can_consume_max_estimate() or 1
             keys = take_keys(lists, ch.unacked_index_key, ch.unacked_key)
             args = (_TAKE, self._take_sha, len(keys), *keys,
-                    *take_args(room, lease=self._lease_terms(control_only)))
+                    *take_args(room, lease=self._lease_terms(control_only),
+                               max_body_bytes=int(self.max_body_bytes or 0)))
         connection = ch.client.connection
         ch._in_poll = connection
         ch._brpop_sent_at = time.monotonic()
@@ -146,14 +153,19 @@ class AtomicTake:
         (read once: the count is forgotten here)."""
         return self._deaths.pop(tag, 0) if self._deaths else 0
 
+    def body_cut_of(self, tag: str) -> int:
+        """The bytes of the body of message ``tag`` that the take left out (0: none; read once)."""
+        return self._cut.pop(tag, 0) if self._cut else 0
+
     def _stop_leases(self) -> None:
         if self._leases is not None:
             self._leases.stop()
             self._leases = None
 
-    def _take_reply(self, **options: Any) -> list[tuple[str, Any, bool, int]]:
+    def _take_reply(self, **options: Any) -> list[tuple[str, Any, int, int]]:
         """The reply of what :meth:`_take_start` sent: what a take took, as ``(queue, message,
-        recorded, deaths)``; Empty when it took nothing (or it was the wait)."""
+        recorded, deaths)`` (``recorded`` as in broker/take.py's ``Popped``); Empty when it took
+        nothing (or it was the wait)."""
         ch: Any = self
         sent, self._take_sent = self._take_sent, ""
         try:
@@ -180,7 +192,7 @@ class AtomicTake:
             raise virtual.Empty()
         return taken
 
-    def _took(self, queue: str, raw: Any, recorded: bool, died: int = 0) -> None:
+    def _took(self, queue: str, raw: Any, recorded: int, died: int = 0) -> None:
         """Deliver one message a take popped; its record is not written again. One that breaks
         the rules (the fast consumer's are stricter than the script's) is answered and leaves
         the bookkeeping; one the script did not record is delivered as kombu delivers a BRPOP's."""
@@ -197,6 +209,10 @@ class AtomicTake:
             if self._deaths is None:
                 self._deaths = {}
             self._deaths[tag] = died
+        if recorded < 0:  # its body was left out: refused for its size (worker/celery_consumer.py)
+            if self._cut is None:
+                self._cut = {}
+            self._cut[tag] = -recorded
         if recorded:
             ch.qos.recorded.add(tag)
         try:

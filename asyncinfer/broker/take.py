@@ -85,9 +85,10 @@ class LeaseTerms:
     deaths_prefix: str = ""
 
 
-#: One entry of a take's reply, a message as popped: list name, message, recorded, STARTED stored,
-#: deaths counted against it (the worker wraps each in a ``TakenMessage``).
-Popped = tuple[str, bytes, bool, bool, int]
+#: One entry of a take's reply, a message as popped: list name, message, recorded (0: not; 1: it
+#: is; -N: it is, without its body of N bytes, over the largest kept: the message is its envelope
+#: alone), STARTED stored, deaths counted against it (the worker wraps each in a ``TakenMessage``).
+Popped = tuple[str, bytes, int, bool, int]
 
 
 def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
@@ -103,14 +104,15 @@ def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
 
 
 def take_args(room: int, started: StartedText | None = None, lease: LeaseTerms | None = None,
-              watcher: str = "", watched: Sequence[int] = ()) -> list[Any]:
+              watcher: str = "", watched: Sequence[int] = (), max_body_bytes: int = 0) -> list[Any]:
     """The take script's arguments (see :meth:`Taker.take`); ``watched`` as given to
     :func:`take_keys`."""
     extra: list[Any] = ["", "", "", 0, ""] if started is None else [
         started.key_prefix, started.head, started.tail, started.expires_s, started.task]
     terms: list[Any] = [0, "", ""] if lease is None else [
         lease.lease_s, lease.holder, lease.deaths_prefix]
-    return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher, len(watched), *watched]
+    return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher, len(watched), *watched,
+            max(0, int(max_body_bytes or 0))]
 
 
 def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Popped]]:
@@ -120,7 +122,7 @@ def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Popped]]:
     for i in range(1, len(flat), 5):
         key = flat[i]
         taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
-                      bool(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
+                      int(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
     return (tuple(int(p) for p in flat[0]) if flat else ()), taken
 
 
@@ -144,7 +146,7 @@ class Taker:
 
     def take(self, lists: Sequence[str], room: int, started: StartedText | None = None,
              lease: LeaseTerms | None = None, watcher: str = "",
-             watched: Sequence[int] = (0,)) -> list[Popped]:
+             watched: Sequence[int] = (0,), max_body_bytes: int = 0) -> list[Popped]:
         """Up to ``room`` messages from ``lists`` (in order): ``(list name, message, recorded,
         started, deaths)``, oldest first per list; ``recorded`` is False for a malformed message
         (popped, not recorded as unacknowledged); ``started`` is True when the take stored its
@@ -155,13 +157,14 @@ class Taker:
         took something passes on the watches of the lists at the positions in ``watched``
         (:meth:`~asyncinfer.broker.wake.Waker.passable`; the first list's bell is the one
         rung for messages a full take left) when others wait for them (wake.py); :attr:`passed`
-        says which it gave up."""
+        says which it gave up. A body over ``max_body_bytes`` (0: any) is left out (see
+        :data:`Popped`)."""
         self.passed = ()
         if room <= 0 or not lists:
             return []
         if not watcher:
             watched = ()
         self.passed, taken = parse_taken(self._take(
-            keys=take_keys(lists, watched=watched), args=take_args(room, started, lease, watcher,
-                                                                    watched)))
+            keys=take_keys(lists, watched=watched),
+            args=take_args(room, started, lease, watcher, watched, max_body_bytes)))
         return taken

@@ -79,6 +79,9 @@ class Message:
     request_id: str = ""
     #: The Redis list it came from: the queue's, or one of its priority lists.
     key: str = ""
+    #: The bytes of its body that the take left out, over the largest body kept (0: none left
+    #: out): refused for its size by :func:`decode_body`.
+    body_cut_bytes: int = 0
 
     @cached_property
     def model(self) -> str | None:
@@ -180,13 +183,14 @@ def decode_body(delivery: Message, max_body_bytes: int | None = None
                 ) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
     """``(args, kwargs, embed)`` of a protocol-2 task message; InvalidRequest when refused.
 
-    A body longer than ``max_body_bytes`` (as it lies in the envelope) is refused undecoded.
+    A body longer than ``max_body_bytes`` (as it lies in the envelope, or as the take found it
+    before it left it out: ``body_cut_bytes``) is refused undecoded.
     """
     env = delivery.envelope
     rid = delivery.request_id
     content_type = env.get("content-type")
     body: Any = env.get("body")
-    size = len(body) if isinstance(body, (str, bytes)) else 0
+    size = delivery.body_cut_bytes or (len(body) if isinstance(body, (str, bytes)) else 0)
     if max_body_bytes is not None and size > max_body_bytes:
         raise payload_too_large(rid, size, max_body_bytes)
     try:

@@ -80,7 +80,8 @@ def take_atomically(app: Celery, node: str = "") -> None:
                                          "atomic_take": True, "lease_s": settings.lease_s,
                                          "lease_node": node,
                                          "lease_deaths": settings.max_worker_deaths > 0,
-                                         "lease_deaths_ttl_s": settings.result_expires_s}
+                                         "lease_deaths_ttl_s": settings.result_expires_s,
+                                         "max_body_bytes": settings.max_payload_bytes}
 
 
 def withdraw_when_stopping(worker: Worker) -> Callable[..., None]:

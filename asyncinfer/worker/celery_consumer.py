@@ -39,7 +39,7 @@ from asyncinfer.wire.envelope import (
 )
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 from asyncinfer.worker.bootstrap import hosted_models
-from asyncinfer.worker.consumers.consumer import PipelineConsumer
+from asyncinfer.worker.consumers.consumer import PipelineConsumer, body_cut_bytes
 from asyncinfer.worker.consumers.kombu_intake import KombuIntake
 from asyncinfer.worker.lifecycle import FAILED_FORMAT
 from asyncinfer.worker.step import is_prefork
@@ -152,7 +152,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                     return None
                 return self._hand_over(message)  # the one pipeline, whatever took it
             body = message.body
-            size = len(body) if isinstance(body, (bytes, str)) else 0
+            size = body_cut_bytes(message) or (len(body) if isinstance(body, (bytes, str)) else 0)
             if limit and size > limit:
                 request_id = (message.headers or {}).get("id")
                 self._answer_refused(message, request_id,

@@ -114,7 +114,8 @@ class Pipeline:
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
             queue = queue_of_list(key)
             deliveries += self._parse([(TakenMessage(raw=raw, queue=queue, received_at=received_at,
-                                                     key=key, started=started, deaths=died), rec)
+                                                     key=key, started=started, deaths=died,
+                                                     body_cut_bytes=max(0, -rec)), rec != 0)
                                        for _, raw, rec, started, died in group])
         return deliveries
 

@@ -50,7 +50,7 @@ def test_take_pops_in_priority_order_and_records_each_message(broker) -> None:
     rest = Taker(r).take(lists, 10)
     assert [k for k, _, _, _, _ in rest] == [queue, f"{queue}{PRIORITY_SEP}3"]
     # popped, answered by the consumer, not recorded
-    assert rest[0][1:] == (b"{not a kombu envelope", False, False, 0) and rest[1][2] is True
+    assert rest[0][1:] == (b"{not a kombu envelope", 0, False, 0) and rest[1][2] == 1
     assert r.hlen(UNACKED_KEY) == 4 and not any(r.llen(k) for k in lists)
 
 
@@ -216,3 +216,26 @@ def test_a_take_larger_than_one_commands_worth_records_and_leases_every_message(
     assert r.hget(LEASE_HOLDERS_KEY, tags[-1]) == f"w1\t{queue}{PRIORITY_SEP}3".encode()
     assert r.zscore(LEASES_KEY, tags[0]) == pytest.approx(time.time() + 10, abs=60)
     assert not any(r.llen(k) for k in lists)
+
+
+def test_a_body_over_the_largest_kept_is_left_out_of_the_record_and_the_reply(broker) -> None:
+    # Given a message whose base64 body (as kombu's Redis transport writes every body) is 6,000
+    # bytes, and one whose body is small
+    _, r = broker
+    queue = "infer.m"
+    big = json.loads(_message("big", queue))
+    big["body"] = "QUJD" * 1500
+    r.lpush(queue, json.dumps(big))
+    small = _message("small", queue)
+    r.lpush(queue, small)
+    # When a worker that keeps bodies of at most 5,000 bytes takes both
+    taken = Taker(r).take([queue], 2, max_body_bytes=5000)
+    # Then the big one is recorded and returned without its body, its size said instead
+    (_, raw, recorded, _, _), (_, small_raw, small_recorded, _, _) = taken
+    assert recorded == -6000 and json.loads(raw)["body"] == "" and len(raw) < 1000
+    tag = json.loads(raw)["properties"]["delivery_tag"]
+    envelope, _, _ = json.loads(r.hget(UNACKED_KEY, tag))
+    assert envelope["headers"]["id"] == "big" and envelope["body"] == ""
+    assert r.hstrlen(UNACKED_KEY, tag) < 1000
+    # And the small one whole, as before
+    assert small_recorded == 1 and small_raw.decode() == small

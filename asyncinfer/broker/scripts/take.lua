@@ -8,10 +8,15 @@
 -- ID, seconds it lives or 0, the task whose requests start); then the lease (seconds, 0 for none),
 -- the holder, and the prefix of the death counts ('' to read none); then the taker's watch token
 -- ('' for none), the number of watches given in KEYS, and each one's list as its position among
--- the lists (0 for the first).
+-- the lists (0 for the first); then the largest body kept, in bytes of its text (0: any).
 -- Returns a flat list: the positions of the lists whose watch the taker gave up (a list, maybe
--- empty), then per message: list name, message, 1 if recorded (else 0), 1 if its STARTED was
--- stored (else 0), the worker deaths counted against its request.
+-- empty), then per message: list name, message, 1 if recorded (else 0; -N: recorded, and its
+-- body of N bytes, over the largest kept, left out of what is recorded and returned), 1 if its
+-- STARTED was stored (else 0), the worker deaths counted against its request.
+--
+-- A body over the largest kept is cut out (the consumer refuses the request for its size, and
+-- needs no more to name it): a 200 MB message no longer costs Redis a second copy in unacked, a
+-- third while the entry is built and a fourth in the reply.
 --
 -- A leased take (lease > 0) reads what it needs of a message from its text where the text says
 -- each field plainly and once (as kombu, Celery and our producers write them), without decoding
@@ -62,6 +67,7 @@ local started_ttl, task_name = tonumber(ARGV[7]), ARGV[8]
 local lease_s, holder, deaths_prefix = tonumber(ARGV[9]), ARGV[10], ARGV[11]
 local watcher = ARGV[12]
 local watches = tonumber(ARGV[13])
+local max_body = tonumber(ARGV[14 + watches]) or 0
 local first = 5 + 3 * watches  -- the first list's key
 local expiry = 0
 if lease_s > 0 then  -- Redis' clock, not the hosts'
@@ -169,6 +175,11 @@ for i = first, #KEYS do
   local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
   for _, msg in ipairs(popped) do
     local head = without_body(msg)
+    local cut = 0
+    if max_body > 0 and #msg - #head > max_body then
+      cut = #msg - #head
+      msg = head
+    end
     local f = nil
     if lease_s > 0 then f = read_plainly(head, queue) end
     if f == nil then f = decoded(head, queue) end
@@ -190,7 +201,7 @@ for i = first, #KEYS do
     taken = taken + 1
     out[#out + 1] = KEYS[i]
     out[#out + 1] = msg
-    out[#out + 1] = recorded
+    if recorded == 1 and cut > 0 then out[#out + 1] = -cut else out[#out + 1] = recorded end
     out[#out + 1] = started
     out[#out + 1] = died
   end

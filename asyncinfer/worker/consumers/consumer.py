@@ -115,10 +115,9 @@ class PipelineConsumer:
                 raw = envelope_text(message)
             except Exception as exc:  # noqa: BLE001 - no envelope can be written: fails as malformed
                 raw = f"message of {queue}: {type(exc).__name__}: {exc}"
-            deaths_of = getattr(message.channel, "deaths_of", None)  # the take's count (leases)
-            deaths = deaths_of(message.delivery_tag) if deaths_of is not None else 0
             deliveries.append(TakenMessage(raw=raw.encode(), queue=queue, message=message,
-                                           received_at=received_at, deaths=deaths))
+                                           received_at=received_at, deaths=taken_deaths(message),
+                                           body_cut_bytes=body_cut_bytes(message)))
         self.pipeline.received(deliveries)
 
     def _on_scheduled(self, n: int) -> None:
@@ -210,6 +209,19 @@ class PipelineConsumer:
         never ran, which would otherwise be logged, counted and announced as a FAILURE of a
         request that runs elsewhere."""
         self.holdings.release([h.delivery for h in self.holdings.held()])
+
+
+def taken_deaths(message: Any) -> int:
+    """The worker deaths the atomic take read for kombu's ``message`` (broker/atomic_take.py)."""
+    deaths_of = getattr(message.channel, "deaths_of", None)
+    return int(deaths_of(message.delivery_tag)) if deaths_of is not None else 0
+
+
+def body_cut_bytes(message: Any) -> int:
+    """The bytes of kombu's ``message``'s body that the atomic take left out, over the largest
+    body a worker takes (0: none; read once)."""
+    cut_of = getattr(message.channel, "body_cut_of", None)
+    return int(cut_of(message.delivery_tag)) if cut_of is not None else 0
 
 
 def void_sequence_state(runtime: WorkerRuntime, d: TakenMessage) -> str:

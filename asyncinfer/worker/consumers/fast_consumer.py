@@ -376,7 +376,8 @@ class FastConsumer(PipelineConsumer):
                            else None)
                 taken = self.taker.take(self._lists, room, started,
                                         self.leases.terms if self.leases is not None else None,
-                                        watcher=waker.token, watched=waker.passable())
+                                        watcher=waker.token, watched=waker.passable(),
+                                        max_body_bytes=self.policy.max_payload_bytes or 0)
                 if self.taker.passed:
                     waker.watch_passed(self.taker.passed)
                 if taken:
