@@ -181,13 +181,6 @@ class Leases:
             pipe.set(HUNG_PREFIX + request_id, line, ex=self.deaths_ttl_s)
         pipe.execute()
 
-    def count_death(self, pipe: Any, request_id: str) -> None:
-        """Count a death against ``request_id`` in ``pipe`` (a transaction of the caller's), as
-        the sweep counts one for a request on a dead holder's device."""
-        pipe.incr(DEATHS_PREFIX + request_id)
-        pipe.expire(DEATHS_PREFIX + request_id, self.deaths_ttl_s)
-        self.deaths_counted += 1
-
     def hang_note(self, request_id: str) -> str:
         """The last hang noted against ``request_id`` ('' when none, or Redis cannot say)."""
         try:

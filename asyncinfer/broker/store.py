@@ -62,9 +62,12 @@ _KEYS = (UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DE
 class StoreScript:
     """The store script, registered on one Redis client."""
 
-    def __init__(self, client: redis.Redis, expires_s: int) -> None:
+    def __init__(self, client: redis.Redis, expires_s: int, holder: str = "") -> None:
         self._script = client.register_script(_STORE)
         self.expires_s = expires_s
+        #: The lease holder acknowledging (leases.py's holder name): a tag another holder took
+        #: since is left to it ('': acknowledge whoever holds).
+        self.holder = holder
 
     def __call__(self, entries: Sequence[Entry], client: Any = None) -> list[str]:
         """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the
@@ -89,7 +92,7 @@ class StoreScript:
         pipe.evalsha(self._script.sha, len(_KEYS), *_KEYS, *self._args(entries))
 
     def _args(self, entries: Sequence[Entry]) -> list[Any]:
-        args: list[Any] = [self.expires_s]
+        args: list[Any] = [self.expires_s, self.holder]
         for entry in entries:
             args += entry
         return args

@@ -11,6 +11,7 @@ it: :class:`~asyncinfer.client.client.Client` (the blocking API) and the asyncio
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -51,7 +52,10 @@ from asyncinfer.wire.request_identity import reused_message, same_request
 
 __all__ = ["Sender"]
 
+log = logging.getLogger(__name__)
+
 _CLAIM = script("claim_request_id")
+_RELEASE = script("release_request_id")
 
 
 class Sender:
@@ -258,11 +262,21 @@ class Sender:
                 # already sent, perhaps by another producer: wait on its own channel
                 self.watcher.watch_own_channel(request_id)
                 return
+        except OperationalError as exc:  # kombu's: unreachable, refused
+            raise self.broker_error(BrokerUnavailable(
+                f"request {request_id}: the broker did not take it ({exc}); not sent")) from exc
+        try:
             self.app.send_task(outgoing.task, **outgoing.send_task_options(self.watcher.channel))
-        except OperationalError as exc:  # kombu's: unreachable, refused, or a write timed out
+        except BaseException as exc:
+            sent_maybe = _timed_out(exc)
+            if outgoing.claim and not sent_maybe:  # the ID may be sent again: not claimed
+                self._release_claim(outgoing)
+            if not isinstance(exc, OperationalError):
+                raise
+            # kombu's: unreachable, refused, or a write timed out
             maybe = ("it may have been sent all the same (a broker that stops reading times a "
                      "write out: RabbitMQ during a memory or disk alarm, a network partition)"
-                     if _timed_out(exc) else "not sent")
+                     if sent_maybe else "not sent")
             raise self.broker_error(BrokerUnavailable(
                 f"request {request_id}: the broker did not take it ({exc}); {maybe}")) from exc
 
@@ -340,6 +354,17 @@ class Sender:
         if stored and not same_request(mine, stored):
             raise RequestIdReused(reused_message(outgoing.request_id, mine, stored))
         return False
+
+    def _release_claim(self, outgoing: Outgoing) -> None:
+        """The send of a claimed ID failed, not sent: its claim goes (while it is still this
+        producer's), so the same request can be submitted again. A failure to release is logged:
+        the send's own error is what the caller hears."""
+        try:
+            self.app.backend.client.eval(_RELEASE, 1, CLAIM_PREFIX + outgoing.request_id,
+                                         outgoing.identity())
+        except Exception:  # noqa: BLE001 - the caller hears the send's error
+            log.warning("request %s: its ID stays claimed after its send failed (the claim "
+                        "could not be released)", outgoing.request_id, exc_info=True)
 
     def close(self) -> None:
         """Send what is still pending, stop the result watcher and close the broker's

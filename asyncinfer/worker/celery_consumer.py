@@ -43,7 +43,7 @@ from asyncinfer.worker.consumers.consumer import PipelineConsumer, body_cut_byte
 from asyncinfer.worker.consumers.kombu_intake import KombuIntake
 from asyncinfer.worker.lifecycle import FAILED_FORMAT
 from asyncinfer.worker.step import is_prefork
-from asyncinfer.worker.worker import worker_of
+from asyncinfer.worker.worker import existing_worker, worker_of
 
 __all__ = ["Consumer"]
 
@@ -100,6 +100,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         if not self._refused(exc):
             super().on_connection_error_after_connected(exc)
+        device_worker = existing_worker(self.app)
+        consumer = device_worker.consumer if device_worker is not None else None
+        if consumer is not None:  # before Celery connects again
+            consumer.kombu_connection_lost()
 
     def _refused(self, exc: Exception) -> bool:
         """When Redis refused (a full disk, say: its refusals are connection errors of the

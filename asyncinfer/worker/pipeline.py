@@ -62,7 +62,7 @@ from asyncinfer.worker.output.cache_write import cache_key_of
 from asyncinfer.worker.output.outcomes import Outcomes
 from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.requests.first_attempts import FirstAttempts
-from asyncinfer.worker.requests.holdings import SCHEDULED, Holdings
+from asyncinfer.worker.requests.holdings import SCHEDULED, Holding, Holdings
 from asyncinfer.worker.requests.taken import TakenMessage
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -227,7 +227,18 @@ class Pipeline:
         once, there. Those on the device run on (at least once). Nothing is written or
         acknowledged for them here. How many were given up."""
         lost = set(tags)
-        taken = [h for h in self.holdings.held() if h.delivery.tag in lost]
+        return self._give_up([h for h in self.holdings.held() if h.delivery.tag in lost])
+
+    def forget_kombu(self) -> int:
+        """kombu's connection to a broker whose acknowledgements belong to the channel that
+        delivered (RabbitMQ) is lost: the broker gives back everything that connection held, to
+        other workers at once, so what kombu delivered here and has not started is given up as
+        :meth:`forget` gives it up (after the path heals it would run a second time; nothing of
+        it could be acknowledged anyway). Those on the device run on. How many were given up."""
+        return self._give_up([h for h in self.holdings.held() if h.delivery.message is not None])
+
+    def _give_up(self, taken: list[Holding]) -> int:
+        """Give up ``taken`` (held here) that have not started; how many."""
         if not taken:
             return 0
         scheduled = [h.delivery for h in taken if h.state == SCHEDULED]

@@ -26,7 +26,14 @@ import pytest
 
 from asyncinfer.client import Client
 from asyncinfer.errors import TransientModelError
-from tests.support.amqp import AMQP_HOST, AMQP_PORT, AMQP_URL, delete_queues, rabbitmq_listens
+from tests.support.amqp import (
+    AMQP_HOST,
+    AMQP_PORT,
+    AMQP_URL,
+    delete_queues,
+    node_lock,
+    rabbitmq_listens,
+)
 from tests.support.databases import RedisDatabase, gated_broker, gated_executions
 from tests.support.paced import index_input, kill_during_paced_stream, started_by
 from tests.support.processes import launch_worker, start_worker
@@ -37,9 +44,12 @@ GATED, FLAKY = "tests.support.models:Gated", "tests.support.models:Flaky"
 
 
 @pytest.fixture(autouse=True)
-def _rabbitmq() -> None:
+def _rabbitmq() -> Iterator[None]:
+    """Skip without a RabbitMQ; share the node's lock (no alarm of another test meets this)."""
     if not rabbitmq_listens():
         pytest.skip(f"no RabbitMQ listening on {AMQP_HOST}:{AMQP_PORT}")
+    with node_lock(shared=True):
+        yield
 
 
 @pytest.fixture()

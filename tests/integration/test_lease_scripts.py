@@ -225,3 +225,54 @@ def test_a_sweeper_that_marks_nothing_itself_still_counts_the_deaths_of_others(r
     wait_for(lambda: stock.sweep() == 1, 10, "the expired lease swept", poll_s=0.1)
     # Then the death counts all the same
     assert r.get(DEATHS_PREFIX + "killer") == b"1" and stock.deaths_counted == 1
+
+
+def test_a_late_holder_acknowledges_and_restores_only_what_it_still_holds(r) -> None:
+    from asyncinfer.broker.restore import restore
+    from asyncinfer.wire.keys import RECLAIMED_PREFIX
+
+    # Given four requests a worker took under its lease: one another worker holds now (its lease
+    # lapsed here, swept, taken there), one a sweep put back and nobody took yet, one still its
+    # own, one Redis forgot (no holder, no mark)
+    rids = ("taken_there", "put_back", "mine", "forgotten")
+    for rid in rids:
+        r.lpush(QUEUE, _message(rid))
+    late = _leases(r, [])
+    taken = Taker(r).take([QUEUE], 4, lease=late.terms)
+    tags = {json.loads(raw)["headers"]["id"]: _tag(raw) for _, raw, *_ in taken}
+    other = _leases(r, [], node="other@h")
+    r.hset(LEASE_HOLDERS_KEY, tags["taken_there"], f"{other.holder}\t{QUEUE}")
+    r.hdel(LEASE_HOLDERS_KEY, tags["put_back"], tags["forgotten"])
+    r.set(RECLAIMED_PREFIX + tags["put_back"], "1")
+    # When the late worker gives them all back (a stop), a death counted against each
+    back = restore(r, [(tags[rid], QUEUE, _message(rid), rid) for rid in rids],
+                   holder=late.holder, deaths_ttl_s=60)
+    # Then only its own and the forgotten go back on the queue, with a death each; the other
+    # holder's bookkeeping is untouched
+    assert back == 2
+    assert sorted(json.loads(m)["headers"]["id"] for m in r.lrange(QUEUE, 0, -1)) == \
+        ["forgotten", "mine"]
+    assert [r.get(DEATHS_PREFIX + rid) for rid in rids] == [None, None, b"1", b"1"]
+    assert r.hget(LEASE_HOLDERS_KEY, tags["taken_there"]).decode().startswith(other.holder)
+    assert r.hexists(UNACKED_KEY, tags["taken_there"])
+    assert not r.hexists(UNACKED_KEY, tags["mine"])
+    assert not r.hexists(LEASE_HOLDERS_KEY, tags["mine"])
+
+    # When the late worker stores results of the one the other holds and of one it holds
+    r.lpush(QUEUE, _message("mine_too"))
+    [(_, raw, *_)] = Taker(r).take([QUEUE], 1, lease=late.terms)
+    mine_too = _tag(raw)
+    r.delete(QUEUE)
+    store = StoreScript(r, 60, late.holder)
+    store([("celery-task-meta-taken_there", "{}", "", tags["taken_there"], ""),
+           ("celery-task-meta-mine_too", "{}", "", mine_too, "")])
+    # Then both results are stored, its own is acknowledged, the other's lease and unacked entry
+    # are left to the other holder
+    assert r.get("celery-task-meta-taken_there") == b"{}"
+    assert r.get("celery-task-meta-mine_too") == b"{}"
+    assert not r.hexists(UNACKED_KEY, mine_too) and r.zscore(LEASES_KEY, mine_too) is None
+    assert r.hexists(UNACKED_KEY, tags["taken_there"])
+    assert r.zscore(LEASES_KEY, tags["taken_there"]) is not None
+    # And a store with no holder named acknowledges whoever holds
+    StoreScript(r, 60)([("celery-task-meta-taken_there", "{}", "", tags["taken_there"], "")])
+    assert not r.hexists(UNACKED_KEY, tags["taken_there"])

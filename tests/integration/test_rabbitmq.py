@@ -9,8 +9,10 @@ this run's alone: no leftovers of earlier runs, no other run's worker; they are 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -18,7 +20,14 @@ import torch
 
 from asyncinfer.errors import ModelError
 from asyncinfer.models.builtin import MLP
-from tests.support.amqp import AMQP_HOST, AMQP_PORT, AMQP_URL, delete_queues, rabbitmq_listens
+from tests.support.amqp import (
+    AMQP_HOST,
+    AMQP_PORT,
+    AMQP_URL,
+    delete_queues,
+    node_lock,
+    rabbitmq_listens,
+)
 from tests.support.processes import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +44,8 @@ def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if not rabbitmq_listens():
         pytest.skip(f"no RabbitMQ listening on {AMQP_HOST}:{AMQP_PORT}")
     factories = ",".join(f"{MODEL[m]}={path}" for m, path in FACTORIES.items())
-    try:
+    # the node's lock, shared, while this module uses RabbitMQ (no alarm of another test meets it)
+    with node_lock(shared=True), _queues_deleted():
         proc = start_worker(redis_url, tmp_path_factory.mktemp("amqp") / "worker.log",
                             "--device", "cpu", "--models", ",".join(MODELS), "--concurrency", "8",
                             "--hostname", f"amqp-{RUN}@%h", ASYNCINFER_BROKER_URL=AMQP_URL,
@@ -45,6 +55,12 @@ def amqp_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             yield proc
         finally:
             proc.stop()
+
+
+@contextmanager
+def _queues_deleted() -> Iterator[None]:
+    try:
+        yield
     finally:
         delete_queues([f"infer.{m}" for m in MODELS])
 
@@ -94,6 +110,44 @@ def test_a_failure_is_a_failure_of_the_right_type(amqp_client) -> None:
     assert future.async_result.state == "FAILURE"
     assert amqp_client.infer(MODEL["poison"], np.array([[3.0]], np.float32),
                              timeout_s=60)["output"].tolist() == [[6.0]]
+
+
+@pytest.mark.parametrize("why", ["refused", "timed_out"])
+def test_a_chosen_id_whose_send_failed_is_claimed_only_if_it_may_have_been_sent(
+        amqp_client, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    from kombu.exceptions import OperationalError
+
+    from asyncinfer.errors import BrokerUnavailable
+    from asyncinfer.wire.keys import CLAIM_PREFIX
+
+    # Given a caller-chosen ID whose send fails after it was claimed: the connection refused
+    # (not sent), or a write that timed out (it may have been sent)
+    request_id = f"amqp-resend-{why}-" + uuid.uuid4().hex
+    x = np.array([[2.0]], np.float32)
+    error = ("[Errno 111] Connection refused" if why == "refused"
+             else "timed out waiting for the broker to read the message")
+    app = amqp_client.sender.app
+
+    def failing_send(*args: object, **kwargs: object) -> None:
+        raise OperationalError(error)
+
+    monkeypatch.setattr(app, "send_task", failing_send)
+    words = "not sent" if why == "refused" else "it may have been sent all the same"
+    with pytest.raises(BrokerUnavailable, match=re.escape(
+            f"request {request_id}: the broker did not take it ({error}); {words}")):
+        amqp_client.submit(MODEL["poison"], x, request_id=request_id)
+    monkeypatch.undo()
+    claimed = app.backend.client.get(CLAIM_PREFIX + request_id)
+    if why == "refused":
+        # Then its claim is gone, and the same request sent again runs and is answered
+        assert claimed is None
+        answer = amqp_client.submit(MODEL["poison"], x, request_id=request_id).result(timeout=60)
+        assert answer["output"].tolist() == [[4.0]]
+    else:
+        # Then it stays claimed: sent again, it is not sent a second time (its answer, if it
+        # was sent, comes to the same ID)
+        assert claimed is not None
+        app.backend.client.delete(CLAIM_PREFIX + request_id)
 
 
 def test_status_lists_the_worker_and_the_queue_depths(amqp_client, amqp_worker) -> None:

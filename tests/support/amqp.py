@@ -98,10 +98,12 @@ NODE_LOCK_PATH = Path("/tmp/asyncinfer-rabbitmq-node.lock")
 
 
 @contextmanager
-def node_lock() -> Iterator[None]:
-    """Hold the inter-process lock of NODE_LOCK_PATH (fcntl.flock; waits for its holder)."""
+def node_lock(shared: bool = False) -> Iterator[None]:
+    """Hold the inter-process lock of NODE_LOCK_PATH (fcntl.flock; waits for its holder):
+    exclusive to raise an alarm, ``shared`` to use the node while no alarm is raised (tests that
+    publish to RabbitMQ share it with each other)."""
     with open(NODE_LOCK_PATH, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -1,6 +1,9 @@
 -- Store a batch of results and their acknowledgements (asyncinfer/broker/store.py).
 -- KEYS: unacked_index, unacked, leases, lease holders, lease device marks. ARGV: seconds a result
--- lives (0: for ever), then five values per request (see Entry in store.py). Returns {the error
+-- lives (0: for ever), the storing worker's lease holder name ('' : acknowledge whoever holds),
+-- then five values per request (see Entry in store.py). A tag leased to another holder now (its
+-- lease lapsed here, the message went back and another worker took it) is not acknowledged: its
+-- bookkeeping is the new holder's. Returns {the error
 -- replies of the announcements and acknowledgements, the result keys not written}: a guarded
 -- result (a sequence request's) never replaces a final state already stored for its request (the
 -- FAILURE another worker's sweep wrote when this worker's registration lapsed: it is not
@@ -23,7 +26,7 @@ local function settled(key)
 end
 local tags = {}
 local replies, channels = {}, {}  -- the values announced on each reply channel, in order
-for i = 2, #ARGV, 5 do
+for i = 3, #ARGV, 5 do
   local key, value, reply_to, tag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local guard = ARGV[i + 4]
   if key ~= '' then
@@ -59,6 +62,22 @@ for _, channel in ipairs(channels) do
     end
     try('PUBLISH', channel, table.concat(parts))
   end
+end
+-- Only the tags this holder (or nobody) holds: one HMGET per 1,000 tags
+local holder = ARGV[2]
+if holder ~= '' and #tags > 0 then
+  local mine, prefix = {}, holder .. '\t'
+  for from = 1, #tags, 1000 do
+    local last = math.min(from + 999, #tags)
+    local entries = redis.call('HMGET', KEYS[4], unpack(tags, from, last))
+    for j = from, last do
+      local entry = entries[j - from + 1]
+      if not entry or entry == holder or string.sub(entry, 1, #prefix) == prefix then
+        mine[#mine + 1] = tags[j]
+      end
+    end
+  end
+  tags = mine
 end
 -- The acknowledgements: one variadic command per key for the whole batch, in calls of at most
 -- 1,000 tags (unpack's stack has a limit).

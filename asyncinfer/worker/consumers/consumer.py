@@ -168,6 +168,11 @@ class PipelineConsumer:
                                      settling=self.writer.gathering, on_launch=on_launch,
                                      on_hung=Hang(note_hang, but), on_stalled=on_stalled))
 
+    def kombu_connection_lost(self) -> None:
+        """(Celery's consumer, its connection to the broker lost, before it connects again.)
+        Nothing here: on Redis what kombu delivered stays leased to this worker and can be
+        acknowledged on the next connection (kombu_intake.py gives it up on RabbitMQ)."""
+
     @property
     def stopped(self) -> bool:
         """Whether it was told to stop (or gave everything back)."""

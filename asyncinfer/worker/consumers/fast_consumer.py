@@ -35,6 +35,7 @@ from asyncinfer.backoff import Backoff
 from asyncinfer.broker.clock_skew import CLOCK_FOLLOWER
 from asyncinfer.broker.connections import redis_client
 from asyncinfer.broker.leases import Leases, holder_of_this_process
+from asyncinfer.broker.restore import restore
 from asyncinfer.broker.take import Taker
 from asyncinfer.broker.wake import Waker
 from asyncinfer.config.bound import settings_of
@@ -45,13 +46,6 @@ from asyncinfer.engine.hangs import Hung
 from asyncinfer.engine.hooks import ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.supervision.vital import vital_thread
-from asyncinfer.wire.keys import (
-    LEASE_DEVICE_KEY,
-    LEASE_HOLDERS_KEY,
-    LEASES_KEY,
-    UNACKED_INDEX_KEY,
-    UNACKED_KEY,
-)
 from asyncinfer.wire.messages import restored_message
 from asyncinfer.worker.consumers.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.requests.holdings import SCHEDULED
@@ -181,31 +175,31 @@ class FastConsumer(PipelineConsumer):
     def _restore_held(self) -> None:
         """Put every message still held back on its queue at once, as kombu restores an
         unacknowledged message (marked ``redelivered``), instead of leaving it for the visibility
-        timeout. One transaction: each message is either back on its queue or still unacked."""
+        timeout. One script call: each message is either back on its queue or still unacked."""
         self._restore([h.delivery for h in self.holdings.held()])
 
     def _restore(self, deliveries: Sequence[TakenMessage], died: Collection[str] = ()) -> None:
-        """Put ``deliveries`` back on their queues, marked ``redelivered``, in one transaction
+        """Put ``deliveries`` back on their queues, marked ``redelivered``, in one script call
         (those kombu delivered are left to the broker); a death is counted against those whose
-        request IDs are in ``died`` in the same transaction, as the sweep counts one for a
+        request IDs are in ``died`` in the same call, as the sweep counts one for a
         request on a dead worker's device."""
         # kombu's (an asyncinfer.infer Celery's consumer received) go back through the broker
         held = [d for d in deliveries if d.tag and d.message is None]
         if not held:
             return
+        count = self.leases is not None and self.leases.count_deaths
         try:
-            pipe = self.client.pipeline(transaction=True)
-            for d in held:
-                pipe.lpush(d.list_key, restored_message(d))
-                pipe.zrem(UNACKED_INDEX_KEY, d.tag)
-                pipe.hdel(UNACKED_KEY, d.tag)
-                pipe.zrem(LEASES_KEY, d.tag)
-                pipe.hdel(LEASE_HOLDERS_KEY, d.tag)
-                pipe.hdel(LEASE_DEVICE_KEY, d.tag)
-                if d.request_id in died and self.leases is not None:
-                    self.leases.count_death(pipe, d.request_id)
-            pipe.execute()
-            log.warning("sent %d held requests back to their queues", len(held))
+            back = restore(self.client, [(d.tag, d.list_key, restored_message(d),
+                                          d.request_id if count and d.request_id in died else "")
+                                         for d in held],
+                           holder=self.leases.holder if self.leases is not None else "",
+                           deaths_ttl_s=int(self.leases.deaths_ttl_s if self.leases is not None
+                                            else 1))
+            log.warning("sent %d held requests back to their queues", back)
+            if back < len(held):
+                log.warning("%d held requests were not sent back: their leases lapsed here and "
+                            "they went back already (another worker may run them now)",
+                            len(held) - back)
         except Exception:  # noqa: BLE001 - they stay unacknowledged: redelivered after the timeout
             log.exception("could not send %d held requests back; they are redelivered after the "
                           "visibility timeout", len(held))

@@ -22,7 +22,10 @@ What differs from the fast consumer (fast_consumer.py) is only the transport's p
   each redelivered request's deaths with the fast consumer's script (broker/atomic_take.py), and
   this pipeline marks each batch on the device in that channel's leases, so a request that kills
   its workers is isolated and failed as on the fast consumer; on RabbitMQ redelivery is the
-  broker's, and deaths are not counted.
+  broker's, and deaths are not counted;
+- a lost connection: on RabbitMQ what it delivered goes back to the broker's other consumers,
+  so what has not started here is given up (it would run twice after the path heals); on Redis
+  it stays leased here and is acknowledged on the next connection.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class KombuIntake(PipelineConsumer):
         # Dead letters go to the broker's Redis; with a broker that is not Redis, to the results'.
         results = redis_client(broker_url if on_redis else str(app.conf.result_backend), settings,
                                health_check_interval=30, single_connection_client=True)
+        #: Whether an acknowledgement belongs to the channel that delivered (not Redis).
+        self._channel_bound = not on_redis
         super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
                          tracing=tracing,
                          results=results, shared=None if on_redis else True)
@@ -80,6 +85,17 @@ class KombuIntake(PipelineConsumer):
         self._stopping.set()
         self._drain(grace_s)
         self._let_go()
+
+    def kombu_connection_lost(self) -> None:
+        """On RabbitMQ, what the lost connection delivered is the broker's to give back (to
+        other workers, as soon as it sees the connection dead): what has not started here is
+        given up, so it runs once, there; what is on the device runs on (at least once)."""
+        if not self._channel_bound:
+            return
+        given_up = self.pipeline.forget_kombu()
+        if given_up:
+            log.warning("the connection to the broker was lost: the %d requests it delivered "
+                        "that had not started here are the broker's to give back", given_up)
 
     def _mark_on_device(self, items: Sequence[WorkItem], wait: bool) -> None:
         """Mark ``items`` on the device in the leases of the channel that took each."""

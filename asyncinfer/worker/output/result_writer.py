@@ -37,6 +37,7 @@ from celery.exceptions import TaskRevokedError
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.broker.connections import wait_replicas
+from asyncinfer.broker.leases import holder_of_this_process
 from asyncinfer.broker.store import (
     GUARDED,
     Entry,
@@ -132,7 +133,9 @@ class ResultWriter:
         self.expires_s = int(app.conf.result_expires.total_seconds()
                              if hasattr(app.conf.result_expires, "total_seconds")
                              else app.conf.result_expires or 0)
-        self.store = StoreScript(broker, self.expires_s)
+        # acknowledging only what this worker's leases still hold (leases.py's holder name)
+        self.store = StoreScript(broker, self.expires_s,
+                                 holder_of_this_process(worker) if worker else "")
         #: Decoupled models' streams, where the results live (stream_write.py), and the entries
         #: of the batch being written, not yet appended (stream_appends.py).
         self.streams = StreamScript(self.results, self.expires_s)
