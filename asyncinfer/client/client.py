@@ -179,7 +179,9 @@ class Client(ModelControl, Streaming, AsyncCalls):
             link, link_error: Celery signatures called with the result or on failure.
             expires: seconds after which a request not yet started is not run.
             timeout_s: when the model's queue is at its ``max_queue_size``, wait up to this long
-                for room, then raise :class:`~asyncinfer.errors.QueueFull`; default the
+                for room, then raise :class:`~asyncinfer.errors.QueueFull`; on RabbitMQ, while
+                the broker blocks publishing (a memory or disk alarm), wait up to this long for
+                it to lift, then raise :class:`~asyncinfer.errors.BrokerRefused`; default the
                 ``submit_timeout_s`` setting (0: raise at once).
             soft_time_limit_s, time_limit_s: Celery's ``soft_time_limit`` and ``time_limit`` for
                 this request; default the worker's.
@@ -196,7 +198,8 @@ class Client(ModelControl, Streaming, AsyncCalls):
         (see :meth:`check_model`). Refusals, through the future (``sent()``, ``result()``):
         :class:`~asyncinfer.errors.QueueFull` (the queue stayed at its ``max_queue_size`` for
         ``timeout_s``), :class:`~asyncinfer.errors.BrokerUnavailable` and
-        :class:`~asyncinfer.errors.BrokerRefused` (Redis unreachable or refusing the write),
+        :class:`~asyncinfer.errors.BrokerRefused` (the broker unreachable, refusing the write,
+        or RabbitMQ blocking publishers),
         :class:`~asyncinfer.errors.InvalidRequest` (``request_id`` already sent to another
         model), :class:`~asyncinfer.errors.NotReplicated` (``ASYNCINFER_SUBMIT_REPLICAS``).
         """

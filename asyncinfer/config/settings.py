@@ -143,7 +143,8 @@ class Settings:
     submit_timeout_s: float = _setting(
         0.0, "ASYNCINFER_SUBMIT_TIMEOUT_S",
         "How long a submitted request waits for room in a full queue (`max_queue_size`) before its "
-        "future ends with `QueueFull` (`future.sent()` raises it); 0: refused at once.")
+        "future ends with `QueueFull` (`future.sent()` raises it), and on RabbitMQ for a memory "
+        "or disk alarm that blocks publishing to lift before `BrokerRefused`; 0: refused at once.")
     lost_after_s: float = _setting(
         30.0, "ASYNCINFER_LOST_AFTER_S",
         "A client ends the future of a request the broker lost (Redis restarted without its last "

@@ -1,6 +1,7 @@
 """kill -9 during a paced stream, on Celery's stock consumer (``ASYNCINFER_CONSUMER=celery``): the
 project's kombu channel takes with the fast consumer's atomic script (asyncinfer/broker/atomic_take.py),
-so no kill, at any moment, loses a request. kombu's own BRPOP lost 1 or 2 of 750 here a run."""
+so no kill, at any moment, loses a request. kombu's own BRPOP lost 1 or 2 of 750 here a run (two runs here; 5 runs, 3,750 sent, 0 lost when
+measured: docs/delivery.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from asyncinfer.ops.redis_server import RedisServer
 from tests.support.databases import gated_broker
 from tests.support.paced import kill_during_paced_stream
 
-RUNS = 5
+RUNS = 2
 
 
 @pytest.mark.timeout(900)
