@@ -1,7 +1,7 @@
 """kill -9 during a paced stream, on Celery's stock consumer (``ASYNCINFER_CONSUMER=celery``): the
 project's kombu channel takes with the fast consumer's atomic script (asyncinfer/broker/atomic_take.py),
-so no kill, at any moment, loses a request. kombu's own BRPOP lost 1 or 2 of 750 here a run (two runs here; 5 runs, 3,750 sent, 0 lost when
-measured: docs/delivery.md)."""
+so no kill, at any moment, loses a request. kombu's own BRPOP lost 1 or 2 of 750 here a run (two
+runs here; 5 runs, 3,750 sent, 0 lost when measured: docs/delivery.md)."""
 
 from __future__ import annotations
 
