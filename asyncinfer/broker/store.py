@@ -25,6 +25,7 @@ stored as ever (a request that ran again after a reclaim stores its answer).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +40,10 @@ from asyncinfer.wire.keys import (
     UNACKED_KEY,
 )
 
-__all__ = ["GUARDED", "QUIET", "Entry", "StoreScript", "as_out_of_memory", "error_texts", "store_reply"]
+__all__ = ["GUARDED", "QUIET", "Entry", "StoreScript", "as_out_of_memory", "error_texts",
+           "execute_writes", "log_refusals", "store_reply"]
+
+log = logging.getLogger(__name__)
 
 #: One request's part of a batch: result key ('' for none), stored text, reply channel ('' for
 #: none), delivery tag ('' when it was never recorded as unacknowledged), guard (:data:`GUARDED`:
@@ -124,3 +128,29 @@ def as_out_of_memory(exc: redis.ResponseError) -> redis.ResponseError:
     if not isinstance(exc, redis.OutOfMemoryError) and "-OOM " in str(exc):
         return redis.OutOfMemoryError(str(exc))
     return exc
+
+
+def execute_writes(pipe: Any, stored: bool) -> list[str]:
+    """EXEC a transaction of result writes. A refusal before EXEC (out of memory, read-only:
+    nothing was written) raises, to be tried again; an error reply of one command inside it (all
+    others done) is logged, as trying again would repeat the others. With ``stored`` (the store
+    script is its last command), the result keys the store left out."""
+    replies = pipe.execute(raise_on_error=False)
+    left: list[str] = []
+    for i, reply in enumerate(replies):
+        if isinstance(reply, redis.ResponseError):
+            if isinstance(as_out_of_memory(reply), redis.OutOfMemoryError):
+                raise as_out_of_memory(reply)  # the script refused at its first write
+            log.error("a result write was refused by Redis: %s", reply)
+        elif stored and i == len(replies) - 1:
+            errors, left = store_reply(reply)
+            log_refusals(errors)
+        else:
+            log_refusals(error_texts(reply))
+    return left
+
+
+def log_refusals(errors: list[str]) -> None:
+    """Log each error reply of a result write."""
+    for error in errors:
+        log.error("a result write was refused by Redis: %s", error)

@@ -29,7 +29,7 @@ from asyncinfer.worker.dead_letters import (
     options_of,
     push,
 )
-from asyncinfer.worker.output.result_writer import Outcome, add_dead_letter
+from asyncinfer.worker.output.outcome import Outcome, add_dead_letter
 from asyncinfer.worker.requests.taken import TakenMessage
 
 pytestmark = pytest.mark.timeout(180)

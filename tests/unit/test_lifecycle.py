@@ -29,8 +29,8 @@ from asyncinfer.policy.retry_budget import BudgetDecision
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.messages import task_message
 from asyncinfer.worker.lifecycle import Settlement, admit, already_answered
+from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.requests.holdings import ACTIVE, RESERVED, SCHEDULED, Holdings
 from asyncinfer.worker.requests.taken import TakenMessage
 

@@ -26,8 +26,8 @@ from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.metrics import WorkerMetrics
+from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import Outcome
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.requests.holdings import SCHEDULED, Holdings
 from asyncinfer.worker.requests.taken import TakenMessage

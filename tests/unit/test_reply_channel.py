@@ -20,7 +20,8 @@ from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
 from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.reply import REPLY_TO, announced_payloads, reply_channel_of, reply_rule_broken
-from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.outcome import Outcome
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.requests.taken import TakenMessage
 
 CHANNEL = REPLY_CHANNEL_PREFIX + "c0ffee"

@@ -23,7 +23,8 @@ from asyncinfer.errors import ModelError
 from asyncinfer.wire.envelope import parse_envelope
 from asyncinfer.wire.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 from asyncinfer.wire.messages import retry_message, task_message
-from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.outcome import Outcome
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.requests.taken import TakenMessage
 
 URL = "redis://127.0.0.1:1/0"  # never connected to: the writer is given fakeredis

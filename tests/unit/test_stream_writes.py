@@ -14,7 +14,7 @@ from celery.exceptions import TaskRevokedError
 from asyncinfer.errors import ModelError
 from asyncinfer.wire.protocol import Tensor
 from asyncinfer.wire.stream import FINAL, PART, START, decode_entry, stream_key
-from asyncinfer.worker.output.result_writer import Outcome
+from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.stream_write import attempt_of, lease_tag
 from tests.unit.test_result_writer import _meta, _Refusing, _taken, _write, broker, writer
 

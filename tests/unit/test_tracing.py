@@ -36,7 +36,7 @@ from asyncinfer.wire.trace_context import (
     valid_traceparent,
 )
 from asyncinfer.worker.links import send_callbacks
-from asyncinfer.worker.output.result_writer import Outcome
+from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.requests.taken import TakenMessage
 

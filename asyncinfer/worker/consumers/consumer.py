@@ -32,8 +32,9 @@ from asyncinfer.wire.messages import envelope_text
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.requests.holdings import Holdings

@@ -23,7 +23,8 @@ from asyncinfer.wire.messages import retry_message
 from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import Settlement
-from asyncinfer.worker.output.result_writer import Outcome, ResultWriter
+from asyncinfer.worker.output.outcome import Outcome
+from asyncinfer.worker.output.result_writer import ResultWriter
 from asyncinfer.worker.requests.holdings import Holdings
 from asyncinfer.worker.requests.taken import TakenMessage
 

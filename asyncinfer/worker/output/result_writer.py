@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -42,9 +41,8 @@ from asyncinfer.broker.store import (
     GUARDED,
     Entry,
     StoreScript,
-    as_out_of_memory,
-    error_texts,
-    store_reply,
+    execute_writes,
+    log_refusals,
 )
 from asyncinfer.broker.take import StartedText
 from asyncinfer.config.bound import settings_of
@@ -55,42 +53,17 @@ from asyncinfer.wire.envelope import result_meta
 from asyncinfer.wire.reply import reply_channel_of
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.wire.trace_context import trace_fields
-from asyncinfer.worker import dead_letters
 from asyncinfer.worker.links import send_callbacks, send_errbacks
 from asyncinfer.worker.output import cache_write, kombu_acks
+from asyncinfer.worker.output.outcome import Outcome, add_dead_letter
 from asyncinfer.worker.output.started_states import StartedStates
 from asyncinfer.worker.output.stream_appends import StreamAppends
 from asyncinfer.worker.output.stream_write import StreamAppend, StreamScript, part_entry, start_entry
 from asyncinfer.worker.requests.taken import TakenMessage
 
-__all__ = ["Outcome", "ResultWriter", "add_dead_letter"]
+__all__ = ["ResultWriter"]
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Outcome:
-    """How one request ended: a state and its result (a response, or an exception)."""
-
-    delivery: TakenMessage
-    state: str
-    result: Any
-    embed: dict[str, Any] | None = None
-    #: For state RETRY: the message that retries the request (:func:`retry_message`).
-    retry: str | None = None
-    #: False to acknowledge only (the result is already stored: a redelivered duplicate).
-    store: bool = True
-    #: Set by the writer: a sequence request's result left out, as its request already had a
-    #: final state (store.py's guard); the state it left is taken back (engine/sequences.py).
-    superseded: bool = False
-
-
-def add_dead_letter(pipe: Any, app: Celery, outcome: Outcome, worker: str) -> None:
-    """Add the dead letter of ``outcome`` (on ``worker``) to ``pipe`` (the broker's write of that
-    outcome) when it is a final FAILURE (stored, not retried) of a model that opted in
-    (worker/dead_letters.py). Never raises: a dead letter must not cost a result."""
-    if outcome.state == states.FAILURE and outcome.store and outcome.retry is None:
-        dead_letters.add_failure(pipe, app, outcome.delivery, outcome.result, worker=worker)
-
 
 def _nothing(batch: list[Outcome]) -> None:
     pass
@@ -306,22 +279,22 @@ class ResultWriter:
             results = [(k, v, r, "", g) for k, v, r, _, g in entries if k]
             if results:
                 errors, left = self.store.call(results, self.results)
-                self._log_refusals(errors)
+                log_refusals(errors)
             acks = [("", "", "", tag, "") for _, _, _, tag, _ in entries if tag]
         if self._cache_writes and not pushes.command_stack:
             errors, more = cache_write.store_with_cache(self.broker, self.store, acks,
                                                         self._cache_writes)
-            self._log_refusals(errors)
+            log_refusals(errors)
         elif not pushes.command_stack:
             more = []
             if acks:
                 errors, more = self.store.call(acks, self.broker)
-                self._log_refusals(errors)
+                log_refusals(errors)
         else:
             self._cache_writes.queue(pushes)
             if acks:
                 self.store(acks, pushes)
-            more = self._execute(pushes, stored=bool(acks))
+            more = execute_writes(pushes, stored=bool(acks))
         self._superseded(part, left + more)
 
     def _superseded(self, part: list[Outcome], keys: list[str]) -> None:
@@ -356,31 +329,6 @@ class ResultWriter:
                             "them within %d ms (ASYNCINFER_SUBMIT_REPLICAS): a failover now could "
                             "lose them", len(batch), confirmed, self.replicas,
                             self.replicas_timeout_ms)
-
-    @staticmethod
-    def _execute(pipe: Any, stored: bool) -> list[str]:
-        """EXEC a transaction. A refusal before EXEC (out of memory, read-only: nothing was
-        written) raises, to be tried again; an error reply of one command inside it (all others
-        done) is logged, as trying again would repeat the others. With ``stored`` (the store
-        script is its last command), the result keys the store left out."""
-        replies = pipe.execute(raise_on_error=False)
-        left: list[str] = []
-        for i, reply in enumerate(replies):
-            if isinstance(reply, redis.ResponseError):
-                if isinstance(as_out_of_memory(reply), redis.OutOfMemoryError):
-                    raise as_out_of_memory(reply)  # the script refused at its first write
-                log.error("a result write was refused by Redis: %s", reply)
-            elif stored and i == len(replies) - 1:
-                errors, left = store_reply(reply)
-                ResultWriter._log_refusals(errors)
-            else:
-                ResultWriter._log_refusals(error_texts(reply))
-        return left
-
-    @staticmethod
-    def _log_refusals(errors: list[str]) -> None:
-        for error in errors:
-            log.error("a result write was refused by Redis: %s", error)
 
     def _add_safely(self, pushes: Any, outcome: Outcome) -> Entry:
         """:meth:`_add`, or — when the result cannot be encoded — that request's FAILURE."""
