@@ -18,6 +18,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerRefused",
     "RequestTimeout",
+    "RequestUnknown",
     "RequestLost",
     "TransientError",
     "TransientModelError",
@@ -105,6 +106,13 @@ class BrokerRefused(AsyncInferError):
 
 class RequestTimeout(AsyncInferError, TimeoutError):
     """No result within the time a caller waited; the request itself may still finish."""
+
+
+class RequestUnknown(RequestTimeout):
+    """Nothing exists for a request ID in Redis (no result, trace, queue entry, taken entry or
+    stream: a mistyped ID), said at once instead of after the whole wait
+    (client/request_lookup.py). A :class:`RequestTimeout`, so code that catches the timeout
+    catches it too."""
 
 
 class RequestLost(AsyncInferError):

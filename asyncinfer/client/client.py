@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from asyncinfer.client.brokers import BrokerGroup, RoutedGroups
 from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.model_control import ModelControl
 from asyncinfer.client.outgoing import Outgoing, input_payloads
+from asyncinfer.client.request_lookup import LOOK_GAP_S, look_up, refuse_unknown
 from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
@@ -37,7 +39,7 @@ from asyncinfer.constants import (
     TASK_NAME,
     queue_for,
 )
-from asyncinfer.errors import AsyncInferError, RequestTimeout
+from asyncinfer.errors import AsyncInferError, RequestTimeout, RequestUnknown
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.model_versions import PARAMETER
 
@@ -333,15 +335,26 @@ class Client(ModelControl, Streaming, AsyncCalls):
         With routes, the result is on the broker of the request's ``model`` (without one: the
         default broker's, or the one result backend that ``ASYNCINFER_RESULT_BACKEND`` names).
 
-        Raises :class:`~asyncinfer.errors.BrokerUnavailable` at once when Redis does not answer,
-        and, after ``timeout_s``, :class:`~asyncinfer.errors.RequestTimeout` saying where the
+        Raises :class:`~asyncinfer.errors.BrokerUnavailable` at once when Redis does not answer;
+        :class:`~asyncinfer.errors.RequestUnknown` within about a second when nothing exists for
+        the ID in Redis (client/request_lookup.py; with routes, only when ``model`` names the
+        broker); after ``timeout_s``, :class:`~asyncinfer.errors.RequestTimeout` saying where the
         request is (queued, taken by a worker, running on which worker, or unknown).
         """
         group = self._group_for(model)
         group.ping()
         future = self.future(request_id, model=model)
+        began_s = time.monotonic()
         try:
-            return future.result(timeout=timeout_s)
+            if self._routes is None or model is not None:  # else another broker may hold it
+                backend, broker = group.app.backend, group.sender.broker
+                refuse_unknown(request_id, lambda: look_up(request_id, backend.client, backend, broker),
+                               future, LOOK_GAP_S if timeout_s is None else min(LOOK_GAP_S, timeout_s))
+            left_s = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - began_s))
+            return future.result(timeout=left_s)
+        except RequestUnknown:
+            group.sender.watcher.unwatch(request_id, future._settle)
+            raise
         except RequestTimeout:
             group.sender.watcher.unwatch(request_id, future._settle)
             try:
