@@ -88,7 +88,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     from asyncinfer.config.settings import Settings
     from asyncinfer.ops.detach import down
 
-    return down(Settings.from_env())
+    return down(Settings.from_env(), purge=args.purge)
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the 'asyncinfer up' running in the background")
+    p.add_argument("--purge", action="store_true",
+                   help="then remove what it kept in its state folder: the embedded Redis' data "
+                        "(its append-only file), log and password, up's log (refused while it "
+                        "still runs)")
     p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("worker", help="one device worker")

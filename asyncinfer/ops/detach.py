@@ -6,11 +6,18 @@ and every model each of them hosts is in the model catalogue under that worker (
 the gateway that starts right after finds every model it serves), saying how to stop it. The
 running ``up`` keeps its PID in ``<state dir>/up.pid`` (0600); ``asyncinfer down`` sends it SIGTERM
 and waits until it has stopped its workers and its Redis.
+
+``asyncinfer down --purge`` then removes what ``up`` kept in its state folder: the embedded
+Redis' folder (its append-only file, log, password and config), ``up.pid`` and ``up.log``, and
+the folder itself once nothing else is in it (what ``up`` did not write there is left, and
+named). It is refused while ``up`` or its Redis still runs (``up`` did not stop in time, or a
+Redis outlived it), so no running server loses its files; with nothing running it purges alone.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,12 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncinfer.config.published import PID_FILE as REDIS_PID_FILE
 from asyncinfer.config.published import published_url
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import make_private_dir, write_private
 from asyncinfer.supervision.processes import pid_alive
 
-__all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down"]
+__all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down",
+           "purge_state"]
 
 PID_FILE = "up.pid"
 LOG_FILE = "up.log"
@@ -151,10 +160,13 @@ class _Readiness:
             self.client.close()
 
 
-def down(settings: Settings, timeout_s: float = 60.0) -> int:
-    """Stop the running ``asyncinfer up`` (SIGTERM), waiting until it has exited."""
+def down(settings: Settings, timeout_s: float = 60.0, *, purge: bool = False) -> int:
+    """Stop the running ``asyncinfer up`` (SIGTERM), waiting until it has exited; with ``purge``,
+    then remove what it kept (:func:`purge_state`; with none running, purge alone)."""
     pid = running_pid(settings)
     if pid is None:
+        if purge:
+            return purge_state(settings)
         print(f"asyncinfer down: no 'asyncinfer up' is running (state dir {settings.state_path})",
               file=sys.stderr)
         return 1
@@ -163,8 +175,72 @@ def down(settings: Settings, timeout_s: float = 60.0) -> int:
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if pid_alive(pid):
-        print(f"asyncinfer down: 'asyncinfer up' (pid {pid}) still runs after {timeout_s:g} s",
-              file=sys.stderr)
+        print(f"asyncinfer down: 'asyncinfer up' (pid {pid}) still runs after {timeout_s:g} s"
+              + ("; nothing purged" if purge else ""), file=sys.stderr)
         return 1
     print(f"asyncinfer down: stopped 'asyncinfer up' (pid {pid})", flush=True)
+    return purge_state(settings) if purge else 0
+
+
+#: What a folder ``up``'s Redis wrote holds (one is enough): its password, config, log, data.
+REDIS_FILES = ("password", "redis.conf", "redis.log", "appendonly.aof", "appendonlydir")
+
+
+def purge_state(settings: Settings) -> int:
+    """Remove what ``asyncinfer up`` kept in ``settings``' state folder: its Redis' folder (data,
+    log, password), its PID file and log, then the folder once empty. Refused (1) while ``up`` or
+    its Redis runs."""
+    state, redis_dir = settings.state_path, settings.redis_dir
+    pid = running_pid(settings)
+    if pid is not None:
+        print(f"asyncinfer down: 'asyncinfer up' (pid {pid}) still runs on {state}; --purge "
+              f"removes its data only once it has stopped (run `asyncinfer down` first); nothing "
+              f"purged", file=sys.stderr)
+        return 1
+    redis_pid = _running_redis(redis_dir)
+    if redis_pid is not None:
+        print(f"asyncinfer down: the embedded Redis of 'asyncinfer up' (pid {redis_pid}) still "
+              f"runs on {redis_dir}; stop it first; nothing purged", file=sys.stderr)
+        return 1
+    if not state.is_dir():
+        print(f"asyncinfer down: nothing to purge ({state} does not exist)", flush=True)
+        return 0
+    size = _size(state)
+    try:
+        if redis_dir.is_dir() and not redis_dir.is_symlink() and any(
+                (redis_dir / name).exists() for name in REDIS_FILES):
+            shutil.rmtree(redis_dir)
+        for name in (PID_FILE, LOG_FILE):
+            (state / name).unlink(missing_ok=True)
+        left = sorted(p.name for p in state.iterdir())
+        if not left:
+            state.rmdir()
+    except OSError as exc:
+        print(f"asyncinfer down: could not purge {state}: {exc}", file=sys.stderr)
+        return 1
+    freed = (size - _size(state)) / 1e6  # (a folder removed has none)
+    print(f"asyncinfer down: purged {state} ({freed:.1f} MB: the embedded Redis' data, log and "
+          f"password, up's log)" + (f"; left what 'asyncinfer up' did not write there: "
+                                    f"{', '.join(left)}" if left else ""), flush=True)
     return 0
+
+
+def _running_redis(redis_dir: Path) -> int | None:
+    """The PID of the Redis ``up`` started in ``redis_dir``, if it still runs."""
+    try:
+        pid = int((redis_dir / REDIS_PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def _size(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (links not followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
