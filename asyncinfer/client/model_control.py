@@ -26,7 +26,8 @@ load runs it when done), and is reported as not answering.
 The index (:func:`repository_index`, Triton's ``RepositoryIndex``): every model the fleet knows,
 one row per version — READY while a live worker hosts it; UNAVAILABLE, with the reason, when it is
 known (announced within ``ASYNCINFER_MODEL_RETENTION_S``) but no live worker hosts it, or when a
-live worker could load it and none has.
+live worker could load it and none has (the reason: each worker's failure, where its load failed
+there, as a bad model file left out of a worker's default set).
 
 :class:`ModelControl` is the :class:`~asyncinfer.client.client.Client`'s part that calls these:
 ``load_model``, ``unload_model`` and ``repository_index``.
@@ -290,13 +291,17 @@ def repository_index(entries: Mapping[str, CatalogueEntry],
             rows.append({"name": name, "version": version,
                          "state": READY if ready else UNAVAILABLE, "reason": reason})
     loadable: dict[str, list[str]] = {}
+    failed: dict[str, list[str]] = {}
     for worker, info in (workers or {}).items():
         for name in info.get("loadable") or []:
             if name not in entries:
                 loadable.setdefault(str(name), []).append(worker)
+        for name, why in (info.get("failed") or {}).items():
+            failed.setdefault(str(name), []).append(f"{worker}: {why}")
     for name, where in loadable.items():
-        rows.append({"name": name, "version": "", "state": UNAVAILABLE,
-                     "reason": f"not loaded (loadable on {', '.join(sorted(where))})"})
+        reason = (f"failed to load ({'; '.join(sorted(failed[name]))})" if name in failed
+                  else f"not loaded (loadable on {', '.join(sorted(where))})")
+        rows.append({"name": name, "version": "", "state": UNAVAILABLE, "reason": reason})
     rows.sort(key=lambda r: (r["name"], version_order(r["version"])))
     return [r for r in rows if r["state"] == READY] if ready_only else rows
 

@@ -23,7 +23,7 @@ import torch
 
 from asyncinfer.models.base import Batch, Model
 
-__all__ = ["FileModel", "FILE_SUFFIXES", "load_exported"]
+__all__ = ["FileModel", "FILE_SUFFIXES", "load_exported", "file_kind_refusal"]
 
 FILE_SUFFIXES = (".pt", ".pt2")
 
@@ -39,11 +39,26 @@ class FileModel(Model):
         self.program: Any = None
 
     def load(self, device: torch.device) -> None:
-        if self.path.suffix == ".pt2":
-            self.program = load_exported(self.path).module().to(device)
-        else:
-            self.program = torch.jit.load(str(self.path), map_location=device)
-            self.program.eval()
+        """Read the file onto ``device``.
+
+        Raises:
+            ValueError: the file is not what its suffix says (a ``torch.save`` pickle, say) or
+                torch cannot read it; the message names the model, the file and why in one line.
+        """
+        what = f"model '{self.name}': {self.path}"
+        try:
+            wrong = file_kind_refusal(self.path)
+            if wrong:
+                raise ValueError(f"{self.path} {wrong}")
+            if self.path.suffix == ".pt2":
+                self.program = load_exported(self.path).module().to(device)
+            else:
+                self.program = torch.jit.load(str(self.path), map_location=device)
+                self.program.eval()
+        except ValueError as exc:  # the refusals above and load_exported's name the file
+            raise ValueError(f"model '{self.name}': {exc}") from None
+        except (RuntimeError, OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError(f"{what} cannot be loaded: {_reason(exc)}") from None
 
     def forward(self, batch: Batch) -> Batch:
         result = self.program(*batch.values())
@@ -52,6 +67,51 @@ class FileModel(Model):
         if isinstance(result, dict):
             return dict(result)
         return {"output": result}
+
+
+_RESAVE = ("save it with torch.jit.save(torch.jit.script(model), 'NAME.pt') or "
+           "torch.export.save(torch.export.export(model, example_inputs), 'NAME.pt2')")
+#: Python's pickle protocol 2+ opens with this byte: ``torch.save``'s legacy (non-zip) format.
+_PICKLE_PROTO = 0x80
+
+
+def file_kind_refusal(path: Path) -> str:
+    """Why ``path`` is not the kind of file its suffix says ("" when it may be), read from the
+    zip's table of contents alone — nothing in it is unpickled.
+
+    ``torch.save`` writes a zip of ``data.pkl`` and tensors (a pickle of the module or state
+    dict, which a worker never unpickles); TorchScript's ``torch.jit.save`` adds
+    ``constants.pkl`` and ``code/``; ``torch.export.save`` writes ``archive_format``.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        with open(path, "rb") as f:
+            first = f.read(1)
+        if first and first[0] == _PICKLE_PROTO:
+            return f"is a pickle (torch.save, legacy format); {_RESAVE}"
+        return ""  # torch says what it is not
+    leaves = {n.rsplit("/", 1)[-1] for n in names}
+    torchscript = "constants.pkl" in leaves
+    exported = "archive_format" in leaves
+    if "data.pkl" in leaves and not torchscript and not exported:
+        return f"is a pickle (torch.save), not a TorchScript or torch.export file; {_RESAVE}"
+    if path.suffix == ".pt" and exported:
+        return (f"is a torch.export program, which loads from a .pt2 file: rename it "
+                f"{path.stem}.pt2")
+    if path.suffix == ".pt2" and torchscript:
+        return f"is a TorchScript program, which loads from a .pt file: rename it {path.stem}.pt"
+    if path.suffix == ".pt2" and not exported:
+        return "is not a torch.export archive (a zip without its archive_format entry)"
+    return ""
+
+
+def _reason(exc: BaseException) -> str:
+    """Torch's reason in one line: its first, without the boilerplate torch adds to every
+    archive error."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line.split(". This is an internal miniz error", 1)[0].rstrip(":")
 
 
 #: Entries of an exported program's archive that ``torch.export.load`` unpickles as Python objects

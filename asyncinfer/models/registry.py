@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -18,25 +20,63 @@ from asyncinfer.models.echo_stream import EchoStream
 from asyncinfer.models.files import FILE_SUFFIXES, FileModel
 from asyncinfer.models.minilm import MiniLM
 
-__all__ = ["Registry", "load_factory"]
+__all__ = ["Registry", "FactoryError", "load_factory", "import_from_working_dir"]
 
 Factory = Callable[[], Model]
 
 
-def load_factory(path: str) -> Factory:
-    """Import ``package.module:attribute`` and return the factory it names."""
+class FactoryError(ValueError):
+    """A model factory entry that cannot be used; the message names the model, its
+    ``module:factory`` and why (the module's own error in one line: no traceback)."""
+
+
+def import_from_working_dir() -> None:
+    """Put the working directory first on the import path, where ``python -m`` puts it: a
+    factory's module beside where ``asyncinfer worker`` runs imports as it does under
+    ``asyncinfer up`` (whose workers run as ``python -m asyncinfer worker``). Both commands call
+    this (:func:`~asyncinfer.worker.launch.run_worker`) before the registry imports a factory."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
+
+def load_factory(path: str, name: str = "") -> Factory:
+    """Import ``package.module:attribute`` and return the factory it names (for model ``name``).
+
+    Raises:
+        FactoryError: the entry is malformed, its module cannot be imported (not found, or its
+            import raised), it has no such attribute, or that is not callable.
+    """
+    what = f"model factory '{name}' ({path})" if name else f"model factory {path!r}"
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"model factory {path!r} must look like 'package.module:factory'")
+        raise FactoryError(f"{what} must look like 'package.module:factory'")
     try:
         target: object = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not f"{module_name}.".startswith(f"{exc.name}."):
+            raise FactoryError(f"{what}: importing module '{module_name}' raised "
+                               f"ModuleNotFoundError: {exc}") from None  # one it imports
+        here = os.getcwd()
+        where = (f"neither in the working directory {here} nor among the installed packages"
+                 if here in sys.path or "" in sys.path else "not on the import path")
+        raise FactoryError(f"{what}: cannot import module '{module_name}': {exc} ({where})"
+                           ) from None
+    except Exception as exc:  # noqa: BLE001 - the module's own error, in one line
+        raise FactoryError(f"{what}: importing module '{module_name}' raised "
+                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+    try:
         for part in attr.split("."):
             target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"model factory {path!r} cannot be loaded: {exc}") from exc
+    except AttributeError:
+        raise FactoryError(f"{what}: module '{module_name}' has no attribute '{attr}'") from None
     if not callable(target):
-        raise ValueError(f"model factory {path!r} is not callable")
+        raise FactoryError(f"{what}: '{attr}' is not callable")
     return target  # type: ignore[return-value]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 class Registry:
@@ -58,7 +98,8 @@ class Registry:
             name, sep, path = entry.partition("=")
             if not sep or not name.strip():
                 raise ValueError(f"model factory entry {entry!r} must look like 'name=pkg.mod:factory'")
-            registry.register(name.strip(), _named(name.strip(), load_factory(path.strip())))
+            name = name.strip()
+            registry.register(name, _named(name, load_factory(path.strip(), name)))
         if model_dir:
             registry.add_dir(Path(model_dir))
         return registry

@@ -26,11 +26,14 @@ from celery.worker.control import inspect_command
 
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
+from asyncinfer.constants import queue_for
 from asyncinfer.supervision.supervisor import CANNOT_START
+from asyncinfer.wire.model_versions import split_key
 from asyncinfer.worker import (
     inspection,  # noqa: F401 - registers the inspection commands
     model_control,  # noqa: F401 - registers the model control commands
 )
+from asyncinfer.worker.runtime import LoadFailed
 from asyncinfer.worker.step import is_prefork
 from asyncinfer.worker.worker import Worker, worker_of
 
@@ -51,13 +54,26 @@ def _load(worker: Worker) -> None:
     try:
         worker.load(hosted)
     except Exception as exc:  # noqa: BLE001 - Celery's signal would log it and serve no model
-        # A worker that cannot load what it hosts must not report ready: one line, then the
+        # A worker that cannot load what it must host must not report ready: one line, then the
         # status its supervisor (``asyncinfer up``) reads as "cannot start as configured".
-        print(f"asyncinfer worker: cannot start: loading {', '.join(hosted)} failed: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        line = str(exc) if isinstance(exc, LoadFailed) else \
+            f"loading {', '.join(hosted)} failed: {type(exc).__name__}: {exc}"
+        print(f"asyncinfer worker: cannot start: {line}", file=sys.stderr, flush=True)
         log.debug("loading failed", exc_info=True)
         logging.shutdown()
         os._exit(CANNOT_START)
+    _leave_failed_queues(worker)
+
+
+def _leave_failed_queues(worker: Worker) -> None:
+    """Consume no queue of a model that failed to load here (none of its versions loaded): its
+    requests wait for a worker that serves it, or for a model control load here."""
+    runtime = worker.runtime
+    serving = {split_key(m)[0] for m in runtime.models}
+    queues = worker.app.amqp.queues
+    for model in {split_key(m)[0] for m in runtime.failed} - serving:
+        if queue_for(model) in (queues.consume_from or {}):
+            queues.deselect(queue_for(model))
 
 
 def _retry_result_writes(app: Celery) -> None:

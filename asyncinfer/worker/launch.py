@@ -17,7 +17,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.constants import queue_for
 from asyncinfer.engine.device import VISIBLE_DEVICE_VARS, DeviceSpec, bind_visible_device, parse_device
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.models.registry import Registry
+from asyncinfer.models.registry import Registry, import_from_working_dir
 from asyncinfer.wire.model_versions import split_key
 from asyncinfer.worker.step import uses_fast_consumer
 
@@ -87,7 +87,8 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
                extra_args: Sequence[str] = (), **overrides: Any) -> int:
     """Run a device worker in this process until it is stopped (SIGTERM or Ctrl-C); return its
     exit status. Raises :class:`WorkerCannotStart` (before Celery starts) naming the cause when
-    the device is not there or a model is not registered.
+    the device is not there, a model is not registered or a factory cannot be imported (the
+    working directory is on the import path, as under ``asyncinfer up``).
 
     Its settings are the ``ASYNCINFER_*`` environment's with these arguments (and any other
     setting in ``overrides``, e.g. ``broker_url``) in their place, given to the app explicitly.
@@ -104,8 +105,13 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     if concurrency:
         given["concurrency"] = concurrency
     settings = Settings.from_env(**given)
-    registry = Registry.from_config(settings.model_factories, settings.model_dir)
-    hosted = list(settings.models) or registry.names()
+    import_from_working_dir()  # a factory's module beside the command imports, as under `up`
+    try:
+        registry = Registry.from_config(settings.model_factories, settings.model_dir)
+    except ValueError as exc:  # a factory that cannot be imported, a model folder that is none
+        raise WorkerCannotStart(str(exc)) from None
+    named = tuple(settings.models)  # --models or ASYNCINFER_MODELS: each must load
+    hosted = list(named) or registry.names()
     check_models(hosted, registry)
     try:  # with a routing table: the one broker of its models
         settings = dataclasses.replace(settings, models=tuple(hosted)).for_models(hosted)
@@ -117,7 +123,10 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
 
     configure(app, settings)
     # The one object of this device worker (Celery's worker_init names it: bootstrap.py).
-    attach(app, Worker(app, settings, device_label=str(spec) if spec.type != "auto" else None))
+    # Models named must load or the worker does not start; of the default set (every registered
+    # model), one that fails is left out, and the worker serves the others.
+    attach(app, Worker(app, settings, device_label=str(spec) if spec.type != "auto" else None,
+                       required=named))
     # every version of a model (m@v) comes by the model's one queue
     queues = list(dict.fromkeys(queue_for(split_key(m)[0]) for m in hosted))
     # With the fast consumer (worker/step.py) Celery's pool runs no inference: two

@@ -220,13 +220,14 @@ def _worker(state: Any) -> Worker:
 
 
 def repository(worker: Worker) -> dict[str, Any]:
-    """What this worker could load (its registry, the model folder read again) and what it has
-    loaded ({} for a worker that is no device worker)."""
+    """What this worker could load (its registry, the model folder read again), what it has
+    loaded, and those whose load failed here with why ({} for a worker that is no device
+    worker)."""
     if not worker.has_runtime():
         return {}
     runtime = worker.runtime
     return {"device": runtime.device.label, "models": runtime.models,
-            "loadable": runtime.loadable()}
+            "loadable": runtime.loadable(), "failed": dict(runtime.failed)}
 
 
 @inspect_command()  # type: ignore[misc]

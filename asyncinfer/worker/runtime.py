@@ -41,12 +41,22 @@ from asyncinfer.worker.cache_generations import CacheGenerations
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.metrics import WorkerMetrics
 
-__all__ = ["WorkerRuntime", "PartCallback"]
+__all__ = ["WorkerRuntime", "PartCallback", "LoadFailed"]
 
 #: Where a decoupled model's request's parts go: ``(index, v2 output tensors)``.
 PartCallback = Callable[[int, list[Any]], None]
 
 log = logging.getLogger(__name__)
+
+
+class LoadFailed(Exception):
+    """Model ``model`` failed to load at start: ``cause`` is what its loading raised (``text``:
+    the message, when not ``loading MODEL failed: Type: cause``)."""
+
+    def __init__(self, model: str, cause: BaseException, text: str = "") -> None:
+        super().__init__(text or f"loading {model} failed: {type(cause).__name__}: {cause}")
+        self.model = model
+        self.cause = cause
 
 
 class WorkerRuntime:
@@ -73,6 +83,8 @@ class WorkerRuntime:
         self.device = Device(bind_visible_device(spec), label=label)
         self.registry = Registry.from_config(settings.model_factories, settings.model_dir)
         self._runners: dict[str, ModelRunner] = {}
+        #: Models whose load failed here, and why (``Type: message``), until a load succeeds.
+        self.failed: dict[str, str] = {}
         #: What this worker hosts, once a load or unload told it (None: ``settings.models``).
         self._hosted: list[str] | None = None
         #: Model → its hosted runners' (key, version), the latest last (how requests route).
@@ -90,17 +102,45 @@ class WorkerRuntime:
         """From now on the runners tell ``hooks`` (the fast consumer's, while it serves)."""
         self.hooks = hooks
 
-    def load(self, models: Iterable[str]) -> None:
+    def load(self, models: Iterable[str], optional: Iterable[str] = ()) -> None:
         """Load ``models`` now (a worker does this at start), with torch's intra-op pool sized for
-        the most instances any of them runs at once (:mod:`asyncinfer.engine.threads`)."""
+        the most instances any of them runs at once (:mod:`asyncinfer.engine.threads`).
+
+        A model of ``optional`` that fails to load is left out: what it allocated is freed, the
+        reason is logged once and kept in :attr:`failed` (a request for it is refused with it),
+        and the others load. Any other model's failure raises :class:`LoadFailed` naming it.
+        """
+        lenient = set(optional)
         with self._lock:
-            built = {name: self._build(name) for name in dict.fromkeys(models)
-                     if name not in self._runners}
+            built: dict[str, ModelRunner] = {}
+            for name in dict.fromkeys(models):
+                if name not in self._runners:
+                    try:
+                        built[name] = self._build(name)
+                    except Exception as exc:  # noqa: BLE001 - raised again, or recorded
+                        self._load_failed(name, exc, lenient)
             instances = max((r.options.instances for r in built.values()), default=1)
             apply_intra_op_threads(self.settings.intra_op_threads, instances,
                                    on_cpu=not self.device.is_accelerator)
-            for name, runner in built.items():
-                self._start(name, runner)
+            for name in list(built):
+                runner = built.pop(name)
+                try:
+                    self._start(name, runner)
+                except Exception as exc:  # noqa: BLE001 - raised again, or recorded
+                    runner.close()
+                    del runner  # before its memory is freed
+                    self._load_failed(name, exc, lenient)
+
+    def _load_failed(self, name: str, exc: Exception, lenient: set[str]) -> None:
+        """(Under the lock.) Free what loading ``name`` allocated; for a model of ``lenient``,
+        record and log why, else raise :class:`LoadFailed`."""
+        traceback.clear_frames(exc.__traceback__)  # its frames hold the half-loaded model
+        free_memory(self.device)
+        if name not in lenient:
+            raise LoadFailed(name, exc) from exc
+        self.failed[name] = f"{type(exc).__name__}: {exc}"
+        log.warning("model %s failed to load on %s and is not served: %s", name,
+                    self.device.label, self.failed[name])
 
     def runner(self, model: str, request_id: str | None = None, version: str = "") -> ModelRunner:
         """The runner of ``model`` (of its ``version``, else of the latest version hosted here),
@@ -114,6 +154,11 @@ class WorkerRuntime:
         runner = self._runners.get(key)
         if runner is not None:
             return key, runner
+        reason = self.failed.get(key)
+        if reason is not None:
+            who = f" (request {request_id})" if request_id else ""
+            raise UnknownModel(f"{unknown_model(model)}{who}: model '{model}' failed to load on "
+                               f"this worker: {reason}")
         hosted = self.settings.models if self._hosted is None else self._hosted
         if (hosted or self._hosted is not None) and model not in hosted \
                 and model in self.registry.names():
@@ -267,6 +312,7 @@ class WorkerRuntime:
                 traceback.clear_frames(exc.__traceback__)
                 free_memory(self.device)
                 raise
+            self.failed.pop(model, None)
             self._host(model)
             return True
 

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,7 @@ from asyncinfer.wire.model_versions import sorted_versions, split_key
 from asyncinfer.worker.announcer import Announcer, announcer_for
 from asyncinfer.worker.cache_generations import generations_of
 from asyncinfer.worker.metrics import WorkerMetrics
-from asyncinfer.worker.runtime import WorkerRuntime
+from asyncinfer.worker.runtime import LoadFailed, WorkerRuntime
 from asyncinfer.worker.stats import StatsFlusher, flusher_for
 
 if TYPE_CHECKING:
@@ -57,13 +58,17 @@ class Worker:
     """A device worker of ``app`` under ``settings``, named ``name`` (Celery's node name).
 
     ``device_label``: the device as the user named it (``cuda:1``), for reporting; after the
-    visible-device variable is set, the process sees that device as ``cuda:0``.
+    visible-device variable is set, the process sees that device as ``cuda:0``. ``required``:
+    the models that must load at start or the worker does not start (None: every model it
+    hosts); any other that fails is left out, and the worker serves the rest.
     """
 
     def __init__(self, app: Celery, settings: Settings, name: str = "", *,
-                 device_label: str | None = None) -> None:
+                 device_label: str | None = None,
+                 required: Collection[str] | None = None) -> None:
         self.app = app
         self.settings = settings
+        self.required = required
         self.name = name or f"{os.getpid()}@{socket.gethostname()}"
         self.device_label = device_label
         self.metrics = WorkerMetrics()
@@ -138,11 +143,22 @@ class Worker:
 
     def load(self, models: list[str]) -> None:
         """Load ``models`` on the device now, and serve metrics if asked. A worker told no models
-        hosts these only: it loads no other when a request names one (UnknownModel instead)."""
+        hosts these only: it loads no other when a request names one (UnknownModel instead).
+
+        Raises:
+            LoadFailed: a model of ``required`` failed to load, or every model did.
+        """
         if models and not self.settings.models and self._runtime is None:
             self.settings = dataclasses.replace(self.settings, models=tuple(models))
         runtime = self.runtime
-        runtime.load(models)
+        required = self.required
+        runtime.load(models, optional=[] if required is None else
+                     [m for m in models if m not in required])
+        if models and not runtime.models:
+            failed = runtime.failed
+            first = next(iter(failed))
+            raise LoadFailed(first, RuntimeError(failed[first]), "no model loaded: " + "; ".join(
+                f"loading {m} failed: {reason}" for m, reason in failed.items()))
         log.info("asyncinfer worker on %s hosts %s", runtime.device.label, ", ".join(runtime.models))
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)

@@ -42,10 +42,11 @@ def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
 class WorkerProcess:
     """A worker subprocess whose output goes to a log file; ready when Celery says so."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *,
+                 cwd: Path = ROOT) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log,
+        self.process = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property

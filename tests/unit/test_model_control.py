@@ -26,7 +26,7 @@ from asyncinfer.errors import UnknownModel
 from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.model_control import control_options
 from asyncinfer.models.base import Model
-from asyncinfer.worker.runtime import WorkerRuntime
+from asyncinfer.worker.runtime import LoadFailed, WorkerRuntime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,7 +91,8 @@ def test_a_failed_load_says_why_and_changes_nothing(tmp_path) -> None:
             runtime.load_one("refused")
         assert not list(_Refused.made)  # freed, though the error (and its traceback) lives on
         assert failed.value.__traceback__ is not None
-        with pytest.raises(RuntimeError, match="zip archive"):
+        with pytest.raises(ValueError, match=r"model 'bad': .*bad\.pt cannot be loaded: "
+                                             r"PytorchStreamReader failed reading zip archive"):
             runtime.load_one("bad")
         assert runtime.models == ["identity"]
         with pytest.raises(UnknownModel, match="not hosted"):
@@ -100,6 +101,36 @@ def test_a_failed_load_says_why_and_changes_nothing(tmp_path) -> None:
         assert "later" not in runtime.loadable()
         (tmp_path / "later.pt").write_bytes(b"")
         assert {"bad", "later", "identity", "mlp", "refused"} <= set(runtime.loadable())
+    finally:
+        runtime.close()
+
+
+def test_a_start_load_leaves_out_an_optional_model_that_fails_and_refuses_a_required_one(
+        tmp_path) -> None:
+    # Given a model folder whose bad.pt is no archive
+    (tmp_path / "bad.pt").write_bytes(b"no TorchScript archive")
+    runtime = _runtime(tmp_path, models=())
+    try:
+        # When the start loads it among optional models, Then the others load, and it is refused
+        # with its reason, the runtime serving on
+        runtime.load(["identity", "bad", "refused"], optional=["bad", "refused"])
+        assert runtime.models == ["identity"]
+        assert list(runtime.failed) == ["bad", "refused"]
+        assert runtime.failed["refused"] == "RuntimeError: out of memory (simulated)"
+        assert not list(_Refused.made)  # what the failed load allocated is freed
+        with pytest.raises(UnknownModel, match=r"request r1\): model 'bad' failed to load on this "
+                                               r"worker: ValueError: model 'bad': .*bad\.pt "
+                                               r"cannot be loaded"):
+            runtime.runner("bad", "r1")
+        # a required model's failure is raised, naming it
+        with pytest.raises(LoadFailed, match=r"^loading refused failed: RuntimeError: out of "
+                                             r"memory \(simulated\)$") as failed:
+            runtime.load(["refused"])
+        assert failed.value.model == "refused"
+        # a model control load that succeeds clears the failure
+        (tmp_path / "bad.pt").unlink()
+        runtime.registry.register("bad", lambda: runtime.registry.create("identity"))
+        assert runtime.load_one("bad") and "bad" not in runtime.failed
     finally:
         runtime.close()
 
@@ -230,6 +261,15 @@ def test_the_repository_index_in_tritons_form() -> None:
          "reason": "not loaded (loadable on a@h, c@h)"},
         {"name": "mlp", "version": "1", "state": "READY", "reason": ""}]
     assert [r["name"] for r in repository_index(_entries(), workers, ready_only=True)] == ["mlp"]
+
+
+def test_the_repository_index_says_why_a_model_failed_to_load() -> None:
+    workers = {"a@h": {"loadable": ["mlp", "bad"], "failed": {"bad": "ValueError: bad.pt is a "
+                                                                      "pickle"}},
+               "c@h": {"loadable": ["bad"]}}
+    bad, = [r for r in repository_index(_entries(), workers) if r["name"] == "bad"]
+    assert bad == {"name": "bad", "version": "", "state": "UNAVAILABLE",
+                   "reason": "failed to load (a@h: ValueError: bad.pt is a pickle)"}
 
 
 def test_the_gateways_load_parameters() -> None:

@@ -6,6 +6,7 @@ import importlib.util
 import io
 import os
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from asyncinfer.errors import InvalidRequest, UnknownModel
 from asyncinfer.models.base import InputSpec, Model
 from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.files import FileModel
-from asyncinfer.models.registry import Registry
+from asyncinfer.models.registry import FactoryError, Registry, import_from_working_dir, load_factory
 from asyncinfer.wire.protocol import Request, decode_request
 from tests.support.models import Tripwire, tiny_linear_module
 
@@ -94,7 +95,53 @@ def test_from_config_name_wins_over_the_class_name() -> None:
 def test_malformed_factory_entries_raise(entry: str, named: str) -> None:
     with pytest.raises(ValueError) as info:
         Registry.from_config([entry])
-    assert repr(named) in str(info.value)
+    assert named in str(info.value)
+    if entry.startswith("x="):  # the model's name too
+        assert str(info.value).startswith(f"model factory 'x' ({named})")
+
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ("no.such.module:f", "cannot import module 'no.such.module': No module named 'no' (not on "
+                         "the import path)"),
+    ("tests.support.models:NoSuchFactory",
+     "module 'tests.support.models' has no attribute 'NoSuchFactory'"),
+    ("tests.support.models:TEST_NOT_CALLABLE", "'TEST_NOT_CALLABLE' is not callable"),
+])
+def test_a_factory_that_cannot_be_loaded_names_the_model_the_module_and_why(
+        path: str, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.support.models as support
+
+    monkeypatch.setattr(support, "TEST_NOT_CALLABLE", 3, raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    with pytest.raises(FactoryError) as info:
+        load_factory(path, "m")
+    assert str(info.value) == f"model factory 'm' ({path}): {reason}"
+
+
+def test_a_factory_module_that_raises_on_import_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "raising_factory.py").write_text("import no_such_dependency_here\n")
+    (tmp_path / "failing_factory.py").write_text("raise RuntimeError('no weights\\nsecond line')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    # Given the working directory on the import path, as a worker puts it
+    import_from_working_dir()
+    import_from_working_dir()
+    assert sys.path.count(str(tmp_path)) == 1 and sys.path[0] == str(tmp_path)
+    with pytest.raises(FactoryError) as info:
+        load_factory("raising_factory:make", "m")
+    assert str(info.value) == ("model factory 'm' (raising_factory:make): importing module "
+                               "'raising_factory' raised ModuleNotFoundError: No module named "
+                               "'no_such_dependency_here'")
+    with pytest.raises(FactoryError) as info:
+        load_factory("failing_factory:make", "m")
+    assert str(info.value) == ("model factory 'm' (failing_factory:make): importing module "
+                               "'failing_factory' raised RuntimeError: no weights")
+    with pytest.raises(FactoryError, match=r"No module named 'absent_here' \(neither in the "
+                                           rf"working directory {tmp_path} nor among"):
+        load_factory("absent_here:make", "m")
+    for name in ("raising_factory", "failing_factory"):
+        sys.modules.pop(name, None)
 
 
 def test_register_rejects_bad_names() -> None:
@@ -198,9 +245,50 @@ def test_a_torchscript_file_with_a_pickle_in_it_is_refused_by_torch(model_dir: P
     folder.mkdir()
     _archive_with(model_dir / "lin_script.pt", folder / "evil.pt", "/data.pkl",
                   pickle.dumps(Tripwire(str(marker)), protocol=2))
-    # When the worker loads it, Then TorchScript's reader refuses the unknown global
-    with pytest.raises(RuntimeError, match="Unknown type name"):
+    # When the worker loads it, Then TorchScript's reader refuses the unknown global, in one line
+    with pytest.raises(ValueError) as info:
         Registry.from_config(model_dir=str(folder)).create("evil").load(torch.device("cpu"))
+    assert str(info.value) == (f"model 'evil': {folder / 'evil.pt'} cannot be loaded: Unknown "
+                               f"type name 'io.open'")
+    assert not marker.exists()
+
+
+_RESAVE = ("save it with torch.jit.save(torch.jit.script(model), 'NAME.pt') or "
+           "torch.export.save(torch.export.export(model, example_inputs), 'NAME.pt2')")
+
+
+def test_a_file_that_is_not_what_its_suffix_says_is_refused_naming_itself(
+        model_dir: Path, tmp_path: Path) -> None:
+    # Given torch.save pickles (a module, a state dict, the legacy format) and misnamed programs
+    marker = tmp_path / "unpickled"
+    folder = tmp_path / "models"
+    folder.mkdir()
+    torch.save(Tripwire(str(marker)), folder / "module.pt")
+    torch.save(tiny_linear_module().state_dict(), folder / "weights.pt2")
+    torch.save(tiny_linear_module().state_dict(), folder / "legacy.pt",
+               _use_new_zipfile_serialization=False)
+    (folder / "exported.pt").write_bytes((model_dir / "lin_export.pt2").read_bytes())
+    (folder / "scripted.pt2").write_bytes((model_dir / "lin_script.pt").read_bytes())
+    (folder / "text.pt").write_text("not a model")
+    registry = Registry.from_config(model_dir=str(folder))
+    pickled = f"is a pickle (torch.save), not a TorchScript or torch.export file; {_RESAVE}"
+    expected = {
+        "module": f"{folder / 'module.pt'} {pickled}",
+        "weights": f"{folder / 'weights.pt2'} {pickled}",
+        "legacy": f"{folder / 'legacy.pt'} is a pickle (torch.save, legacy format); {_RESAVE}",
+        "exported": f"{folder / 'exported.pt'} is a torch.export program, which loads from a "
+                    f".pt2 file: rename it exported.pt2",
+        "scripted": f"{folder / 'scripted.pt2'} is a TorchScript program, which loads from a .pt "
+                    f"file: rename it scripted.pt",
+        "text": f"{folder / 'text.pt'} cannot be loaded: PytorchStreamReader failed reading zip "
+                f"archive: not a ZIP archive",
+    }
+    for name, reason in expected.items():
+        # When the worker loads each, Then it is refused in one line naming the model and file
+        with pytest.raises(ValueError) as info:
+            registry.create(name).load(torch.device("cpu"))
+        assert str(info.value) == f"model '{name}': {reason}"
+    # and nothing was unpickled
     assert not marker.exists()
 
 
