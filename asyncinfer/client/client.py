@@ -31,6 +31,7 @@ from asyncinfer.client.sender import Sender
 from asyncinfer.client.streaming import Streaming
 from asyncinfer.client.streams import Streams
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
+from asyncinfer.client.windowed import DEFAULT_WINDOW, windowed
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
     CPU_QUEUE,
@@ -305,18 +306,17 @@ class Client(ModelControl, Streaming, AsyncCalls):
         return self.submit(model, inputs, **options).result(timeout=timeout_s)
 
     def map(self, model: str, inputs: Iterable[Any], *, timeout_s: float | None = None,
+            window: int = DEFAULT_WINDOW, progress: bool | None = False,
             **options: Any) -> Iterator[InferResponse]:
-        """Send every request at once (in groups); yield the responses in input order. A request
-        refused (``QueueFull``, say) raises its error at its turn."""
-        futures = [self.submit(model, one, **options) for one in inputs]
-        try:
-            for future in futures:
-                yield future.result(timeout=timeout_s)
-        finally:
-            watcher = self.sender_for(model).watcher
-            for future in futures:
-                if not future.done():
-                    watcher.unwatch(future.id, future._settle)
+        """Send a request per input (in groups), at most ``window`` unanswered at a time, and
+        yield the responses in input order: the first while later ones are still being sent,
+        memory bounded by the window (client/windowed.py). ``progress``: a bar on stderr (rows
+        done, rows/s, time left; None: when stderr is a terminal). A request refused
+        (``QueueFull``, say) raises its error at its turn; ``timeout_s`` is each answer's wait."""
+        watcher = self.sender_for(model).watcher
+        return windowed(lambda one: self.submit(model, one, **options), inputs, window=window,
+                        timeout_s=timeout_s, progress=progress, description=model,
+                        forget=lambda future: watcher.unwatch(future.id, future._settle))
 
     def future(self, request_id: str, *, model: str | None = None) -> InferFuture:
         """The future of a request sent by anyone, looked up by its ID (with routes, on the

@@ -100,6 +100,36 @@ def test_map_returns_results_in_input_order(client) -> None:
     assert [r["input"].shape[0] for r in results] == [1 + i % 3 for i in range(40)]
 
 
+def test_map_answers_the_first_rows_while_later_ones_are_unsent_and_shows_progress(
+        client, capsys) -> None:
+    # Given 2,000 rows read lazily (a generator: map cannot see them all first), a window of 64
+    read: list[int] = []
+
+    def rows():
+        for i in range(2000):
+            read.append(i)
+            yield np.array([[float(i)]], np.float32)
+
+    answers = client.map("identity", rows(), timeout_s=60, window=64, progress=True)
+    # When the first answer comes back
+    first = next(answers)
+    # Then it is row 0's, and no more than the window has been read (and sent) so far
+    assert first["input"].tolist() == [[0.0]]
+    assert len(read) <= 64
+    # And the rest come back in order, the window never wider than 64 rows read ahead
+    for i, answer in enumerate(answers, start=1):
+        assert answer["input"].tolist() == [[float(i)]]
+        assert len(read) - i <= 64
+    assert len(read) == 2000
+    # And the progress bar counted every row on stderr
+    assert "2000row" in capsys.readouterr().err.replace(" ", "")
+
+
+def test_map_refuses_a_window_under_one(client) -> None:
+    with pytest.raises(ValueError, match="map: window must be at least 1, got 0"):
+        next(client.map("identity", [np.zeros((1, 1), np.float32)], window=0))
+
+
 def test_concurrent_requests_each_get_their_own_rows(client) -> None:
     # Given many requests in flight at once, each carrying rows that identify it
     futures = [client.submit("identity", np.full((1 + i % 4, 2), i, np.int32)) for i in range(200)]
