@@ -7,6 +7,7 @@ rule (its broker client's errors too) and a batch observer (its metrics) to each
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from asyncinfer.errors import InvalidRequest, ModelError, TransientError, TransientModelError
 
 __all__ = ["BatchObserver", "Transient", "TRANSIENT_CAUSES", "is_transient", "model_failure"]
+
+log = logging.getLogger(__name__)
 
 #: Decides whether a model's exception is worth retrying.
 Transient = Callable[[BaseException], bool]
@@ -36,11 +39,26 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (TransientError, *TRANSIENT_CAUSES))
 
 
+#: What opens the trace TorchScript's interpreter puts in its errors' text (15-35 lines of a
+#: program's source), the error itself on its last line.
+_TORCHSCRIPT_TRACE = "Traceback of TorchScript"
+
+
 def _raised_text(exc: BaseException) -> str:
-    """``exc`` as "<type>: <message>", or "<type> (no message)" for one raised without a message
-    (``raise MemoryError``), which would otherwise read as a sentence cut off at its colon."""
+    """``exc`` as "<type>: <message>" on one line, or "<type> (no message)" for one raised
+    without a message (``raise MemoryError``), which would otherwise read as a sentence cut off
+    at its colon. A TorchScript program's error is its last line (the error itself, its trace
+    left out: the worker logs it whole)."""
+    name = type(exc).__name__
     message = str(exc)
-    return f"{type(exc).__name__}: {message}" if message.strip() else f"{type(exc).__name__} (no message)"
+    if not message.strip():
+        return f"{name} (no message)"
+    if _TORCHSCRIPT_TRACE in message:
+        last = [line.strip() for line in message.splitlines() if line.strip()][-1]
+        gist = last.split(": ", 1)[1] if ":" in last and last.split(":", 1)[0].isidentifier() \
+            else last
+        return f"{name}: {gist} (in the TorchScript program)"
+    return f"{name}: {message}"
 
 
 def model_failure(request_id: str, model: str, exc: Exception, transient: Transient) -> Exception:
@@ -50,6 +68,10 @@ def model_failure(request_id: str, model: str, exc: Exception, transient: Transi
     if isinstance(exc, InvalidRequest):
         return exc
     kind = TransientModelError if transient(exc) else ModelError
-    err = kind(f"request {request_id}: model '{model}' raised {_raised_text(exc)}")
+    text = _raised_text(exc)
+    if _TORCHSCRIPT_TRACE in str(exc):
+        log.warning("request %s: model '%s' raised %s; TorchScript's trace:\n%s", request_id,
+                    model, type(exc).__name__, exc)
+    err = kind(f"request {request_id}: model '{model}' raised {text}")
     err.__cause__ = exc
     return err

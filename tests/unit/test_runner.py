@@ -173,6 +173,34 @@ def test_a_model_error_without_a_message_says_so_instead_of_ending_at_a_colon() 
     assert isinstance(error.__cause__, MemoryError)
 
 
+class Scripted(Poison):
+    """A TorchScript program (a 32 -> 4 linear layer) run on the request's input: a wrong shape
+    raises inside TorchScript's interpreter, whose error text holds its trace."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.program = torch.jit.script(torch.nn.Linear(32, 4))
+
+    def forward(self, batch: Batch) -> Batch:
+        return {"output": self.program(batch["input"])}
+
+
+def test_a_torchscript_error_is_one_line_and_its_trace_goes_to_the_log(caplog) -> None:
+    runner = runner_for(Scripted())
+    future = runner.submit(scalar_request("ts-1", 1.0, model="scripted"))
+    with caplog.at_level("WARNING"), started(runner):
+        error = future.exception(WAIT_S)
+    # The caller hears one line: the model, the error TorchScript raised, where
+    assert isinstance(error, ModelError)
+    assert str(error) == ("request ts-1: model 'scripted' raised RuntimeError: mat1 and mat2 "
+                          "shapes cannot be multiplied (1x1 and 32x4) (in the TorchScript program)")
+    # And the worker's log has TorchScript's trace whole
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Traceback of TorchScript" in logged and "request ts-1" in logged
+
+
 def test_a_poisoned_request_fails_alone() -> None:
     # Given: five good requests and one negative one queued before the device starts,
     # so that they form one batch
