@@ -99,6 +99,8 @@ class ResultWatcher:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = False
+        #: Whether the watcher thread has been connected to Redis once.
+        self._connected = False
         self._thread = threading.Thread(target=self._run, name="asyncinfer-results", daemon=True)
         self._thread.start()
 
@@ -183,6 +185,7 @@ class ResultWatcher:
 
     def _run(self) -> None:
         backoff = Backoff()
+        failed = 0  # in a row, before the watcher ever connected
         while not self._closed:
             pubsub = self._client.pubsub()
             try:
@@ -198,8 +201,13 @@ class ResultWatcher:
                     log.debug("result watcher: a pub/sub read timed out (%s); resubscribing", exc)
                 else:
                     wait_s = backoff.failed()
-                    log.warning("result watcher lost Redis (%s); reconnecting in %.1f s", exc,
-                                wait_s)
+                    failed = 0 if self._connected else failed + 1
+                    # Not yet connected: the submit that needs Redis says so itself (a
+                    # command that fails at once prints its one line alone); a watcher that
+                    # cannot connect for a while warns.
+                    level = logging.WARNING if self._connected or failed > 3 else logging.DEBUG
+                    log.log(level, "result watcher lost Redis (%s); reconnecting in %.1f s", exc,
+                            wait_s)
                     time.sleep(wait_s)
             finally:
                 try:
@@ -217,6 +225,7 @@ class ResultWatcher:
     def _serve(self, pubsub: Any) -> None:
         self._pubsub = pubsub  # the connection now in use (tests cut it)
         self._connect(pubsub)
+        self._connected = True
         while not self._closed:
             finished = self._subscribe_new(pubsub)
             # Read while anything is buffered or readable (subscribe replies are messages too),

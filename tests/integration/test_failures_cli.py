@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -159,16 +160,21 @@ def test_whereabouts_of_taken_running_and_unclaimed_queued_requests(redis_db) ->
 
 # -- broker down: one line, quickly ---------------------------------------------------------------
 
-@pytest.mark.parametrize("command", [["status"], ["result", "some-id", "--timeout-s", "30"]])
+@pytest.mark.parametrize("command", [["status"], ["result", "some-id", "--timeout-s", "30"],
+                                     ["infer", "identity", "--input", "{inputs}"]])
 def test_broker_down_is_one_line_at_once(command, tmp_path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    (tmp_path / "inputs.json").write_text("[[1.0]]")
+    command = [part.format(inputs=tmp_path / "inputs.json") for part in command]
     began = time.monotonic()
     out = asyncinfer(worker_env(url), *command)
     took_s = time.monotonic() - began
     lines = error_lines(out)
     assert out.returncode == 1
+    # one line, no log line before it (the result watcher's first failed connections are quiet)
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith(f"asyncinfer {command[0]}: BrokerUnavailable: broker unreachable: ")
+    assert re.match(rf"asyncinfer {command[0]}: BrokerUnavailable: (request [0-9a-f-]+: )?"
+                    rf"broker unreachable: ", lines[0]), lines[0]
     assert "127.0.0.1" in lines[0]
     assert took_s < 15, took_s  # the interpreter's start included; kombu's retries took 7-62 s
 
