@@ -9,6 +9,7 @@ from typing import Any
 from celery import Celery
 
 from asyncinfer.constants import PRIORITY_SEP, QUEUE_PREFIX, model_from_queue, priority_lists
+from asyncinfer.wire.model_versions import split_key
 
 __all__ = ["WorkerInfo", "ClusterStatus", "cluster_status", "format_status"]
 
@@ -81,7 +82,8 @@ def cluster_status(app: Celery, timeout_s: float = 1.0) -> ClusterStatus:
                                       in_flight=int(info.get("in_flight", 0)),
                                       throughput_per_s=float(info.get("throughput_per_s", 0.0))))
     workers.sort(key=lambda w: w.name)
-    hosted = {m for w in workers for m in w.models}
+    # every version of a model (``m@2``) takes the model's one queue, infer.m
+    hosted = {split_key(m)[0] for w in workers for m in w.models}
     return ClusterStatus(workers=workers, queue_depths=queue_depths(app, hosted))
 
 

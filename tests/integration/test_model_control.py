@@ -352,6 +352,13 @@ def test_two_versions_side_by_side_routed_by_version(fleet) -> None:
         rows = [(r["name"], r["version"], r["state"]) for r in http.get_model_repository_index()]
         assert ("affine", "1", "READY") in rows and ("affine", "2", "READY") in rows
         assert http.get_model_metadata("affine")["versions"] == ["1", "2"]
+        # And `asyncinfer status` shows the one queue both versions take, infer.affine
+        from asyncinfer.ops.status import cluster_status
+
+        status = cluster_status(client.app, 5.0)
+        assert any("affine@2" in w.models for w in status.workers)
+        assert "affine" in status.queue_depths
+        assert not [q for q in status.queue_depths if "@" in q], status.queue_depths
         # Then each version answers its own calls, and a call naming none gets the latest
         v1, v2 = (x * 3 + 1).tolist(), (x * 3 + 2).tolist()
         assert y("1") == v1 and y("2") == v2 and y() == v2
