@@ -92,7 +92,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    from asyncinfer.errors import InvalidRequest
+    from asyncinfer.errors import InvalidRequest, ModelError
 
     if args.stream and args.output != "json":
         raise SystemExit("asyncinfer infer: --stream prints each part as it arrives; "
@@ -108,7 +108,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 return _infer_stream(client, args, inputs, parameters)
             future = client.submit(args.model, inputs, parameters=parameters)
             response = _outcome(args, future.id, lambda: future.result(timeout=args.timeout_s))
-        except InvalidRequest as exc:
+        except (InvalidRequest, ModelError) as exc:  # a list sent as another datatype, hinted
             raise with_datatype_hint(exc, args.datatype) from None
         if response is None:
             return 1

@@ -119,13 +119,34 @@ def _bytes_as_list(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+#: A program's own words for two dtypes that did not match (a model file declares no inputs, so
+#: a list sent as another datatype than its weights' fails inside it): torch's names.
+_DTYPES_MISMATCHED = re.compile(r"(?:got|type) (\w+) (?:and|but found) (\w+)")
+_TORCH_DATATYPES = {"Long": "INT64", "Int": "INT32", "Short": "INT16", "Char": "INT8",
+                    "Byte": "UINT8", "Bool": "BOOL", "Float": "FP32", "Double": "FP64",
+                    "Half": "FP16", "BFloat16": "BF16"}
+#: What a list in a JSON file is sent as without ``--datatype`` (read_inputs).
+_LIST_DATATYPES = ("INT64", "FP32")
+
+
 def with_datatype_hint(exc: Exception, given: str | None) -> Exception:
-    """``exc``, plus ``--datatype X`` when the model refused the datatype inferred from a list."""
-    refused = _DATATYPE_REFUSED.search(str(exc))
-    if given or refused is None:
+    """``exc``, plus ``--datatype X`` when the model refused the datatype inferred from a list:
+    a declared input's refusal, or a model file's program that met two dtypes it cannot mix."""
+    if given:
         return exc
-    return type(exc)(f"{exc}; the list was sent as {refused.group(1)}: pass "
-                     f"--datatype {refused.group(2)}")
+    refused = _DATATYPE_REFUSED.search(str(exc))
+    if refused is not None:
+        sent, wanted = refused.group(1), refused.group(2)
+    else:
+        mismatched = _DTYPES_MISMATCHED.search(str(exc))
+        pair = [_TORCH_DATATYPES.get(name) for name in mismatched.groups()] if mismatched else []
+        # the list's: the one a list is sent as (a program's weights are not integers)
+        sent_ones = [d for d in _LIST_DATATYPES if d in pair]
+        if len(pair) != 2 or None in pair or pair[0] == pair[1] or not sent_ones:
+            return exc
+        sent = sent_ones[0]
+        wanted = str(pair[1] if pair[0] == sent else pair[0])
+    return type(exc)(f"{exc}; the list was sent as {sent}: pass --datatype {wanted}")
 
 
 def failure_line(command: str, request_id: str, exc: BaseException) -> str:

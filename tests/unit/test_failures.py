@@ -17,7 +17,7 @@ from asyncinfer.celery_app import create_app
 from asyncinfer.config.settings import Settings
 from asyncinfer.config.settings_report import setting_sources
 from asyncinfer.engine.device import DeviceSpec
-from asyncinfer.errors import BrokerUnavailable, InvalidRequest
+from asyncinfer.errors import BrokerUnavailable, InvalidRequest, ModelError
 from asyncinfer.models.registry import Registry
 from asyncinfer.ops.cli_io import failure_line
 from asyncinfer.ops.cli_io import with_datatype_hint as _with_datatype_hint
@@ -138,6 +138,25 @@ def test_a_refused_inferred_datatype_gets_the_flag_to_pass() -> None:
     assert _with_datatype_hint(refused, "INT64") is refused  # the user chose it
     other = InvalidRequest("request r: shape [1, 2] does not match [n, 16]")
     assert _with_datatype_hint(other, None) is other
+
+
+@pytest.mark.parametrize(("words", "sent", "wanted"), [
+    ("mat1 and mat2 must have the same dtype, but got Long and Float", "INT64", "FP32"),
+    ("expected scalar type Float but found Long", "INT64", "FP32"),
+    ("expected scalar type Double but found Float", "FP32", "FP64"),
+])
+def test_a_model_files_dtype_mismatch_gets_the_flag_to_pass(words: str, sent: str,
+                                                            wanted: str) -> None:
+    # A model file declares no inputs: a list sent as another datatype fails inside its program
+    failed = ModelError(f"request r: model 'm' raised RuntimeError: {words} (in the TorchScript "
+                        f"program)")
+    hinted = _with_datatype_hint(failed, None)
+    assert isinstance(hinted, ModelError)
+    assert str(hinted) == f"{failed}; the list was sent as {sent}: pass --datatype {wanted}"
+    assert _with_datatype_hint(failed, sent) is failed  # the user chose it
+    shapes = ModelError("request r: model 'm' raised RuntimeError: mat1 and mat2 shapes cannot be "
+                        "multiplied (1x3 and 32x4)")
+    assert _with_datatype_hint(shapes, None) is shapes
 
 
 class UserModelError(Exception):
