@@ -46,7 +46,7 @@ from tests.support.amqp import (
     AMQP_URL,
     EventTap,
     amqp_url,
-    delete_queues,
+    model_of_run,
     node_lock,
     others_consuming,
     queue_consumers,
@@ -94,11 +94,8 @@ def _rabbitmq(_rabbitmqctl: str | None, request: pytest.FixtureRequest) -> Itera
 @pytest.fixture()
 def model(request: pytest.FixtureRequest) -> Iterator[str]:
     """A "gated" model name of this test and run (its queue is deleted at the end)."""
-    name = f"gated_{RUN}_{uuid.uuid4().hex[:4]}"
-    try:
+    with model_of_run("gated", RUN) as name:
         yield name
-    finally:
-        delete_queues([f"infer.{name}"])
 
 
 def _gated_env(results: str, model: str, broker: str, prefix: str) -> dict[str, str]:

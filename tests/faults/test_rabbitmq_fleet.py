@@ -30,7 +30,7 @@ from tests.support.amqp import (
     AMQP_HOST,
     AMQP_PORT,
     AMQP_URL,
-    delete_queues,
+    model_of_run,
     node_lock,
     rabbitmq_listens,
 )
@@ -55,11 +55,8 @@ def _rabbitmq() -> Iterator[None]:
 @pytest.fixture()
 def model(request: pytest.FixtureRequest) -> Iterator[str]:
     """A model name of this test and run (its queue is deleted at the end)."""
-    name = f"{request.param}_{RUN}_{uuid.uuid4().hex[:4]}"
-    try:
+    with model_of_run(request.param, RUN) as name:
         yield name
-    finally:
-        delete_queues([f"infer.{name}"])
 
 
 def _on_rabbitmq(results: str, model: str, factory: str, **env: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 __all__ = ["AMQP_HOST", "AMQP_PORT", "AMQP_URL", "rabbitmq_listens", "delete_queues", "amqp_url",
            "rabbitmqctl", "rabbitmqctl_missing", "node_status", "node_lock", "resource_alarm",
            "queue_depth", "queue_consumers", "NODE_LOCK_PATH", "EventTap",
-           "others_consuming"]
+           "others_consuming", "model_of_run"]
 
 AMQP_HOST, AMQP_PORT = "127.0.0.1", 5672
 AMQP_URL = f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}//"
@@ -38,6 +38,17 @@ def rabbitmq_listens() -> bool:
             return True
     except OSError:
         return False
+
+
+@contextmanager
+def model_of_run(prefix: str, run: str) -> Iterator[str]:
+    """A model name of this test and ``run`` (``prefix_run_xxxx``): its queue is RabbitMQ's for
+    the ``with`` block, deleted at the end."""
+    name = f"{prefix}_{run}_{uuid.uuid4().hex[:4]}"
+    try:
+        yield name
+    finally:
+        delete_queues([f"infer.{name}"])
 
 
 def delete_queues(queues: list[str]) -> None:
