@@ -36,14 +36,12 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-import hiredis
 import redis
 from celery import states
-from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
-from redis._parsers.hiredis import _HiredisParser
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.client.lost_check import LostCheck, lost_error
+from asyncinfer.client.pubsub_reader import buffered_message
 from asyncinfer.client.responses import decode_stored
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.wire.keys import REPLY_CHANNEL_PREFIX
@@ -56,8 +54,6 @@ log = logging.getLogger(__name__)
 #: How a JSON-stored STARTED state begins (Celery's meta: ``{"status": "STARTED", ...``).
 _STARTED = b'"STARTED"'
 
-#: The type of a published message, as hiredis returns it (bytes, or text on a decoding client).
-_MESSAGE = (b"message", "message")
 
 #: Called with the decoded result meta (``status``, ``result``, ...) once the request is done.
 Callback = Callable[[dict[str, Any]], None]
@@ -233,7 +229,7 @@ class ResultWatcher:
             # arrive, the rest of it may take a while (a large result): read it with a real
             # timeout, not the zero one that only asks whether something is there.
             while True:
-                channel, payload = _buffered_message(pubsub)
+                channel, payload = buffered_message(pubsub)
                 if channel is None:  # nothing parsed and waiting: redis-py's own reading
                     if not pubsub.connection.can_read(timeout=0):
                         break
@@ -398,35 +394,6 @@ def result_key_prefix(backend: Any) -> str:
     ``result_backend_transport_options`` ``global_keyprefix``)."""
     prefix = backend.task_keyprefix
     return prefix.decode() if isinstance(prefix, bytes) else str(prefix)
-
-
-def _buffered_message(pubsub: Any) -> tuple[Any, Any]:
-    """(channel, data) of the next published message already read from the socket and waiting
-    in the hiredis reader of ``pubsub``'s connection; (None, None) when none is. It skips what
-    redis-py does per message (polls, socket timeouts, and for a RESP3 push a debug line of the
-    whole payload made into text). Anything else waiting there (a subscribe confirmation, another
-    push) goes where ``get_message`` would send it (the parser's push handling, then
-    ``pubsub.handle_message``); an error reply raises, as it would there."""
-    connection = pubsub.connection
-    parser = getattr(connection, "_parser", None)
-    reader = getattr(parser, "_reader", None)
-    if reader is None or not isinstance(parser, _HiredisParser):
-        return None, None
-    while reader.has_data():
-        response = reader.gets()
-        if response is _NOT_ENOUGH_DATA:
-            break  # a message only partly read: the socket has the rest
-        if isinstance(response, Exception):
-            raise response
-        if isinstance(response, list) and len(response) == 3 and response[0] in _MESSAGE:
-            return response[1], response[2]
-        if isinstance(response, hiredis.PushNotification):
-            response = parser.handle_push_response(response)
-        if pubsub.is_health_check_response(response):
-            pubsub.health_check_response_counter -= 1
-        else:
-            pubsub.handle_message(response)  # keeps redis-py's record of the subscriptions
-    return None, None
 
 
 def _text(value: Any) -> str:

@@ -1,5 +1,5 @@
 """The result watcher's reading of pub/sub messages already in the connection's hiredis reader
-(client/result_watcher.py ``_buffered_message``), against a real Redis: a burst of messages comes
+(client/pubsub_reader.py ``buffered_message``), against a real Redis: a burst of messages comes
 out whole and in order, mixed with what redis-py reads itself, and a subscribe confirmation
 read there keeps redis-py's record of the subscriptions."""
 
@@ -10,7 +10,7 @@ import select
 import pytest
 import redis
 
-from asyncinfer.client.result_watcher import _buffered_message
+from asyncinfer.client.pubsub_reader import buffered_message
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -20,7 +20,7 @@ def _drain(pubsub: redis.client.PubSub, want: int) -> list[tuple[bytes, bytes]]:
     """Read as the watcher reads: buffered messages first, redis-py's get_message otherwise."""
     got: list[tuple[bytes, bytes]] = []
     while len(got) < want:
-        channel, data = _buffered_message(pubsub)
+        channel, data = buffered_message(pubsub)
         if channel is None:
             select.select([pubsub.connection._sock], [], [], 5)
             message = pubsub.get_message(timeout=5)
@@ -61,7 +61,7 @@ def test_a_subscribe_confirmation_read_there_is_recorded(redis_url: str,
         pubsub.unsubscribe("burst-b")
         redis_client.publish("burst-c", b"later")
         assert _drain(pubsub, 1) == [(b"burst-c", b"later")]
-        wait_for(lambda: (_buffered_message(pubsub), pubsub.get_message(timeout=0.1),
+        wait_for(lambda: (buffered_message(pubsub), pubsub.get_message(timeout=0.1),
                           set(pubsub.channels))[2] == {b"burst-c"}, 10, "the unsubscribe recorded")
     finally:
         pubsub.close()
