@@ -33,13 +33,13 @@ from asyncinfer.wire.model_versions import (
     sorted_versions,
     split_key,
     version_key,
-    version_order,
 )
 from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
 from asyncinfer.wire.triton_words import unknown_model
 from asyncinfer.worker.cache_generations import CacheGenerations
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.metrics import WorkerMetrics
+from asyncinfer.worker.model_routes import Routes, answering, route, routes_of
 
 __all__ = ["WorkerRuntime", "PartCallback", "LoadFailed"]
 
@@ -88,7 +88,7 @@ class WorkerRuntime:
         #: What this worker hosts, once a load or unload told it (None: ``settings.models``).
         self._hosted: list[str] | None = None
         #: Model → its hosted runners' (key, version), the latest last (how requests route).
-        self._routes: dict[str, list[tuple[str, str]]] = {}
+        self._routes: Routes = {}
         self._lock = threading.Lock()
         #: Time limits and delayed retries.
         self.timer = Timer()
@@ -174,52 +174,22 @@ class WorkerRuntime:
         return model, runner
 
     def _route(self, model: str, version: str, request_id: str | None) -> str:
-        """The key of the runner a request for ``model`` (``version``) goes to: among the
-        versions of ``model`` loaded and hosted here, that version, else the latest."""
-        versions = self._routes.get(model)
-        if versions is None:
-            return model  # not loaded (yet): loaded on first use, if hosted
-        if version:
-            for key, v in versions:
-                if v == version:
-                    return key
+        """The key of the runner a request for ``model`` (``version``) goes to
+        (worker/model_routes.py)."""
+        key = route(self._routes, model, version)
+        if key is None:
             raise self._no_version(model, version, request_id)
-        return versions[-1][0]  # the latest
+        return key
 
     def _reroute(self) -> None:
-        """(Under the lock, after a load, unhost or unload.) Model → its hosted runners'
-        ``(key, version)``, the latest last."""
-        hosted = self._hosted
-        routes: dict[str, list[tuple[str, str]]] = {}
-        for key, runner in self._runners.items():
-            if hosted is None or key in hosted:
-                routes.setdefault(split_key(key)[0], []).append((key, runner.model.version))
-        for versions in routes.values():
-            versions.sort(key=lambda kv: version_order(kv[1]))
+        """(Under the lock, after a load, unhost or unload.) The routes of the runners hosted."""
+        routes = routes_of(self._runners, self._hosted)
         generations = self.cache_generations
         if generations is None:
             self._routes = routes
             return
-        with generations.changing(self._answering(routes)):  # recorded before they route
+        with generations.changing(answering(routes, self._token_of)):  # recorded before they route
             self._routes = routes
-
-    def _answering(self, routes: dict[str, list[tuple[str, str]]]) -> dict[str, str]:
-        """(Under the lock.) Generation name → the token of the weights that answer it under
-        ``routes``: each cached model (its latest) and each of its versions (``m@v``), as
-        :meth:`_route` picks them."""
-        tokens: dict[str, str] = {}
-        for model, versions in routes.items():
-            latest = self._token_of(versions[-1][0])
-            if latest:
-                tokens[model] = latest
-            seen: set[str] = set()
-            for key, version in versions:
-                if version not in seen:
-                    seen.add(version)
-                    token = self._token_of(key)
-                    if token:
-                        tokens[version_key(model, version)] = token
-        return tokens
 
     def _token_of(self, key: str) -> str:
         """(Under the lock.) The token of the weights of the runner loaded as ``key`` ("" for
