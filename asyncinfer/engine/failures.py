@@ -8,6 +8,7 @@ rule (its broker client's errors too) and a batch observer (its metrics) to each
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,6 +43,8 @@ def is_transient(exc: BaseException) -> bool:
 #: What opens the trace TorchScript's interpreter puts in its errors' text (15-35 lines of a
 #: program's source), the error itself on its last line.
 _TORCHSCRIPT_TRACE = "Traceback of TorchScript"
+#: An error's type opening a line of its text ("RuntimeError: ").
+_TYPE_NAMED = re.compile(r"^[A-Za-z_]\w*: ")
 
 
 def _raised_text(exc: BaseException) -> str:
@@ -55,8 +58,7 @@ def _raised_text(exc: BaseException) -> str:
         return f"{name} (no message)"
     if _TORCHSCRIPT_TRACE in message:
         last = [line.strip() for line in message.splitlines() if line.strip()][-1]
-        gist = last.split(": ", 1)[1] if ":" in last and last.split(":", 1)[0].isidentifier() \
-            else last
+        gist = _TYPE_NAMED.sub("", last, count=1)  # "RuntimeError: ..." says the type again
         return f"{name}: {gist} (in the TorchScript program)"
     return f"{name}: {message}"
 
