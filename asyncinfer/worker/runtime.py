@@ -23,8 +23,8 @@ from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.errors import UnknownModel
-from asyncinfer.models.files import FILE_SUFFIXES
 from asyncinfer.models.registry import Registry
+from asyncinfer.models.repository import scan
 from asyncinfer.policy.expiry import is_revoked
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import Wedge
@@ -217,7 +217,8 @@ class WorkerRuntime:
             if key in self.registry.names():
                 return key
         running = self._runners.get(model)
-        own = running.model.version if running is not None else "1"
+        own = running.model.version if running is not None else (
+            self.registry.version_of(model) or "1")
         if version == own and model in self.registry.names():
             return model
         raise UnknownModel(f"model '{model}' has no version '{version}' registered (register it "
@@ -291,7 +292,7 @@ class WorkerRuntime:
         names = set(self.registry.names())
         folder = Path(self.settings.model_dir) if self.settings.model_dir else None
         if folder is not None and folder.is_dir():
-            names |= {p.stem for p in folder.iterdir() if p.suffix in FILE_SUFFIXES}
+            names |= {entry.key for entry in scan(folder)}
         return sorted(names)
 
     def _host(self, model: str) -> None:

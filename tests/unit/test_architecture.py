@@ -4,7 +4,7 @@ backticks exists.
 
 - Exempt from being named: each folder's ``__init__.py`` (the page names those that hold code of
   their own, and those it names must exist) and the generated protobuf modules
-  (``gateway/proto/*_pb2*.py``, made by ``make proto``).
+  (``gateway/proto/*_pb2*.py``, ``models/proto/*_pb2*.py``, made by ``make proto``).
 - A named path under ``tests/``, ``bench/``, ``examples/``, ``deploy/`` or ``asyncinfer/`` is looked
   for from the repository's root; every other one from ``asyncinfer/``.
 """
@@ -26,7 +26,8 @@ _NAMED = re.compile(r"`([\w./-]+\.py)`")
 def exempt(relative: str) -> bool:
     """Whether a module need not be named: a folder's ``__init__.py``, a generated protobuf module."""
     name = relative.rsplit("/", 1)[-1]
-    return name == "__init__.py" or (relative.startswith("gateway/proto/") and "_pb2" in name)
+    return name == "__init__.py" or (relative.startswith(("gateway/proto/", "models/proto/"))
+                                     and "_pb2" in name)
 
 
 def modules(package: Path = PACKAGE) -> list[str]:
@@ -77,7 +78,7 @@ def test_the_check_reports_a_path_that_is_gone(tmp_path: Path) -> None:
 
 def test_exempt_modules() -> None:
     assert exempt("__init__.py") and exempt("worker/output/__init__.py")
-    assert exempt("gateway/proto/inference_pb2.py")
+    assert exempt("gateway/proto/inference_pb2.py") and exempt("models/proto/model_config_pb2.py")
     assert not exempt("gateway/grpc_api.py") and not exempt("__main__.py")
 
 
