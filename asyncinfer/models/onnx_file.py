@@ -42,9 +42,9 @@ def onnx_available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None
 
 
-def providers_for(device: torch.device, available: list[str]) -> list[Any]:
-    """onnxruntime's providers for ``device`` (the accelerator's first, the CPU's as fallback
-    for the operators it lacks).
+def providers_for(device: Any, available: list[str]) -> list[Any]:
+    """onnxruntime's providers for ``device`` (a torch device, or what has its ``type`` and
+    ``index``): the accelerator's first, the CPU's as fallback for the operators it lacks.
 
     Raises:
         ValueError: the device's provider is not in ``available`` (this build lacks it).
@@ -54,9 +54,9 @@ def providers_for(device: torch.device, available: list[str]) -> list[Any]:
         return ["CPUExecutionProvider"]
     provider, build = wanted
     if provider not in available:
-        raise ValueError(f"device {device} needs onnxruntime's {provider}, which this onnxruntime "
-                         f"build lacks (it has {', '.join(available)}); install {build} in place "
-                         f"of onnxruntime")
+        raise ValueError(f"device {device.type}:{device.index or 0} needs onnxruntime's "
+                         f"{provider}, which this onnxruntime build lacks (it has "
+                         f"{', '.join(available)}); install {build} in place of onnxruntime")
     return [(provider, {"device_id": device.index or 0}), "CPUExecutionProvider"]
 
 
