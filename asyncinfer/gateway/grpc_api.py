@@ -71,9 +71,24 @@ def _model_config(config: Mapping[str, Any]) -> pb.ModelConfig:
                              format=_input_format(str(t.get("format", ""))),
                              dims=[int(d) for d in t["dims"]]) for t in config.get("input", [])],
         output=[pb.ModelOutput(name=str(t["name"]), data_type=_data_type(str(t["data_type"])),
-                               dims=[int(d) for d in t["dims"]]) for t in config.get("output", [])],
+                               dims=[int(d) for d in t["dims"]],
+                               label_filename=str(t.get("label_filename", "")))
+                for t in config.get("output", [])],
+        dynamic_batching=_dynamic_batching(config.get("dynamic_batching")),
+        instance_group=[pb.ModelInstanceGroup(
+            name=str(g.get("name", "")), count=int(g.get("count", 1)),
+            kind=pb.ModelInstanceGroup.Kind.Value(str(g.get("kind", "KIND_AUTO"))))
+            for g in config.get("instance_group", [])],
         model_transaction_policy=pb.ModelTransactionPolicy(
             decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False))))
+
+
+def _dynamic_batching(batching: Mapping[str, Any] | None) -> pb.ModelDynamicBatching | None:
+    if not batching:
+        return None
+    return pb.ModelDynamicBatching(
+        preferred_batch_size=[int(s) for s in batching.get("preferred_batch_size", [])],
+        max_queue_delay_microseconds=int(batching.get("max_queue_delay_microseconds", 0)))
 
 
 def _statistics_response(model_stats: list[Mapping[str, Any]]) -> pb.ModelStatisticsResponse:

@@ -30,13 +30,20 @@ def model_config(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     ``FORMAT_*``, as Triton's JSON always has it) and outputs (the same but ``format``; an output
     with labels has ``label_filename`` and, beside it, the ``labels``), and
     ``model_transaction_policy.decoupled`` (True for a model that answers in steps); a
-    stateful model's ``sequence_batching`` (Oldest, its controls, idle timeout and state)."""
+    stateful model's ``sequence_batching`` (Oldest, its controls, idle timeout and state); a
+    batching model's ``dynamic_batching`` (``preferred_batch_size``,
+    ``max_queue_delay_microseconds``) and its ``instance_group`` (instances on the device a
+    worker runs it on), as the model announced them."""
     meta = entry.metadata
     batchable = bool(meta.get("batchable", True))
     sequence = {"sequence_batching": meta["sequence_batching"]} if meta.get(
         "sequence_batching") else {}
-    return {**sequence, "name": model, "platform": str(meta.get("platform", "pytorch")),
-            "backend": SERVER_NAME,
+    batching = {"dynamic_batching": dict(meta["dynamic_batching"])} if batchable and meta.get(
+        "dynamic_batching") else {}
+    instances = {"instance_group": [dict(g) for g in meta["instance_group"]]} if meta.get(
+        "instance_group") else {}
+    return {**sequence, **batching, **instances, "name": model,
+            "platform": str(meta.get("platform", "pytorch")), "backend": SERVER_NAME,
             "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,
             "input": [{**_config_tensor(t, batchable), "format": _format(t)}
                       for t in meta.get("inputs") or []],
