@@ -178,14 +178,21 @@ def outcomes_of(replies: Sequence[Mapping[str, Any]]) -> dict[str, WorkerOutcome
 def control(app: Celery, action: str, model: str, entries: Mapping[str, CatalogueEntry], *,
             workers: Sequence[str] = (), devices: Sequence[str] = (), version: str = "",
             timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
-            grace_s: float | None = None) -> ControlOutcome:
+            grace_s: float | None = None, factory: str = "") -> ControlOutcome:
     """Load or unload ``model`` on ``workers`` (default: see the module documentation), or on the
     live device workers of ``devices`` (device labels: ``cuda:0``, ``cpu``), and wait up to
     ``timeout_s`` for their answers. ``grace_s``: how long an unload lets the requests on the
     device finish (default the worker's, 10 s). ``version``: that version only (a load:
-    ``model@version`` as registered; an unload: the other versions serve on)."""
+    ``model@version`` as registered; an unload: the other versions serve on). ``factory``
+    (a load): ``pkg.mod:attr``, which each worker imports and registers as ``model@version``
+    first, where its ``ASYNCINFER_LOADABLE_FACTORIES`` allows the module."""
     if action not in _COMMANDS:
         raise ValueError(f"model control action must be {LOAD} or {UNLOAD}, got {action!r}")
+    if factory and action != LOAD:
+        raise ValueError("model control: a factory is named for a load only")
+    if factory and (not isinstance(factory, str) or factory.count(":") != 1):
+        raise ValueError(f"model control: a factory looks like 'package.module:factory', "
+                         f"got {factory!r}")
     if not model or not isinstance(model, str):
         raise ValueError(f"model control: a model name is needed, got {model!r}")
     if workers and devices:
@@ -213,6 +220,8 @@ def control(app: Celery, action: str, model: str, entries: Mapping[str, Catalogu
     arguments: dict[str, Any] = {"model": model}
     if version:
         arguments["version"] = str(version)
+    if factory:
+        arguments["factory"] = factory
     if action == UNLOAD and grace_s is not None:
         arguments["grace_s"] = float(grace_s)
     found = _send_when_listening(app, _COMMANDS[action], arguments, targets, listening, deadline)
@@ -317,13 +326,17 @@ class ModelControl:
 
     def load_model(self, model: str, *, version: str | int | None = None,
                    workers: Sequence[str] = (), devices: Sequence[str] = (),
-                   timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlOutcome:
+                   timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
+                   factory: str | None = None) -> ControlOutcome:
         """Load ``model`` (``version``: that version, registered as ``model@version``) on
         ``workers`` (default: every live device worker), or on the workers of ``devices``
         (``cuda:0``, ``cpu``), and start serving it there; waits up to ``timeout_s`` for their
-        answers. ``outcome.ok`` when every worker asked loaded it; ``outcome.message()`` says
-        what failed where, and why."""
-        return self._control(LOAD, model, version, workers, devices, timeout_s)
+        answers. ``factory`` (``pkg.mod:attr``): a version no worker has registered yet, which
+        each worker imports (where its ``ASYNCINFER_LOADABLE_FACTORIES`` allows the module),
+        registers as ``model@version`` and loads beside the others. ``outcome.ok`` when every
+        worker asked loaded it; ``outcome.message()`` says what failed where, and why."""
+        return self._control(LOAD, model, version, workers, devices, timeout_s,
+                             factory=factory or "")
 
     def unload_model(self, model: str, *, version: str | int | None = None,
                      workers: Sequence[str] = (), devices: Sequence[str] = (),
@@ -337,11 +350,11 @@ class ModelControl:
 
     def _control(self, action: str, model: str, version: str | int | None,
                  workers: Sequence[str], devices: Sequence[str], timeout_s: float,
-                 grace_s: float | None = None) -> ControlOutcome:
+                 grace_s: float | None = None, factory: str = "") -> ControlOutcome:
         outcome = control(self.app_for(model), action, model, self.models(stale_ok=True),
                           workers=workers, devices=devices,
                           version="" if version is None else str(version),
-                          timeout_s=timeout_s, grace_s=grace_s)
+                          timeout_s=timeout_s, grace_s=grace_s, factory=factory)
         group = self._group_for(model)
         if group.known is not None:  # the unknown-model check reads the catalogue again
             group.known.forget()

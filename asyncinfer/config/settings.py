@@ -173,6 +173,13 @@ class Settings:
     model_factories: tuple[str, ...] = _setting(
         (), "ASYNCINFER_MODEL_FACTORIES",
         "Comma-separated `name=package.module:factory` entries registering user models.")
+    loadable_factories: tuple[str, ...] = _setting(
+        (), "ASYNCINFER_LOADABLE_FACTORIES",
+        "Comma-separated modules whose factories model control may import on a worker "
+        "(`asyncinfer models load M --version V --factory pkg.mod:attr`): a module (`mymodels`), "
+        "a package and all under it (`mymodels.*`), `*` (any: every producer on the broker may "
+        "have the worker import a module) or `none`. Unset: the modules of the factories in "
+        "ASYNCINFER_MODEL_FACTORIES, each alone.")
     model_dir: str = _setting(
         "", "ASYNCINFER_MODEL_DIR",
         "Folder of TorchScript (`NAME.pt`) and `torch.export` (`NAME.pt2`) model files.")

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from asyncinfer.broker.urls import URL_EXAMPLES, is_redis_url
+from asyncinfer.config.loadable_factories import parse_patterns
 from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
 
@@ -43,6 +44,7 @@ def check_settings(settings: Any) -> None:
                          f"{', '.join(MODEL_CONTROL_MODES)} (Triton's poll is not served), got "
                          f"{settings.model_control_mode!r}")
     parse_model_options(settings.model_options)  # raises ValueError when malformed
+    parse_patterns(settings.loadable_factories)  # raises ValueError when malformed
     for route in parse_routes(settings.broker_routes):  # raises ValueError when malformed
         if not settings.result_backend and not is_redis_url(route.url):
             raise ValueError(

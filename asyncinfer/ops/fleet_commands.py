@@ -156,13 +156,15 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_model_control(args: argparse.Namespace) -> int:
     """``asyncinfer models load|unload M``: 0 when every worker asked did it, else 1 (each
-    failure with its reason)."""
+    failure with its reason). A load's ``factory`` (``--factory pkg.mod:attr``): registered as
+    ``M@VERSION`` on each worker first (worker/factory_loads.py)."""
     with _client(args) as client:
         client.ping()
         where = {"workers": _models(args.workers or ""), "devices": _models(args.devices or ""),
                  "version": args.version or None}
         if args.action == "load":
-            outcome = client.load_model(args.model, **where, timeout_s=args.timeout_s)
+            outcome = client.load_model(args.model, **where, timeout_s=args.timeout_s,
+                                        factory=getattr(args, "factory", None) or None)
         else:
             outcome = client.unload_model(args.model, **where, timeout_s=args.timeout_s,
                                           grace_s=args.grace_s)

@@ -22,7 +22,10 @@ lost or answered twice: each one is answered here, or back on its queue, untouch
 **Versions** (wire/model_versions.py): version ``v`` of ``m`` is registered as ``m@v`` and loaded
 beside the others, in a runner of its own, on the one queue ``infer.m``. Unloading one version
 while others stay leaves the queue taken: the version is routed no more, what it took runs to its
-end, nothing is given back (it would come back here).
+end, nothing is given back (it would come back here). A load may name the factory of a version
+the worker has not registered (``--factory pkg.mod:attr``): imported only from a module
+``ASYNCINFER_LOADABLE_FACTORIES`` allows, registered, then loaded as above; a failed import or
+load answers its one line and leaves nothing registered (worker/factory_loads.py).
 
 Both run in Celery's consumer thread (remote control commands do), one at a time per worker. Model
 control needs the fast consumer (the default on a Redis broker); a worker fed by Celery's consumer
@@ -41,8 +44,9 @@ from celery.worker.control import control_command, inspect_command
 
 from asyncinfer.constants import model_from_queue, queue_for
 from asyncinfer.errors import UnknownModel
-from asyncinfer.wire.model_versions import sorted_versions
+from asyncinfer.wire.model_versions import sorted_versions, version_key
 from asyncinfer.worker.consumers.consumer import STOP_GRACE_S
+from asyncinfer.worker.factory_loads import forget, register_factory
 from asyncinfer.worker.worker import Worker, worker_of
 
 __all__ = ["load_model", "unload_model", "repository", "REPOSITORY_COMMAND", "LOAD_COMMAND", "UNLOAD_COMMAND"]
@@ -86,9 +90,32 @@ def _what(model: str, version: str) -> str:
     return f"model '{model}'" + (f" version '{version}'" if version else "")
 
 
-def load_model(worker: Worker, model: str, version: str = "") -> dict[str, Any]:
+def load_model(worker: Worker, model: str, version: str = "", factory: str = "") -> dict[str, Any]:
     """Load ``model`` (its ``version``: ``model@version`` as registered) on ``worker``'s device
-    and take its queue (see the module documentation)."""
+    and take its queue (see the module documentation); ``factory`` (``pkg.mod:attr``): register
+    it as ``model@version`` first, if ``ASYNCINFER_LOADABLE_FACTORIES`` allows its module
+    (worker/factory_loads.py)."""
+    if not factory:
+        return _load(worker, model, version)
+    what = _what(model, version)
+    consumer = _fast_consumer(worker)  # nothing imported on a worker that cannot load
+    if isinstance(consumer, str):
+        return _refusal(worker, model, f"cannot load {what}: {consumer}")
+    try:
+        registered = register_factory(worker.runtime, worker.command_factories, model, version,
+                                      factory)
+    except ValueError as exc:  # FactoryRefused, FactoryError, a name the registry refuses
+        log.warning("load of %s from factory %s refused: %s", what, factory, exc)
+        return _refusal(worker, model, f"cannot load {what}: {exc}")
+    reply = _load(worker, model, version)
+    if reply["ok"]:
+        reply["factory"] = factory
+    elif registered:  # not left registered: a later load without a factory finds none
+        forget(worker.runtime, worker.command_factories, version_key(model, version))
+    return reply
+
+
+def _load(worker: Worker, model: str, version: str) -> dict[str, Any]:
     what = _what(model, version)
     consumer = _fast_consumer(worker)
     if isinstance(consumer, str):
@@ -236,15 +263,16 @@ def asyncinfer_repository(state: Any, **_: Any) -> dict[str, Any]:
     return repository(_worker(state))
 
 
-@control_command(args=[("model", str), ("version", str)],  # type: ignore[misc]
-                 signature="<model> [version]")
-def asyncinfer_load_model(state: Any, model: str = "", version: str = "",
+@control_command(args=[("model", str), ("version", str), ("factory", str)],  # type: ignore[misc]
+                 signature="<model> [version] [factory]")
+def asyncinfer_load_model(state: Any, model: str = "", version: str = "", factory: str = "",
                           **_: Any) -> dict[str, Any]:
-    """Load a model on this worker's device and take its requests (model control)."""
+    """Load a model on this worker's device and take its requests (model control); a factory
+    named is imported only from a module ASYNCINFER_LOADABLE_FACTORIES allows."""
     worker = _worker(state)
     if not model:
         return _refusal(worker, model, "no model named")
-    return load_model(worker, str(model), str(version or ""))
+    return load_model(worker, str(model), str(version or ""), str(factory or ""))
 
 
 @control_command(args=[("model", str), ("grace_s", float), ("version", str)],  # type: ignore[misc]

@@ -82,6 +82,9 @@ class Worker:
         self._runtime: WorkerRuntime | None = None
         #: Models being unloaded (worker/model_control.py): no longer announced.
         self.leaving: set[str] = set()
+        #: Versions a load command registered from the factory it named (``m@2`` → ``mod:make_v2``;
+        #: worker/factory_loads.py).
+        self.command_factories: dict[str, str] = {}
         self._policy: Policy | None = None
         #: Models loaded on the CPU for the preprocess and postprocess stages (tasks/stages.py).
         self._cpu_models: dict[str, Model] = {}
