@@ -19,7 +19,8 @@ from asyncinfer.models.base import Model
 from asyncinfer.models.builtin import MLP, Identity
 from asyncinfer.models.echo_stream import EchoStream
 from asyncinfer.models.minilm import MiniLM
-from asyncinfer.models.repository import scan
+from asyncinfer.models.repository import Entry, scan
+from asyncinfer.wire.model_versions import split_key, version_key
 
 __all__ = ["Registry", "FactoryError", "load_factory", "import_from_working_dir"]
 
@@ -122,17 +123,32 @@ class Registry:
         if not folder.is_dir():
             raise ValueError(f"model dir {folder} is not a folder")
         for entry in scan(folder):
-            self.register(entry.key, entry.factory)
+            key = self._stable_key(entry)
+            if key is None:
+                continue
+            self.register(key, entry.factory)
             if entry.version:
-                self._versions[entry.key] = entry.version
-            if entry.served:
+                self._versions[key] = entry.version
+            if entry.served and key == entry.key:
                 self._not_served.discard(entry.key)
             else:
-                self._not_served.add(entry.key)
+                self._not_served.add(key)
 
     def names(self) -> list[str]:
         """Every registered model name, sorted."""
         return sorted(self._factories)
+
+    def _stable_key(self, entry: Entry) -> str | None:
+        """The key ``entry`` registers under now: a model folder's ``NAME`` keeps the version it
+        was first registered as (a worker may run it), so a version folder added since registers
+        as ``NAME@V`` and the version ``NAME`` is skipped (None)."""
+        model, _ = split_key(entry.key)
+        before = self._versions.get(model)
+        if not entry.version or before is None or before == entry.version and entry.key == model:
+            return entry.key
+        if entry.version == before:
+            return None  # NAME is this version already
+        return version_key(model, entry.version)
 
     def version_of(self, name: str) -> str:
         """The version registered name ``name`` is, where its entry says ("" elsewhere: the

@@ -6,8 +6,9 @@ Flat files, as before: ``NAME.pt`` (TorchScript), ``NAME.pt2`` (``torch.export``
 
 Triton's layout: a folder ``NAME/`` holding an optional ``config.pbtxt`` (models/triton_config.py)
 and version folders ``1/``, ``2/``, … each holding the model file — ``model.pt``
-(``pytorch_libtorch``), ``model.pt2`` (``torch_export``), ``model.onnx`` (``onnxruntime_onnx``), or
-the config's ``default_model_filename``. The config's platform (or backend) says which file a
+(``pytorch_libtorch``), ``model.pt2`` (``torch_export``), ``model.onnx`` (``onnxruntime_onnx``),
+``model.py`` (backend ``asyncinfer``: a factory model's code, models/version_code.py), or the
+config's ``default_model_filename``. The config's platform (or backend) says which file a
 version folder holds; without one, the one model file it holds says. The latest served version is
 registered as ``NAME``, the others as ``NAME@V``; :attr:`Entry.served` says which the version
 policy serves at start (the rest load by model control: ``asyncinfer models load NAME --version V``).
@@ -34,17 +35,20 @@ from asyncinfer.models.triton_config import (
     read_config,
     served_versions,
 )
+from asyncinfer.models.version_code import version_model
 from asyncinfer.wire.model_versions import latest, split_key, version_key
 
 __all__ = ["Entry", "scan", "FILE_SUFFIXES", "PLATFORMS"]
 
 #: Model file suffix → the platform it is (Triton's names; ``torch_export`` is asyncinfer's).
 FILE_SUFFIXES = {".pt": "pytorch_libtorch", ".pt2": "torch_export", ".onnx": "onnxruntime_onnx"}
-#: Platform → the model file of a version folder (Triton's default file names).
+#: Platform → the model file of a version folder (Triton's default file names; ``asyncinfer``: a
+#: factory model's code, models/version_code.py).
 PLATFORMS = {"pytorch_libtorch": "model.pt", "torch_export": "model.pt2",
-             "onnxruntime_onnx": "model.onnx"}
+             "onnxruntime_onnx": "model.onnx", "asyncinfer": "model.py"}
 #: Triton's backend names → the platform they serve here.
-_BACKENDS = {"pytorch": "pytorch_libtorch", "onnxruntime": "onnxruntime_onnx"}
+_BACKENDS = {"pytorch": "pytorch_libtorch", "onnxruntime": "onnxruntime_onnx",
+             "asyncinfer": "asyncinfer"}
 
 
 @dataclass(frozen=True)
@@ -120,9 +124,9 @@ def _model_file(version: Path, config: TritonConfig | None) -> Path:
         path = version / config.default_model_filename
         if not path.is_file():
             raise ConfigError(f"{version}: no default_model_filename {path.name}")
-        if path.suffix not in FILE_SUFFIXES:
+        if path.suffix not in (*FILE_SUFFIXES, ".py"):
             raise ConfigError(f"{path}: not a model file asyncinfer serves (suffixes "
-                              f"{', '.join(FILE_SUFFIXES)})")
+                              f"{', '.join(FILE_SUFFIXES)}, .py)")
         return path
     platform = _platform(config)
     if platform:
@@ -161,7 +165,13 @@ def _version_factory(name: str, version: str, path: Path,
         inputs = config.inputs if config is not None else None
         outputs = config.outputs if config is not None else None
         model: Model
-        if path.suffix == ".onnx":
+        if path.suffix == ".py":
+            model = version_model(name, version, path)
+            if config is not None and config.inputs is not None:
+                model.inputs = config.inputs
+            if config is not None and config.outputs is not None:
+                model.outputs = config.outputs
+        elif path.suffix == ".onnx":
             model = OnnxModel(name, path, inputs, outputs,
                               batch_dimension=config is None or config.batch_dimension)
         else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Scale", "build_repository", "CONFIGS", "scaled"]
+__all__ = ["Scale", "build_repository", "CONFIGS", "FACTORS", "scaled"]
 
 
 class Scale(torch.nn.Module):

@@ -140,12 +140,12 @@ def test_a_refused_model_folder_registers_and_fails_its_own_load(tmp_path: Path)
         reasons[name] = str(info.value)
     assert reasons["broken"] == (f"{tmp_path / 'broken' / 'config.pbtxt'}: platform "
                                  f"'tensorrt_plan' is not served (platform pytorch_libtorch, "
-                                 f"platform torch_export, platform onnxruntime_onnx; backends "
-                                 f"pytorch, onnxruntime)")
+                                 f"platform torch_export, platform onnxruntime_onnx, platform "
+                                 f"asyncinfer; backends pytorch, onnxruntime, asyncinfer)")
     assert reasons["empty"] == (f"{tmp_path / 'empty'}: no version folder (1/, 2/, ...) holding "
                                 f"the model file")
     assert reasons["two"].startswith(f"{tmp_path / 'two' / '1'}: a version folder holds one of "
-                                     f"model.pt, model.pt2, model.onnx (it holds model.pt, "
+                                     f"model.pt, model.pt2, model.onnx, model.py (it holds model.pt, "
                                      f"model.onnx)")
     registry.create("scripted")  # the others are untouched
 
@@ -185,3 +185,53 @@ def test_execution_provider_follows_the_device() -> None:
     with pytest.raises(ValueError, match=r"device npu:0 needs onnxruntime's CANNExecutionProvider.*"
                                          r"install onnxruntime-cann"):
         providers_for(SimpleNamespace(type="npu", index=0), ["CPUExecutionProvider"])
+
+
+VERSION_CODE = '''
+from asyncinfer.models import InputSpec, Model, OutputSpec
+
+
+class Times(Model):
+    inputs = {{"x": InputSpec(("FP32",), (-1,))}}
+    outputs = {{"y": OutputSpec("FP32", (-1,))}}
+
+    def forward(self, batch):
+        return {{"y": batch["x"] * {factor}}}
+'''
+
+
+def _version(folder: Path, version: str, text: str) -> None:
+    (folder / "m" / version).mkdir(parents=True, exist_ok=True)
+    (folder / "m" / version / "model.py").write_text(text)
+
+
+def test_a_factory_version_from_the_model_folder_and_one_added_later(tmp_path: Path) -> None:
+    _version(tmp_path, "1", VERSION_CODE.format(factor=2))
+    registry = Registry.from_config([], str(tmp_path))
+    model = registry.create("m")
+    assert (model.name, model.version) == ("m", "1")
+    assert model.forward({"x": torch.ones(1, 2)})["y"].tolist() == [[2.0, 2.0]]
+    # When version 2's code is added while version 1 serves as "m", and the folder read again
+    _version(tmp_path, "2", VERSION_CODE.format(factor=3) + "\ndef create():\n    return Times()\n")
+    registry.add_dir(tmp_path)
+    # Then "m" is still version 1 (a worker may run it) and version 2 registers as m@2
+    assert registry.version_of("m") == "1" and "m@2" in registry.names()
+    assert "m@2" not in registry.served()
+    two = registry.create("m@2")
+    assert two.version == "2" and two.forward({"x": torch.ones(1, 2)})["y"].tolist() == [[3.0, 3.0]]
+    # and a fresh registry (a new worker) serves the latest as "m"
+    fresh = Registry.from_config([], str(tmp_path))
+    assert fresh.version_of("m") == "2" and "m@1" in fresh.names() and "m@1" not in fresh.served()
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    ("raise RuntimeError('no weights')\n", "importing it raised RuntimeError: no weights"),
+    ("x = 1\n", "defines neither create() nor one Model subclass (it defines 0)"),
+    ("def create():\n    return 42\n", "create() returned int, not a Model"),
+])
+def test_a_version_code_that_cannot_serve_names_itself(tmp_path: Path, code: str,
+                                                       reason: str) -> None:
+    _version(tmp_path, "1", code)
+    with pytest.raises(ValueError) as info:
+        Registry.from_config([], str(tmp_path)).create("m")
+    assert str(info.value) == f"model 'm' version 1: {tmp_path / 'm' / '1' / 'model.py'}: {reason}"
