@@ -117,6 +117,12 @@ class Registry:
             raise ValueError(f"model name {name!r} must be non-empty without '.' or '/'")
         self._factories[name] = factory
 
+    def unregister(self, name: str) -> None:
+        """``name`` is registered no more (nothing when it was not)."""
+        self._factories.pop(name, None)
+        self._versions.pop(name, None)
+        self._not_served.discard(name)
+
     def add_dir(self, folder: Path) -> None:
         """Register the models of ``folder``: its model files and Triton model folders
         (models/repository.py)."""

@@ -19,7 +19,7 @@ from collections.abc import Callable, MutableMapping
 
 from asyncinfer.config.loadable_factories import allows, loadable_patterns, refusal
 from asyncinfer.models.base import Model
-from asyncinfer.models.registry import FactoryError, Registry, load_factory
+from asyncinfer.models.registry import FactoryError, load_factory
 from asyncinfer.wire.model_versions import version_key
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -130,11 +130,5 @@ def _check_format(path: str, key: str) -> None:
 def forget(runtime: WorkerRuntime, registered: MutableMapping[str, str], key: str) -> None:
     """``key`` registered by a command whose load failed: registered no more."""
     registered.pop(key, None)
-    _unregister(runtime.registry, key)
-
-
-def _unregister(registry: Registry, key: str) -> None:
-    # The registry has no unregister yet (models/registry.py is being rewritten): its table, the
-    # one place a name is registered, loses the key.
-    registry._factories.pop(key, None)
+    runtime.registry.unregister(key)
 
