@@ -12,22 +12,33 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-from asyncinfer.client.responses import InferFuture, InferResponse
+__all__ = ["DEFAULT_WINDOW", "Pending", "windowed"]
 
-__all__ = ["DEFAULT_WINDOW", "windowed"]
+_Answer = TypeVar("_Answer")
+_Answer_co = TypeVar("_Answer_co", covariant=True)
+
+
+class Pending(Protocol[_Answer_co]):
+    """What the window waits on: an :class:`~asyncinfer.client.responses.InferFuture` (``map``),
+    or a caller's own, such as ``asyncinfer infer --input-file``'s line, which answers with its
+    error instead of raising it, so that one failed request does not end the others."""
+
+    def result(self, timeout: float | None = None) -> _Answer_co: ...
+
+    def done(self) -> bool: ...
 
 #: Requests a ``map`` keeps in flight by default: enough for full device batches on a fleet of
 #: several workers, little enough that a large input is not held whole.
 DEFAULT_WINDOW = 1024
 
 
-def windowed(submit: Callable[[Any], InferFuture], inputs: Iterable[Any], *, window: int,
-             timeout_s: float | None, forget: Callable[[InferFuture], None],
-             progress: bool | None = False, description: str = "") -> Iterator[InferResponse]:
+def windowed(submit: Callable[[Any], Pending[_Answer]], inputs: Iterable[Any], *, window: int,
+             timeout_s: float | None, forget: Callable[[Any], None],
+             progress: bool | None = False, description: str = "") -> Iterator[_Answer]:
     """Submit each of ``inputs`` with ``submit``, at most ``window`` unanswered at a time; yield
     the responses in input order. A request refused raises its error at its turn. Futures not
     answered when the caller stops are handed to ``forget``. ``progress``: a bar on stderr (rows
@@ -38,7 +49,7 @@ def windowed(submit: Callable[[Any], InferFuture], inputs: Iterable[Any], *, win
     total = len(inputs) if hasattr(inputs, "__len__") else None  # type: ignore[arg-type]
     bar = tqdm(total=total, desc=description or None, unit="row", disable=not show,
                file=sys.stderr, dynamic_ncols=True)
-    in_flight: deque[InferFuture] = deque()
+    in_flight: deque[Pending[_Answer]] = deque()
     try:
         for one in inputs:
             in_flight.append(submit(one))
@@ -53,7 +64,7 @@ def windowed(submit: Callable[[Any], InferFuture], inputs: Iterable[Any], *, win
                 forget(future)
 
 
-def _answer(in_flight: deque[InferFuture], timeout_s: float | None, bar: tqdm) -> InferResponse:
+def _answer(in_flight: deque[Pending[_Answer]], timeout_s: float | None, bar: tqdm) -> _Answer:
     """The oldest request's response (its error raised), counted on ``bar``."""
     future = in_flight[0]
     try:

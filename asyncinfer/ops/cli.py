@@ -100,6 +100,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
     if args.json and not args.stream:
         raise SystemExit("asyncinfer infer: --json is for --stream (one JSON object per part); "
                          "a whole response is printed as JSON already")
+    if args.input_file is None and (args.window is not None or args.progress is not None):
+        raise SystemExit("asyncinfer infer: --window and --progress are for --input-file "
+                         "(a request per line); --input is one request")
+    if args.input_file is not None:  # a request per line
+        from asyncinfer.ops.infer_file import cmd_infer_file
+
+        return cmd_infer_file(args)
     with _client(args) as client:
         inputs, parameters = read_inputs(args.input, args.datatype,
                                           declared_inputs(client, args.model))
@@ -247,11 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "ASYNCINFER_INTRA_OP_THREADS; 0: on CPU, cores // instances)")
     p.set_defaults(func=cmd_worker)
 
-    for name, func, text in (("infer", cmd_infer, "send one request and print the response"),
+    for name, func, text in (("infer", cmd_infer, "send one request and print the response "
+                                                   "(--input-file: a request per line)"),
                              ("submit", cmd_submit, "send one request and print its request ID")):
         p = sub.add_parser(name, help=text)
         p.add_argument("model")
-        p.add_argument("--input", required=True, help="JSON file, or - for stdin")
+        if name == "infer":
+            given = p.add_mutually_exclusive_group(required=True)
+            given.add_argument("--input", help="JSON file, or - for stdin")
+            given.add_argument("--input-file", metavar="FILE",
+                               help="many requests: a JSON Lines file (or - for stdin), one "
+                                    "request per line in any form --input takes; prints a JSON "
+                                    "line per response, in input order (--timeout-s: each "
+                                    "request's, from when it is sent)")
+        else:
+            p.add_argument("--input", required=True, help="JSON file, or - for stdin")
         p.add_argument("--datatype", help="v2 datatype for list inputs (default: the model's declared "
                        "one, from the model catalogue; else inferred)")
         p.add_argument("--serializer", choices=("json", "msgpack"),
@@ -265,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true",
                            help="with --stream: each part as one JSON object (request_id, "
                                 "index, outputs)")
+            p.add_argument("--window", type=_positive, metavar="N",
+                           help="with --input-file: at most N requests unanswered at a time "
+                                "(default: Client.map's window)")
+            p.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                           help="with --input-file: a progress bar on stderr (default: when "
+                                "stderr is a terminal)")
         else:
             p.add_argument("--request-id", help="request ID (default: a new UUID)")
         p.set_defaults(func=func)

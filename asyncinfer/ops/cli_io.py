@@ -10,8 +10,8 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["read_inputs", "declared_inputs", "print_response", "print_part", "failure_line",
-           "with_datatype_hint"]
+__all__ = ["read_inputs", "inputs_of", "declared_inputs", "print_response", "response_line",
+           "print_part", "failure_line", "failure_text", "with_datatype_hint"]
 
 #: Celery's reasons for a revoke (the whole message of the ``TaskRevokedError`` it stores), in words.
 _REVOKED = {"revoked": "revoked before a worker ran it",
@@ -24,7 +24,15 @@ _DATATYPE_REFUSED = re.compile(r"datatype (\w+) is not accepted \(accepted: (\w+
 
 def read_inputs(path: str, datatype: str | None,
                 declared: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Inputs and parameters from a JSON file or stdin.
+    """Inputs and parameters from a JSON file or stdin (``-``): :func:`inputs_of` its document."""
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    return inputs_of(json.loads(text), datatype, declared)
+
+
+def inputs_of(doc: Any, datatype: str | None,
+              declared: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Inputs and parameters from one request's JSON document (a file of ``--input``, a line of
+    ``--input-file``).
 
     Accepts a v2 request (``{"inputs": [...], "parameters": {...}}``), a mapping of input
     name → (nested) list, or a bare (nested) list: the model's one declared input, else ``input``.
@@ -34,8 +42,6 @@ def read_inputs(path: str, datatype: str | None,
     from asyncinfer.wire.payloads import to_input_payload
 
     declared = declared or {}
-    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-    doc = json.loads(text)
     if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
         return doc["inputs"], dict(doc.get("parameters") or {})
     if not isinstance(doc, dict):
@@ -70,7 +76,12 @@ def print_response(response: Any, args: argparse.Namespace) -> None:
     if getattr(args, "pretty", False):
         print(json.dumps(response.raw, indent=2, default=_bytes_as_list))
     else:
-        print(json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list))
+        print(response_line(response))
+
+
+def response_line(response: Any) -> str:
+    """The v2 response as one JSON line (BYTES data as lists of byte values)."""
+    return json.dumps(response.raw, separators=(",", ":"), default=_bytes_as_list)
 
 
 def print_part(part: Any, args: argparse.Namespace) -> None:
@@ -161,6 +172,12 @@ def failure_line(command: str, request_id: str, exc: BaseException) -> str:
     rebuilds by its name; an exception raised without a message. The client's
     ``RequestRevoked`` is said as the ``TaskRevokedError`` that was stored (its cause).
     """
+    return f"asyncinfer {command}: {failure_text(request_id, exc)}"
+
+
+def failure_text(request_id: str, exc: BaseException) -> str:
+    """What :func:`failure_line` says after the command's name: ``<type>: request <id>: <what
+    happened>`` (``infer --input-file`` puts the line's number before it)."""
     from celery.exceptions import TaskRevokedError
 
     from asyncinfer.errors import RequestRevoked
@@ -170,7 +187,7 @@ def failure_line(command: str, request_id: str, exc: BaseException) -> str:
     text = _what_happened(exc)
     if not (text.startswith(f"request {request_id}:") or text.startswith(f"request {request_id} ")):
         text = f"request {request_id}: {text}"
-    return f"asyncinfer {command}: {type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _what_happened(exc: BaseException) -> str:

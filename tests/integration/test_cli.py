@@ -109,3 +109,88 @@ def test_a_worker_ignores_sigpipe_so_a_dead_redis_peer_cannot_kill_it(worker) ->
     status = open(f"/proc/{worker.pid}/status").read()
     ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (13 - 1)), "SIGPIPE (13) is not ignored by the worker"
+
+
+def test_infer_input_file_answers_every_line_in_order_and_names_the_bad_ones(worker, redis_url,
+                                                                             tmp_path) -> None:
+    # Given 2,000 requests, one per line, with a line that is not JSON (line 501), a line that is
+    # not a tensor (ragged rows, line 1202) and a blank line (line 1500) among them
+    rows = [{"x": [[i, -i]]} for i in range(2000)]
+    lines = [json.dumps(row) for row in rows]
+    lines.insert(500, '{"x": [[1, 2]')
+    lines.insert(1201, '{"x": [[1, 2], [3]]}')
+    lines.insert(1499, "")
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    # When they are sent through a window smaller than the file, without a terminal
+    out = asyncinfer(redis_url, "infer", "identity", "--input-file", str(path), "--window", "300")
+
+    # Then each answer is a JSON line, in input order, with its row's values
+    answers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(answers) == 2000
+    assert [a["outputs"][0]["data"] for a in answers] == [[i, -i] for i in range(2000)]
+    assert answers[1234]["outputs"] == [{"name": "x", "shape": [1, 2], "datatype": "INT64",
+                                         "data": [1234, -1234]}]
+    assert len({a["id"] for a in answers}) == 2000
+    # and each bad line is one line on stderr naming its number, nothing else (no bar), exit 1
+    errors = out.stderr.splitlines()
+    assert len(errors) == 2, out.stderr
+    assert errors[0].startswith("asyncinfer infer: line 501: not JSON (")
+    assert errors[0].endswith("; nothing sent")
+    assert errors[1].startswith("asyncinfer infer: line 1202: not a request: InvalidRequest: ")
+    assert "nested lists are ragged" in errors[1]
+    assert out.returncode == 1
+
+
+def test_infer_input_file_says_a_request_the_worker_refused_and_exits_zero_when_none_failed(
+        worker, redis_url) -> None:
+    # --datatype applies to every line; mlp refuses a row of 2 values at the worker or client
+    good = json.dumps([[0.5] * 16])
+    lines = [good, json.dumps([[1.0, 2.0]]), good]
+    out = asyncinfer(redis_url, "infer", "mlp", "--input-file", "-", "--datatype", "FP32",
+                     stdin="\n".join(lines) + "\n")
+    assert out.returncode == 1
+    assert len(out.stdout.splitlines()) == 2
+    assert [json.loads(line)["outputs"][0]["shape"] for line in out.stdout.splitlines()] == [[1, 4]] * 2
+    [error] = out.stderr.splitlines()
+    assert error.startswith("asyncinfer infer: line 2: InvalidRequest: ")
+    assert "shape [1, 2] does not match [n, 16]" in error
+
+    fine = asyncinfer(redis_url, "infer", "mlp", "--input-file", "-", stdin=good + "\n" + good)
+    assert fine.returncode == 0, fine.stderr
+    assert len(fine.stdout.splitlines()) == 2 and fine.stderr == ""
+
+
+def test_infer_input_file_progress_bar_on_stderr_only_when_asked_or_on_a_terminal(worker, redis_url) -> None:
+    stdin = "".join(json.dumps({"x": [[i]]}) + "\n" for i in range(50))
+    shown = asyncinfer(redis_url, "infer", "identity", "--input-file", "-", "--progress", stdin=stdin)
+    assert shown.returncode == 0, shown.stderr
+    assert len(shown.stdout.splitlines()) == 50
+    assert "identity: 50row [" in shown.stderr and "row/s]" in shown.stderr  # tqdm's bar, no total
+    # stderr is no terminal here: no bar unless asked, and --no-progress says no
+    for flags in ((), ("--no-progress",)):
+        quiet = asyncinfer(redis_url, "infer", "identity", "--input-file", "-", *flags, stdin=stdin)
+        assert quiet.returncode == 0 and quiet.stderr == ""
+        assert [json.loads(li)["outputs"][0]["data"] for li in quiet.stdout.splitlines()] == \
+            [[i] for i in range(50)]
+
+
+def test_infer_input_file_prints_an_answer_before_the_next_line_is_read(worker, redis_url) -> None:
+    # Given the command reading stdin with a window of one request
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinfer", "infer", "identity", "--input-file", "-",
+                             "--window", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=worker_env(redis_url))
+    try:
+        for i in (7, 8):
+            # When a line is written, and the next one not yet
+            proc.stdin.write(json.dumps({"x": [[i]]}) + "\n")
+            proc.stdin.flush()
+            # Then its answer is printed already
+            assert json.loads(proc.stdout.readline())["outputs"][0]["data"] == [i]
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
