@@ -50,6 +50,7 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.device import Device
 from asyncinfer.engine.warmup import example_batch
 from asyncinfer.models.base import Batch, InputSpec, Model
+from asyncinfer.models.program_signature import AnyShape
 
 __all__ = ["NotGraphable", "CapturedGraph", "GraphSet", "check_graphable", "capture_graphs",
            "graph_size"]
@@ -131,6 +132,8 @@ def check_graphable(model: Model) -> None:
     for name, spec in specs.items():
         if "BYTES" in spec.datatypes:
             raise NotGraphable(f"{rule}; input '{name}' is BYTES")
+        if isinstance(spec, AnyShape):
+            raise NotGraphable(f"{rule}; input '{name}' declares no shape")
         if -1 in spec.row_shape:
             shape = ", ".join(["n", *("any" if d == -1 else str(d) for d in spec.row_shape)])
             raise NotGraphable(f"{rule}; input '{name}' is [{shape}]")

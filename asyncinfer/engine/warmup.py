@@ -6,7 +6,8 @@ warm-up the first user requests pay for it — Triton's ``model_warmup``, TorchS
 complaint. A model that declares its inputs (``Model.inputs``) is run on a batch of zeros (text
 ``"warm up"`` for BYTES) of each size: its ``preferred_batch_sizes``, else the powers of two up to
 ``max_batch_size`` and that size itself (a decoupled model: the first step of its
-:meth:`Model.stream`). The ``warmup`` model option (default on) turns it off.
+:meth:`Model.stream`); not a model with an input of any shape (a TorchScript file's), of which no
+example can be built. The ``warmup`` model option (default on) turns it off.
 A warm-up that raises is logged and the worker serves anyway.
 """
 
@@ -22,6 +23,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.device import Device
 from asyncinfer.models.base import Batch, Model, StreamRows
+from asyncinfer.models.program_signature import AnyShape
 from asyncinfer.wire.protocol import decode_request
 
 __all__ = ["warmup_sizes", "example_batch", "warm_up"]
@@ -41,8 +43,8 @@ def warmup_sizes(options: ModelOptions, batchable: bool = True) -> list[int]:
 
 def example_batch(model: Model, rows: int) -> Batch | None:
     """A batch of ``rows`` rows of the model's declared inputs, each -1 of a row shape as 1 (None:
-    it declares none)."""
-    if not model.inputs:
+    it declares none, or an input of any shape: a TorchScript file's, which says no shape)."""
+    if not model.inputs or any(isinstance(s, AnyShape) for s in model.inputs.values()):
         return None
     inputs: list[dict[str, Any]] = []
     for name, spec in model.inputs.items():
@@ -61,7 +63,7 @@ def warm_up(model: Model, device: Device, options: ModelOptions) -> dict[int, fl
     """Run one batch of each of :func:`warmup_sizes` through the three stages on ``device``;
     return milliseconds per size (empty when the model cannot be warmed up or it raised)."""
     times: dict[int, float] = {}
-    if not options.warmup or not model.inputs:
+    if not options.warmup or example_batch(model, 1) is None:
         return times
     stream = device.new_stream()
     try:

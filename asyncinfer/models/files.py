@@ -1,7 +1,18 @@
 """Models loaded from files: TorchScript (``NAME.pt``) and ``torch.export`` programs (``NAME.pt2``).
 
-Inputs are passed to the program positionally, in the order the request lists them; a single
-tensor result is the output ``output``, a tuple or list gives ``output_0``, ``output_1``, …
+A file model has a signature: its inputs and outputs as given (a model repository's
+``config.pbtxt``), else as its program says (models/program_signature.py): an exported program's
+inputs by name, datatype and shape, a TorchScript forward's arguments by name. A request names its
+inputs as declared, in any order, and :meth:`Model.validate` refuses one that does not fit
+(InvalidRequest: HTTP 400); the program gets them by position, in the declared order (as Triton's
+libtorch backend maps inputs to arguments). A program with no signature (see that module) gets
+the inputs in the order the request lists them, whatever their names. A single tensor result is
+the output ``output`` (the first declared output), a tuple or list gives ``output_0``,
+``output_1``, … (the declared outputs, in order), a dict its keys.
+
+An exported program made for a range of batch sizes, or for one, gets each batch in pieces it
+takes: at most its largest batch at a time, a smaller piece padded with zero rows to its
+smallest (the padding's outputs dropped), so requests batch as any model's do.
 
 Nothing in a model file is unpickled beyond tensors. TorchScript's own reader rebuilds only tensors
 and TorchScript types (an archive naming any other Python global is refused by torch). An exported
@@ -13,37 +24,60 @@ and the rest is loaded with every ``torch.load`` forced to torch's weights-only 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncinfer.models.base import Batch, Model
+from asyncinfer.models.base import Batch, InputSpec, Model, OutputSpec
+from asyncinfer.models.program_signature import (
+    AnyShape,
+    BatchRange,
+    ProgramSignature,
+    exported_signature,
+    script_signature,
+)
 
 __all__ = ["FileModel", "FILE_SUFFIXES", "load_exported", "file_kind_refusal"]
 
 FILE_SUFFIXES = (".pt", ".pt2")
 
+log = logging.getLogger(__name__)
+
 
 class FileModel(Model):
-    """A TorchScript or exported program read from ``path`` when the worker loads it."""
+    """A TorchScript or exported program read from ``path`` when the worker loads it.
 
-    inputs = None
+    ``inputs`` and ``outputs``, when given, are its signature (input names map to the program's
+    arguments by position, in this order); else :meth:`load` reads them from the program.
+    """
 
-    def __init__(self, name: str, path: Path) -> None:
+    inputs: Mapping[str, InputSpec] | None = None
+
+    def __init__(self, name: str, path: Path, inputs: Mapping[str, InputSpec] | None = None,
+                 outputs: Mapping[str, OutputSpec] | None = None) -> None:
         self.name = name
         self.path = path
         self.program: Any = None
+        self.inputs = dict(inputs) if inputs is not None else None
+        self.outputs = dict(outputs) if outputs is not None else None
+        self.platform = "torch_export" if path.suffix == ".pt2" else "pytorch_libtorch"
+        self._given = (inputs is not None, outputs is not None)
+        #: The rows one call of the program takes (None: any).
+        self._batch: BatchRange | None = None
 
     def load(self, device: torch.device) -> None:
-        """Read the file onto ``device``.
+        """Read the file onto ``device``, and the signature from its program unless given.
 
         Raises:
             ValueError: the file is not what its suffix says (a ``torch.save`` pickle, say) or
-                torch cannot read it; the message names the model, the file and why in one line.
+                torch cannot read it, or the given inputs are not as many as the program's
+                arguments; the message names the model, the file and why in one line.
         """
         what = f"model '{self.name}': {self.path}"
         try:
@@ -51,22 +85,73 @@ class FileModel(Model):
             if wrong:
                 raise ValueError(f"{self.path} {wrong}")
             if self.path.suffix == ".pt2":
-                self.program = load_exported(self.path).module().to(device)
+                exported = load_exported(self.path)
+                signature = exported_signature(exported, self.batch_dimension)
+                self.program = exported.module().to(device)
             else:
                 self.program = torch.jit.load(str(self.path), map_location=device)
                 self.program.eval()
+                signature = script_signature(self.program)
         except ValueError as exc:  # the refusals above and load_exported's name the file
             raise ValueError(f"model '{self.name}': {exc}") from None
         except (RuntimeError, OSError, zipfile.BadZipFile, EOFError) as exc:
             raise ValueError(f"{what} cannot be loaded: {_reason(exc)}") from None
+        self._take(signature, what)
+
+    def _take(self, signature: ProgramSignature, what: str) -> None:
+        """Keep the given signature, or take the program's."""
+        given_inputs, given_outputs = self._given
+        if given_inputs and self.inputs is not None and signature.arguments is not None:
+            least, most = signature.arguments
+            if not least <= len(self.inputs) <= most:
+                takes = str(least) if least == most else f"{least} to {most}"
+                raise ValueError(f"{what} declares {len(self.inputs)} input(s) "
+                                 f"({', '.join(self.inputs)}); its program takes {takes}"
+                                 + (f" ({', '.join(signature.inputs)})" if signature.inputs else ""))
+        if not given_inputs:
+            self.inputs = signature.inputs
+            if signature.inputs is None:
+                log.warning("model %s: no signature read from %s: %s; its inputs go to the "
+                            "program in the order a request lists them, unchecked", self.name,
+                            self.path, signature.why)
+        if not given_outputs:
+            self.outputs = signature.outputs
+        self._batch = signature.batch
+        # A TorchScript argument's shape is not known: a client has no row shape to check by.
+        self.client_checks_inputs = not any(isinstance(s, AnyShape)
+                                            for s in (self.inputs or {}).values())
 
     def forward(self, batch: Batch) -> Batch:
-        result = self.program(*batch.values())
-        if isinstance(result, (tuple, list)):
-            return {f"output_{i}": r for i, r in enumerate(result)}
+        args = ([batch[n] for n in self.inputs] if self.inputs is not None
+                else list(batch.values()))
+        rows = int(args[0].shape[0]) if args and len(args[0].shape) else 0
+        if self._batch is None or not args or not self.batch_dimension or self._batch.fits(rows):
+            return self._named(self.program(*args))
+        parts: dict[str, list[Any]] = {}
+        for start, stop in self._batch.pieces(rows):
+            piece = [_padded(a[start:stop], self._batch.low) for a in args]
+            for name, value in self._named(self.program(*piece)).items():
+                parts.setdefault(name, []).append(value[:stop - start])
+        return {name: torch.cat(values) for name, values in parts.items()}
+
+    def _named(self, result: Any) -> Batch:
+        """The program's result by output name (see the module)."""
         if isinstance(result, dict):
             return dict(result)
-        return {"output": result}
+        several = isinstance(result, (tuple, list))
+        results = list(result) if several else [result]
+        names = list(self.outputs or ())
+        if len(names) != len(results):
+            names = [f"output_{i}" for i in range(len(results))] if several else ["output"]
+        return dict(zip(names, results, strict=True))
+
+
+def _padded(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """``value`` with zero rows added up to ``rows`` rows."""
+    short = rows - int(value.shape[0])
+    if short <= 0:
+        return value
+    return torch.cat([value, value.new_zeros((short, *value.shape[1:]))])
 
 
 _RESAVE = ("save it with torch.jit.save(torch.jit.script(model), 'NAME.pt') or "
