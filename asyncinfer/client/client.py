@@ -198,7 +198,10 @@ class Client(ModelControl, Streaming, AsyncCalls):
 
         A ``request_id`` that was already sent is not sent again: the future is that request's.
         Raises :class:`~asyncinfer.errors.UnknownModel` for a model the fleet never announced
-        (see :meth:`check_model`). Refusals, through the future (``sent()``, ``result()``):
+        (see :meth:`check_model`), and :class:`~asyncinfer.errors.InvalidRequest`, in the words
+        its worker would use, for inputs that do not fit those the model declared in the
+        catalogue (names, datatypes, shapes: client/input_check.py); nothing is sent then.
+        Refusals, through the future (``sent()``, ``result()``):
         :class:`~asyncinfer.errors.QueueFull` (the queue stayed at its ``max_queue_size`` for
         ``timeout_s``), :class:`~asyncinfer.errors.BrokerUnavailable` and
         :class:`~asyncinfer.errors.BrokerRefused` (the broker unreachable, refusing the write,
@@ -218,7 +221,7 @@ class Client(ModelControl, Streaming, AsyncCalls):
                    parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
                    binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
         """The request :meth:`submit` would send, checked and not yet sent (``check``: the
-        unknown-model check too)."""
+        unknown-model check and the inputs' against the model's declared ones too)."""
         return self.sender_for(model).submission(
             model, inputs, request_id=request_id, parameters=parameters, serializer=serializer,
             binary=binary, check=check, **options)

@@ -27,6 +27,7 @@ from asyncinfer.broker.publisher import DUPLICATE, Publisher
 from asyncinfer.broker.scripts import script
 from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.client.grouped import GroupedPublisher
+from asyncinfer.client.input_check import refuse_unfit
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.lost_check import LostCheck, trace_ttl_s
@@ -135,8 +136,8 @@ class Sender:
                    parameters: Mapping[str, Any] | None = None, serializer: str | None = None,
                    binary: bool | None = None, check: bool = True, **options: Any) -> Outgoing:
         """The ``asyncinfer.infer`` request of ``model`` for ``inputs``, checked and not yet sent
-        (``check``: the unknown-model check too); :meth:`Client.submit
-        <asyncinfer.client.client.Client.submit>` documents the options."""
+        (``check``: the unknown-model check and the inputs' against the model's declared ones
+        too); :meth:`Client.submit <asyncinfer.client.client.Client.submit>` has the options."""
         serializer = serializer or self.settings.task_serializer
         if serializer not in ("json", "msgpack"):
             raise ValueError(f"serializer must be 'json' or 'msgpack', got {serializer!r}")
@@ -156,8 +157,11 @@ class Sender:
         # a body limit the client holds requests to on Redis only (Outgoing.message): a request
         # whose inputs show it is over is refused there before they are encoded
         limit = self.settings.max_payload_bytes if self.broker is not None else None
-        return Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
-                              parameters=parameters, max_body_bytes=limit, **options)
+        outgoing = Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
+                                  parameters=parameters, max_body_bytes=limit, **options)
+        if check and self.known is not None:  # its inputs against its model's (input_check.py)
+            refuse_unfit(self.known.signature(model), outgoing.request_id, outgoing.kwargs)
+        return outgoing
 
     def submit(self, model: str, inputs: Any, **options: Any) -> InferFuture:
         """Send one ``asyncinfer.infer`` request (:meth:`submission`'s options); its future."""

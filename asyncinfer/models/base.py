@@ -13,6 +13,7 @@ from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.models.sequence import SequenceBatching
 from asyncinfer.wire.protocol import Request
+from asyncinfer.wire.signature import INPUT_DATATYPES, check_declared, check_missing, check_tensor
 
 __all__ = ["InputSpec", "OutputSpec", "Model", "Batch", "StreamStep", "StreamRows"]
 
@@ -51,19 +52,8 @@ class InputSpec:
         """Raise InvalidRequest when an input of this datatype and shape does not fit (without
         ``batch_dimension``, :attr:`row_shape` is the input's whole shape: Triton's
         ``max_batch_size: 0``)."""
-        if datatype not in self.datatypes:
-            raise InvalidRequest(
-                f"request {request_id}: input '{name}': datatype {datatype} is not accepted "
-                f"(accepted: {', '.join(self.datatypes)})")
-        row = tuple(shape[1:] if batch_dimension else shape)
-        fits = row == self.row_shape or len(row) == len(self.row_shape) and all(
-            want in (-1, got) for want, got in zip(self.row_shape, row, strict=True))
-        if not fits:
-            wanted = (["n"] if batch_dimension else []) + [
-                "any" if d == -1 else str(d) for d in self.row_shape]
-            raise InvalidRequest(
-                f"request {request_id}: input '{name}': shape {list(shape)} does not match "
-                f"[{', '.join(wanted)}]")
+        check_tensor(request_id, name, datatype, shape, self.datatypes, self.row_shape,
+                     batch_dimension)
 
     def check_values(self, request_id: str, name: str, value: Any) -> None:
         """Raise InvalidRequest when ``value`` holds NaN or infinity and this input refuses them."""
@@ -200,6 +190,12 @@ class Model:
     batch_dimension: bool = True
     #: Declared inputs; None means any names, datatypes and shapes.
     inputs: Mapping[str, InputSpec] | None = None
+    #: Whether :meth:`validate` refuses at least what the declared :attr:`inputs` refuse (names,
+    #: datatypes, shapes), as Model's own does: a client may then refuse such a request before it
+    #: sends it (the catalogue lists each input's accepted datatypes, ``input_datatypes``:
+    #: wire/signature.py). None (the default): whether :meth:`validate` is Model's own; a model
+    #: whose :meth:`validate` calls Model's first and only adds refusals may say True.
+    client_checks_inputs: bool | None = None
     #: Declared inputs of :meth:`forward` for a model with its own :meth:`preprocess` (what the
     #: forward stage of the cross-worker pipeline accepts); None: that model serves no forward stage.
     forward_inputs: Mapping[str, InputSpec] | None = None
@@ -234,7 +230,9 @@ class Model:
         outputs with -1 for the batch dimension, an input's ``format`` when it declares one; none
         for a model that declares none), the
         batching it serves with, and whether it streams its answers (``decoupled``: Triton's
-        ``model_transaction_policy``)."""
+        ``model_transaction_policy``); with :attr:`client_checks_inputs`, every datatype each
+        input accepts (``input_datatypes``: a client checks a request against them before it
+        sends it; ``inputs`` name the first only)."""
         batched = self.batch_dimension
         inputs = [_tensor_metadata(n, s.datatypes[0], s.row_shape, batch_dimension=batched,
                                    layout=s.format)
@@ -248,6 +246,11 @@ class Model:
                  "decoupled": self.decoupled}
         if self.sequence_batching is not None:
             entry["sequence_batching"] = self.sequence_batching.config()
+        checked = self.client_checks_inputs
+        if checked is None:
+            checked = type(self).validate is Model.validate
+        if self.inputs and checked:
+            entry[INPUT_DATATYPES] = {n: list(s.datatypes) for n, s in self.inputs.items()}
         return entry
 
     def load(self, device: torch.device) -> None:
@@ -346,17 +349,9 @@ def _check_inputs(request: Request, model: str, specs: Mapping[str, InputSpec], 
                   batch_dimension: bool = True) -> None:
     """Raise InvalidRequest unless ``request`` has exactly the inputs ``specs`` declare, each fitting
     its spec (datatype, row shape, NaN/Inf); ``what`` names whose inputs they are in the error."""
-    given = {t.name for t in request.inputs}
-    missing = [n for n in specs if n not in given]
-    if missing:
-        raise InvalidRequest(
-            f"request {request.id}: {what} '{model}' needs input(s) "
-            f"{', '.join(repr(m) for m in missing)}; got {', '.join(repr(g) for g in sorted(given))}")
+    check_missing(request.id, model, specs, (t.name for t in request.inputs), what)
     for t in request.inputs:
-        spec = specs.get(t.name)
-        if spec is None:
-            raise InvalidRequest(
-                f"request {request.id}: input '{t.name}' is not an input of {what} "
-                f"'{model}' (inputs: {', '.join(repr(n) for n in specs)})")
+        check_declared(request.id, model, specs, t.name, what)
+        spec = specs[t.name]
         spec.check(request.id, t.name, t.datatype, t.shape, batch_dimension)
         spec.check_values(request.id, t.name, t.value)

@@ -90,6 +90,8 @@ class MiniLM(Model):
 
     name = "minilm"
     inputs = {"text": InputSpec(("BYTES",), ())}
+    #: Its validate is Model's and then UTF-8: a client may check the declared input first.
+    client_checks_inputs = True
     outputs = {"embedding": OutputSpec("FP32", (384,))}
     #: What the forward stage alone takes (``asyncinfer.preprocess``'s output): token IDs, mask and
     #: token types, INT64 [n, length]; narrowed at load to the tokenizer's own input names.

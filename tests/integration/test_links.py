@@ -42,7 +42,9 @@ def test_link_and_link_error_fire_once_each(client, callback_worker, redis_clien
     # Given 5 good requests and 2 bad ones, each with both callbacks
     good = [client.submit("identity", np.array([[i]], np.int32), link=link, link_error=link_error)
             for i in range(5)]
-    bad = [client.submit("mlp", np.ones((1, 3), np.float32), link=link, link_error=link_error)
+    # (a wrong shape, sent past the client's input check, which would refuse it at submit)
+    bad = [client.sender.send_watched(client.submission(
+        "mlp", np.ones((1, 3), np.float32), check=False, link=link, link_error=link_error))
            for _ in range(2)]
     for f in good:
         f.result(timeout=60)

@@ -130,7 +130,9 @@ def test_success_is_stored_and_counted(target: Target) -> None:
 def test_bad_input_fails_once_names_the_request_and_is_not_retried(target: Target) -> None:
     before = target.metric("asyncinfer_inference_request_failure_total", "flaky",
                            reason="InvalidRequest")
-    bad = target.client.submit("flaky", np.zeros((1, 3), np.float64))  # flaky takes [n, 2]
+    # flaky takes [n, 2]: sent past the client's check (it refuses it at submit)
+    bad = target.client.sender.send_watched(target.client.submission(
+        "flaky", np.zeros((1, 3), np.float64), check=False))
     with pytest.raises(InvalidRequest, match=rf"request {bad.id}: .*input"):
         bad.result(timeout=60)
     _one_failure_line(target, bad.id)
@@ -325,7 +327,8 @@ def test_final_states_reach_the_sender_through_its_reply_channel_alone(target: T
         # reply channel in a header) one that expired before it could run
         x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
         good = client.submit("mlp", x)
-        bad = client.submit("mlp", np.zeros((1, 3), np.float32))
+        bad = client.sender.send_watched(client.submission(  # past the client's input check
+            "mlp", np.zeros((1, 3), np.float32), check=False))
         expired_id, heard = str(uuid.uuid4()), []
         client.watcher.watch(expired_id, heard.append, announced=True)
         target.client.app.send_task(
