@@ -33,15 +33,17 @@ def model_config(model: str, entry: CatalogueEntry) -> dict[str, Any]:
     stateful model's ``sequence_batching`` (Oldest, its controls, idle timeout and state); a
     batching model's ``dynamic_batching`` (``preferred_batch_size``,
     ``max_queue_delay_microseconds``) and its ``instance_group`` (instances on the device a
-    worker runs it on), as the model announced them."""
+    worker runs it on: ``KIND_CPU`` when every host's device is a CPU, else ``KIND_GPU``), as
+    the model announced them."""
     meta = entry.metadata
     batchable = bool(meta.get("batchable", True))
     sequence = {"sequence_batching": meta["sequence_batching"]} if meta.get(
         "sequence_batching") else {}
     batching = {"dynamic_batching": dict(meta["dynamic_batching"])} if batchable and meta.get(
         "dynamic_batching") else {}
-    instances = {"instance_group": [dict(g) for g in meta["instance_group"]]} if meta.get(
-        "instance_group") else {}
+    kind = "KIND_CPU" if all(h.device in ("", "cpu") for h in entry.hosts) else "KIND_GPU"
+    instances = {"instance_group": [{"kind": kind, **g} for g in meta["instance_group"]]} if \
+        meta.get("instance_group") else {}
     return {**sequence, **batching, **instances, "name": model,
             "platform": str(meta.get("platform", "pytorch")), "backend": SERVER_NAME,
             "max_batch_size": int(meta.get("max_batch_size", 0)) if batchable else 0,

@@ -229,7 +229,8 @@ class Model:
         """What the worker announces in the model catalogue: the v2 model metadata (inputs and
         outputs with -1 for the batch dimension, an input's ``format`` when it declares one; none
         for a model that declares none), the
-        batching it serves with, and whether it streams its answers (``decoupled``: Triton's
+        batching it serves with (``max_batch_size``; Triton's ``dynamic_batching`` and
+        ``instance_group`` count), and whether it streams its answers (``decoupled``: Triton's
         ``model_transaction_policy``); with :attr:`client_checks_inputs`, every datatype each
         input accepts (``input_datatypes``: a client checks a request against them before it
         sends it; ``inputs`` name the first only)."""
@@ -246,6 +247,11 @@ class Model:
                  "decoupled": self.decoupled}
         if self.sequence_batching is not None:
             entry["sequence_batching"] = self.sequence_batching.config()
+        if entry["batchable"]:  # Triton's dynamic_batching, as the batcher serves it
+            entry["dynamic_batching"] = {
+                "preferred_batch_size": list(options.preferred_batch_sizes),
+                "max_queue_delay_microseconds": round(options.max_delay_ms * 1000)}
+        entry["instance_group"] = [{"count": options.instances}]
         checked = self.client_checks_inputs
         if checked is None:
             checked = type(self).validate is Model.validate

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from asyncinfer.config.settings_checks import MODEL_CONTROL_MODES
@@ -49,6 +51,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         overrides["metrics_port"] = args.metrics_port
     if args.intra_op_threads is not None:
         overrides["intra_op_threads"] = args.intra_op_threads
+    if args.model_dir:
+        overrides["model_dir"] = _model_dir(args.model_dir)
     from asyncinfer.supervision.supervisor import CANNOT_START
     from asyncinfer.worker.launch import WorkerCannotStart
 
@@ -60,8 +64,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return CANNOT_START
 
 
+def _model_dir(folder: str) -> str:
+    """``--model-dir``, absolute (its workers may run elsewhere), checked to be a folder."""
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise SystemExit(f"asyncinfer: --model-dir {folder}: not a folder")
+    return str(path)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from asyncinfer.ops.up import detect_devices, run_up
+
+    if args.model_dir:  # its workers read it from their environment
+        os.environ["ASYNCINFER_MODEL_DIR"] = _model_dir(args.model_dir)
 
     if args.detach:
         from asyncinfer.config.settings import Settings
@@ -218,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", help="comma-separated devices (default: every accelerator, else cpu)")
     p.add_argument("--models", help="comma-separated models (default: every registered model)")
     p.add_argument("--concurrency", type=int, help="task threads per worker")
+    p.add_argument("--model-dir", metavar="DIR",
+                   help="model folder: model files and Triton model repository folders "
+                        "(default ASYNCINFER_MODEL_DIR)")
     p.add_argument("--detach", action="store_true",
                    help="run in the background; return once the workers (and gateway) are ready")
     p.add_argument("--no-gateway", action="store_true",
@@ -246,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda:N, npu:N (default auto)")
     p.add_argument("--models", help="comma-separated models (default: every registered model)")
     p.add_argument("--concurrency", type=int, help="task threads (requests in flight)")
+    p.add_argument("--model-dir", metavar="DIR",
+                   help="model folder: model files and Triton model repository folders "
+                        "(default ASYNCINFER_MODEL_DIR)")
     p.add_argument("--hostname", help="Celery node name (default DEVICE@host)")
     p.add_argument("--loglevel", help="log level (default ASYNCINFER_LOG_LEVEL or info)")
     p.add_argument("--metrics-port", type=int,
@@ -325,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "workers on those")
         q.add_argument("--timeout-s", type=float, default=60.0,
                        help="how long to wait for the workers' answers")
+        if action == "load":
+            q.add_argument("--factory", metavar="PKG.MOD:ATTR",
+                           help="register it as MODEL@VERSION on each worker first (only from a "
+                                "module ASYNCINFER_LOADABLE_FACTORIES allows)")
         if action == "unload":
             q.add_argument("--grace-s", type=float,
                            help="how long requests on a device may finish (default 10)")

@@ -31,6 +31,7 @@ from asyncinfer.config.published import published_url
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import make_private_dir, write_private
 from asyncinfer.supervision.processes import pid_alive
+from asyncinfer.wire.model_versions import split_key
 
 __all__ = ["PID_FILE", "LOG_FILE", "write_pid", "clear_pid", "running_pid", "detach", "down",
            "purge_state"]
@@ -116,10 +117,13 @@ class _Readiness:
             entries = self.client.models()
         except Exception:  # noqa: BLE001 - not up yet
             return False
-        # (a prefork worker's children announce as ``worker/pid``)
-        return all(m in entries and any(h.worker == worker or h.worker.startswith(worker + "/")
-                                        for h in entries[m].hosts)
-                   for worker, models in self.hosted.items() for m in models)
+        # (a prefork worker's children announce as ``worker/pid``; version v of m, ``m@v``, is
+        # in m's entry)
+        names = {m: split_key(m)[0] for models in self.hosted.values() for m in models}
+        return all(names[m] in entries and any(
+            h.worker == worker or h.worker.startswith(worker + "/")
+            for h in entries[names[m]].hosts)
+            for worker, models in self.hosted.items() for m in models)
 
     def workers(self) -> int:
         from asyncinfer.ops.status import cluster_status
