@@ -182,7 +182,9 @@ class Settings:
         "ASYNCINFER_MODEL_FACTORIES, each alone.")
     model_dir: str = _setting(
         "", "ASYNCINFER_MODEL_DIR",
-        "Folder of TorchScript (`NAME.pt`) and `torch.export` (`NAME.pt2`) model files.")
+        "Model folder (`--model-dir`): model files (TorchScript `NAME.pt`, `torch.export` "
+        "`NAME.pt2`, ONNX `NAME.onnx`) and Triton model repository folders (`NAME/config.pbtxt`, "
+        "version folders `1/model.pt`, `2/model.onnx`, `3/model.py`).")
     concurrency: int = _setting(
         64, "ASYNCINFER_CONCURRENCY",
         "Requests in flight per worker (task threads on Celery's path): at least `max_batch_size`.")
