@@ -51,7 +51,8 @@ def _raised_text(exc: BaseException) -> str:
     """``exc`` as "<type>: <message>" on one line, or "<type> (no message)" for one raised
     without a message (``raise MemoryError``), which would otherwise read as a sentence cut off
     at its colon. A TorchScript program's error is its last line (the error itself, its trace
-    left out: the worker logs it whole)."""
+    left out). The worker's log has the exception's trace whole, once per batch
+    (:func:`model_failure`)."""
     name = type(exc).__name__
     message = str(exc)
     if not message.strip():
@@ -63,17 +64,34 @@ def _raised_text(exc: BaseException) -> str:
     return f"{name}: {message}"
 
 
+#: Set on an exception whose trace was logged (a batch's requests share its exception).
+_LOGGED = "_asyncinfer_trace_logged"
+
+
+def _first_telling(exc: BaseException) -> bool:
+    """Whether ``exc``'s trace has not been logged yet (marking it logged)."""
+    if getattr(exc, _LOGGED, False):
+        return False
+    try:
+        setattr(exc, _LOGGED, True)
+    except AttributeError:  # an exception type without attributes of its own: logged each time
+        pass
+    return True
+
+
 def model_failure(request_id: str, model: str, exc: Exception, transient: Transient) -> Exception:
     """What request ``request_id`` fails with when model ``model`` raised ``exc`` running it:
     ``exc`` itself when it is an :class:`InvalidRequest`; else a :class:`TransientModelError`
-    (``transient(exc)``) or a :class:`ModelError`, caused by ``exc``."""
+    (``transient(exc)``) or a :class:`ModelError`, caused by ``exc``, whose one line names the
+    model and the exception; its trace goes to the log (WARNING), once for all the requests of
+    its batch."""
     if isinstance(exc, InvalidRequest):
         return exc
     kind = TransientModelError if transient(exc) else ModelError
     text = _raised_text(exc)
-    if _TORCHSCRIPT_TRACE in str(exc):
-        log.warning("request %s: model '%s' raised %s; TorchScript's trace:\n%s", request_id,
-                    model, type(exc).__name__, exc)
+    if _first_telling(exc):  # the trace once, however many requests its batch held
+        log.warning("request %s: model '%s' raised %s; its trace (the caller hears one line):",
+                    request_id, model, type(exc).__name__, exc_info=exc)
     err = kind(f"request {request_id}: model '{model}' raised {text}")
     err.__cause__ = exc
     return err

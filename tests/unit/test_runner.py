@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import torch
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.engine.completion import Completed
 from asyncinfer.engine.device import Device, DeviceSpec
+from asyncinfer.engine.failures import model_failure
 from asyncinfer.engine.hooks import DeviceHooks
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequest, ModelError, RequestRevoked
@@ -197,8 +199,49 @@ def test_a_torchscript_error_is_one_line_and_its_trace_goes_to_the_log(caplog) -
     assert str(error) == ("request ts-1: model 'scripted' raised RuntimeError: mat1 and mat2 "
                           "shapes cannot be multiplied (1x1 and 32x4) (in the TorchScript program)")
     # And the worker's log has TorchScript's trace whole
-    logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "Traceback of TorchScript" in logged and "request ts-1" in logged
+    assert "Traceback of TorchScript" in caplog.text and "request ts-1" in caplog.text
+
+
+class Raising(Poison):
+    """Raises a plain Python error from its forward, whatever it gets."""
+
+    name = "raising"
+
+    def forward(self, batch: Batch) -> Batch:
+        return _deep_in_the_model()
+
+
+def _deep_in_the_model() -> Batch:
+    raise KeyError("weights.layer3")
+
+
+def test_a_model_error_is_one_line_and_its_trace_is_logged(caplog) -> None:
+    runner = runner_for(Raising())
+    futures = [runner.submit(scalar_request(f"r-{i}", 1.0, model="raising")) for i in range(3)]
+    with caplog.at_level("WARNING"), started(runner):
+        errors = [f.exception(WAIT_S) for f in futures]
+    assert [str(e) for e in errors] == [f"request r-{i}: model 'raising' raised KeyError: "
+                                        f"'weights.layer3'" for i in range(3)]
+    # each ran alone once its batch failed: a trace of each run's error, naming where it raised
+    traces = [r for r in caplog.records if r.exc_info and "its trace" in r.getMessage()]
+    assert [r.getMessage() for r in traces] == [
+        f"request r-{i}: model 'raising' raised KeyError; its trace (the caller hears one line):"
+        for i in range(3)]
+    assert all(r.exc_info[2] is not None and "_deep_in_the_model" in "".join(
+        traceback.format_tb(r.exc_info[2])) for r in traces)
+
+
+def test_the_requests_of_one_error_log_its_trace_once(caplog) -> None:
+    try:
+        _deep_in_the_model()
+    except KeyError as exc:
+        shared = exc
+    with caplog.at_level("WARNING"):
+        errors = [model_failure(f"b-{i}", "m", shared, lambda e: False) for i in range(4)]
+    assert [str(e) for e in errors] == [f"request b-{i}: model 'm' raised KeyError: "
+                                        f"'weights.layer3'" for i in range(4)]
+    traces = [r for r in caplog.records if r.exc_info]
+    assert len(traces) == 1 and traces[0].exc_info[1] is shared and "request b-0" in caplog.text
 
 
 def test_a_poisoned_request_fails_alone() -> None:
