@@ -90,8 +90,9 @@ def model_failure(request_id: str, model: str, exc: Exception, transient: Transi
     kind = TransientModelError if transient(exc) else ModelError
     text = _raised_text(exc)
     if _first_telling(exc):  # the trace once, however many requests its batch held
-        log.warning("request %s: model '%s' raised %s; its trace (the caller hears one line):",
-                    request_id, model, type(exc).__name__, exc_info=exc)
+        # (not naming the request: each failed request has its one line, worker/lifecycle.py)
+        log.warning("model '%s' raised %s; its trace (the requests it failed each get their "
+                    "one line):", model, type(exc).__name__, exc_info=exc)
     err = kind(f"request {request_id}: model '{model}' raised {text}")
     err.__cause__ = exc
     return err

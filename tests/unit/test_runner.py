@@ -199,7 +199,7 @@ def test_a_torchscript_error_is_one_line_and_its_trace_goes_to_the_log(caplog) -
     assert str(error) == ("request ts-1: model 'scripted' raised RuntimeError: mat1 and mat2 "
                           "shapes cannot be multiplied (1x1 and 32x4) (in the TorchScript program)")
     # And the worker's log has TorchScript's trace whole
-    assert "Traceback of TorchScript" in caplog.text and "request ts-1" in caplog.text
+    assert "Traceback of TorchScript" in caplog.text and "model 'scripted' raised" in caplog.text
 
 
 class Raising(Poison):
@@ -225,8 +225,8 @@ def test_a_model_error_is_one_line_and_its_trace_is_logged(caplog) -> None:
     # each ran alone once its batch failed: a trace of each run's error, naming where it raised
     traces = [r for r in caplog.records if r.exc_info and "its trace" in r.getMessage()]
     assert [r.getMessage() for r in traces] == [
-        f"request r-{i}: model 'raising' raised KeyError; its trace (the caller hears one line):"
-        for i in range(3)]
+        "model 'raising' raised KeyError; its trace (the requests it failed each get their one "
+        "line):"] * 3
     assert all(r.exc_info[2] is not None and "_deep_in_the_model" in "".join(
         traceback.format_tb(r.exc_info[2])) for r in traces)
 
@@ -241,7 +241,7 @@ def test_the_requests_of_one_error_log_its_trace_once(caplog) -> None:
     assert [str(e) for e in errors] == [f"request b-{i}: model 'm' raised KeyError: "
                                         f"'weights.layer3'" for i in range(4)]
     traces = [r for r in caplog.records if r.exc_info]
-    assert len(traces) == 1 and traces[0].exc_info[1] is shared and "request b-0" in caplog.text
+    assert len(traces) == 1 and traces[0].exc_info[1] is shared
 
 
 def test_a_poisoned_request_fails_alone() -> None:
