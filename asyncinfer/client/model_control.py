@@ -44,7 +44,7 @@ from celery import Celery
 
 from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.wire import triton_words
-from asyncinfer.wire.model_versions import version_order
+from asyncinfer.wire.model_versions import split_key, version_order
 
 if TYPE_CHECKING:
     from asyncinfer.client.brokers import BrokerGroup
@@ -299,18 +299,21 @@ def repository_index(entries: Mapping[str, CatalogueEntry],
                                        "no live worker hosts this version (unloaded)")
             rows.append({"name": name, "version": version,
                          "state": READY if ready else UNAVAILABLE, "reason": reason})
+    listed = {(r["name"], r["version"]) for r in rows}
     loadable: dict[str, list[str]] = {}
     failed: dict[str, list[str]] = {}
     for worker, info in (workers or {}).items():
-        for name in info.get("loadable") or []:
-            if name not in entries:
-                loadable.setdefault(str(name), []).append(worker)
-        for name, why in (info.get("failed") or {}).items():
-            failed.setdefault(str(name), []).append(f"{worker}: {why}")
-    for name, where in loadable.items():
-        reason = (f"failed to load ({'; '.join(sorted(failed[name]))})" if name in failed
+        for key in info.get("loadable") or []:
+            name, version = split_key(str(key))  # version v of m is registered as m@v
+            if (name not in entries if not version else (name, version) not in listed):
+                loadable.setdefault(str(key), []).append(worker)
+        for key, why in (info.get("failed") or {}).items():
+            failed.setdefault(str(key), []).append(f"{worker}: {why}")
+    for key, where in loadable.items():
+        name, version = split_key(key)
+        reason = (f"failed to load ({'; '.join(sorted(failed[key]))})" if key in failed
                   else f"not loaded (loadable on {', '.join(sorted(where))})")
-        rows.append({"name": name, "version": "", "state": UNAVAILABLE, "reason": reason})
+        rows.append({"name": name, "version": version, "state": UNAVAILABLE, "reason": reason})
     rows.sort(key=lambda r: (r["name"], version_order(r["version"])))
     return [r for r in rows if r["state"] == READY] if ready_only else rows
 

@@ -86,7 +86,13 @@ def fleet(redis_db, tmp_path) -> Iterator[tuple[WorkerProcess, GatewayProcess, C
 
 
 def _index(rows: list[dict[str, str]]) -> dict[str, tuple[str, str]]:
-    return {r["name"]: (r["state"], r.get("reason", "")) for r in rows}
+    """Each model's (state, reason): READY when one of its versions is (a loadable version of
+    it, affine@2's row ``affine`` version 2, is listed beside)."""
+    index: dict[str, tuple[str, str]] = {}
+    for r in rows:
+        if r["name"] not in index or r["state"] == "READY":
+            index[r["name"]] = (r["state"], r.get("reason", ""))
+    return index
 
 
 def test_load_infer_unload_and_failed_loads_through_tritonclient(fleet) -> None:
@@ -128,12 +134,14 @@ def test_load_infer_unload_and_failed_loads_through_tritonclient(fleet) -> None:
         assert "bad" not in client.models()
 
         # Over gRPC: the index, an unload, a load again
-        rows = {m.name: m for m in grpc.get_model_repository_index().models}
-        assert rows["affine"].state == "READY" and rows["identity"].state == "READY"
+        rows = {(m.name, m.version): m for m in grpc.get_model_repository_index().models}
+        assert rows[("affine", "1")].state == "READY" and rows[("identity", "1")].state == "READY"
+        assert rows[("affine", "2")].state == "UNAVAILABLE"  # affine@2: affine's version 2
         grpc.unload_model("affine")
         assert not grpc.is_model_ready("affine")
-        rows = {m.name: m for m in grpc.get_model_repository_index().models}
-        assert rows["affine"].state == "UNAVAILABLE" and "no live worker" in rows["affine"].reason
+        rows = {(m.name, m.version): m for m in grpc.get_model_repository_index().models}
+        assert rows[("affine", "1")].state == "UNAVAILABLE"
+        assert "no live worker" in rows[("affine", "1")].reason
         ready = urllib.request.urlopen(urllib.request.Request(  # tritonclient sends no 'ready'
             f"http://{gateway.http_url}/v2/repository/index", data=b'{"ready": true}',
             method="POST"), timeout=30)

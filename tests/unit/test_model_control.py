@@ -263,6 +263,17 @@ def test_the_repository_index_in_tritons_form() -> None:
     assert [r["name"] for r in repository_index(_entries(), workers, ready_only=True)] == ["mlp"]
 
 
+def test_a_loadable_version_is_listed_as_its_model_and_version_until_it_is_loaded() -> None:
+    # Given mlp version 1 in the catalogue, and a worker that could load mlp@2 and mlp@1
+    workers = {"a@h": {"loadable": ["mlp", "mlp@1", "mlp@2"]}}
+    rows = [r for r in repository_index(_entries(), workers) if r["name"] == "mlp"]
+    # Then version 2 is mlp's, not a model "mlp@2"; version 1, hosted, is listed once
+    assert rows == [
+        {"name": "mlp", "version": "1", "state": "READY", "reason": ""},
+        {"name": "mlp", "version": "2", "state": "UNAVAILABLE",
+         "reason": "not loaded (loadable on a@h)"}]
+
+
 def test_the_repository_index_says_why_a_model_failed_to_load() -> None:
     workers = {"a@h": {"loadable": ["mlp", "bad"], "failed": {"bad": "ValueError: bad.pt is a "
                                                                       "pickle"}},
