@@ -62,7 +62,13 @@ def priority_lists(queues: list[str]) -> list[str]:
 
 def level_of(priority: int) -> int:
     """The level (kombu's priority step, the list it goes on) of a Celery priority 0-9."""
+    if type(priority) is int:  # a publish asks up to four times: a look-up, not a search
+        return _LEVELS[0 if priority < 0 else 9 if priority > 9 else priority]
     return max(s for s in PRIORITY_STEPS if s <= max(0, min(9, priority)))
+
+
+#: The level of each priority 0-9 (``level_of``'s answer for an ``int``).
+_LEVELS = tuple(max(s for s in PRIORITY_STEPS if s <= p) for p in range(10))
 
 
 def priority_list(queue: str, priority: int) -> str:

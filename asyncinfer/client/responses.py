@@ -259,7 +259,11 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         self.id = request_id
         self._app = app
         self._watcher = watcher
-        self._sending: threading.Event | None = None  # None: sent (or sent by someone else)
+        #: Held from the hand-over to a group publisher until the request is on its queue (or
+        #: refused): an Event would cost a Condition and its locks per call. None: sent (or
+        #: sent by someone else).
+        self._sending: threading.Lock | None = None
+        self._on_queue = False  # _sending released (what Event.is_set() would say)
         self._send_error: BaseException | None = None
 
     def sent(self, timeout_s: float | None = None) -> InferFuture:
@@ -270,26 +274,31 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         :class:`~asyncinfer.errors.RequestTimeout` when it is not sent within ``timeout_s``;
         ``CancelledError`` when the future was cancelled before the request was sent."""
         sending = self._sending
-        if sending is not None and not sending.is_set() and self.cancelled():
+        if sending is not None and not self._on_queue and self.cancelled():
             # cancelled before its group went: withdrawn, never sent (grouped.Entry.withdrawn)
             raise concurrent.futures.CancelledError(f"request {self.id}: cancelled")
-        if sending is not None and not sending.wait(timeout_s):
-            raise RequestTimeout(f"request {self.id}: not on its queue within {timeout_s:g} s "
-                                 f"(waiting for room in a full queue, or for the broker)")
+        if sending is not None:  # taken once released, and given back at once for other waiters
+            if not sending.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+                raise RequestTimeout(f"request {self.id}: not on its queue within {timeout_s:g} "
+                                     f"s (waiting for room in a full queue, or for the broker)")
+            sending.release()
         if self._send_error is not None:
             raise self._send_error
         return self
 
     def _sending_in_group(self) -> None:
         """The request is handed to a group publisher: :meth:`sent` waits for :meth:`_sent`."""
-        self._sending = threading.Event()
+        sending = threading.Lock()
+        sending.acquire()
+        self._sending = sending
 
     def _sent(self, error: BaseException | None) -> None:
         """The request is on its queue (``error`` None), or ``error`` says why not: that is then
         this future's outcome too."""
         self._send_error = error
-        if self._sending is not None:
-            self._sending.set()
+        if self._sending is not None and not self._on_queue:
+            self._on_queue = True
+            self._sending.release()
         if error is not None:
             try:
                 self.set_exception(error)
