@@ -193,6 +193,33 @@ def test_a_gzip_or_deflate_body_is_accepted(gateway) -> None:
         assert json.loads(answer)["outputs"][0]["shape"] == [1, 4]
 
 
+def test_an_answer_is_compressed_when_accepted_and_large_enough(gateway) -> None:
+    accepts = {"Content-Type": "application/json", "Accept-Encoding": "gzip, deflate"}
+    # a small answer (mlp's 4 values) goes as it is: compressing it would cost more than it saves
+    small = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
+    status, headers, answer = _raw(gateway.http_url, "/v2/models/mlp/infer",
+                                   json.dumps(small).encode(), accepts)
+    assert status == 200 and "Content-Encoding" not in headers
+    assert json.loads(answer)["outputs"][0]["shape"] == [1, 4]
+    # a large one (identity's 4,096 values) is compressed, and inflates to the answer
+    import zlib
+
+    values = [float(i % 7) for i in range(4096)]
+    large = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "data": values}]}
+    for accepted, wbits in (("gzip", 31), ("deflate", 15)):
+        status, headers, answer = _raw(gateway.http_url, "/v2/models/identity/infer",
+                                       json.dumps(large).encode(),
+                                       {**accepts, "Accept-Encoding": accepted})
+        assert status == 200 and headers["Content-Encoding"] == accepted
+        assert len(answer) < len(json.dumps(values))
+        assert json.loads(zlib.decompress(answer, wbits))["outputs"][0]["data"] == values
+    # and not without Accept-Encoding
+    status, headers, answer = _raw(gateway.http_url, "/v2/models/identity/infer",
+                                   json.dumps(large).encode(), {"Accept-Encoding": "identity"})
+    assert status == 200 and "Content-Encoding" not in headers
+    assert json.loads(answer)["outputs"][0]["data"] == values
+
+
 def test_v2_parameters_reach_the_request(gateway, redis_client) -> None:
     request_id = f"gw-params-{uuid.uuid4().hex}"
     doc = {"id": request_id, "parameters": {"priority": 3, "timeout": 30_000_000},
