@@ -30,7 +30,7 @@ from asyncinfer.metrics_registry import process_registry
 from asyncinfer.wire.clock import now_s
 from asyncinfer.wire.messages import SENT_AT
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "UNKNOWN_MODEL"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ def _sent_at(raw: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+#: The model label of calls for a model the fleet does not know (404).
+UNKNOWN_MODEL = "(unknown)"
+
+
 class GatewayMetrics:
     """The gateway's metrics; :meth:`record` is the service's ``on_infer``."""
 
@@ -108,19 +112,26 @@ class GatewayMetrics:
         self._duration = Histogram("asyncinfer_gateway_request_duration_seconds",
                                    "Infer call received → answered.", ["model", "protocol"],
                                    buckets=_BUCKETS_S, registry=self.registry)
-        #: (model, protocol) → its duration histogram (a label lookup per call costs more).
-        self._durations: dict[tuple[str, str], Any] = {}
+        #: (model, protocol, status) → its counter and duration histogram.
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._in_flight = _InFlight(in_flight)
         self.registry.register(self._in_flight)
         self.registry.register(_Queues(broker_for, models))
 
     def record(self, call: InferCall, status: int, seconds: float) -> None:
-        self._requests.labels(call.model, call.protocol, str(status)).inc()
-        key = (call.model, call.protocol)
-        duration = self._durations.get(key)
-        if duration is None:
-            duration = self._durations[key] = self._duration.labels(*key)
-        duration.observe(seconds)
+        """Count a call answered with ``status`` after ``seconds``. A call answered 404 (a model,
+        or a version, the fleet does not know) counts under the model label ``UNKNOWN_MODEL``: a
+        series per name a caller makes up would grow the gateway's memory and every scrape
+        without bound."""
+        model = call.model if status != 404 else UNKNOWN_MODEL
+        key = (model, call.protocol, status)
+        children = self._children.get(key)
+        if children is None:  # a label look-up per call costs more (prometheus_client's lock)
+            children = self._children[key] = (
+                self._requests.labels(model, call.protocol, str(status)),
+                self._duration.labels(model, call.protocol))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def serve(self, host: str, port: int) -> Any:
         """Serve ``/metrics`` on ``host:port`` (a thread of prometheus_client's)."""

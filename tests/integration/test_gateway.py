@@ -303,6 +303,22 @@ def test_metrics_count_calls_and_show_queue_gauges(gateway, http) -> None:
     assert "asyncinfer_gateway_in_flight" in metrics
 
 
+def test_calls_for_made_up_models_count_under_one_series(gateway) -> None:
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
+                                   "data": [1.0]}]}).encode()
+    names = [f"nosuch-{uuid.uuid4().hex}" for _ in range(5)]
+    for name in names:
+        status, _, _ = _raw(gateway.http_url, f"/v2/models/{name}/infer", body)
+        assert status == 404
+    _, _, text = _raw(f"127.0.0.1:{gateway.metrics_port}", "/metrics")
+    metrics = text.decode()
+    assert not any(name in metrics for name in names)  # no series per made-up name
+    line = next(m for m in metrics.splitlines()
+                if m.startswith("asyncinfer_gateway_requests_total{") and 'code="404"' in m
+                and 'model="(unknown)"' in m and 'protocol="http"' in m)
+    assert float(line.rsplit(" ", 1)[1]) >= 5
+
+
 def test_a_full_queue_gives_429_with_retry_after(redis_db, tmp_path) -> None:
     # Given a model the fleet knows, with a queue bound of 2 and no live worker (its worker's
     # announcement has expired before the gateway first reads the catalogue)
