@@ -24,7 +24,6 @@ from asyncinfer.engine.threads import apply_intra_op_threads
 from asyncinfer.engine.timer import TimeLimits, Timer
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.registry import Registry
-from asyncinfer.models.repository import scan
 from asyncinfer.policy.expiry import is_revoked
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import Wedge
@@ -210,12 +209,8 @@ class WorkerRuntime:
         if not version:
             return model
         key = version_key(model, version)
-        if key in self.registry.names():
+        if key in self.registry.names() or key in self._rescan():  # or a file added since
             return key
-        if self.settings.model_dir:
-            self.registry.add_dir(Path(self.settings.model_dir))  # a file added since
-            if key in self.registry.names():
-                return key
         running = self._runners.get(model)
         own = running.model.version if running is not None else (
             self.registry.version_of(model) or "1")
@@ -268,8 +263,8 @@ class WorkerRuntime:
             if model in self._runners:
                 self._host(model)
                 return False
-            if model not in self.registry.names() and self.settings.model_dir:
-                self.registry.add_dir(Path(self.settings.model_dir))  # a file added since
+            if model not in self.registry.names():
+                self._rescan()  # a file added since
             runner: ModelRunner | None = None
             try:
                 runner = self._build(model)
@@ -288,12 +283,16 @@ class WorkerRuntime:
             return True
 
     def loadable(self) -> list[str]:
-        """Every model this worker could load: registered, or a file of the model folder now."""
-        names = set(self.registry.names())
+        """Every model this worker could load: registered, or in the model folder now."""
+        return self._rescan()
+
+    def _rescan(self) -> list[str]:
+        """The registered names, once the model folder is read again (what was added since
+        registers, under the keys the registry keeps stable: Registry.add_dir)."""
         folder = Path(self.settings.model_dir) if self.settings.model_dir else None
         if folder is not None and folder.is_dir():
-            names |= {entry.key for entry in scan(folder)}
-        return sorted(names)
+            self.registry.add_dir(folder)
+        return self.registry.names()
 
     def _host(self, model: str) -> None:
         hosted = list(self.settings.models if self._hosted is None else self._hosted)
