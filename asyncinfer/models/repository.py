@@ -121,7 +121,11 @@ def _model_file(version: Path, config: TritonConfig | None) -> Path:
     """The model file of a version folder, as the config's platform (or backend, or default file
     name) says, else the one model file it holds."""
     if config is not None and config.default_model_filename:
-        path = version / config.default_model_filename
+        named = config.default_model_filename
+        if Path(named).name != named or named in (".", ".."):
+            raise ConfigError(f"{config.path}: default_model_filename {named!r} must be a file "
+                              f"name in the version folder, not a path")
+        path = version / named
         if not path.is_file():
             raise ConfigError(f"{version}: no default_model_filename {path.name}")
         if path.suffix not in (*FILE_SUFFIXES, ".py"):

@@ -235,3 +235,14 @@ def test_a_version_code_that_cannot_serve_names_itself(tmp_path: Path, code: str
     with pytest.raises(ValueError) as info:
         Registry.from_config([], str(tmp_path)).create("m")
     assert str(info.value) == f"model 'm' version 1: {tmp_path / 'm' / '1' / 'model.py'}: {reason}"
+
+
+def test_a_default_model_filename_that_is_a_path_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "outside.pt").write_bytes(b"")
+    config = tmp_path / "m" / "config.pbtxt"
+    config.write_text('default_model_filename: "../../outside.pt"')
+    with pytest.raises(ConfigError) as info:
+        Registry.from_config([], str(tmp_path)).create("m")
+    assert str(info.value) == (f"{config}: default_model_filename '../../outside.pt' must be a "
+                               f"file name in the version folder, not a path")
