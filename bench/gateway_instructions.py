@@ -40,7 +40,7 @@ from typing import Any
 
 from client_ab import wait_hosted  # this folder is first on sys.path when run as a script
 
-from asyncinfer.ops.benchmark.host import tree_cpu_s
+from asyncinfer.ops.benchmark.host import tree_cpu_s, tree_system_cpu_s
 from asyncinfer.ops.benchmark.v2_loadgen import request_rows
 from asyncinfer.ops.redis_server import RedisServer, free_port
 from asyncinfer.supervision.processes import stop_process
@@ -172,11 +172,12 @@ async def _windows(args: argparse.Namespace, process: subprocess.Popen[bytes], g
             elif kind == "profile":
                 os.kill(process.pid, signal.SIGUSR1)
                 await asyncio.sleep(0.2)
-            cpu0 = tree_cpu_s(process.pid)
+            cpu0, system0 = tree_cpu_s(process.pid), tree_system_cpu_s(process.pid)
             t0 = time.monotonic()
             await _drive(call, count, in_flight)
             elapsed = time.monotonic() - t0
             cpu_s = tree_cpu_s(process.pid) - cpu0
+            system_s = tree_system_cpu_s(process.pid) - system0
             if kind == "callgrind":
                 _callgrind(process.pid, "-i", "off")
                 _callgrind(process.pid, "-d")
@@ -187,7 +188,8 @@ async def _windows(args: argparse.Namespace, process: subprocess.Popen[bytes], g
             elif kind == "cpu":
                 figure = cpu_s * 1e3 / count
                 print(f"  {kind} run {repeat + 1} {key[0]:4} {key[1]:8} {in_flight:3}: "
-                      f"{figure:.3f} ms/call ({count / elapsed:.0f} calls/s)", flush=True)
+                      f"{figure:.3f} ms/call, {system_s * 1e3 / count:.3f} of it system "
+                      f"({count / elapsed:.0f} calls/s)", flush=True)
             else:
                 os.kill(process.pid, signal.SIGUSR2)
                 await asyncio.sleep(1.0)

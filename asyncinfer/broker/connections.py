@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
+from asyncinfer.broker.command_packer import connection_kwargs
 from asyncinfer.broker.refusals import refusal_reason
 from asyncinfer.broker.urls import (
     is_sentinel_url,
@@ -163,6 +164,7 @@ def redis_client(url: str, settings: ConnectionSettings | None = None, **kwargs:
     For ``sentinel://`` the client is the master's that the Sentinels name
     (``settings.sentinel_master``, default ``mymaster``), found again after every failover.
     """
+    kwargs = connection_kwargs(kwargs)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
     # A client option, not a connection option: applied to the master's client below.

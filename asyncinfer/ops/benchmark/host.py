@@ -10,7 +10,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["tree_pids", "tree_cpu_s", "free_port"]
+__all__ = ["tree_pids", "tree_cpu_s", "tree_system_cpu_s", "free_port"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -46,6 +46,17 @@ def tree_cpu_s(root: int) -> float:
         fields = _stat(pid)
         if fields is not None:
             total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+def tree_system_cpu_s(root: int) -> float:
+    """The system (kernel) part of :func:`tree_cpu_s`: seconds spent in system calls and the
+    work they do (a socket write, a wake-up of another thread or process)."""
+    total = 0
+    for pid in tree_pids(root):
+        fields = _stat(pid)
+        if fields is not None:
+            total += int(fields[12])
     return total / _TICKS
 
 
