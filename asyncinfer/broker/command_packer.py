@@ -20,7 +20,7 @@ from redis.connection import PythonRespSerializer
 try:
     import hiredis
 except ImportError:  # a dependency; without it redis-py packs as it always does
-    hiredis = None
+    hiredis = None  # type: ignore[assignment]
 
 __all__ = ["HiredisPacker", "connection_kwargs"]
 

@@ -48,6 +48,7 @@ from typing import Any
 import redis
 
 from asyncinfer.broker.connections import not_replicated, wait_replicas
+from asyncinfer.broker.direct_pipeline import direct_pipeline
 from asyncinfer.broker.publisher import _PUBLISH, PUBLISHED, Publisher, _Push, script_arguments
 
 __all__ = ["GroupedPublisher", "Pending", "Group", "Entry", "Done", "DescribeError"]
@@ -297,7 +298,7 @@ class GroupedPublisher:
     def _send(self, group: Group) -> None:
         client = self.publisher.client
         try:
-            replies = group.fill(client.pipeline(transaction=False)).execute(raise_on_error=False)
+            replies = group.fill(direct_pipeline(client)).execute(raise_on_error=False)
         except redis.RedisError as exc:
             group.failed(exc)
             return
