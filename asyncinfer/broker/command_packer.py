@@ -47,11 +47,9 @@ class HiredisPacker:
             return list(self._fallback(*args))
 
 
-_PACKER = HiredisPacker() if hiredis is not None else None
-
-
 def connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` for a redis-py client, with the hiredis packer unless one is given."""
-    if _PACKER is None or "command_packer" in kwargs:
+    """``kwargs`` for a redis-py client, with a hiredis packer (one a client: its connections
+    share it) unless one is given."""
+    if hiredis is None or "command_packer" in kwargs:
         return kwargs
-    return {**kwargs, "command_packer": _PACKER}
+    return {**kwargs, "command_packer": HiredisPacker()}
