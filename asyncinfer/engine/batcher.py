@@ -4,6 +4,8 @@ A batch takes what is already waiting. It waits for more only while requests are
 decoded by task threads (they announce themselves with :meth:`Batcher.arriving`), and never past
 ``max_delay_ms`` after its first request was queued: a lone request on an idle device does not
 sit out a fixed delay, and at high load batches fill from what arrived while the device was busy.
+A lost batch's rerun (its suspects, policy/deaths.py) waits past the delay for those of its
+requests still being decoded: they came back together, and a busy host must not split it.
 
 **Length-aware.** A batch runs padded to its longest row, so a few long sentences among short
 ones make every row cost a long one. When the model says what a row costs (``Model.row_cost``:
@@ -223,9 +225,14 @@ class Batcher:
                 rows = self._take_compatible(batch, rows)
                 if rows >= self._enough or self._arriving == 0 or self._closed:
                     break
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
+                remaining: float | None = deadline - time.perf_counter()
+                if remaining is not None and remaining <= 0:
+                    if not first.suspect:
+                        break
+                    # a lost batch's rerun: its requests came back together and are taken
+                    # already; it waits for those still being decoded (the last one's release
+                    # wakes it), not only the delay, or a busy host splits it in two
+                    remaining = None
                 self._wait(self._enough - rows, remaining)
             if self.preferred and rows not in self.preferred:
                 self._trim_to_preferred(batch, rows)

@@ -352,6 +352,35 @@ def test_suspects_batch_together_and_never_with_requests_that_saw_no_death() -> 
     assert batcher.take_joining("a", 4) == []
 
 
+def test_a_lost_batchs_rerun_waits_for_its_suspects_still_decoding_past_the_delay() -> None:
+    # Given a lost batch's requests back in one take (suspects), a delay of 0, and a host so busy
+    # that one of them is still being decoded when the first is queued
+    batcher = Batcher(max_batch_size=8, max_delay_ms=0)
+    blocked = consumer_blocked(batcher)
+    got: list[list[WorkItem] | None] = []
+    batcher.hold()
+    batcher.put(WorkItem(request="s0", rows=1, signature="a", suspect=True))
+    former = threading.Thread(target=lambda: got.append(batcher.next_batch()))
+    former.start()
+    try:
+        # When the batch former waits past the delay, and then the last suspect comes in
+        assert blocked.wait(5)
+        assert former.is_alive()
+        batcher.put(WorkItem(request="s1", rows=1, signature="a", suspect=True))
+    finally:
+        batcher.release()
+        former.join(5)
+    # Then the rerun is one batch of both, not two
+    assert tags(got[0]) == ["s0", "s1"]
+    # And a batch of requests that saw no death still goes at its delay
+    batcher.hold()
+    try:
+        batcher.put(item("f0"))
+        assert tags(batcher.next_batch()) == ["f0"]
+    finally:
+        batcher.release()
+
+
 def test_withdrawn_items_leave_the_queue_and_the_others_keep_their_order() -> None:
     batcher = Batcher(max_batch_size=8, max_delay_ms=0)
     items = [WorkItem(request=SimpleNamespace(id=f"r{i}"), rows=1, signature="s") for i in range(4)]
