@@ -1,7 +1,7 @@
 """The gateway's cost per call as a figure the host's noise does not move: instructions (callgrind).
 
     .venv/bin/python bench/gateway_instructions.py [--calls 300] [--warmup 100] [--in-flight 1,8] \\
-        [--repeats 2] [--skip-cpu] [--skip-callgrind] [--profile] [--top 25] [--keep DIR]
+        [--repeats 2] [--skip-cpu] [--skip-callgrind] [--threads] [--profile] [--top 25] [--keep DIR]
 
 One embedded Redis, one CPU worker hosting ``identity`` and ``mlp``, and ``asyncinfer gateway``
 under ``valgrind --tool=callgrind --instr-atstart=no``: start-up runs uninstrumented, and
@@ -133,22 +133,32 @@ def _callgrind(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
 
 
-def _dumped_ir(out: str, before: set[str], keep: Path | None, name: str) -> int:
-    """The Ir total of the one dump file that appeared since ``before`` (copied to ``keep``/
-    ``name`` when given, for ``callgrind_annotate``)."""
+def _dumped_ir(out: str, before: set[str], keep: Path | None, name: str,
+               count: int = 1) -> int:
+    """The Ir total of the dump files that appeared since ``before`` (one, or one a thread under
+    ``--separate-threads``: each thread's share per call, of ``count`` calls, is printed), copied
+    to ``keep``/``name`` when given, for ``callgrind_annotate``."""
     deadline = time.monotonic() + 60
     while True:
-        new = set(glob.glob(out + "*")) - before
-        for path in new:
+        totals: dict[str, int] = {}
+        for path in sorted(set(glob.glob(out + "*")) - before):
             text = Path(path).read_text(errors="replace")
             for line in text.splitlines():
                 if line.startswith("totals:"):  # (its "summary:" reads 0 after a zero)
+                    totals[path] = int(line.split()[1])
                     if keep is not None:
                         keep.mkdir(parents=True, exist_ok=True)
-                        (keep / name).write_text(text)
-                    return int(line.split()[1])
+                        (keep / f"{name}{path[len(out):]}").write_text(text)
+        if totals:
+            time.sleep(0.5)  # the other threads' dumps of the same moment
+            if len(totals) == len(set(glob.glob(out + "*")) - before):
+                if len(totals) > 1:
+                    shares = ", ".join(f"{p[len(out):]} {ir / count:,.0f}"
+                                       for p, ir in sorted(totals.items(), key=lambda t: -t[1]))
+                    print(f"    by thread (Ir/call): {shares}", flush=True)
+                return sum(totals.values())
         if time.monotonic() > deadline:
-            raise SystemExit(f"no callgrind dump appeared ({sorted(new)})")
+            raise SystemExit(f"no callgrind dump appeared ({sorted(totals)})")
         time.sleep(0.2)
 
 
@@ -182,7 +192,7 @@ async def _windows(args: argparse.Namespace, process: subprocess.Popen[bytes], g
                 _callgrind(process.pid, "-i", "off")
                 _callgrind(process.pid, "-d")
                 name = f"callgrind.{key[0]}.{key[1]}.{in_flight}.{repeat + 1}"
-                figure = _dumped_ir(out, before, args.keep, name) / count
+                figure = _dumped_ir(out, before, args.keep, name, count) / count
                 print(f"  {kind} run {repeat + 1} {key[0]:4} {key[1]:8} {in_flight:3}: "
                       f"{figure:12,.0f} Ir/call ({elapsed:.1f} s)", flush=True)
             elif kind == "cpu":
@@ -262,6 +272,8 @@ def main() -> int:
     p.add_argument("--skip-callgrind", action="store_true")
     p.add_argument("--profile", action="store_true", help="also a cProfile run: top Python functions")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--threads", action="store_true",
+                   help="count each thread of the gateway apart (callgrind --separate-threads)")
     p.add_argument("--keep", type=Path, help="copy each window's callgrind dump into this folder")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
@@ -276,8 +288,10 @@ def main() -> int:
             runs = []
             if not args.skip_callgrind:
                 out = str(Path(tmp) / "callgrind.out")
+                threads = ["--separate-threads=yes"] if args.threads else []
                 runs.append(("callgrind", ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                                           f"--callgrind-out-file={out}", sys.executable], out))
+                                           *threads, f"--callgrind-out-file={out}",
+                                           sys.executable], out))
             if not args.skip_cpu:
                 runs.append(("cpu", [sys.executable], ""))
             if args.profile:

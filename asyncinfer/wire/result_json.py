@@ -81,23 +81,6 @@ def encode_meta(backend: Any, meta: dict[str, Any]) -> Any:
     return text
 
 
-def _no_big_floats(obj: Any) -> bool:
-    """Whether no float in ``obj`` is large enough to have been an integer beyond 64 bits."""
-    kind = type(obj)
-    if kind is float:
-        return abs(obj) < _BIG
-    if kind is dict:
-        return all(_no_big_floats(v) for v in obj.values())
-    if kind is list:
-        if obj and type(obj[0]) is float:
-            try:
-                return max(obj) < _BIG and min(obj) > -_BIG
-            except TypeError:
-                pass
-        return all(_no_big_floats(v) for v in obj)
-    return True
-
-
 class _OtherWrapper(Exception):
     """A ``__type__`` wrapper other than bytes': kombu reads the payload."""
 
@@ -106,25 +89,54 @@ class _OtherWrapper(Exception):
 _UNWRAP = {"bytes": lambda v: v.encode("utf-8"), "base64": base64.b64decode}
 
 
-def _unwrap(obj: Any) -> Any:
-    """``obj`` with kombu's bytes wrappers read back as kombu's ``object_hook`` reads them (inner
-    dicts first); raises _OtherWrapper at any other ``__type__``."""
-    kind = type(obj)
-    if kind is dict:
-        if len(obj) == 2 and "__type__" in obj and "__value__" in obj:
-            unwrap = _UNWRAP.get(obj["__type__"])
-            if unwrap is None or type(obj["__value__"]) is not str:
-                raise _OtherWrapper
-            return unwrap(obj["__value__"])
-        for key, value in obj.items():
-            if type(value) in (dict, list):
-                obj[key] = _unwrap(value)
+def _wrapped(obj: dict[str, Any]) -> Any:
+    """What kombu's ``object_hook`` reads ``obj`` as: bytes for its bytes wrappers, ``obj`` itself
+    when it is no wrapper; raises _OtherWrapper at any other ``__type__``."""
+    if len(obj) != 2 or "__type__" not in obj or "__value__" not in obj:
         return obj
-    if kind is list:
-        for i, value in enumerate(obj):
-            if type(value) in (dict, list):
-                obj[i] = _unwrap(value)
-    return obj
+    unwrap = _UNWRAP.get(obj["__type__"])
+    if unwrap is None or type(obj["__value__"]) is not str:
+        raise _OtherWrapper
+    return unwrap(obj["__value__"])
+
+
+def _read_back(meta: Any, unwrap: bool) -> tuple[bool, Any]:
+    """(whether no float in ``meta`` is large enough to have been an integer beyond 64 bits,
+    ``meta`` with kombu's bytes wrappers read back in place when ``unwrap``). One walk, with a
+    stack, not a generator a container: it runs for every result a client reads."""
+    if unwrap and type(meta) is dict:
+        meta = _wrapped(meta)
+    big = _BIG
+    stack = [meta]
+    while stack:
+        obj = stack.pop()
+        if type(obj) is dict:
+            items: Any = obj.items()
+        else:
+            if type(obj) is not list or not obj:
+                continue
+            if type(obj[0]) is float:
+                try:
+                    if max(obj) >= big or min(obj) <= -big:
+                        return False, meta
+                    continue
+                except TypeError:
+                    pass
+            items = enumerate(obj)
+        for key, value in items:
+            kind = type(value)
+            if kind is float:
+                if not -big < value < big:
+                    return False, meta
+            elif kind is dict:
+                if unwrap and "__type__" in value:
+                    value = obj[key] = _wrapped(value)
+                    if type(value) is not dict:
+                        continue
+                stack.append(value)
+            elif kind is list:
+                stack.append(value)
+    return True, meta
 
 
 def decode_meta(backend: Any, payload: Any) -> Any:
@@ -132,13 +144,11 @@ def decode_meta(backend: Any, payload: Any) -> Any:
     wrappers, ``{"__type__": "bytes" | "base64", "__value__": …}``, read back as kombu does)."""
     if _fast(backend) and isinstance(payload, bytes) and payload[:1] == b"{":
         try:
-            meta = orjson.loads(payload)
-            if _WRAPPED in payload:
-                meta = _unwrap(meta)
+            small, meta = _read_back(orjson.loads(payload), _WRAPPED in payload)
         except (orjson.JSONDecodeError, _OtherWrapper, ValueError):  # NaN, a date, bad base64
             pass
         else:
-            if _no_big_floats(meta):
+            if small:
                 return meta
     return backend.decode(payload)
 

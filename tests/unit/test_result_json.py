@@ -84,6 +84,10 @@ def test_a_payload_orjson_would_read_differently_is_read_by_kombu(backend: Any) 
     assert decode_meta(backend, compact)["result"] == b"abc"  # kombu's wrapper, unwrapped
     wrapped = backend.encode(result_meta("r", "SUCCESS", {"raw": b"abc"})).encode()
     assert decode_meta(backend, wrapped)["result"] == {"raw": b"abc"}
+    deep = (b'{"status": "SUCCESS", "result": {"raw": {"__type__": "bytes", "__value__": "a"}, '
+            b'"deep": [{"x": [1, {"y": -123456789012345678901234567890}]}]}, "task_id": "r"}')
+    assert decode_meta(backend, deep)["result"] == {
+        "raw": b"a", "deep": [{"x": [1, {"y": -123456789012345678901234567890}]}]}
     nan = b'{"status": "SUCCESS", "result": [NaN], "task_id": "r"}'
     assert math.isnan(decode_meta(backend, nan)["result"][0])
 
