@@ -26,21 +26,22 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-#: One array per v2 datatype, with its edge values.
+#: One array per v2 datatype, with its edge values: each type's extremes, and for floats -0.0, a
+#: subnormal and an inexact decimal (each must come back byte for byte).
 DATATYPE_VALUES = {
-    "BOOL": np.array([True, False, True]),
-    "UINT8": np.array([0, 1, 255], np.uint8),
-    "UINT16": np.array([0, 1, 65535], np.uint16),
-    "UINT32": np.array([0, 1, 2**32 - 1], np.uint32),
-    "UINT64": np.array([0, 1, 2**64 - 1], np.uint64),
-    "INT8": np.array([-128, 0, 127], np.int8),
-    "INT16": np.array([-32768, 0, 32767], np.int16),
-    "INT32": np.array([-2**31, 0, 2**31 - 1], np.int32),
-    "INT64": np.array([-2**63, 0, 2**63 - 1], np.int64),
-    "FP16": np.array([-65504, 0.5, 65504], np.float16),
-    "FP32": np.array([-3.4e38, 1.5e-45, 0.1], np.float32),
-    "FP64": np.array([-1.7e308, 5e-324, 0.1], np.float64),
-    "BYTES": np.array([b"", b"\x00\xffbinary", "ünïcode".encode()], dtype=object),
+    "BOOL": np.array([True, False, True, False]),
+    "UINT8": np.array([0, 1, 255, 128], np.uint8),
+    "UINT16": np.array([0, 1, 65535, 256], np.uint16),
+    "UINT32": np.array([0, 1, 2**32 - 1, 2**31], np.uint32),
+    "UINT64": np.array([0, 1, 2**64 - 1, 2**63], np.uint64),
+    "INT8": np.array([-128, 0, 127, -1], np.int8),
+    "INT16": np.array([-32768, 0, 32767, -1], np.int16),
+    "INT32": np.array([-2**31, 0, 2**31 - 1, -1], np.int32),
+    "INT64": np.array([-2**63, 0, 2**63 - 1, -1], np.int64),
+    "FP16": np.array([-65504, 0.5, 65504, -0.0], np.float16),
+    "FP32": np.array([-3.4e38, 1.5e-45, 0.1, -0.0], np.float32),
+    "FP64": np.array([-1.7e308, 5e-324, 0.1, -0.0], np.float64),
+    "BYTES": np.array([b"", b"\x00\xffbinary", "ünïcode".encode(), b"\r\n\"{}"], dtype=object),
 }
 
 
@@ -98,29 +99,30 @@ def test_health_and_metadata_as_the_v2_spec_says(http, gateway) -> None:
 def test_every_datatype_round_trips_through_identity_exactly(http, binary: bool) -> None:
     values = dict(DATATYPE_VALUES)
     if not binary:  # JSON carries BYTES elements as text
-        values["BYTES"] = np.array([b"", b"plain", "\u00fcn\u00efcode".encode()], dtype=object)
+        values["BYTES"] = np.array([b"", b"plain", "\u00fcn\u00efcode".encode(), b'\\"{}'],
+                                   dtype=object)
     if binary:  # tritonclient sends BF16 only as binary data, from ml_dtypes.bfloat16 arrays
         import ml_dtypes
 
-        values["BF16"] = np.array([-2.5, 0.0, 3.0e38], ml_dtypes.bfloat16)
+        values["BF16"] = np.array([-2.5, 0.0, 3.0e38, -0.0], ml_dtypes.bfloat16)
     inputs, outputs = [], []
     for datatype, value in values.items():
         name = f"x_{datatype.lower()}"
-        one = httpclient.InferInput(name, [1, 3], datatype)
-        one.set_data_from_numpy(value.reshape(1, 3), binary_data=binary)
+        one = httpclient.InferInput(name, [1, 4], datatype)
+        one.set_data_from_numpy(value.reshape(1, 4), binary_data=binary)
         inputs.append(one)
         outputs.append(httpclient.InferRequestedOutput(name, binary_data=binary))
     result = http.infer("identity", inputs, outputs=outputs)
     for datatype, value in values.items():
         got = result.as_numpy(f"x_{datatype.lower()}")
-        assert got.shape == (1, 3), datatype
+        assert got.shape == (1, 4), datatype
         if datatype == "BYTES":
             expected = value if binary else np.array([v.decode() for v in value], dtype=object)
             got = got.reshape(-1)
             assert [bytes(g) if binary else g for g in got] == list(expected), datatype
         else:
             assert got.dtype == value.dtype, datatype
-            np.testing.assert_array_equal(got.reshape(-1), value, err_msg=datatype)
+            assert got.tobytes() == value.tobytes(), datatype  # byte for byte: -0.0 stays -0.0
 
 
 def test_all_outputs_come_back_binary_when_none_are_named(http, client) -> None:
@@ -392,21 +394,21 @@ def test_grpc_every_datatype_round_trips_through_identity_exactly(grpc) -> None:
     import ml_dtypes
     import tritonclient.grpc as grpcclient
 
-    values = {**DATATYPE_VALUES, "BF16": np.array([-2.5, 0.0, 3.0e38], ml_dtypes.bfloat16)}
+    values = {**DATATYPE_VALUES, "BF16": np.array([-2.5, 0.0, 3.0e38, -0.0], ml_dtypes.bfloat16)}
     inputs = []
     for datatype, value in values.items():
-        one = grpcclient.InferInput(f"x_{datatype.lower()}", [1, 3], datatype)
-        one.set_data_from_numpy(value.reshape(1, 3))
+        one = grpcclient.InferInput(f"x_{datatype.lower()}", [1, 4], datatype)
+        one.set_data_from_numpy(value.reshape(1, 4))
         inputs.append(one)
     result = grpc.infer("identity", inputs)
     for datatype, value in values.items():
         got = result.as_numpy(f"x_{datatype.lower()}")
-        assert got.shape == (1, 3), datatype
+        assert got.shape == (1, 4), datatype
         if datatype == "BYTES":
             assert [bytes(g) for g in got.reshape(-1)] == list(value)
         else:
             assert got.dtype == value.dtype, datatype
-            np.testing.assert_array_equal(got.reshape(-1), value, err_msg=datatype)
+            assert got.tobytes() == value.tobytes(), datatype  # byte for byte: -0.0 stays -0.0
 
 
 def test_grpc_errors_carry_the_fitting_codes(grpc, redis_client) -> None:
