@@ -4,8 +4,9 @@ A batch takes what is already waiting. It waits for more only while requests are
 decoded by task threads (they announce themselves with :meth:`Batcher.arriving`), and never past
 ``max_delay_ms`` after its first request was queued: a lone request on an idle device does not
 sit out a fixed delay, and at high load batches fill from what arrived while the device was busy.
-A lost batch's rerun (its suspects, policy/deaths.py) waits past the delay for those of its
-requests still being decoded: they came back together, and a busy host must not split it.
+A lost batch's rerun (its suspects, policy/deaths.py) waits for those of its requests still being
+decoded up to :data:`SUSPECTS_WAIT_S` past the delay: they came back together, and a busy host
+must not split it.
 
 **Length-aware.** A batch runs padded to its longest row, so a few long sentences among short
 ones make every row cost a long one. When the model says what a row costs (``Model.row_cost``:
@@ -36,7 +37,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WorkItem", "Batcher"]
+__all__ = ["WorkItem", "Batcher", "SUSPECTS_WAIT_S"]
+
+#: How long past ``max_delay_ms`` a lost batch's rerun waits for its requests still being decoded
+#: (a bound, for a host so loaded that decoding one take outlasts it: then it splits, as any batch).
+SUSPECTS_WAIT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -220,19 +225,17 @@ class Batcher:
             batch, rows = [first], first.rows
             if first.alone:
                 return batch
-            deadline = first.enqueued_at + self.max_delay_s
+            # a lost batch's rerun: its requests came back together and are taken already; it
+            # waits for those still being decoded, past the delay, or a busy host splits it
+            deadline = first.enqueued_at + self.max_delay_s + (
+                SUSPECTS_WAIT_S if first.suspect else 0.0)
             while rows < self.max_batch_size:
                 rows = self._take_compatible(batch, rows)
                 if rows >= self._enough or self._arriving == 0 or self._closed:
                     break
-                remaining: float | None = deadline - time.perf_counter()
-                if remaining is not None and remaining <= 0:
-                    if not first.suspect:
-                        break
-                    # a lost batch's rerun: its requests came back together and are taken
-                    # already; it waits for those still being decoded (the last one's release
-                    # wakes it), not only the delay, or a busy host splits it in two
-                    remaining = None
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
                 self._wait(self._enough - rows, remaining)
             if self.preferred and rows not in self.preferred:
                 self._trim_to_preferred(batch, rows)
