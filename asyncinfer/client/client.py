@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
@@ -21,6 +22,7 @@ from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.broker.fleet_stats import triton_stats
 from asyncinfer.client.async_calls import AsyncCalls
 from asyncinfer.client.brokers import BrokerGroup, RoutedGroups
+from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW, windowed
 from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.model_control import ModelControl
 from asyncinfer.client.outgoing import Outgoing, input_payloads
@@ -31,7 +33,6 @@ from asyncinfer.client.sender import Sender
 from asyncinfer.client.streaming import Streaming
 from asyncinfer.client.streams import Streams
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
-from asyncinfer.client.windowed import DEFAULT_WINDOW, windowed
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
     CPU_QUEUE,
@@ -43,6 +44,9 @@ from asyncinfer.constants import (
 from asyncinfer.errors import AsyncInferError, RequestTimeout, RequestUnknown
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.model_versions import PARAMETER
+
+if TYPE_CHECKING:
+    from asyncinfer.client.jobs.runner import JobResult
 
 __all__ = ["Client"]
 
@@ -313,13 +317,22 @@ class Client(ModelControl, Streaming, AsyncCalls):
             **options: Any) -> Iterator[InferResponse]:
         """Send a request per input (in groups), at most ``window`` unanswered at a time, and
         yield the responses in input order: the first while later ones are still being sent,
-        memory bounded by the window (client/windowed.py). ``progress``: a bar on stderr (rows
+        memory bounded by the window (client/jobs/windowed.py). ``progress``: a bar on stderr (rows
         done, rows/s, time left; None: when stderr is a terminal). A request refused
         (``QueueFull``, say) raises its error at its turn; ``timeout_s`` is each answer's wait."""
         watcher = self.sender_for(model).watcher
         return windowed(lambda one: self.submit(model, one, **options), inputs, window=window,
                         timeout_s=timeout_s, progress=progress, description=model,
                         forget=lambda future: watcher.unwatch(future.id, future._settle))
+
+    def run_job(self, model: str, input: str | os.PathLike[str], output: str | os.PathLike[str],
+                **options: Any) -> JobResult:
+        """Every row of the file ``input`` through ``model``, written to ``output`` beside the
+        row's columns in the same order; resumable under ``job_id`` (asyncinfer/client/jobs/runner.py's
+        ``run_job`` takes the options; docs/jobs.md)."""
+        from asyncinfer.client.jobs.runner import run_job
+
+        return run_job(self, model, input, output, **options)
 
     def future(self, request_id: str, *, model: str | None = None) -> InferFuture:
         """The future of a request sent by anyone, looked up by its ID (with routes, on the

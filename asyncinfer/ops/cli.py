@@ -2,7 +2,7 @@
 
 commands: up (broker + a worker per device + a gateway; --detach), down, worker (one device
 worker), gateway (KServe v2 HTTP/gRPC), infer, submit, result, cancel, purge, status, models,
-stats, config, dead (dead letters), bench.
+stats, config, dead (dead letters), job (a file's rows through a model), bench.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from asyncinfer.ops.fleet_commands import (
     cmd_stats,
     cmd_status,
 )
+from asyncinfer.ops.job_commands import add_job_parser
 from asyncinfer.ops.request_commands import cmd_infer, cmd_result, cmd_submit
 from asyncinfer.ops.subcommands import SubcommandParser
+from asyncinfer.ops.subcommands import positive_int as _positive
 
 __all__ = ["main"]
 
@@ -108,17 +110,6 @@ def _output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretty", action="store_true", help="indented JSON instead of one line")
     p.add_argument("--output", choices=("json", "npy"), default="json",
                    help="json: the v2 response; npy: the outputs as an .npz archive on stdout")
-
-
-def _positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="the effective settings (or --table: every variable)")
     p.add_argument("--table", action="store_true", help="print the Markdown table of variables")
     p.set_defaults(func=cmd_config)
+
+    add_job_parser(sub)
 
     p = sub.add_parser("dead", help="dead letters: a model's requests that failed for good")
     actions = p.add_subparsers(dest="action", required=True)

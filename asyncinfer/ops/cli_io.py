@@ -52,15 +52,9 @@ def inputs_of(doc: Any, datatype: str | None,
 
 def declared_inputs(client: Any, model: str) -> dict[str, str]:
     """Input name → datatype of ``model`` as its workers announced it (empty when unknown)."""
-    from asyncinfer.errors import BrokerUnavailable
+    from asyncinfer.client.jobs.row_inputs import declared
 
-    try:
-        entry = client.models().get(model)
-    except BrokerUnavailable:
-        return {}  # the submit says so in its own words
-    if entry is None:
-        return {}
-    return {str(t["name"]): str(t["datatype"]) for t in entry.metadata.get("inputs") or []}
+    return declared(client, model, "inputs")
 
 
 def print_response(response: Any, args: argparse.Namespace) -> None:

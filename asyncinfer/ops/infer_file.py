@@ -1,5 +1,5 @@
 """``asyncinfer infer MODEL --input-file FILE``: a request per line of a JSON Lines file (or stdin),
-sent through the client's window (client/windowed.py, what ``Client.map`` uses) and answered on
+sent through the client's window (client/jobs/windowed.py, what ``Client.map`` uses) and answered on
 stdout in input order, one JSON line each, while later lines are still being read and sent.
 
 The file is read as the window takes its lines, never whole: memory is bounded by the window, and
@@ -38,7 +38,7 @@ __all__ = ["cmd_infer_file", "infer_file"]
 
 
 class _Line:
-    """One line of the file on its way: what the window waits on (client/windowed.py's
+    """One line of the file on its way: what the window waits on (client/jobs/windowed.py's
     ``Pending``). It answers with itself, its response or its error, so that one failed line does
     not end the window for the lines after it."""
 
@@ -92,7 +92,7 @@ def infer_file(client: Any, args: argparse.Namespace) -> int:
     """Send a request per non-blank line of ``args.input_file`` to ``args.model``; print each
     response (one JSON line) in input order, each failure (one line on stderr, its line number
     first); exit status 1 when any line failed."""
-    from asyncinfer.client.windowed import DEFAULT_WINDOW, windowed
+    from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW, windowed
 
     with _opened(args.input_file) as stream:
         client.check_model(args.model)  # an unknown model: said once, not once per line

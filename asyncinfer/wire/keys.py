@@ -42,6 +42,7 @@ __all__ = [
     "SEQUENCE_MODELS_KEY",
     "sequence_pin_key",
     "sequence_workers_key",
+    "JOB_PREFIX",
 ]
 
 #: Every key asyncinfer itself writes starts with this.
@@ -170,3 +171,6 @@ def sequence_pin_key(model: str, key: str) -> str:
 def sequence_workers_key(model: str) -> str:
     """The sorted set of the workers serving ``model``'s sequences."""
     return f"{SEQUENCE_PREFIX}workers:{model}"
+
+#: A job over a file (asyncinfer/client/jobs): a hash of its model, files, counts and state, by job ID.
+JOB_PREFIX = KEY_PREFIX + "job:"
