@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from tqdm import tqdm
 
+from asyncinfer.client.jobs.windowed import Answering
 from asyncinfer.ops.cli_io import (
     declared_inputs,
     failure_text,
@@ -31,48 +31,21 @@ from asyncinfer.ops.cli_io import (
     with_datatype_hint,
 )
 
-if TYPE_CHECKING:
-    from asyncinfer.client.responses import InferFuture, InferResponse
-
 __all__ = ["cmd_infer_file", "infer_file"]
 
 
-class _Line:
-    """One line of the file on its way: what the window waits on (client/jobs/windowed.py's
-    ``Pending``). It answers with itself, its response or its error, so that one failed line does
-    not end the window for the lines after it."""
+class _Line(Answering):
+    """One line of the file on its way (client/jobs/windowed.py's ``Answering``): a timeout or a
+    failure said as ``asyncinfer infer`` says them."""
 
-    def __init__(self, number: int, *, future: InferFuture | None = None, error: str | None = None,
-                 timeout_s: float | None = None) -> None:
-        self.number = number
-        self.future = future  # None: nothing was sent (``error`` says why)
-        self.error = error
-        self.response: InferResponse | None = None
-        self._timeout_s = timeout_s
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def said(self, exc: Exception) -> str:
+        from asyncinfer.errors import RequestTimeout
 
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def result(self, timeout: float | None = None) -> _Line:
-        """This line, answered within its own deadline (``timeout`` is unused: the window's wait
-        would start only at the line's turn)."""
-        from asyncinfer.errors import BrokerUnavailable, RequestTimeout
-
-        if self.future is None or self.response is not None or self.error is not None:
-            return self
-        left_s = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-        try:
-            self.response = self.future.result(timeout=left_s)
-        except RequestTimeout:
-            self.error = (f"RequestTimeout: request {self.future.id}: no result within "
-                          f"{self._timeout_s:g} s of being sent; it may still finish (asyncinfer "
-                          f"result {self.future.id})")
-        except BrokerUnavailable:
-            raise  # every line after it would say the same: main says it once
-        except Exception as exc:  # noqa: BLE001 - said on this line's line; the others go on
-            self.error = failure_text(self.future.id, exc)
-        return self
+        if isinstance(exc, RequestTimeout):
+            return (f"RequestTimeout: request {self.future.id}: no result within "
+                    f"{self.timeout_s:g} s of being sent; it may still finish (asyncinfer "
+                    f"result {self.future.id})")
+        return failure_text(self.future.id, exc)
 
 
 def cmd_infer_file(args: argparse.Namespace) -> int:

@@ -60,8 +60,20 @@ def _wait_written(db: RedisDatabase, job_id: str, rows: int, proc: subprocess.Po
     raise AssertionError(f"job {job_id}: {rows} rows not written within {timeout_s} s")
 
 
-def _output_rows(output: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in output.read_text().splitlines()]
+def _every_row_once(db: RedisDatabase, prefix: str, output: Path, rows: int,
+                    more: str) -> tuple[int, str]:
+    """Assert that the output holds each row once, in order, answered, and that the model ran
+    each; returns the rows run twice and the counts in words (printed)."""
+    got = [json.loads(line) for line in output.read_text().splitlines()]
+    executions = gated_executions(db.client, prefix)
+    ran_twice = sum(1 for n in executions.values() if n > 1)
+    counts = (f"sent {rows}, answered {sum(r['status'] == 'ok' for r in got)}, lost "
+              f"{rows - len(executions)}, ran twice {ran_twice}, {more}")
+    print(counts)
+    assert [r["row"] for r in got] == list(range(rows)), counts  # each row once, in order
+    assert all(r["status"] == "ok" and r["output"] == [float(r["row"])] for r in got), counts
+    assert sorted(executions) == list(range(rows)), counts
+    return ran_twice, counts
 
 
 def test_a_producer_killed_three_times_and_started_again_writes_every_row_once_in_order(
@@ -90,16 +102,8 @@ def test_a_producer_killed_three_times_and_started_again_writes_every_row_once_i
         assert proc.returncode == 0, err
     finally:
         worker.stop()
-    got = _output_rows(output)
-    executions = gated_executions(gated_db.client, prefix)
-    ran_twice = sum(1 for n in executions.values() if n > 1)
-    counts = (f"sent {rows}, answered {sum(r['status'] == 'ok' for r in got)}, lost "
-              f"{rows - len(executions)}, ran twice {ran_twice}, kills at (written, sent) "
-              f"{killed_at}, {took_s:.1f} s in all")
-    print(counts)
-    assert [r["row"] for r in got] == list(range(rows)), counts  # each row once, in order
-    assert all(r["status"] == "ok" and r["output"] == [float(r["row"])] for r in got), counts  # type: ignore[index]
-    assert sorted(executions) == list(range(rows)), counts
+    ran_twice, counts = _every_row_once(gated_db, prefix, output, rows,
+                                        f"kills at (written, sent) {killed_at}, {took_s:.1f} s in all")
     # a row on its way at a kill is sent again under its ID: answered by the request already sent
     assert ran_twice == 0, counts
     assert all(written < sent for written, sent in killed_at), counts  # rows were on their way
@@ -132,14 +136,5 @@ def test_a_worker_killed_during_a_job_costs_no_row(gated_db: RedisDatabase, tmp_
         assert proc.returncode == 0, err
     finally:
         stop_together(workers)
-    got = _output_rows(output)
-    executions = gated_executions(gated_db.client, prefix)
-    ran_twice = sum(1 for n in executions.values() if n > 1)
-    counts = (f"sent {rows}, answered {sum(r['status'] == 'ok' for r in got)}, lost "
-              f"{rows - len(executions)}, ran twice {ran_twice}, last answer {after_kill_s:.1f} s "
-              f"after the kill")
-    print(counts)
-    assert [r["row"] for r in got] == list(range(rows)), counts
-    assert all(r["status"] == "ok" and r["output"] == [float(r["row"])] for r in got), counts  # type: ignore[index]
-    assert sorted(executions) == list(range(rows)), counts
+    _every_row_once(gated_db, prefix, output, rows, f"last answer {after_kill_s:.1f} s after the kill")
     assert f"job {job_id}: completed, 6,000 rows (0 failed)" in out

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from asyncinfer.client.jobs import output_parts, record
 from asyncinfer.client.jobs.row_inputs import declared, input_columns, inputs_of_row
 from asyncinfer.client.jobs.tables import BadRow, Table, format_of, open_table
-from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW, windowed
+from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW, Answering, windowed
 
 __all__ = ["JobCancelled", "JobResult", "PART_ROWS", "PART_EVERY_S", "revoke_rows", "run_job"]
 
@@ -68,35 +68,12 @@ class JobResult:
     run_s: float
 
 
-class _Row:
-    """One row on its way: what the window waits on. It answers with itself (its response, or
-    its error) so that a row that fails does not end the job."""
+class _Row(Answering):
+    """One row on its way (``number``: its index), with the input's columns it keeps."""
 
-    def __init__(self, index: int, kept: dict[str, Any], future: Any = None,
-                 error: str | None = None, timeout_s: float | None = None) -> None:
-        self.index = index
+    def __init__(self, number: int, kept: dict[str, Any], **rest: Any) -> None:
+        super().__init__(number, **rest)
         self.kept = kept
-        self.future = future
-        self.error = error
-        self.response: Any = None
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def result(self, timeout: float | None = None) -> _Row:
-        from asyncinfer.errors import BrokerUnavailable
-
-        if self.future is None or self.response is not None or self.error is not None:
-            return self
-        left_s = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-        try:
-            self.response = self.future.result(timeout=left_s)
-        except BrokerUnavailable:
-            raise  # every row after it would say the same: the job stops, and resumes later
-        except Exception as exc:  # noqa: BLE001 - this row's error; the job goes on
-            self.error = f"{type(exc).__name__}: {exc}"
-        return self
 
 
 def run_job(client: Any, model: str, input_path: str | os.PathLike[str],

@@ -10,13 +10,14 @@ so memory is bounded by W, not by the input, and the first answer comes after th
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["DEFAULT_WINDOW", "Pending", "windowed"]
+__all__ = ["DEFAULT_WINDOW", "Answering", "Pending", "windowed"]
 
 _Answer = TypeVar("_Answer")
 _Answer_co = TypeVar("_Answer_co", covariant=True)
@@ -30,6 +31,45 @@ class Pending(Protocol[_Answer_co]):
     def result(self, timeout: float | None = None) -> _Answer_co: ...
 
     def done(self) -> bool: ...
+
+class Answering:
+    """One item on its way (a line of ``asyncinfer infer --input-file``, a row of a job) that
+    answers with itself, its response or its error, so that one that fails does not end the
+    window for the others. ``future`` None: nothing was sent, ``error`` says why. Its wait counts
+    from when it was sent (``timeout_s``), not from its turn. A broker gone ends the window (every
+    item after it would say the same); any other error is the item's, in :meth:`said`'s words."""
+
+    def __init__(self, number: int, *, future: Any = None, error: str | None = None,
+                 timeout_s: float | None = None) -> None:
+        self.number = number
+        self.future = future
+        self.error = error
+        self.response: Any = None
+        self.timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """This item, answered within its own deadline (``timeout`` is unused)."""
+        from asyncinfer.errors import BrokerUnavailable
+
+        if self.future is None or self.response is not None or self.error is not None:
+            return self
+        left_s = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        try:
+            self.response = self.future.result(timeout=left_s)
+        except BrokerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this item's error; the others go on
+            self.error = self.said(exc)
+        return self
+
+    def said(self, exc: Exception) -> str:
+        """The item's error in words."""
+        return f"{type(exc).__name__}: {exc}"
+
 
 #: Requests a ``map`` keeps in flight by default: enough for full device batches on a fleet of
 #: several workers, little enough that a large input is not held whole.
