@@ -17,6 +17,7 @@ __all__ = [
     "RequestExpired",
     "BrokerUnavailable",
     "BrokerRefused",
+    "StoreUnavailable",
     "RequestTimeout",
     "RequestUnknown",
     "RequestLost",
@@ -98,6 +99,11 @@ class NotReplicated(AsyncInferError):
     def __init__(self, message: str, *, confirmed: int = 0, required: int = 0) -> None:
         super().__init__(message)
         self.confirmed, self.required = confirmed, required
+
+
+class StoreUnavailable(AsyncInferError, ConnectionError):
+    """The tensor store (``ASYNCINFER_TENSOR_STORE_URL``) could not be written or read: the message
+    names the store, the object and the reason."""
 
 
 class BrokerRefused(AsyncInferError):

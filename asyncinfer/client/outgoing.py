@@ -22,6 +22,7 @@ from asyncinfer.wire.payloads import array_from_value, encode_payload
 from asyncinfer.wire.reply import REPLY_TO
 from asyncinfer.wire.request_identity import identity
 from asyncinfer.wire.sequence import SequenceFlags, sequence_of
+from asyncinfer.wire.tensor_refs import DATA_REF
 
 __all__ = ["Outgoing", "input_payloads", "least_body_bytes"]
 
@@ -39,10 +40,11 @@ def input_payloads(inputs: Any, binary: bool, *, serializer: str = "json",
             raise payload_too_large(printable(request_id), least, max_body_bytes, at_least=True)
 
     if isinstance(inputs, list) and inputs and all(
-            isinstance(i, Mapping) and {"name", "datatype", "shape", "data"} <= i.keys()
-            for i in inputs):  # already v2 input dicts: only raw data is quick to count
+            isinstance(i, Mapping) and {"name", "datatype", "shape"} <= i.keys()
+            and ("data" in i or DATA_REF in (i.get("parameters") or {}))
+            for i in inputs):  # already v2 input dicts (or references): only raw data is counted
         refuse_over(_base64_bytes(sum(len(i["data"]) for i in inputs
-                                      if isinstance(i["data"], (bytes, bytearray)))))
+                                      if isinstance(i.get("data"), (bytes, bytearray)))))
         return [dict(i) for i in inputs]
     named = inputs.items() if isinstance(inputs, Mapping) else [("input", inputs)]
     arrays = [(str(name), *array_from_value(str(name), value)) for name, value in named]

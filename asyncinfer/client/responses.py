@@ -29,6 +29,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError, TimeLimit
 from celery.result import AsyncResult
 
 from asyncinfer import errors
+from asyncinfer.client.tensor_refs import resolved
 from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
 from asyncinfer.errors import AsyncInferError, RequestTimeout
 from asyncinfer.wire.keys import CLAIM_PREFIX, UNACKED_KEY
@@ -63,14 +64,18 @@ class _Outputs:
         """Whose outputs these are, as an error names them."""
         raise NotImplementedError
 
+    #: Where outputs passed by reference are read from (client/tensor_refs.py; None: none).
+    store: Any = None
+
     def _output(self, name: str | None) -> dict[str, Any]:
         if name is None:
-            return next(iter(self.outputs.values()))
+            return resolved(next(iter(self.outputs.values())), self.store, self._owner())
         try:
-            return self.outputs[name]
+            output = self.outputs[name]
         except KeyError:
             raise KeyError(f"{self._owner()} has no output {name!r} "
                            f"(outputs: {', '.join(self.outputs)})") from None
+        return resolved(output, self.store, self._owner())
 
     def __getitem__(self, name: str) -> np.ndarray:
         return output_to_numpy(self._output(name))
@@ -254,11 +259,12 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
     queue when ``submit()`` returns: :meth:`sent` waits until it is there, or raises why it is
     not (the same error :meth:`result` raises then)."""
 
-    def __init__(self, request_id: str, app: Celery, watcher: _Watcher) -> None:
+    def __init__(self, request_id: str, app: Celery, watcher: _Watcher, store: Any = None) -> None:
         super().__init__()
         self.id = request_id
         self._app = app
         self._watcher = watcher
+        self._store = store  # where its outputs passed by reference are read (None: none)
         #: Held from the hand-over to a group publisher until the request is on its queue (or
         #: refused): an Event would cost a Condition and its locks per call. None: sent (or
         #: sent by someone else).
@@ -338,6 +344,8 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
             return
         outcome = stored_outcome(self._app, self.id, meta)
         if meta.get("status") == states.SUCCESS:
+            if isinstance(outcome, InferResponse):
+                outcome.store = self._store
             self.set_result(outcome)
         else:
             self.set_exception(outcome)

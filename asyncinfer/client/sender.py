@@ -35,6 +35,7 @@ from asyncinfer.client.outgoing import Outgoing
 from asyncinfer.client.responses import InferFuture
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_submit_span
+from asyncinfer.client.tensor_refs import by_reference
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import DEFAULT_BROKER_URL, Settings
 from asyncinfer.constants import TASK_NAME
@@ -45,6 +46,7 @@ from asyncinfer.errors import (
     InvalidRequest,
     RequestIdReused,
 )
+from asyncinfer.store.tensor_store import TensorStore, store_from_settings
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.keys import CLAIM_PREFIX
@@ -55,6 +57,8 @@ __all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
 
+#: A sender's tensor store before it is first asked for (opening one imports fsspec).
+_UNOPENED = object()
 _CLAIM = script("claim_request_id")
 _RELEASE = script("release_request_id")
 
@@ -69,6 +73,7 @@ class Sender:
         self.settings = settings
         self.app = app
         self.known = known
+        self._store: object = _UNOPENED
         #: OpenTelemetry, when ``ASYNCINFER_TRACING`` asks for it (None: off, nothing imported).
         self.tracing = tracing_for(settings)
         # The ResultWatcher subscribes to each request's result; Celery's own result consumer
@@ -157,6 +162,9 @@ class Sender:
         # a body limit the client holds requests to on Redis only (Outgoing.message): a request
         # whose inputs show it is over is refused there before they are encoded
         limit = self.settings.max_payload_bytes if self.broker is not None else None
+        if self.settings.tensor_store_url and self.store is not None:  # large inputs by reference
+            inputs = by_reference(inputs, request_id, self.store, self.settings.tensor_ref_bytes,
+                                  binary)
         outgoing = Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
                                   parameters=parameters, max_body_bytes=limit, **options)
         if check and self.known is not None:  # its inputs against its model's (input_check.py)
@@ -242,7 +250,14 @@ class Sender:
 
     def future_of(self, request_id: str) -> InferFuture:
         """A future of ``request_id``, not yet watched."""
-        return InferFuture(request_id, self.app, self.watcher)
+        return InferFuture(request_id, self.app, self.watcher, self.store)
+
+    @property
+    def store(self) -> TensorStore | None:
+        """The tensor store (``ASYNCINFER_TENSOR_STORE_URL``; None: none), opened on first use."""
+        if self._store is _UNOPENED:
+            self._store = store_from_settings(self.settings)
+        return self._store  # type: ignore[return-value]
 
     def _send(self, outgoing: Outgoing) -> None:
         """Send with Celery's ``send_task`` (a broker other than Redis)."""

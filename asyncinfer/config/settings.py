@@ -159,6 +159,22 @@ class Settings:
     result_serializer: str = _setting(
         "json", "ASYNCINFER_RESULT_SERIALIZER",
         "Serializer results are stored with: `json` (readable from any language) or `msgpack`.")
+    tensor_store_url: str = _setting(
+        "", "ASYNCINFER_TENSOR_STORE_URL",
+        "An fsspec URL of a folder (`/shared/tensors`, `file:///shared/tensors`, `s3://bucket/prefix`) "
+        "where tensors over the reference threshold (below) go, the message holding their URL: a "
+        "client's inputs, a worker's outputs; they expire with the result. Empty: none, every tensor "
+        "rides in its message (docs/jobs.md).")
+    tensor_ref_bytes: int = _setting(
+        8 * 1024 * 1024, "ASYNCINFER_TENSOR_REF_BYTES",
+        "With a tensor store: a tensor over this many bytes goes by reference.")
+    tensor_store_options: str = _setting(
+        "", "ASYNCINFER_TENSOR_STORE_OPTIONS",
+        "fsspec's options for the tensor store, as a JSON object (e.g. `{\"endpoint_url\": "
+        "\"http://minio:9000\", \"key\": …, \"secret\": …}` for an S3 server).")
+    tensor_store_max_bytes: int = _setting(
+        4 * 1024**3, "ASYNCINFER_TENSOR_STORE_MAX_BYTES",
+        "The largest object a worker reads from the tensor store for one input.")
     max_payload_bytes: int = _setting(
         64 * 1024 * 1024, "ASYNCINFER_MAX_PAYLOAD_BYTES",
         "Largest request message body in bytes: a client refuses a larger request at submit, a "

@@ -3,6 +3,7 @@ broken one is a ValueError that names the setting and the rule."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -50,7 +51,16 @@ def check_settings(settings: Any) -> None:
             raise ValueError(
                 f"ASYNCINFER_BROKER_ROUTES entry {route.pattern!r}: its broker is not Redis, "
                 f"so ASYNCINFER_RESULT_BACKEND must name where results go")
-    for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes"):
+    if settings.tensor_store_options:
+        try:
+            options = json.loads(settings.tensor_store_options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"ASYNCINFER_TENSOR_STORE_OPTIONS must be a JSON object: {exc}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"ASYNCINFER_TENSOR_STORE_OPTIONS must be a JSON object, got "
+                             f"{settings.tensor_store_options!r:.80}")
+    for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes", "tensor_ref_bytes",
+                 "tensor_store_max_bytes"):
         if int(getattr(settings, name)) < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(settings, name)!r}")
     for name in ("max_retries", "retry_budget_min", "submit_replicas", "max_worker_deaths",

@@ -27,18 +27,20 @@ from asyncinfer.models.registry import Registry
 from asyncinfer.policy.expiry import is_revoked
 from asyncinfer.policy.retries import is_transient
 from asyncinfer.policy.time_limits import Wedge
+from asyncinfer.store.tensor_store import store_from_settings
 from asyncinfer.wire.model_versions import (
     PARAMETER,
     sorted_versions,
     split_key,
     version_key,
 )
-from asyncinfer.wire.protocol import Request, decode_request, encode_tensor
+from asyncinfer.wire.protocol import Request, decode_request
 from asyncinfer.wire.triton_words import unknown_model
 from asyncinfer.worker.cache_generations import CacheGenerations
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.model_routes import Routes, answering, route, routes_of
+from asyncinfer.worker.tensor_refs import encoded_outputs, inputs_read
 
 __all__ = ["WorkerRuntime", "PartCallback", "LoadFailed"]
 
@@ -81,6 +83,8 @@ class WorkerRuntime:
             label = str(spec)
         self.device = Device(bind_visible_device(spec), label=label)
         self.registry = Registry.from_config(settings.model_factories, settings.model_dir)
+        #: Where tensors too large for a message go (None: none; worker/tensor_refs.py).
+        self.tensor_store = store_from_settings(settings)
         self._runners: dict[str, ModelRunner] = {}
         #: Models whose load failed here, and why (``Type: message``), until a load succeeds.
         self.failed: dict[str, str] = {}
@@ -366,6 +370,7 @@ class WorkerRuntime:
             decode_request(request_id, kwargs)  # raises the error that names what is wrong
             raise AssertionError("unreachable")
         key, runner = self._resolve(model, request_id, _version_in(kwargs))
+        kwargs = inputs_read(request_id, kwargs, self.tensor_store)  # before a batch waits on it
         on_part = (streaming(runner.options.stream_max_parts)
                    if streaming is not None and runner.model.decoupled else None)
         with runner.batcher.arriving():  # a forming batch may wait for this request
@@ -394,7 +399,8 @@ class WorkerRuntime:
         return {
             "model_name": request.model,
             "id": request.id,
-            "outputs": [encode_tensor(t, t.binary) for t in done.outputs],
+            "outputs": encoded_outputs(request, done.outputs, self.tensor_store,
+                                       self.settings.tensor_ref_bytes),
             "parameters": {
                 "worker": worker,
                 "device": self.device.label,

@@ -38,6 +38,7 @@ from asyncinfer.worker.cache_generations import generations_of
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.runtime import LoadFailed, WorkerRuntime
 from asyncinfer.worker.stats import StatsFlusher, flusher_for
+from asyncinfer.worker.tensor_sweep import TensorSweep
 
 if TYPE_CHECKING:
     from asyncinfer.tracing.spans import Tracing
@@ -79,6 +80,8 @@ class Worker:
         self.announcer: Announcer | None = None
         #: Adds the worker's counts to the fleet statistics in Redis (from its first announcement).
         self.stats_flusher: StatsFlusher | None = None
+        #: Removes the tensor store's expired objects (worker/tensor_sweep.py; None: no store).
+        self.tensor_sweep: TensorSweep | None = None
         self._runtime: WorkerRuntime | None = None
         #: Models being unloaded (worker/model_control.py): no longer announced.
         self.leaving: set[str] = set()
@@ -185,6 +188,8 @@ class Worker:
             if self.stats_flusher is None:
                 self.stats_flusher = flusher_for(self.settings, name or self.name,
                                                  runtime.device.label, self.metrics.stats)
+            if self.tensor_sweep is None and runtime.tensor_store is not None:
+                self.tensor_sweep = TensorSweep(runtime.tensor_store).start()
             return self.announcer
 
     def announce_now(self) -> None:
@@ -255,6 +260,9 @@ class Worker:
         flusher, self.stats_flusher = self.stats_flusher, None
         if flusher is not None:  # after the runtime: the last batches are counted
             flusher.stop()
+        sweep, self.tensor_sweep = self.tensor_sweep, None
+        if sweep is not None:
+            sweep.stop()
         self.metrics.close()
         with self._lock:
             tracing, self._tracing = self._tracing, None

@@ -56,6 +56,7 @@ PLACES: dict[str, str] = {
     "asyncinfer.supervision": "base",  # child processes and vital threads
     "asyncinfer.wire": "wire",
     "asyncinfer.broker": "broker",
+    "asyncinfer.store": "broker",  # the tensor store (fsspec): what lies beside Redis
     "asyncinfer.config": "config",
     "asyncinfer.celery_app": "config",  # the app, built from the settings: ``celery -A``'s noun
     # OpenTelemetry when asked for (None when off): what the client, the worker and the

@@ -78,10 +78,10 @@ def inputs_of_row(row: Mapping[str, Any], feeds: Mapping[str, str],
 def _one_row(name: str, column: str, value: Any, datatype: str | None) -> Any:
     spec = SPECS.get(datatype or "")
     if spec is None:  # not declared: the client infers the datatype from the value
-        return np.expand_dims(value, 0) if isinstance(value, np.ndarray) else [value]
+        return value[np.newaxis] if isinstance(value, np.ndarray) else [value]
     if spec.name == "BYTES":
         return np.array([value], dtype=object) if isinstance(value, (str, bytes)) else \
-            np.expand_dims(np.asarray(value, dtype=object), 0)
+            np.asarray(value, dtype=object)[np.newaxis]
     if isinstance(value, str):  # a CSV cell: a number or a JSON list of them
         try:
             value = json.loads(value)
@@ -92,7 +92,7 @@ def _one_row(name: str, column: str, value: Any, datatype: str | None) -> Any:
         array = np.asarray(value)
         if array.dtype.kind not in "biuf":
             raise ValueError(f"values of kind {array.dtype}")
-        return np.expand_dims(array.astype(spec.dtype, copy=False), 0)
+        return array.astype(spec.dtype, copy=False)[np.newaxis]
     except (ValueError, TypeError) as exc:
         raise ValueError(f"column {column!r} (input {name!r}, {spec.name}): not numeric "
                          f"({exc})") from None

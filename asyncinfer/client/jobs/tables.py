@@ -118,10 +118,32 @@ def _parquet_rows(path: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
             skip -= in_group
             continue
         for batch in source.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
-            rows = batch.to_pylist()
+            if skip >= batch.num_rows:
+                skip -= batch.num_rows
+                continue
             if skip:
-                rows, skip = rows[skip:], max(0, skip - len(rows))
-            yield from rows
+                batch, skip = batch.slice(skip), 0
+            names = batch.schema.names
+            for values in zip(*(_cells(column) for column in batch.columns), strict=True):
+                yield dict(zip(names, values, strict=True))
+
+
+def _cells(column: Any) -> Any:
+    """A Parquet column's values, one a row: a list column of numbers whose rows are all of one
+    length as the rows of one numpy array (no Python list a row), any other as Python values."""
+    import pyarrow as pa
+
+    kind = column.type
+    if ((pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+            and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type))
+            and column.null_count == 0 and len(column)):
+        values = column.flatten()
+        if values.null_count == 0 and len(values) % len(column) == 0:
+            offsets = None if pa.types.is_fixed_size_list(kind) else column.offsets.to_numpy()
+            width = len(values) // len(column)
+            if offsets is None or bool((offsets[1:] - offsets[:-1] == width).all()):
+                return values.to_numpy(zero_copy_only=False).reshape(len(column), width)
+    return column.to_pylist()
 
 
 def _jsonl_objects(path: Path, start: int = 0) -> Iterator[dict[str, Any] | BadRow]:

@@ -1,0 +1,60 @@
+"""A tensor passed by reference: its ``data`` in an object store, the message holding its URL.
+
+An input or output ``{"name", "datatype", "shape", "parameters": {"data_ref": URL}}`` has no
+``data``: the object at ``URL`` holds it in the v2 binary form (numeric values as raw
+little-endian bytes, row-major; BYTES as each element's 4-byte little-endian length, then its
+bytes). A request's parameter ``data_ref_outputs: true`` asks for every output by reference.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from asyncinfer.errors import InvalidRequest
+from asyncinfer.wire.datatypes import DatatypeSpec
+
+__all__ = ["DATA_REF", "OUTPUTS_BY_REF", "binary_form", "ref_of", "ref_payload"]
+
+#: The input or output parameter that holds a tensor's URL.
+DATA_REF = "data_ref"
+#: The request parameter that asks for every output by reference.
+OUTPUTS_BY_REF = "data_ref_outputs"
+
+_LEN = struct.Struct("<I")
+
+
+def ref_of(item: Mapping[str, Any], where: str) -> str | None:
+    """The URL ``item`` (a v2 input or output dict) is passed by, None when it carries its data.
+    InvalidRequest when it has both, or a reference that is not a URL."""
+    parameters = item.get("parameters")
+    if not isinstance(parameters, Mapping) or DATA_REF not in parameters:
+        return None
+    url = parameters[DATA_REF]
+    if not isinstance(url, str) or not url or len(url) > 2048:
+        raise InvalidRequest(f"{where}: parameters['{DATA_REF}'] must be the URL of the tensor's "
+                             f"data (up to 2,048 characters), got {url!r:.80}")
+    if "data" in item:
+        raise InvalidRequest(f"{where}: has both 'data' and parameters['{DATA_REF}']; give one")
+    return url
+
+
+def ref_payload(name: str, datatype: str, shape: list[int], url: str) -> dict[str, Any]:
+    """The v2 dict of a tensor whose data is at ``url``."""
+    return {"name": name, "datatype": datatype, "shape": list(shape),
+            "parameters": {DATA_REF: url}}
+
+
+def binary_form(spec: DatatypeSpec, data: Any) -> bytes | memoryview:
+    """A tensor's ``data`` (as :func:`~asyncinfer.wire.datatypes.encode_data` makes it with
+    ``binary``: raw bytes, or BYTES' list of elements) in the v2 binary form of a stored object."""
+    if spec.kind != "bytes":
+        return data if isinstance(data, (bytes, memoryview)) else np.asarray(data).tobytes()
+    parts: list[bytes] = []
+    for element in data:
+        raw = element.encode("utf-8") if isinstance(element, str) else bytes(element)
+        parts += (_LEN.pack(len(raw)), raw)
+    return b"".join(parts)

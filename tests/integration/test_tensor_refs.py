@@ -1,0 +1,182 @@
+"""Tensors by reference (wire/tensor_refs.py, asyncinfer/store): 200 MB in and 200 MB out through a
+shared folder and through S3 (moto's server: an emulator of the S3 protocol, the one installable
+here), byte for byte, with Redis' memory before, during and after, and the objects gone after their
+expiry; a store that cannot be reached refuses the request, naming it, with nothing sent and
+nothing half-written; references a worker must not follow."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncinfer.client import Client
+from asyncinfer.errors import InvalidRequest, StoreUnavailable
+from tests.support.databases import RedisDatabase, RedisDatabases
+from tests.support.processes import WorkerProcess, start_worker
+from tests.support.s3_server import s3_server
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+#: Results and the store's objects live this long here (the sweep runs every 1.5 s then): long
+#: enough for 200 MB to go through S3's emulator and back (~8 s), short for the expiry's wait.
+EXPIRES_S = "15"
+ROWS = 50_000_000  # float32: 200 MB
+
+
+@pytest.fixture(scope="module")
+def store_db(redis_databases: RedisDatabases) -> Iterator[RedisDatabase]:
+    with redis_databases.take("tensor refs") as db:
+        yield db
+
+
+@pytest.fixture(scope="module", params=["folder", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          store_db: RedisDatabase) -> Iterator[dict[str, Any]]:
+    """A store, and a worker of ``identity`` on a database of its own that uses it."""
+    if request.param == "folder":
+        folder = tmp_path_factory.mktemp("tensors")
+        with _store_worker(store_db, tmp_path_factory, str(folder), "") as worker:
+            yield {"url": str(folder), "options": "", "worker": worker, "folder": folder}
+    else:
+        with s3_server("tensors") as options, \
+                _store_worker(store_db, tmp_path_factory, "s3://tensors/fleet",
+                              json.dumps(options)) as worker:
+            yield {"url": "s3://tensors/fleet", "options": json.dumps(options), "worker": worker,
+                   "s3": options}
+
+
+class _store_worker:  # noqa: N801 - a context manager
+    def __init__(self, db: RedisDatabase, tmp: pytest.TempPathFactory, url: str, options: str) -> None:
+        self.args = (db.url, tmp.mktemp("worker") / "worker.log", "--device", "cpu", "--models",
+                     "identity", "--hostname", "tensor-refs@%h")
+        self.env = {"ASYNCINFER_TENSOR_STORE_URL": url, "ASYNCINFER_TENSOR_STORE_OPTIONS": options,
+                    "ASYNCINFER_RESULT_EXPIRES_S": EXPIRES_S,
+                    "ASYNCINFER_MAX_PAYLOAD_BYTES": str(4 * 2**20)}
+
+    def __enter__(self) -> WorkerProcess:
+        self.worker = start_worker(*self.args, **self.env)
+        return self.worker
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+
+
+def _client(db: RedisDatabase, store: dict[str, Any], **more: str) -> Client:
+    os.environ.update(ASYNCINFER_TENSOR_STORE_URL=store["url"],
+                      ASYNCINFER_TENSOR_STORE_OPTIONS=store["options"],
+                      ASYNCINFER_RESULT_EXPIRES_S=EXPIRES_S, **more)
+    try:
+        return Client(broker_url=db.url)
+    finally:
+        for name in ("ASYNCINFER_TENSOR_STORE_URL", "ASYNCINFER_TENSOR_STORE_OPTIONS",
+                     "ASYNCINFER_RESULT_EXPIRES_S", *more):
+            os.environ.pop(name, None)
+
+
+def _objects(store: dict[str, Any]) -> list[str]:
+    if "folder" in store:
+        return sorted(str(p.relative_to(store["folder"])) for p in store["folder"].rglob("*.bin"))
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**store["s3"])
+    fs.invalidate_cache()
+    return sorted(fs.find("tensors/fleet"))
+
+
+class _MemoryPeak(threading.Thread):
+    def __init__(self, redis: Any) -> None:
+        super().__init__(daemon=True)
+        self.redis, self.peak, self.stop = redis, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, int(self.redis.info("memory")["used_memory"]))
+            self.stop.wait(0.02)
+
+
+def test_200_mb_in_and_out_by_reference_byte_for_byte_with_redis_memory_flat(
+        store: dict[str, Any], store_db: RedisDatabase) -> None:
+    x = np.random.default_rng(7).standard_normal((1, ROWS)).astype(np.float32)
+    with _client(store_db, store) as client:
+        before = int(store_db.client.info("memory")["used_memory"])
+        watch = _MemoryPeak(store_db.client)
+        watch.start()
+        try:
+            response = client.infer("identity", {"input": x}, timeout_s=180)
+        finally:
+            watch.stop.set()
+            watch.join()
+        after = int(store_db.client.info("memory")["used_memory"])
+        output = response.outputs["input"]
+        assert "data" not in output and output["parameters"]["data_ref"].endswith("/out-input.bin")
+        y = response.as_numpy("input")
+        assert y.dtype == np.float32 and y.shape == (1, ROWS) and y.tobytes() == x.tobytes()
+        stored = _objects(store)
+        request = response.id
+        assert [s.rsplit("/", 2)[-2:] for s in stored] == [[request, "in-input.bin"],
+                                                           [request, "out-input.bin"]], stored
+        print(f"{store['url']}: Redis used_memory before {before:,}, peak during {watch.peak:,}, "
+              f"after {after:,} bytes")
+        assert watch.peak - before < 8 * 2**20 and after - before < 8 * 2**20  # not 400 MB
+        # the objects expire with the result: a worker's sweep removes them
+        wait_for(lambda: not _objects(store), 40, "the store's objects to expire")
+
+
+def test_outputs_by_reference_when_asked_and_a_small_input_inline(
+        store: dict[str, Any], store_db: RedisDatabase) -> None:
+    with _client(store_db, store) as client:
+        response = client.infer("identity", {"input": np.arange(6, dtype=np.int64).reshape(2, 3)},
+                                parameters={"data_ref_outputs": True}, timeout_s=60)
+        assert response.outputs["input"]["parameters"]["data_ref"].startswith(
+            "file://" if "folder" in store else "s3://tensors/fleet/")
+        assert response["input"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_store_that_cannot_be_written_refuses_the_request_naming_it_with_nothing_sent(
+        store: dict[str, Any], store_db: RedisDatabase, tmp_path: Path) -> None:
+    if "folder" in store:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a folder")
+        broken = {**store, "url": str(blocker / "tensors")}  # under a file: cannot be made
+    else:
+        broken = {**store, "options": json.dumps({**store["s3"], "endpoint_url": "http://127.0.0.1:9"})}
+    queued = store_db.client.llen("infer.identity")
+    with _client(store_db, broken) as client:
+        with pytest.raises(StoreUnavailable) as refused:
+            client.submit("identity", {"input": np.ones((1, 3_000_000), np.float32)},
+                          request_id="refs-unreachable")
+        said = str(refused.value)
+        assert said.startswith("request refs-unreachable: the tensor store ") and "'in-input'" in said
+        assert broken["url"] in said
+    assert store_db.client.llen("infer.identity") == queued
+    assert not store_db.client.exists("asyncinfer:request:refs-unreachable")
+    if "folder" in store:
+        assert not (blocker / "tensors").exists()
+
+
+def test_references_a_worker_must_not_follow_are_refused_naming_the_rule(
+        store: dict[str, Any], store_db: RedisDatabase, worker: WorkerProcess, redis_url: str) -> None:
+    def ref(url: str, shape: list[int] | None = None) -> list[dict[str, Any]]:
+        return [{"name": "input", "datatype": "UINT8", "shape": shape or [1, 4],
+                 "parameters": {"data_ref": url}}]
+
+    with Client(broker_url=store_db.url) as client:
+        scheme = "file://" if "folder" in store else ""
+        for url, words in (("file:///etc/passwd", "is not in this fleet's tensor store"),
+                           (f"{store['url']}/../outside.bin", "is not in this fleet's tensor store"),
+                           (f"{scheme}{store['url']}/expires-1/x/in-input.bin", "no such object")):
+            with pytest.raises(InvalidRequest, match=words):
+                client.infer("identity", ref(url), timeout_s=60)
+        assert client.infer("identity", {"input": np.ones((1, 2), np.float32)}, timeout_s=60)
+    with Client(broker_url=redis_url) as plain:  # the session worker: no store
+        with pytest.raises(InvalidRequest, match="passed by reference .*this worker has no tensor "
+                                                 "store \\(ASYNCINFER_TENSOR_STORE_URL\\)"):
+            plain.infer("identity", ref("file:///tmp/x.bin"), timeout_s=60)
