@@ -108,24 +108,19 @@ class TensorStore:
         assert path is not None
         try:
             size = int(self.fs.size(path))
-        except FileNotFoundError:
-            raise InvalidRequest(f"{where}: parameters['data_ref'] {url!r}: no such object (never "
-                                 f"written, or expired)") from None
-        except Exception as exc:  # noqa: BLE001
-            raise StoreUnavailable(f"{where}: the tensor store {self.url} could not be read at "
-                                   f"{url}: {type(exc).__name__}: {exc}") from None
-        if expected_bytes is not None and size != expected_bytes:
-            raise InvalidRequest(f"{where}: the object at {url} holds {size:,} bytes; its datatype "
-                                 f"and shape need {expected_bytes:,}")
-        if size > self.max_read_bytes:
-            raise InvalidRequest(f"{where}: the object at {url} holds {size:,} bytes, over "
-                                 f"ASYNCINFER_TENSOR_STORE_MAX_BYTES ({self.max_read_bytes:,})")
-        try:
+            if expected_bytes is not None and size != expected_bytes:
+                raise InvalidRequest(f"{where}: the object at {url} holds {size:,} bytes; its "
+                                     f"datatype and shape need {expected_bytes:,}")
+            if size > self.max_read_bytes:
+                raise InvalidRequest(f"{where}: the object at {url} holds {size:,} bytes, over "
+                                     f"ASYNCINFER_TENSOR_STORE_MAX_BYTES ({self.max_read_bytes:,})")
             return bytes(self.fs.cat_file(path))
+        except InvalidRequest:
+            raise
         except FileNotFoundError:
             raise InvalidRequest(f"{where}: parameters['data_ref'] {url!r}: no such object (never "
                                  f"written, or expired)") from None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every backend's own errors: said as one
             raise StoreUnavailable(f"{where}: the tensor store {self.url} could not be read at "
                                    f"{url}: {type(exc).__name__}: {exc}") from None
 
