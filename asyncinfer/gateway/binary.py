@@ -37,6 +37,7 @@ from asyncinfer.wire import json_text
 from asyncinfer.wire.datatypes import spec_for
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
+from asyncinfer.wire.tensor_refs import ref_of
 
 __all__ = ["parse_infer_body", "render_infer_result", "check_binary_input", "check_unique_names",
            "HEADER_LENGTH"]
@@ -169,6 +170,12 @@ def _input(where: str, i: int, item: Any, binary_part: bytes, offset: int) -> tu
         raise _fail(at, "needs a 'datatype' string")
     shape = list(check_shape(at, item.get("shape")))
     parameters = _parameters(at, item.get("parameters"), "input")
+    url = ref_of(item, at)
+    if url is not None:  # its data in the fleet's tensor store: passed on as it is
+        if "binary_data_size" in parameters or "shared_memory_region" in parameters:
+            raise _fail(at, "only one of 'data', 'binary_data_size', 'shared_memory_region' and "
+                            "'data_ref' in 'parameters' may be set")
+        return InputTensor(name, datatype, shape, b"", ref=url), offset
     shm = shm_reference(at, parameters)
     size = parameters.get("binary_data_size")
     if shm is not None:
@@ -218,6 +225,8 @@ def render_infer_result(call: InferCall, result: InferResult) -> tuple[bytes, in
         item: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
         if out.shm is not None:
             pass  # in its shared-memory region, as Triton answers: no data, no binary part
+        elif out.ref is not None:
+            item["parameters"] = {"data_ref": out.ref}  # in the tensor store: its URL
         elif binary_of.get(out.name, everything_binary):
             item["parameters"] = {"binary_data_size": len(out.raw)}
             blobs.append(out.raw)

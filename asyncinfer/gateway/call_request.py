@@ -11,7 +11,13 @@ from asyncinfer.gateway.call_errors import GatewayError
 from asyncinfer.gateway.call_parameters import OWN_PARAMETERS, expires_s, priority
 from asyncinfer.gateway.classification import check_classes
 from asyncinfer.gateway.idempotency import call_label, idempotency_key
-from asyncinfer.gateway.tensors import InferCall, InferResult, OutputTensor, output_tensor
+from asyncinfer.gateway.tensors import (
+    InferCall,
+    InferResult,
+    OutputTensor,
+    input_payload,
+    output_tensor,
+)
 from asyncinfer.wire.model_versions import PARAMETER
 from asyncinfer.wire.sequence import SequenceFlags, sequence_of
 
@@ -30,8 +36,7 @@ def request_of(call: InferCall, entry: CatalogueEntry
     """
     call_priority = priority(call)
     call_expires_s = expires_s(call)
-    inputs = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}
-              for t in call.inputs]
+    inputs = [input_payload(t) for t in call.inputs]
     if not inputs:
         raise GatewayError(400, f"{call_label(call.id)}: a v2 request needs at least one input")
     declared = [str(t["name"]) for t in entry.metadata.get("outputs") or []]

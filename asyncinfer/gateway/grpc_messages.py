@@ -26,6 +26,7 @@ from asyncinfer.wire import triton_words
 from asyncinfer.wire.datatypes import spec_for
 from asyncinfer.wire.envelope import printable
 from asyncinfer.wire.payloads import check_shape
+from asyncinfer.wire.tensor_refs import ref_of
 
 __all__ = ["parameter_value", "set_parameter", "infer_call", "infer_response"]
 
@@ -91,15 +92,28 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
     """
     where_call = call_label(request.id)
     raw = request.raw_input_contents
-    # an input in shared memory has no raw contents: the others' are in order (Triton's rule)
-    shms = [_shm_of(where_call, t) if t.parameters else None for t in request.inputs]
-    in_message = len(shms) - sum(shm is not None for shm in shms)
+    # an input in shared memory (or in the tensor store: parameter data_ref) has no raw contents:
+    # the others' are in order (Triton's rule)
+    refs = [_ref_of(where_call, t) if t.parameters else None for t in request.inputs]
+    shms = [_shm_of(where_call, t) if t.parameters and refs[i] is None else None
+            for i, t in enumerate(request.inputs)]
+    in_message = len(shms) - sum(shm is not None or ref is not None
+                                 for shm, ref in zip(shms, refs, strict=True))
     tensors, next_raw = [], 0
     for i, tensor in enumerate(request.inputs):
         if not tensor.name:
             raise InvalidRequest(f"{where_call}: input #{i} needs a name")
         name = printable(tensor.name, 100)
         where, shm = f"{where_call}: input '{name}'", shms[i]
+        if refs[i] is not None:  # its data in the fleet's tensor store: passed on as it is
+            if tensor.contents.ListFields():
+                raise InvalidRequest(f"{where}: has both contents and 'data_ref' (give one or "
+                                     f"the other)")
+            spec_for(tensor.datatype, where)
+            tensors.append(InputTensor(tensor.name, tensor.datatype,
+                                       list(check_shape(where, list(tensor.shape))), b"",
+                                       ref=refs[i]))
+            continue
         if shm is None and raw and tensor.contents.ListFields():  # Triton's first check
             raise InvalidRequest(f"{triton_words.contents_and_raw(name, _model(request))} "
                                  f"({where_call}: give an input's data in one or the other)")
@@ -128,6 +142,14 @@ def _inputs(request: pb.ModelInferRequest) -> list[InputTensor]:
                              f"{_counted(in_message, len(shms))} (give one per input, or none)")
     check_unique_names(where_call, [t.name for t in tensors])
     return tensors
+
+
+def _ref_of(where_call: str, tensor: pb.ModelInferRequest.InferInputTensor) -> str | None:
+    """The URL of an input's data in the tensor store (parameter ``data_ref``; None: none)."""
+    if "data_ref" not in tensor.parameters:
+        return None
+    return ref_of({"parameters": {"data_ref": parameter_value(tensor.parameters["data_ref"])}},
+                  f"{where_call}: input '{printable(tensor.name, 100)}'")
 
 
 def _shm_of(where_call: str, tensor: pb.ModelInferRequest.InferInputTensor
@@ -188,6 +210,8 @@ def infer_response(result: InferResult) -> pb.ModelInferResponse:
         if value is not None:
             set_parameter(response.parameters[name], value)
     for output in result.outputs:  # one raw content each, empty for one in shared memory
-        response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+        added = response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+        if output.ref is not None:  # in the tensor store: its URL, no contents
+            added.parameters["data_ref"].string_param = output.ref
         response.raw_output_contents.append(output.raw)
     return response

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from asyncinfer.wire.datatypes import decode_data, encode_data, spec_for
+from asyncinfer.wire.tensor_refs import ref_of, ref_payload
 
 __all__ = ["InputTensor", "OutputTensor", "RequestedOutput", "InferCall", "InferResult",
-           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob", "output_tensor"]
+           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob", "output_tensor",
+           "input_payload"]
 
 
 @dataclass
@@ -34,6 +36,9 @@ class InputTensor:
     #: Where its data lies in a registered shared-memory region (region, offset, byte size),
     #: read into ``raw`` before it is sent (gateway/shared_memory.py); None: in the request.
     shm: tuple[str, int, int] | None = None
+    #: The URL of its data in the fleet's tensor store (parameter ``data_ref``,
+    #: wire/tensor_refs.py), passed on as it is; None: in the request.
+    ref: str | None = None
 
 
 @dataclass
@@ -90,6 +95,8 @@ class OutputTensor:
     #: Written to this shared-memory region (region, offset, byte size) instead of the response
     #: (``raw`` then empty).
     shm: tuple[str, int, int] | None = None
+    #: The URL of its data in the tensor store (the worker wrote it there; ``raw`` empty).
+    ref: str | None = None
 
 
 @dataclass
@@ -157,10 +164,21 @@ def _text(x: Any) -> str:
 
 
 def output_tensor(request_id: str, output: Mapping[str, Any]) -> OutputTensor:
-    """An output of a response (raw or JSON data) as an :class:`OutputTensor`."""
+    """An output of a response (raw or JSON data, or a reference) as an :class:`OutputTensor`."""
+    url = ref_of(output, f"request {request_id}: output '{output['name']}'")
+    if url is not None:
+        return OutputTensor(str(output["name"]), str(output["datatype"]), list(output["shape"]),
+                            b"", ref=url)
     data = output["data"]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         data = raw_from_list(f"request {request_id}: output '{output['name']}'", output["datatype"],
                              list(output["shape"]), data)
     return OutputTensor(str(output["name"]), str(output["datatype"]), list(output["shape"]),
                         bytes(data))
+
+
+def input_payload(t: InputTensor) -> dict[str, Any]:
+    """The v2 input a request carries for ``t``: its raw data, or its reference."""
+    if t.ref is not None:
+        return ref_payload(t.name, t.datatype, t.shape, t.ref)
+    return {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": t.raw}

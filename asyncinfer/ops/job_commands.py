@@ -65,7 +65,7 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 
 def _run(client: Any, args: argparse.Namespace) -> int:
-    from asyncinfer.client.jobs import JobCancelled, run_job
+    from asyncinfer.client.jobs.runner import JobCancelled, run_job
     from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW
 
     mapping = {}

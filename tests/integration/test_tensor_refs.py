@@ -19,7 +19,7 @@ import pytest
 from asyncinfer.client import Client
 from asyncinfer.errors import InvalidRequest, StoreUnavailable
 from tests.support.databases import RedisDatabase, RedisDatabases
-from tests.support.processes import WorkerProcess, start_worker
+from tests.support.processes import WorkerProcess, start_gateway, start_worker
 from tests.support.s3_server import s3_server
 from tests.support.waiting import wait_for
 
@@ -180,3 +180,51 @@ def test_references_a_worker_must_not_follow_are_refused_naming_the_rule(
         with pytest.raises(InvalidRequest, match="passed by reference .*this worker has no tensor "
                                                  "store \\(ASYNCINFER_TENSOR_STORE_URL\\)"):
             plain.infer("identity", ref("file:///tmp/x.bin"), timeout_s=60)
+
+
+def test_a_v2_caller_passes_a_reference_and_asks_for_outputs_by_reference_through_the_gateway(
+        store: dict[str, Any], store_db: RedisDatabase, tmp_path: Path) -> None:
+    import urllib.request
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from asyncinfer.store.tensor_store import TensorStore
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    fleet = TensorStore(store["url"], ttl_s=60, options=json.loads(store["options"] or "{}"))
+    url = fleet.write("gateway-call", "in-input", x.tobytes())
+    gateway = start_gateway(store_db.url, tmp_path / "gateway.log",
+                            ASYNCINFER_TENSOR_STORE_URL=store["url"],
+                            ASYNCINFER_TENSOR_STORE_OPTIONS=store["options"])
+    try:
+        body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 4],
+                                       "parameters": {"data_ref": url}}],
+                           "parameters": {"data_ref_outputs": True}}).encode()
+        call = urllib.request.Request(f"http://{gateway.http_url}/v2/models/identity/infer",
+                                      data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(call, timeout=60) as answer:
+            (output,) = json.loads(answer.read())["outputs"]
+        assert "data" not in output and output["shape"] == [3, 4]
+        assert fleet.read(output["parameters"]["data_ref"], "test", 48) == x.tobytes()
+        # gRPC: the input's parameter data_ref, no contents; the output's the same, no data
+        request = service_pb2.ModelInferRequest(model_name="identity")
+        tensor = request.inputs.add(name="input", datatype="FP32", shape=[3, 4])
+        tensor.parameters["data_ref"].string_param = url
+        request.parameters["data_ref_outputs"].bool_param = True
+        with grpc.insecure_channel(gateway.grpc_url) as channel:
+            reply = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        (grpc_output,) = reply.outputs
+        ref = grpc_output.parameters["data_ref"].string_param
+        assert ref and list(grpc_output.shape) == [3, 4] and reply.raw_output_contents[0] == b""
+        assert fleet.read(ref, "test", 48) == x.tobytes()
+        # a reference out of the store: refused at the worker, naming the rule, as a 400
+        bad = body.replace(url.encode(), b"file:///etc/passwd")
+        call = urllib.request.Request(f"http://{gateway.http_url}/v2/models/identity/infer",
+                                      data=bad, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(call, timeout=60)
+        assert refused.value.code == 400
+        assert "is not in this fleet's tensor store" in json.loads(refused.value.read())["error"]
+    finally:
+        gateway.stop()

@@ -16,9 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncinfer.client.jobs import JobCancelled, record, run_job
+from asyncinfer.client.jobs import record
 from asyncinfer.client.jobs.output_parts import assemble, committed_rows, parts_folder, write_part
 from asyncinfer.client.jobs.row_inputs import input_columns, inputs_of_row
+from asyncinfer.client.jobs.runner import JobCancelled, run_job
 from asyncinfer.client.jobs.tables import BadRow, open_table
 from asyncinfer.errors import InvalidRequest
 
