@@ -5,8 +5,7 @@ Objects are written under a folder named by when they expire (``<root>/expires-<
 rounded up to ``bucket_s``): the request's result expiry from now. :meth:`TensorStore.sweep`
 lists the root and removes the folders whose time has passed, so the store needs no index and
 outlives a Redis that lost its data; any process with the store's settings may sweep (a worker
-does, every ``bucket_s``). An object is written whole or not at all: a local folder's under a
-temporary name then renamed, an object store's in one PUT.
+does, every ``bucket_s``). An object is written whole or not at all (store/places.py).
 
 A worker reads only what lies under its own store's root: a request cannot make it read any
 other file or URL (``owns``).
@@ -17,14 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import posixpath
 import time
-import uuid
 from typing import Any
 from urllib.parse import quote
 
 from asyncinfer.errors import InvalidRequest, StoreUnavailable
+from asyncinfer.store.places import Place
 
 __all__ = ["TensorStore", "store_from_settings"]
 
@@ -64,30 +62,12 @@ class TensorStore:
                               quote(name, safe="-_.") + ".bin")
         url = self._url(path)
         try:
-            if self.local:
-                self._write_local(path, data)
-            else:
-                self.fs.pipe_file(path, bytes(data))
+            Place(self.fs, path, url).write_whole(bytes(data))
         except Exception as exc:  # noqa: BLE001 - every backend's own errors: said as one
             raise StoreUnavailable(f"request {request_id}: the tensor store {self.url} could not "
                                    f"take {name!r} ({len(data):,} bytes) at {url}: "
                                    f"{type(exc).__name__}: {exc}") from None
         return url
-
-    def _write_local(self, path: str, data: bytes | memoryview) -> None:
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        temporary = os.path.join(folder, f".{uuid.uuid4().hex}.tmp")
-        try:
-            with open(temporary, "wb") as stream:
-                stream.write(data)
-            os.replace(temporary, path)
-        except BaseException:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
-            raise
 
     # -- reading ----------------------------------------------------------------------------------
 

@@ -228,3 +228,29 @@ def test_a_v2_caller_passes_a_reference_and_asks_for_outputs_by_reference_throug
         assert "is not in this fleet's tensor store" in json.loads(refused.value.read())["error"]
     finally:
         gateway.stop()
+
+
+def test_a_job_reads_its_input_from_the_store_and_writes_its_output_straight_there(
+        store: dict[str, Any], store_db: RedisDatabase) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncinfer.store.places import place_of
+
+    options = json.loads(store["options"] or "{}")
+    base = store["url"].rsplit("/", 1)[0] if "s3" in store else str(store["folder"].parent)
+    source, output = place_of(f"{base}/jobs/rows.parquet", options), \
+        place_of(f"{base}/jobs/answers.parquet", options)
+    values = np.arange(3000 * 4, dtype=np.float32).reshape(3000, 4)
+    source.fs.makedirs(source.path.rsplit("/", 1)[0], exist_ok=True)
+    with source.open("wb") as stream:
+        pq.write_table(pa.table({"n": np.arange(3000), "input": list(values)}), stream)
+    with _client(store_db, store) as client:
+        done = client.run_job("identity", source.url, output.url, job_id=f"to-store-{id(store)}",
+                              part_rows=500, progress=False)
+    assert (done.rows, done.failed, done.output) == (3000, 0, output.url)
+    with output.open("rb") as stream:
+        table = pq.read_table(stream)
+    assert table.column("n").to_pylist() == list(range(3000))
+    assert np.array_equal(np.asarray(table.column("input_output").to_pylist(), np.float32), values)
+    assert not place_of(f"{base}/jobs/answers.parquet.parts", options).exists()

@@ -22,6 +22,7 @@ from asyncinfer.client.jobs.row_inputs import input_columns, inputs_of_row
 from asyncinfer.client.jobs.runner import JobCancelled, run_job
 from asyncinfer.client.jobs.tables import BadRow, open_table
 from asyncinfer.errors import InvalidRequest
+from asyncinfer.store.places import place_of
 
 # -- tables ---------------------------------------------------------------------------------------
 
@@ -120,28 +121,31 @@ def _rows(first: int, count: int, failed: tuple[int, ...] = ()) -> list[dict[str
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl", "csv"])
 def test_parts_from_row_0_without_a_gap_are_what_a_job_goes_on_from(tmp_path: Path, kind: str) -> None:
-    output = tmp_path / f"out.{kind}"
+    output = place_of(tmp_path / f"out.{kind}")
     folder = parts_folder(output)
     assert committed_rows(folder, kind) == (0, 0)
     write_part(folder, kind, 0, _rows(0, 4, failed=(1,)), 1)
     write_part(folder, kind, 4, _rows(4, 3), 0)
     write_part(folder, kind, 9, _rows(9, 2), 0)  # past a gap: dropped
-    (folder / f"part-000000000007-000002-000000.{kind}.tmp").write_bytes(b"half")  # half-written
+    (tmp_path / f"out.{kind}.parts" / f"part-000000000007-000002-000000.{kind}.tmp").write_bytes(
+        b"half")  # half-written
     assert committed_rows(folder, kind) == (7, 1)
-    assert sorted(p.name for p in folder.iterdir()) == [
+    assert [p.name for p in folder.children()] == [
         f"part-000000000000-000004-000001.{kind}", f"part-000000000004-000003-000000.{kind}"]
     write_part(folder, kind, 7, _rows(7, 3, failed=(7, 8, 9)), 3)  # all failed: no output values
     assert committed_rows(folder, kind) == (10, 4)
     assemble(folder, kind, output)
     assert not folder.exists()
+    written = tmp_path / f"out.{kind}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [written.name]  # no temporary left
     if kind == "parquet":
-        got = pq.read_table(output).to_pylist()
-        assert pq.read_schema(output).field("out").type == pa.list_(pa.float32())
+        got = pq.read_table(written).to_pylist()
+        assert pq.read_schema(written).field("out").type == pa.list_(pa.float32())
     elif kind == "jsonl":
-        got = [json.loads(line) for line in output.read_text().splitlines()]
+        got = [json.loads(line) for line in written.read_text().splitlines()]
     else:
         import csv
-        got = list(csv.DictReader(output.open()))
+        got = list(csv.DictReader(written.open()))
     assert [int(r["id"]) for r in got] == list(range(10))
     assert [r["status"] for r in got] == ["ok", "error"] + ["ok"] * 5 + ["error"] * 3
     first = got[2]["out"]
@@ -241,7 +245,8 @@ def test_a_job_stopped_and_started_again_writes_every_row_once_in_order(tmp_path
     first = _StubClient(redis, stop_at=23)
     with pytest.raises(SystemExit):
         run_job(first, "m", source, output, job_id="j", part_rows=8, window=4, progress=False)
-    assert not output.exists() and committed_rows(parts_folder(output), "jsonl")[0] == 16
+    assert not output.exists()
+    assert committed_rows(parts_folder(place_of(output)), "jsonl")[0] == 16
     assert record.read(redis, "j").state == "failed"
     second = _StubClient(redis)
     done = run_job(second, "m", source, output, job_id="j", part_rows=8, window=4, progress=False)

@@ -20,12 +20,14 @@ import csv
 import io
 import os
 import re
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import orjson
+
+from asyncinfer.store.places import Place
 
 __all__ = ["assemble", "committed_rows", "parts_folder", "write_part"]
 
@@ -33,69 +35,61 @@ _PART = re.compile(r"^part-(\d{12})-(\d{6,})-(\d{6,})\.(parquet|jsonl|csv)$")
 _SUFFIX = {"parquet": "parquet", "jsonl": "jsonl", "csv": "csv"}
 
 
-def parts_folder(output: Path) -> Path:
+def parts_folder(output: Place) -> Place:
     """Where the parts of the job writing ``output`` are kept until it is done."""
-    return output.with_name(output.name + ".parts")
+    return output.sibling(output.name + ".parts")
 
 
-def committed_rows(folder: Path, kind: str) -> tuple[int, int]:
+def committed_rows(folder: Place, kind: str) -> tuple[int, int]:
     """Rows written in the run of parts from row 0, and how many of them failed ((0, 0): none);
     anything else in the folder (a part past a gap, one half-written under its temporary name)
     is removed."""
-    if not folder.is_dir():
-        return 0, 0
     parts = {}
-    for path in folder.iterdir():
-        found = _PART.match(path.name)
+    for place in folder.children():
+        found = _PART.match(place.name)
         if found and found.group(4) == _SUFFIX[kind]:
-            parts[int(found.group(1))] = (int(found.group(2)), int(found.group(3)), path)
+            parts[int(found.group(1))] = (int(found.group(2)), int(found.group(3)), place)
         else:
-            path.unlink()
+            place.remove()
     done = failed = 0
     while done in parts:
         count, failures, _ = parts.pop(done)
         done, failed = done + count, failed + failures
-    for _, _, path in parts.values():
-        path.unlink()
+    for _, _, place in parts.values():
+        place.remove()
     return done, failed
 
 
-def write_part(folder: Path, kind: str, start: int, rows: Sequence[dict[str, Any]],
-               failed: int) -> Path:
+def write_part(folder: Place, kind: str, start: int, rows: Sequence[dict[str, Any]],
+               failed: int) -> Place:
     """Write ``rows`` (rows ``start`` on, ``failed`` of them failed) as one part, whole or not at
     all."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"part-{start:012d}-{len(rows):06d}-{failed:06d}.{_SUFFIX[kind]}"
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as stream:
-        stream.write(_encode(kind, rows))
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
-    _sync_folder(folder)
-    return path
+    part = folder.child(f"part-{start:012d}-{len(rows):06d}-{failed:06d}.{_SUFFIX[kind]}")
+    part.write_whole(_encode(kind, rows))
+    return part
 
 
-def assemble(folder: Path, kind: str, output: Path) -> None:
-    """Write ``output`` from the parts in row order (under a temporary name, then renamed) and
-    remove the parts' folder."""
-    parts = sorted(p for p in folder.iterdir() if _PART.match(p.name))
-    temporary = output.with_name(output.name + ".tmp")
-    if kind == "parquet":
-        _assemble_parquet(parts, temporary)
-    elif kind == "csv":
-        _assemble_csv(parts, temporary)
-    else:
-        with open(temporary, "wb") as stream:
+def assemble(folder: Place, kind: str, output: Place) -> None:
+    """Write ``output`` from the parts in row order (whole or not at all: locally under a
+    temporary name, then renamed; in an object store through its upload, which shows the object
+    once complete) and remove the parts' folder."""
+    parts = [p for p in folder.children() if _PART.match(p.name)]
+    target = output.sibling(f".{output.name}.tmp") if output.local else output
+    with target.open("wb") as stream:
+        if kind == "parquet":
+            _assemble_parquet(parts, stream)
+        elif kind == "csv":
+            _assemble_csv(parts, stream)
+        else:
             for part in parts:
-                stream.write(part.read_bytes())
-    with open(temporary, "rb+") as stream:
-        os.fsync(stream.fileno())
-    os.replace(temporary, output)
-    _sync_folder(output.parent)
-    for part in parts:
-        part.unlink()
-    folder.rmdir()
+                with part.open("rb") as source:
+                    shutil.copyfileobj(source, stream, 1 << 20)
+        if output.local:
+            stream.flush()
+            os.fsync(stream.fileno())
+    if output.local:
+        os.replace(target.path, output.path)
+    folder.remove()
 
 
 def _encode(kind: str, rows: Sequence[dict[str, Any]]) -> bytes:
@@ -161,43 +155,34 @@ def _for_csv(value: Any) -> Any:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode("utf-8")
 
 
-def _assemble_parquet(parts: Iterable[Path], output: Path) -> None:
+def _assemble_parquet(parts: Sequence[Place], stream: Any) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    paths = list(parts)
-    schemas = [pq.read_schema(p) for p in paths]
+    schemas = []
+    for part in parts:
+        with part.open("rb") as source:
+            schemas.append(pq.read_schema(source))
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
-    with pq.ParquetWriter(output, schema) as writer:
-        for path in paths:
-            table = pq.read_table(path)
+    with pq.ParquetWriter(stream, schema) as writer:
+        for part in parts:
+            with part.open("rb") as source:
+                table = pq.read_table(source)
             columns = [table.column(f.name).cast(f.type) if f.name in table.column_names
                        else pa.nulls(table.num_rows, f.type) for f in schema]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema))
 
 
-def _assemble_csv(parts: Sequence[Path], output: Path) -> None:
+def _assemble_csv(parts: Sequence[Place], stream: Any) -> None:
     headers: dict[str, None] = {}
-    for path in parts:
-        with open(path, newline="", encoding="utf-8") as stream:
-            headers.update(dict.fromkeys(next(csv.reader(stream), [])))
-    with open(output, "w", newline="", encoding="utf-8") as out:
-        writer = csv.DictWriter(out, fieldnames=list(headers), lineterminator="\n")
-        writer.writeheader()
-        for path in parts:
-            with open(path, newline="", encoding="utf-8") as stream:
-                writer.writerows(csv.DictReader(stream))
-
-
-def _sync_folder(folder: Path) -> None:
-    """A rename made durable (the folder's entry synced), where the platform allows."""
-    try:
-        handle = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
+    for part in parts:
+        with part.open("rb") as source:
+            headers.update(dict.fromkeys(next(csv.reader(io.TextIOWrapper(source, "utf-8")), [])))
+    out = io.TextIOWrapper(stream, "utf-8", newline="", write_through=True)
+    writer = csv.DictWriter(out, fieldnames=list(headers), lineterminator="\n")
+    writer.writeheader()
+    for part in parts:
+        with part.open("rb") as source:
+            writer.writerows(csv.DictReader(io.TextIOWrapper(source, "utf-8", newline="")))
+    out.flush()
+    out.detach()

@@ -18,6 +18,7 @@ record in Redis (client/jobs/record.py) holds its counts for ``asyncinfer job st
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -25,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -34,6 +34,7 @@ from asyncinfer.client.jobs import output_parts, record
 from asyncinfer.client.jobs.row_inputs import declared, input_columns, inputs_of_row
 from asyncinfer.client.jobs.tables import BadRow, Table, format_of, open_table
 from asyncinfer.client.jobs.windowed import DEFAULT_WINDOW, Answering, windowed
+from asyncinfer.store.places import Place, place_of
 
 __all__ = ["JobCancelled", "JobResult", "PART_ROWS", "PART_EVERY_S", "revoke_rows", "run_job"]
 
@@ -59,7 +60,7 @@ class JobResult:
     and seconds, and its output."""
 
     job_id: str
-    output: Path
+    output: str
     rows: int
     answered: int
     failed: int
@@ -81,17 +82,20 @@ def run_job(client: Any, model: str, input_path: str | os.PathLike[str],
             mapping: Mapping[str, str] | None = None, window: int = DEFAULT_WINDOW,
             part_rows: int = PART_ROWS, part_every_s: float = PART_EVERY_S,
             timeout_s: float | None = None, progress: bool | None = None,
-            announce: Callable[[str], None] | None = None) -> JobResult:
+            announce: Callable[[str], None] | None = None,
+            storage_options: dict[str, Any] | None = None) -> JobResult:
     """Run (or resume) job ``job_id`` (default: a new ID, said through ``announce``): each row of
     ``input_path`` through ``model``, written to ``output_path`` in the same order with its
     input's columns, the model's outputs (one named like an input column as ``<name>_output``),
-    ``status`` and ``error``. See the module's text.
+    ``status`` and ``error``. See the module's text. Either may be an fsspec URL (``s3://…``:
+    the output and its parts go straight to the store; ``storage_options``: fsspec's, default the
+    tensor store's, ``ASYNCINFER_TENSOR_STORE_OPTIONS``, for a URL of the store's kind).
 
     Raises ValueError (naming the file, column or input) for what cannot start, JobCancelled when
     the job is cancelled while it runs, and BrokerUnavailable when the broker goes: start it again
     with the same ``job_id`` to go on."""
-    table = open_table(input_path)
-    output = Path(output_path)
+    table = open_table(place_of(input_path, _options(client, input_path, storage_options)))
+    output = place_of(output_path, _options(client, output_path, storage_options))
     kind = format_of(output, output=True)
     if job_id is None:
         job_id = uuid.uuid4().hex[:16]
@@ -103,17 +107,17 @@ def run_job(client: Any, model: str, input_path: str | os.PathLike[str],
     kept = [c for c in table.columns if c != "array"]  # a .npy file's array: not copied out
     _refuse_clashes(kept)
     redis = client.app_for(model).backend.client
-    job = record.JobRecord(job_id, model, str(table.path.resolve()), str(output.resolve()),
+    job = record.JobRecord(job_id, model, table.path.url, output.url,
                            dict(sorted(feeds.items())), table.rows)
     folder = output_parts.parts_folder(output)
     if output.exists() and not folder.exists():
-        raise ValueError(f"job {job_id}: its output {str(output)!r} exists; remove it or name "
+        raise ValueError(f"job {job_id}: its output {output.url!r} exists; remove it or name "
                          f"another")
     written, failed_written = output_parts.committed_rows(folder, kind)
     record.begin(redis, job, written, failed_written)
     if announce is not None:
         announce(f"job {job_id}: {table.rows:,} rows of {table.path.name} through {model} -> "
-                 f"{output}" + (f", from row {written:,}" if written else "")
+                 f"{output.url}" + (f", from row {written:,}" if written else "")
                  + f"; resume with --job-id {job_id}")
     run = _Run(client, redis, job, table, kind, folder, written, failed_written, feeds, inputs,
                kept, part_rows, part_every_s, timeout_s)
@@ -135,8 +139,22 @@ def run_job(client: Any, model: str, input_path: str | os.PathLike[str],
         raise
     output_parts.assemble(folder, kind, output)
     record.finish(redis, job_id, "completed")
-    return JobResult(job_id, output, table.rows, table.rows - run.failed, run.failed, written,
+    return JobResult(job_id, output.url, table.rows, table.rows - run.failed, run.failed, written,
                      table.rows - written, time.monotonic() - began_s)
+
+
+def _options(client: Any, where: str | os.PathLike[str],
+             given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """fsspec's options for ``where``: those given, else the tensor store's for a URL of its kind."""
+    if given is not None:
+        return given
+    settings = getattr(client, "settings", None)
+    text = os.fspath(where)
+    if "://" not in text or settings is None or not settings.tensor_store_options:
+        return None
+    if settings.tensor_store_url.startswith(text.split("://", 1)[0] + "://"):
+        return dict(json.loads(settings.tensor_store_options))
+    return None
 
 
 def _refuse_clashes(kept: list[str]) -> None:
@@ -156,7 +174,7 @@ class _Run:
     """One run of a job: sends its rows, writes its parts, keeps its record."""
 
     def __init__(self, client: Any, redis: Any, job: record.JobRecord, table: Table, kind: str,
-                 folder: Path, written: int, failed_written: int, feeds: dict[str, str],
+                 folder: Place, written: int, failed_written: int, feeds: dict[str, str],
                  inputs: dict[str, str], kept: list[str], part_rows: int, part_every_s: float,
                  timeout_s: float | None) -> None:
         self.client, self.redis, self.job, self.table = client, redis, job, table

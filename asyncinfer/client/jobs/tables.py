@@ -12,12 +12,14 @@ name under ``file``.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from asyncinfer.store.places import Place, place_of
 
 __all__ = ["FORMATS", "BadRow", "Table", "format_of", "open_table"]
 
@@ -29,16 +31,15 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson"
 _PARQUET_BATCH_ROWS = 1024
 
 
-def format_of(path: str | os.PathLike[str], *, output: bool = False) -> str:
+def format_of(where: Place, *, output: bool = False) -> str:
     """The format a job's file is read or written in, by its suffix (a folder: ``npy``)."""
-    where = Path(path)
     if not output and where.is_dir():
         return "npy"
     found = FORMATS.get(where.suffix.lower())
     if found is None:
         what = "output" if output else "input"
         folder = "" if output else ", or a folder of .npy files"
-        raise ValueError(f"job {what} {str(path)!r}: unknown format (its suffix {where.suffix!r}); "
+        raise ValueError(f"job {what} {where.url!r}: unknown format (its suffix {where.suffix!r}); "
                          f"a job reads and writes {', '.join(sorted(FORMATS))}{folder}")
     return found
 
@@ -55,7 +56,7 @@ class BadRow:
 class Table:
     """A job's input: its path, format, columns and number of rows."""
 
-    path: Path
+    path: Place
     format: str
     columns: tuple[str, ...]
     rows: int
@@ -67,12 +68,13 @@ class Table:
         return reader(self.path, start)
 
 
-def open_table(path: str | os.PathLike[str]) -> Table:
-    """The table at ``path``, its columns and row count read (FileNotFoundError, ValueError naming
-    the file and what is wrong with it)."""
-    where = Path(path)
+def open_table(path: str | os.PathLike[str] | Place,
+               options: dict[str, Any] | None = None) -> Table:
+    """The table at ``path`` (a local path or an fsspec URL, ``options`` fsspec's), its columns and
+    row count read (FileNotFoundError, ValueError naming the file and what is wrong with it)."""
+    where = path if isinstance(path, Place) else place_of(path, options)
     if not where.exists():
-        raise FileNotFoundError(f"job input {str(path)!r}: no such file or folder")
+        raise FileNotFoundError(f"job input {where.url!r}: no such file or folder")
     kind = format_of(where)
     if kind == "parquet":
         meta = _parquet(where)
@@ -80,10 +82,10 @@ def open_table(path: str | os.PathLike[str]) -> Table:
     if kind == "npy":
         return Table(where, kind, ("file", "array"), len(_npy_files(where)))
     if kind == "csv":
-        with open(where, newline="", encoding="utf-8") as stream:
+        with _text(where) as stream:
             header = next(csv.reader(stream), None)
             if not header:
-                raise ValueError(f"job input {str(path)!r}: a CSV file needs a header line naming "
+                raise ValueError(f"job input {where.url!r}: a CSV file needs a header line naming "
                                  f"its columns")
             count = sum(1 for row in csv.reader(stream) if row)
         return Table(where, kind, tuple(header), count)
@@ -96,20 +98,25 @@ def open_table(path: str | os.PathLike[str]) -> Table:
     return Table(where, kind, tuple(columns), count)
 
 
-def _parquet(path: Path) -> Any:
+def _text(where: Place) -> io.TextIOWrapper:
+    """A text file of a table, read as UTF-8 with CSV's newlines."""
+    return io.TextIOWrapper(where.open("rb"), "utf-8", newline="")
+
+
+def _parquet(path: Place) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"job input {str(path)!r}: Parquet needs pyarrow (pip install "
+        raise ValueError(f"job input {path.url!r}: Parquet needs pyarrow (pip install "
                          f"'asyncinfer[jobs]')") from None
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path.path if path.local else path.open("rb"))
     except Exception as exc:  # noqa: BLE001 - pyarrow's own errors: said with the file's name
-        raise ValueError(f"job input {str(path)!r}: not a Parquet file pyarrow reads "
+        raise ValueError(f"job input {path.url!r}: not a Parquet file pyarrow reads "
                          f"({type(exc).__name__}: {exc})") from None
 
 
-def _parquet_rows(path: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
+def _parquet_rows(path: Place, start: int) -> Iterator[dict[str, Any] | BadRow]:
     source = _parquet(path)
     skip = start
     for group in range(source.metadata.num_row_groups):  # whole row groups skipped unread
@@ -146,9 +153,9 @@ def _cells(column: Any) -> Any:
     return column.to_pylist()
 
 
-def _jsonl_objects(path: Path, start: int = 0) -> Iterator[dict[str, Any] | BadRow]:
+def _jsonl_objects(path: Place, start: int = 0) -> Iterator[dict[str, Any] | BadRow]:
     """Each non-blank line's object from the ``start``-th on (lines before it are not parsed)."""
-    with open(path, "rb") as stream:
+    with path.open("rb") as stream:
         index = 0
         for number, line in enumerate(stream, 1):
             if not line.strip():
@@ -168,12 +175,12 @@ def _jsonl_objects(path: Path, start: int = 0) -> Iterator[dict[str, Any] | BadR
             yield row
 
 
-def _jsonl_rows(path: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
+def _jsonl_rows(path: Place, start: int) -> Iterator[dict[str, Any] | BadRow]:
     return _jsonl_objects(path, start)
 
 
-def _csv_rows(path: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
-    with open(path, newline="", encoding="utf-8") as stream:
+def _csv_rows(path: Place, start: int) -> Iterator[dict[str, Any] | BadRow]:
+    with _text(path) as stream:
         reader = csv.reader(stream)
         header = next(reader)
         index = 0
@@ -185,16 +192,17 @@ def _csv_rows(path: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
             index += 1
 
 
-def _npy_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix == ".npy" and p.is_file())
+def _npy_files(folder: Place) -> list[Place]:
+    return [p for p in folder.children() if p.suffix == ".npy" and not p.is_dir()]
 
 
-def _npy_rows(folder: Path, start: int) -> Iterator[dict[str, Any] | BadRow]:
+def _npy_rows(folder: Place, start: int) -> Iterator[dict[str, Any] | BadRow]:
     import numpy as np
 
     for path in _npy_files(folder)[start:]:
         try:
-            array = np.load(path, allow_pickle=False)
+            with path.open("rb") as stream:
+                array = np.load(io.BytesIO(stream.read()), allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:  # an object array: refused, never unpickled
             yield BadRow(f"{path.name}: not an array np.load reads without pickle ({exc})")
             continue
