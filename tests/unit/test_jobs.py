@@ -260,6 +260,10 @@ def test_a_job_stopped_and_started_again_writes_every_row_once_in_order(tmp_path
     assert (record.read(redis, "j").answered, record.read(redis, "j").failed) == (50, 2)
     with pytest.raises(ValueError, match="its output .* exists"):
         run_job(second, "m", source, output, job_id="k", progress=False)
+    said: list[str] = []
+    again = run_job(second, "m", source, output, job_id="j", progress=False, announce=said.append)
+    assert (again.rows, again.failed, again.run_rows) == (50, 2, 0)  # done before: nothing sent
+    assert said == [f"job j: completed before (50 rows, 2 failed) -> {output}"]
 
 
 def test_a_cancelled_job_stops_at_its_next_write(tmp_path: Path,

@@ -111,6 +111,13 @@ def run_job(client: Any, model: str, input_path: str | os.PathLike[str],
                            dict(sorted(feeds.items())), table.rows)
     folder = output_parts.parts_folder(output)
     if output.exists() and not folder.exists():
+        done = _completed(redis, job)
+        if done is not None:  # the same job, run to its end before: nothing to do again
+            if announce is not None:
+                announce(f"job {job_id}: completed before ({done.rows:,} rows, {done.failed:,} "
+                         f"failed) -> {output.url}")
+            return JobResult(job_id, output.url, done.rows, done.answered, done.failed,
+                             done.rows, 0, 0.0)
         raise ValueError(f"job {job_id}: its output {output.url!r} exists; remove it or name "
                          f"another")
     written, failed_written = output_parts.committed_rows(folder, kind)
@@ -141,6 +148,17 @@ def run_job(client: Any, model: str, input_path: str | os.PathLike[str],
     record.finish(redis, job_id, "completed")
     return JobResult(job_id, output.url, table.rows, table.rows - run.failed, run.failed, written,
                      table.rows - written, time.monotonic() - began_s)
+
+
+def _completed(redis: Any, job: record.JobRecord) -> record.JobStatus | None:
+    """The status of ``job`` when it is this very job (model, files, mapping), run to its end."""
+    try:
+        found = record.read(redis, job.job_id)
+    except KeyError:
+        return None
+    mine = job.fields()
+    same = (found.model, found.input, found.output) == (mine["model"], mine["input"], mine["output"])
+    return found if same and found.state == "completed" else None
 
 
 def _options(client: Any, where: str | os.PathLike[str],
