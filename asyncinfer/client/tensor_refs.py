@@ -13,11 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.store.tensor_store import TensorStore
 from asyncinfer.wire.datatypes import SPECS, cast_array
 from asyncinfer.wire.payloads import array_from_value, encode_payload
-from asyncinfer.wire.tensor_refs import binary_form, ref_of, ref_payload
+from asyncinfer.wire.tensor_refs import binary_form, element_bytes, ref_of, ref_payload
 
 __all__ = ["by_reference", "resolved"]
 
@@ -51,9 +53,9 @@ def by_reference(inputs: Any, request_id: str, store: TensorStore, threshold_byt
 
 
 def _size(datatype: str, value: Any) -> int:
-    """The bytes of a numeric value's data (BYTES values ride in their message: 0)."""
+    """The bytes of a value's data (BYTES: its elements' lengths)."""
     if SPECS[datatype].kind == "bytes":
-        return 0
+        return element_bytes(np.asarray(value, dtype=object).reshape(-1).tolist())
     return int(getattr(value, "nbytes", 0))
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.datatypes import DatatypeSpec
 
-__all__ = ["DATA_REF", "OUTPUTS_BY_REF", "binary_form", "ref_of", "ref_payload"]
+__all__ = ["DATA_REF", "OUTPUTS_BY_REF", "binary_form", "element_bytes", "ref_of", "ref_payload"]
 
 #: The input or output parameter that holds a tensor's URL.
 DATA_REF = "data_ref"
@@ -58,3 +58,8 @@ def binary_form(spec: DatatypeSpec, data: Any) -> bytes | memoryview:
         raw = element.encode("utf-8") if isinstance(element, str) else bytes(element)
         parts += (_LEN.pack(len(raw)), raw)
     return b"".join(parts)
+
+
+def element_bytes(elements: list[Any]) -> int:
+    """The bytes of BYTES elements (str as UTF-8, at least its length: a bound, not counted)."""
+    return sum(len(x) for x in elements if isinstance(x, (str, bytes, bytearray, memoryview)))

@@ -18,7 +18,13 @@ from asyncinfer.errors import InvalidRequest
 from asyncinfer.store.tensor_store import TensorStore
 from asyncinfer.wire.datatypes import SPECS
 from asyncinfer.wire.protocol import Request, Tensor, encode_tensor
-from asyncinfer.wire.tensor_refs import OUTPUTS_BY_REF, binary_form, ref_of, ref_payload
+from asyncinfer.wire.tensor_refs import (
+    OUTPUTS_BY_REF,
+    binary_form,
+    element_bytes,
+    ref_of,
+    ref_payload,
+)
 
 __all__ = ["encoded_outputs", "inputs_read"]
 
@@ -68,11 +74,15 @@ def encoded_outputs(request: Request, outputs: list[Tensor], store: TensorStore 
     encoded = []
     for t in outputs:
         spec = SPECS.get(t.datatype)
-        size = 0 if spec is None else math.prod(t.shape) * spec.itemsize
-        if not asked and (spec is None or spec.kind == "bytes" or size <= threshold_bytes):
-            encoded.append(encode_tensor(t, t.binary))
+        if spec is None or spec.kind == "bytes":
+            payload = encode_tensor(t, t.binary)  # BYTES: a list either way; its size once made
+            size = 0 if spec is None else element_bytes(payload["data"])
+        else:
+            payload, size = None, math.prod(t.shape) * spec.itemsize
+        if spec is None or (not asked and size <= threshold_bytes):
+            encoded.append(payload if payload is not None else encode_tensor(t, t.binary))
             continue
-        data = encode_tensor(t, True)["data"]
-        url = store.write(request.id, f"out-{t.name}", binary_form(SPECS[t.datatype], data))
+        data = (payload or encode_tensor(t, True))["data"]
+        url = store.write(request.id, f"out-{t.name}", binary_form(spec, data))
         encoded.append(ref_payload(t.name, t.datatype, list(t.shape), url))
     return encoded

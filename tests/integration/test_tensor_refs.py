@@ -254,3 +254,44 @@ def test_a_job_reads_its_input_from_the_store_and_writes_its_output_straight_the
     assert table.column("n").to_pylist() == list(range(3000))
     assert np.array_equal(np.asarray(table.column("input_output").to_pylist(), np.float32), values)
     assert not place_of(f"{base}/jobs/answers.parquet.parts", options).exists()
+
+
+def test_a_worker_whose_store_is_down_fails_the_request_naming_it_and_serves_on(
+        redis_databases: RedisDatabases, tmp_path: Path) -> None:
+    down = json.dumps({"endpoint_url": "http://127.0.0.1:9", "key": "testing", "secret": "testing",
+                       "config_kwargs": {"retries": {"max_attempts": 1}}})
+    with redis_databases.take("tensor store down") as db:
+        worker = start_worker(db.url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                              "identity", "--hostname", "store-down@%h",
+                              ASYNCINFER_TENSOR_STORE_URL="s3://tensors/fleet",
+                              ASYNCINFER_TENSOR_STORE_OPTIONS=down)
+        try:
+            with Client(broker_url=db.url) as client:
+                url = "s3://tensors/fleet/expires-9999999999/r/in-input.bin"
+                with pytest.raises(StoreUnavailable) as failed:
+                    client.infer("identity", [{"name": "input", "datatype": "UINT8", "shape": [1, 4],
+                                               "parameters": {"data_ref": url}}], timeout_s=60)
+                said = str(failed.value)
+                assert "the tensor store s3://tensors/fleet could not be read at " + url in said
+                answer = client.infer("identity", {"input": np.ones((1, 2), np.float32)},
+                                      timeout_s=60)
+                assert answer["input"].tolist() == [[1.0, 1.0]]  # the worker serves on
+        finally:
+            worker.stop()
+
+
+def test_a_bytes_tensor_by_reference_and_the_same_request_sent_again_under_its_id(
+        store: dict[str, Any], store_db: RedisDatabase) -> None:
+    texts = np.array([[b"\x00\xff" * 2_500_000, "ünïcode ".encode() * 400_000]], dtype=object)
+    with _client(store_db, store) as client:
+        first = client.infer("identity", {"input": texts}, request_id=f"bytes-{id(store)}",
+                             timeout_s=120)
+        assert "data_ref" in first.outputs["input"]["parameters"]  # 8.2 MB: over the threshold
+        assert first["input"].tolist() == texts.tolist()
+        # sent again under its ID (a job's row after a restart): a new copy of its input, the
+        # same content: the same request, answered with its answer, not refused, not run again
+        again = client.infer("identity", {"input": texts}, request_id=f"bytes-{id(store)}",
+                             timeout_s=120)
+        assert again.outputs["input"]["parameters"]["data_ref"] == \
+            first.outputs["input"]["parameters"]["data_ref"]
+        assert again["input"].tolist() == texts.tolist()

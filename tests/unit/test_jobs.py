@@ -221,7 +221,7 @@ class _StubClient:
     def sender_for(self, model: str) -> Any:
         return type("S", (), {"watcher": type("W", (), {"unwatch": lambda *a: None})()})()
 
-    def submit(self, model: str, inputs: dict[str, Any], request_id: str) -> _Future:
+    def submit(self, model: str, inputs: dict[str, Any], request_id: str, serializer: str) -> _Future:
         if self.stop_at is not None and len(self.sent) == self.stop_at:
             raise SystemExit("killed")
         x = inputs["x"]

@@ -257,7 +257,9 @@ class _Run:
             return _Row(index, kept, error=f"InvalidRequest: request {request_id}: {exc}; "
                                            f"nothing sent")
         try:
-            future = self.client.submit(self.job.model, inputs, request_id=request_id)
+            # msgpack: raw bytes both ways (no list of numbers to write or read a row)
+            future = self.client.submit(self.job.model, inputs, request_id=request_id,
+                                        serializer="msgpack")
         except (InvalidRequest, ModelError) as exc:  # refused at once: this row's error
             return _Row(index, kept, error=f"{type(exc).__name__}: {exc}")
         return _Row(index, kept, future=future, timeout_s=self.timeout_s)
