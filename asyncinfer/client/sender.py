@@ -52,6 +52,7 @@ from asyncinfer.wire.cache_key import cache_key
 from asyncinfer.wire.keys import CLAIM_PREFIX
 from asyncinfer.wire.messages import uuid4_text
 from asyncinfer.wire.request_identity import reused_message, same_request
+from asyncinfer.wire.tensor_refs import REFS_ACCEPTED
 
 __all__ = ["Sender"]
 
@@ -162,9 +163,10 @@ class Sender:
         # a body limit the client holds requests to on Redis only (Outgoing.message): a request
         # whose inputs show it is over is refused there before they are encoded
         limit = self.settings.max_payload_bytes if self.broker is not None else None
-        if self.settings.tensor_store_url and self.store is not None:  # large inputs by reference
+        if self.settings.tensor_store_url and self.store is not None:  # large tensors by reference
             inputs = by_reference(inputs, request_id, self.store, self.settings.tensor_ref_bytes,
                                   binary)
+            parameters = {**(parameters or {}), REFS_ACCEPTED: True}
         outgoing = Outgoing.infer(model, inputs, request_id, claim, serializer, binary=binary,
                                   parameters=parameters, max_body_bytes=limit, **options)
         if check and self.known is not None:  # its inputs against its model's (input_check.py)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import os
@@ -87,7 +88,9 @@ async def _serve(settings: Settings, ports: Ports, reuse_port: bool, folder: Rep
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client = Client(settings=settings)
+    # no tensor store of its own: a caller's references pass through as they came, and an output
+    # comes by reference only to a caller that asked (data_ref_outputs), never for its size
+    client = Client(settings=dataclasses.replace(settings, tensor_store_url=""))
     service = Service(client, version=__version__, tracing=client.sender.tracing,
                       shared_memory=SharedMemory(allowed=settings.allow_client_shm,
                                                  processes=2 if reuse_port else 1))

@@ -3,7 +3,8 @@
 An input or output ``{"name", "datatype", "shape", "parameters": {"data_ref": URL}}`` has no
 ``data``: the object at ``URL`` holds it in the v2 binary form (numeric values as raw
 little-endian bytes, row-major; BYTES as each element's 4-byte little-endian length, then its
-bytes). A request's parameter ``data_ref_outputs: true`` asks for every output by reference.
+bytes). A request's parameter ``data_ref_outputs: true`` asks for every output by reference;
+``data_ref_accepted: true`` (a client with a tensor store) for those over the worker's threshold.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import numpy as np
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.datatypes import DatatypeSpec
 
-__all__ = ["DATA_REF", "OUTPUTS_BY_REF", "binary_form", "element_bytes", "ref_of", "ref_payload"]
+__all__ = ["DATA_REF", "OUTPUTS_BY_REF", "REFS_ACCEPTED", "binary_form", "element_bytes", "ref_of",
+           "ref_payload"]
 
 #: The input or output parameter that holds a tensor's URL.
 DATA_REF = "data_ref"
 #: The request parameter that asks for every output by reference.
 OUTPUTS_BY_REF = "data_ref_outputs"
+#: The request parameter that says its sender reads the store: an output over the worker's
+#: threshold may come by reference (a client with a tensor store sets it; without it, and without
+#: ``data_ref_outputs``, every output comes in the result, whatever its size).
+REFS_ACCEPTED = "data_ref_accepted"
 
 _LEN = struct.Struct("<I")
 

@@ -1,7 +1,8 @@
 """A worker's side of tensors by reference (wire/tensor_refs.py): inputs a request passes by URL
 read from the fleet's tensor store before the request is decoded, and outputs over
 ``ASYNCINFER_TENSOR_REF_BYTES`` (or every output, when the request's ``data_ref_outputs`` asks)
-written there, the result holding their URLs.
+written there when the request's sender reads the store (``data_ref_accepted``), the result
+holding their URLs.
 
 A worker reads only what lies in its own store (asyncinfer/store/tensor_store.py): a reference to
 anything else, a missing object or one of the wrong size is the request's InvalidRequest; a store
@@ -20,6 +21,7 @@ from asyncinfer.wire.datatypes import SPECS
 from asyncinfer.wire.protocol import Request, Tensor, encode_tensor
 from asyncinfer.wire.tensor_refs import (
     OUTPUTS_BY_REF,
+    REFS_ACCEPTED,
     binary_form,
     element_bytes,
     ref_of,
@@ -62,14 +64,18 @@ def _expected_bytes(item: Mapping[str, Any], where: str) -> int | None:
 
 def encoded_outputs(request: Request, outputs: list[Tensor], store: TensorStore | None,
                     threshold_bytes: int) -> list[dict[str, Any]]:
-    """``outputs`` as the response's v2 dicts: those over ``threshold_bytes`` (all, when the
-    request asks: ``data_ref_outputs``) written to ``store`` and sent as their references."""
+    """``outputs`` as the response's v2 dicts: those over ``threshold_bytes`` when the request's
+    sender reads the store (``data_ref_accepted``), or all when it asks (``data_ref_outputs``),
+    written to ``store`` and sent as their references."""
     asked = request.parameters.get(OUTPUTS_BY_REF) is True
+    accepted = asked or request.parameters.get(REFS_ACCEPTED) is True
     if store is None:
         if asked:
             raise InvalidRequest(f"request {request.id}: parameters['{OUTPUTS_BY_REF}'] asks for "
                                  f"outputs by reference; this worker has no tensor store "
                                  f"(ASYNCINFER_TENSOR_STORE_URL)")
+        return [encode_tensor(t, t.binary) for t in outputs]
+    if not accepted:
         return [encode_tensor(t, t.binary) for t in outputs]
     encoded = []
     for t in outputs:

@@ -59,7 +59,8 @@ class _store_worker:  # noqa: N801 - a context manager
                      "identity", "--hostname", "tensor-refs@%h")
         self.env = {"ASYNCINFER_TENSOR_STORE_URL": url, "ASYNCINFER_TENSOR_STORE_OPTIONS": options,
                     "ASYNCINFER_RESULT_EXPIRES_S": EXPIRES_S,
-                    "ASYNCINFER_MAX_PAYLOAD_BYTES": str(4 * 2**20)}
+                    "ASYNCINFER_MAX_PAYLOAD_BYTES": str(4 * 2**20),
+                    "ASYNCINFER_TENSOR_REF_BYTES": str(2**20)}
 
     def __enter__(self) -> WorkerProcess:
         self.worker = start_worker(*self.args, **self.env)
@@ -140,6 +141,17 @@ def test_outputs_by_reference_when_asked_and_a_small_input_inline(
         assert response["input"].tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_a_caller_that_reads_no_store_gets_a_large_output_in_its_result(
+        store: dict[str, Any], store_db: RedisDatabase) -> None:
+    x = np.arange(600_000, dtype=np.float32).reshape(1, -1)  # 2.4 MB: over the worker's 1 MiB
+    with Client(broker_url=store_db.url) as plain:  # no store: it could not read a reference
+        answer = plain.infer("identity", {"input": x}, serializer="msgpack", timeout_s=60)
+    assert "data" in answer.outputs["input"] and np.array_equal(answer["input"], x)
+    with _client(store_db, store) as reading:  # a store: data_ref_accepted, so by reference
+        answer = reading.infer("identity", {"input": x}, serializer="msgpack", timeout_s=60)
+    assert "data_ref" in answer.outputs["input"]["parameters"] and np.array_equal(answer["input"], x)
+
+
 def test_a_store_that_cannot_be_written_refuses_the_request_naming_it_with_nothing_sent(
         store: dict[str, Any], store_db: RedisDatabase, tmp_path: Path) -> None:
     if "folder" in store:
@@ -194,9 +206,8 @@ def test_a_v2_caller_passes_a_reference_and_asks_for_outputs_by_reference_throug
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     fleet = TensorStore(store["url"], ttl_s=60, options=json.loads(store["options"] or "{}"))
     url = fleet.write("gateway-call", "in-input", x.tobytes())
-    gateway = start_gateway(store_db.url, tmp_path / "gateway.log",
-                            ASYNCINFER_TENSOR_STORE_URL=store["url"],
-                            ASYNCINFER_TENSOR_STORE_OPTIONS=store["options"])
+    # the gateway needs no store: references pass through it (the workers' store is the fleet's)
+    gateway = start_gateway(store_db.url, tmp_path / "gateway.log")
     try:
         body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 4],
                                        "parameters": {"data_ref": url}}],
