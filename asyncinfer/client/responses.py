@@ -271,6 +271,9 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
         self._sending: threading.Lock | None = None
         self._on_queue = False  # _sending released (what Event.is_set() would say)
         self._send_error: BaseException | None = None
+        #: A stored result found while the request was still being sent (a caller-chosen ID sent
+        #: before): its outcome once the send ends, unless the send was refused (_sent).
+        self._early: dict[str, Any] | None = None
 
     def sent(self, timeout_s: float | None = None) -> InferFuture:
         """Wait until the request is on its queue; return this future. Raises what refused it:
@@ -300,8 +303,9 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
 
     def _sent(self, error: BaseException | None) -> None:
         """The request is on its queue (``error`` None), or ``error`` says why not: that is then
-        this future's outcome too."""
-        self._send_error = error
+        this future's outcome too, whatever result was found for its ID meanwhile (an ID sent
+        before with other inputs is refused, never answered with the first request's answer)."""
+        self._send_error = error  # first: a _settle that sees _on_queue sees the error too
         if self._sending is not None and not self._on_queue:
             self._on_queue = True
             self._sending.release()
@@ -310,6 +314,8 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
                 self.set_exception(error)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
+        elif self._early is not None:
+            self._settle(self._early)
 
     @property
     def async_result(self) -> AsyncResult:
@@ -342,13 +348,22 @@ class InferFuture(concurrent.futures.Future[InferResponse]):
     def _settle(self, meta: dict[str, Any]) -> None:
         if self.done():
             return
+        if self._sending is not None and not self._on_queue:  # found before its send ended
+            self._early = meta
+            if not self._on_queue:  # else _sent ran meanwhile, and may not have seen it
+                return
+        if self._send_error is not None:
+            return  # refused: its error is the outcome
         outcome = stored_outcome(self._app, self.id, meta)
-        if meta.get("status") == states.SUCCESS:
-            if isinstance(outcome, InferResponse):
-                outcome.store = self._store
-            self.set_result(outcome)
-        else:
-            self.set_exception(outcome)
+        try:
+            if meta.get("status") == states.SUCCESS:
+                if isinstance(outcome, InferResponse):
+                    outcome.store = self._store
+                self.set_result(outcome)
+            else:
+                self.set_exception(outcome)
+        except concurrent.futures.InvalidStateError:  # settled meanwhile (by _sent or another)
+            pass
 
     def __repr__(self) -> str:
         return f"<InferFuture {self.id} {self._state}>"

@@ -219,6 +219,24 @@ def test_client_a_request_id_sent_again_with_other_parameters_is_refused(client:
                       version="1").sent(timeout_s=30)
 
 
+def test_client_a_request_id_reused_with_other_inputs_never_gets_the_first_answer(
+        client: Any, redis_url: str) -> None:
+    # the first request answered and stored: another producer's watcher finds its result at once,
+    # before the publish script refuses the second; the refusal must be the outcome
+    from asyncinfer.client import Client
+
+    rid = f"client-inputs-{uuid.uuid4().hex}"
+    first = client.submit("identity", {"x": np.array([[1.0, 2.0]], np.float32)}, request_id=rid)
+    assert first.result(timeout=30)["x"].tolist() == [[1.0, 2.0]]
+    for _ in range(10):  # the race, again and again, each from a producer of its own
+        with Client(broker_url=redis_url) as producer:
+            other = producer.submit("identity", {"x": np.array([[1.0, 3.0]], np.float32)},
+                                    request_id=rid)
+            with pytest.raises(RequestIdReused, match=rf"^request {rid}: this request ID was "
+                                                      r"already sent with a different inputs"):
+                other.result(timeout=30)
+
+
 def test_http_client_ids_reused_by_tritonclient_are_answered_each(gateway: GatewayProcess) -> None:
     # tritonclient's own habit: every call of an example with request_id="1"
     http = httpclient.InferenceServerClient(gateway.http_url)
