@@ -83,10 +83,13 @@ def _run(client: Any, args: argparse.Namespace) -> int:
     except JobCancelled as exc:
         print(f"asyncinfer job run: {exc}", file=sys.stderr)
         return 1
-    pace = result.run_rows / result.run_s if result.run_s > 0 else 0.0
+    this_run = ""
+    if result.run_rows:
+        pace = result.run_rows / result.run_s if result.run_s > 0 else 0.0
+        this_run = (f"; this run {result.run_rows:,} rows in {result.run_s:.1f} s "
+                    f"({pace:,.1f} rows/s)")
     print(f"job {result.job_id}: completed, {result.rows:,} rows ({result.failed:,} failed) -> "
-          f"{result.output}; this run {result.run_rows:,} rows in {result.run_s:.1f} s "
-          f"({pace:,.1f} rows/s)", flush=True)
+          f"{result.output}{this_run}", flush=True)
     return 1 if result.failed else 0
 
 
