@@ -101,9 +101,10 @@ class NotReplicated(AsyncInferError):
         self.confirmed, self.required = confirmed, required
 
 
-class StoreUnavailable(AsyncInferError, ConnectionError):
+class StoreUnavailable(TransientError, ConnectionError):
     """The tensor store (``ASYNCINFER_TENSOR_STORE_URL``) could not be written or read: the message
-    names the store, the object and the reason."""
+    names the store, the object and the reason. Transient: a worker retries the request (Celery's
+    retry options) before it fails it."""
 
 
 class BrokerRefused(AsyncInferError):

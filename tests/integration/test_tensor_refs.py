@@ -267,7 +267,7 @@ def test_a_job_reads_its_input_from_the_store_and_writes_its_output_straight_the
     assert not place_of(f"{base}/jobs/answers.parquet.parts", options).exists()
 
 
-def test_a_worker_whose_store_is_down_fails_the_request_naming_it_and_serves_on(
+def test_a_worker_whose_store_is_down_retries_then_fails_the_request_naming_it_and_serves_on(
         redis_databases: RedisDatabases, tmp_path: Path) -> None:
     down = json.dumps({"endpoint_url": "http://127.0.0.1:9", "key": "testing", "secret": "testing",
                        "config_kwargs": {"retries": {"max_attempts": 1}}})
@@ -284,6 +284,8 @@ def test_a_worker_whose_store_is_down_fails_the_request_naming_it_and_serves_on(
                                                "parameters": {"data_ref": url}}], timeout_s=60)
                 said = str(failed.value)
                 assert "the tensor store s3://tensors/fleet could not be read at " + url in said
+                # transient: retried (Celery's retry options, 3 at the defaults) before it failed
+                assert worker.log().count("after StoreUnavailable") == 3, worker.log()[-3000:]
                 answer = client.infer("identity", {"input": np.ones((1, 2), np.float32)},
                                       timeout_s=60)
                 assert answer["input"].tolist() == [[1.0, 1.0]]  # the worker serves on
