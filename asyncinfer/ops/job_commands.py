@@ -40,6 +40,9 @@ def add_job_parser(sub: Any) -> None:
                         "(default: each row waits for its answer)")
     q.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
+    q.add_argument("--storage-options", metavar="JSON",
+                   help="fsspec's options for an --input or --output URL, a JSON object (default: "
+                        "ASYNCINFER_TENSOR_STORE_OPTIONS for a URL of the tensor store's kind)")
     q = actions.add_parser("status", help="a job's progress: rows done of all, failed, rows/s, "
                            "time left, state")
     q.add_argument("job_id", metavar="JOB")
@@ -74,12 +77,21 @@ def _run(client: Any, args: argparse.Namespace) -> int:
         if not sep or not name or not column:
             raise SystemExit(f"asyncinfer job run: --map {given}: give INPUT=COLUMN")
         mapping[name] = column
+    options = None
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"asyncinfer job run: --storage-options: not JSON ({exc})") from None
+        if not isinstance(options, dict):
+            raise SystemExit("asyncinfer job run: --storage-options: give a JSON object")
     client.ping()
     try:
         result = run_job(client, args.model, args.input, args.output, job_id=args.job_id,
                          mapping=mapping, window=args.window or DEFAULT_WINDOW,
                          timeout_s=args.timeout_s, progress=args.progress,
-                         announce=lambda text: print(text, file=sys.stderr, flush=True))
+                         announce=lambda text: print(text, file=sys.stderr, flush=True),
+                         storage_options=options)
     except JobCancelled as exc:
         print(f"asyncinfer job run: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from asyncinfer.client import Client
 from asyncinfer.errors import InvalidRequest, StoreUnavailable
 from tests.support.databases import RedisDatabase, RedisDatabases
-from tests.support.processes import WorkerProcess, start_gateway, start_worker
+from tests.support.processes import ROOT, WorkerProcess, start_gateway, start_worker, worker_env
 from tests.support.s3_server import s3_server
 from tests.support.waiting import wait_for
 
@@ -265,6 +267,15 @@ def test_a_job_reads_its_input_from_the_store_and_writes_its_output_straight_the
     assert table.column("n").to_pylist() == list(range(3000))
     assert np.array_equal(np.asarray(table.column("input_output").to_pylist(), np.float32), values)
     assert not place_of(f"{base}/jobs/answers.parquet.parts", options).exists()
+    # the command, its options given as a flag (no tensor store set for it)
+    command = subprocess.run(
+        [sys.executable, "-m", "asyncinfer", "job", "run", "identity", "--input", source.url,
+         "--output", f"{base}/jobs/again.jsonl", "--storage-options", store["options"] or "{}"],
+        capture_output=True, text=True, cwd=ROOT, env=worker_env(store_db.url), timeout=120)
+    assert command.returncode == 0, command.stderr
+    assert f"completed, 3,000 rows (0 failed) -> {base}/jobs/again.jsonl" in command.stdout
+    with place_of(f"{base}/jobs/again.jsonl", options).open("rb") as stream:
+        assert [json.loads(line)["n"] for line in stream] == list(range(3000))
 
 
 def test_a_worker_whose_store_is_down_retries_then_fails_the_request_naming_it_and_serves_on(
