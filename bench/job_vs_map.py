@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncinfer.client import Client  # noqa: E402
-from asyncinfer.ops.redis_server import RedisServer  # noqa: E402
-from tests.support.processes import start_worker  # noqa: E402
+from tests.support.local_fleet import MemoryPeak, local_fleet  # noqa: E402
 
 
 def _rows(model: str, count: int) -> tuple[pa.Table, list[object]]:
@@ -44,27 +40,30 @@ def _rows(model: str, count: int) -> tuple[pa.Table, list[object]]:
             [{"input": values[i:i + 1]} for i in range(count)])
 
 
-class _MemoryPeak:
-    """The Redis' ``used_memory`` peak while a run goes (read every 50 ms)."""
-
-    def __init__(self, client: Client) -> None:
-        self.redis = client.broker
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, int(self.redis.info("memory")["used_memory"]))
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> _MemoryPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+def _sitting(client: Client, model: str, rows: int, pairs: int, work: Path) -> list[dict[str, object]]:
+    """``pairs`` of runs of ``model``: map, then a job, over the same ``rows``."""
+    table, inputs = _rows(model, rows)
+    source = work / f"{model}.parquet"
+    pq.write_table(table, source)
+    list(client.map(model, inputs[:256]))  # warm: the worker's first batches
+    runs: list[dict[str, object]] = []
+    for pair in range(pairs):
+        for way in ("map", "job"):
+            began_s = time.monotonic()
+            with MemoryPeak(client.broker, 0.05) as memory:
+                if way == "map":
+                    assert len(list(client.map(model, inputs))) == rows
+                else:
+                    done = client.run_job(model, source, work / f"{model}-{pair}.parquet",
+                                          progress=False)
+                    assert done.rows == rows and done.failed == 0, done
+            took_s = time.monotonic() - began_s
+            run = {"model": model, "way": way, "pair": pair, "rows": rows,
+                   "seconds": round(took_s, 2), "rows_per_s": round(rows / took_s, 1),
+                   "redis_memory_growth_peak_mb": round((memory.peak - memory.before) / 2**20, 1)}
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+    return runs
 
 
 def main() -> int:
@@ -75,40 +74,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     models = args.models.split(",")
-    work = Path(tempfile.mkdtemp(prefix="job-vs-map-"))
-    server = RedisServer(work / "redis", appendonly=False).start()
-    worker = start_worker(server.url, work / "worker.log", "--device", "cpu", "--models",
-                          ",".join(models), "--hostname", "job-bench@%h")
     runs: list[dict[str, object]] = []
-    try:
-        with Client(broker_url=server.url) as client:
-            for model in models:
-                table, inputs = _rows(model, args.rows)
-                source = work / f"{model}.parquet"
-                pq.write_table(table, source)
-                list(client.map(model, inputs[:256]))  # warm: the worker's first batches
-                for pair in range(args.pairs):
-                    for way in ("map", "job"):
-                        before = int(client.broker.info("memory")["used_memory"])
-                        began_s = time.monotonic()
-                        with _MemoryPeak(client) as memory:
-                            if way == "map":
-                                answers = list(client.map(model, inputs))
-                                assert len(answers) == args.rows
-                            else:
-                                output = work / f"{model}-{pair}.parquet"
-                                done = client.run_job(model, source, output, progress=False)
-                                assert done.rows == args.rows and done.failed == 0, done
-                        took_s = time.monotonic() - began_s
-                        run = {"model": model, "way": way, "pair": pair, "rows": args.rows,
-                               "seconds": round(took_s, 2), "rows_per_s": round(args.rows / took_s, 1),
-                               "redis_memory_growth_peak_mb": round((memory.peak - before) / 2**20, 1)}
-                        print(json.dumps(run), flush=True)
-                        runs.append(run)
-    finally:
-        worker.stop()
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with local_fleet(",".join(models), "job-bench@%h") as (url, work), \
+            Client(broker_url=url) as client:
+        for model in models:
+            runs += _sitting(client, model, args.rows, args.pairs, work)
     summary = {}
     for model in models:
         rate = {way: [r["rows_per_s"] for r in runs if r["model"] == model and r["way"] == way]

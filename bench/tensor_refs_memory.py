@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncinfer.client import Client  # noqa: E402
-from asyncinfer.ops.redis_server import RedisServer  # noqa: E402
-from tests.support.processes import start_worker  # noqa: E402
+from tests.support.local_fleet import MemoryPeak, local_fleet  # noqa: E402
 
 
 def _run(url: str, store: str | None, size_mb: int) -> dict[str, object]:
@@ -40,18 +37,7 @@ def _run(url: str, store: str | None, size_mb: int) -> dict[str, object]:
     finally:
         os.environ.pop("ASYNCINFER_TENSOR_STORE_URL", None)
     x = np.ones((1, size_mb * 2**20 // 4), np.float32)
-    with client:
-        redis = client.broker
-        before = int(redis.info("memory")["used_memory"])
-        peak, stop = [before], threading.Event()
-
-        def watch() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], int(redis.info("memory")["used_memory"]))
-                stop.wait(0.01)
-
-        thread = threading.Thread(target=watch, daemon=True)
-        thread.start()
+    with client, MemoryPeak(client.broker, 0.01) as memory:
         began_s, outcome = time.monotonic(), "answered"
         try:
             answer = client.infer("identity", {"input": x}, timeout_s=300)
@@ -59,12 +45,10 @@ def _run(url: str, store: str | None, size_mb: int) -> dict[str, object]:
         except Exception as exc:  # noqa: BLE001 - what a user sees: reported
             outcome = f"{type(exc).__name__}: {str(exc)[:120]}"
         took_s = time.monotonic() - began_s
-        stop.set()
-        thread.join()
-        after = int(redis.info("memory")["used_memory"])
+    before, peak, after = memory.before, memory.peak, memory.after
     return {"size_mb": size_mb, "way": "by reference" if store else "in the message",
             "outcome": outcome, "seconds": round(took_s, 2),
-            "redis_peak_growth_mb": round((peak[0] - before) / 2**20, 2),
+            "redis_peak_growth_mb": round((peak - before) / 2**20, 2),
             "redis_after_growth_mb": round((after - before) / 2**20, 2)}
 
 
@@ -73,23 +57,14 @@ def main() -> int:
     parser.add_argument("--sizes-mb", default="8,16,32,200")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tensor-refs-"))
-    store = str(work / "store")
-    server = RedisServer(work / "redis", appendonly=False).start()
-    worker = start_worker(server.url, work / "worker.log", "--device", "cpu", "--models",
-                          "identity", "--hostname", "refs-bench@%h",
-                          ASYNCINFER_TENSOR_STORE_URL=store)
     runs = []
-    try:
+    with tempfile.TemporaryDirectory(prefix="tensor-store-") as store, \
+            local_fleet("identity", "refs-bench@%h", ASYNCINFER_TENSOR_STORE_URL=store) as (url, _):
         for size_mb in (int(s) for s in args.sizes_mb.split(",")):
             for way in (None, store):
-                run = _run(server.url, way, size_mb)
+                run = _run(url, way, size_mb)
                 print(json.dumps(run), flush=True)
                 runs.append(run)
-    finally:
-        worker.stop()
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     if args.out:
         args.out.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     return 0

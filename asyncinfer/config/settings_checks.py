@@ -13,7 +13,7 @@ from asyncinfer.config.loadable_factories import parse_patterns
 from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
 
-__all__ = ["check_settings", "TRACING_MODES", "MODEL_CONTROL_MODES"]
+__all__ = ["check_settings", "json_object", "TRACING_MODES", "MODEL_CONTROL_MODES"]
 
 #: What ``ASYNCINFER_TRACING`` may say (asyncinfer/tracing).
 TRACING_MODES = ("off", "otlp", "console", "global")
@@ -52,13 +52,7 @@ def check_settings(settings: Any) -> None:
                 f"ASYNCINFER_BROKER_ROUTES entry {route.pattern!r}: its broker is not Redis, "
                 f"so ASYNCINFER_RESULT_BACKEND must name where results go")
     if settings.tensor_store_options:
-        try:
-            options = json.loads(settings.tensor_store_options)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"ASYNCINFER_TENSOR_STORE_OPTIONS must be a JSON object: {exc}") from None
-        if not isinstance(options, dict):
-            raise ValueError(f"ASYNCINFER_TENSOR_STORE_OPTIONS must be a JSON object, got "
-                             f"{settings.tensor_store_options!r:.80}")
+        json_object(settings.tensor_store_options, "ASYNCINFER_TENSOR_STORE_OPTIONS")
     for name in ("concurrency", "prefetch_multiplier", "max_payload_bytes", "tensor_ref_bytes",
                  "tensor_store_max_bytes"):
         if int(getattr(settings, name)) < 1:
@@ -98,3 +92,14 @@ def check_settings(settings: Any) -> None:
     if settings.gateway_processes < 0:
         raise ValueError(f"gateway_processes must be >= 0 (0: one process, no shared ports), "
                          f"got {settings.gateway_processes!r}")
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` read as a JSON object (ValueError naming ``what`` when it is not one)."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} must be a JSON object: {exc}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{what} must be a JSON object, got {text!r:.80}")
+    return found

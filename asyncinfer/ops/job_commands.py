@@ -77,14 +77,9 @@ def _run(client: Any, args: argparse.Namespace) -> int:
         if not sep or not name or not column:
             raise SystemExit(f"asyncinfer job run: --map {given}: give INPUT=COLUMN")
         mapping[name] = column
-    options = None
-    if args.storage_options:
-        try:
-            options = json.loads(args.storage_options)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"asyncinfer job run: --storage-options: not JSON ({exc})") from None
-        if not isinstance(options, dict):
-            raise SystemExit("asyncinfer job run: --storage-options: give a JSON object")
+    from asyncinfer.config.settings_checks import json_object
+
+    options = json_object(args.storage_options, "--storage-options") if args.storage_options else None
     client.ping()
     try:
         result = run_job(client, args.model, args.input, args.output, job_id=args.job_id,

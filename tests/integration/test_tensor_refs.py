@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 from asyncinfer.client import Client
 from asyncinfer.errors import InvalidRequest, StoreUnavailable
 from tests.support.databases import RedisDatabase, RedisDatabases
+from tests.support.local_fleet import MemoryPeak
 from tests.support.processes import ROOT, WorkerProcess, start_gateway, start_worker, worker_env
 from tests.support.s3_server import s3_server
 from tests.support.waiting import wait_for
@@ -94,30 +94,13 @@ def _objects(store: dict[str, Any]) -> list[str]:
     return sorted(fs.find("tensors/fleet"))
 
 
-class _MemoryPeak(threading.Thread):
-    def __init__(self, redis: Any) -> None:
-        super().__init__(daemon=True)
-        self.redis, self.peak, self.stop = redis, 0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, int(self.redis.info("memory")["used_memory"]))
-            self.stop.wait(0.02)
-
-
 def test_200_mb_in_and_out_by_reference_byte_for_byte_with_redis_memory_flat(
         store: dict[str, Any], store_db: RedisDatabase) -> None:
     x = np.random.default_rng(7).standard_normal((1, ROWS)).astype(np.float32)
     with _client(store_db, store) as client:
-        before = int(store_db.client.info("memory")["used_memory"])
-        watch = _MemoryPeak(store_db.client)
-        watch.start()
-        try:
+        with MemoryPeak(store_db.client) as memory:
             response = client.infer("identity", {"input": x}, timeout_s=180)
-        finally:
-            watch.stop.set()
-            watch.join()
-        after = int(store_db.client.info("memory")["used_memory"])
+        before, after = memory.before, memory.after
         output = response.outputs["input"]
         assert "data" not in output and output["parameters"]["data_ref"].endswith("/out-input.bin")
         y = response.as_numpy("input")
@@ -126,9 +109,9 @@ def test_200_mb_in_and_out_by_reference_byte_for_byte_with_redis_memory_flat(
         request = response.id
         assert [s.rsplit("/", 2)[-2:] for s in stored] == [[request, "in-input.bin"],
                                                            [request, "out-input.bin"]], stored
-        print(f"{store['url']}: Redis used_memory before {before:,}, peak during {watch.peak:,}, "
+        print(f"{store['url']}: Redis used_memory before {before:,}, peak during {memory.peak:,}, "
               f"after {after:,} bytes")
-        assert watch.peak - before < 8 * 2**20 and after - before < 8 * 2**20  # not 400 MB
+        assert memory.peak - before < 8 * 2**20 and after - before < 8 * 2**20  # not 400 MB
         # the objects expire with the result: a worker's sweep removes them
         wait_for(lambda: not _objects(store), 40, "the store's objects to expire")
 
