@@ -103,7 +103,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             wait_for(lambda: server.poll() is None and _pings(near), 10, "redis-server on its host")
         finally:
             near.close()
-        net.delay("redis", FAR_PORT, ("127.0.0.1", REDIS_PORT), DELAY_MS)
+        net.delay("redis", FAR_PORT, ("127.0.0.1", REDIS_PORT), DELAY_MS, log=logs / "proxy.log")
         yield Fleet(net, logs, count(1))
     finally:
         net.close()

@@ -245,17 +245,30 @@ class Network:
         return proc
 
     def delay(self, host: str, port: int, target: tuple[str, int], delay_ms: float,
-              timeout_s: float = 30.0) -> tuple[str, int]:
+              timeout_s: float = 30.0, log: Path | None = None) -> tuple[str, int]:
         """Start a proxy on ``host``, listening on ``port`` of every address, that forwards to
         ``target`` adding ``delay_ms`` to each round trip (half each way); its address, once it
-        accepts connections from this (the root) namespace."""
+        accepts connections from this (the root) namespace. Its output goes to ``log``. A proxy
+        that dies before it listens (it was seen once under a loaded suite: SIGABRT from the
+        chain that enters the namespace, its log empty) is started once more; a second death is
+        the error, with the log's end."""
         argv = [sys.executable, "-m", "tests.support.netns", "delay", "--port", str(port),
                 "--to", f"{target[0]}:{target[1]}", "--delay-ms", str(delay_ms)]
         root = Path(__file__).resolve().parents[2]
-        proc = self.run(host, argv, {**os.environ, "PYTHONPATH": str(root)}, cwd=root)
         address = (self.address(host), port)
-        _wait_listening(address, proc, timeout_s)
-        return address
+        for attempt in (1, 2):
+            with open(log, "ab") if log is not None else open(os.devnull, "wb") as out:
+                proc = self.run(host, argv, {**os.environ, "PYTHONPATH": str(root)}, cwd=root,
+                                stdout=out)
+            try:
+                _wait_listening(address, proc, timeout_s)
+                return address
+            except RuntimeError:
+                if attempt == 2:
+                    said = log.read_text(errors="replace")[-2000:] if log is not None else ""
+                    raise RuntimeError(f"the proxy on {address} exited with {proc.returncode} "
+                                       f"twice; its output: {said!r}") from None
+        raise AssertionError("unreachable")
 
     # -- faults ------------------------------------------------------------------------------
 
