@@ -46,9 +46,7 @@ def test_idle_worker_frozen_then_killed_loses_nothing(redis_db, tmp_path) -> Non
         # idle: blocked in Redis waiting for work on each of its lists (not between a result and
         # its next, empty take, whose script Redis could run after the first request below came)
         lists = len(priority_lists(["infer.gated"]))
-        wait_for(lambda: _blocked_waiting(r) >= lists, 10, "the worker to wait on each list",
-                 poll_s=0.02)
-        os.kill(first.pid, signal.SIGSTOP)
+        _freeze_while_blocked(r, first.pid, lists)
         # When requests arrive from our client and from Celery's send_task (which rings nothing)
         futures = [client.submit("gated", index_input(i)) for i in range(4)]
         results = [celery.send_task("asyncinfer.infer", queue="infer.gated", kwargs={
@@ -118,6 +116,22 @@ def test_a_clean_stop_gives_back_at_once_a_request_waiting_for_its_eta(redis_db,
         if second is not None:
             second.stop()
         r.close()
+
+
+def _freeze_while_blocked(r: redis.Redis, pid: int, lists: int, tries: int = 20) -> None:
+    """SIGSTOP the worker ``pid`` while it is blocked in Redis on each of its ``lists``, and still
+    so once frozen: an idle consumer ends its block about once a second to take anyway, and one
+    frozen just as it did would have its take run by Redis after the next push (the take of a
+    worker that was not idle). Such a freeze is undone and tried again."""
+    for _ in range(tries):
+        wait_for(lambda: _blocked_waiting(r) >= lists, 10, "the worker to wait on each list",
+                 poll_s=0.02)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)  # a command it sent just before the stop: run by Redis by now
+        if _blocked_waiting(r) >= lists:
+            return
+        os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"the worker was not frozen while blocked on its lists in {tries} tries")
 
 
 def _blocked_waiting(r: redis.Redis) -> int:
