@@ -27,7 +27,8 @@ import numpy as np
 from asyncinfer.broker.catalogue import CatalogueEntry
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.idempotency import call_label
-from asyncinfer.gateway.tensors import InferCall, OutputTensor, bytes_blob
+from asyncinfer.gateway.tensors import InferCall, OutputTensor
+from asyncinfer.wire.datatypes import bytes_blob
 
 __all__ = ["CLASSIFIABLE", "MAX_ROW_ELEMENTS", "wants_classes", "check_classes", "classify_outputs",
            "top_classes", "labels_of", "batches"]

@@ -10,18 +10,17 @@ checks, so a bad element is refused with the message a worker would give.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from asyncinfer.wire.datatypes import decode_data, encode_data, spec_for
+from asyncinfer.wire.datatypes import bytes_blob, decode_data, encode_data, spec_for
 from asyncinfer.wire.tensor_refs import ref_of, ref_payload
 
 __all__ = ["InputTensor", "OutputTensor", "RequestedOutput", "InferCall", "InferResult",
-           "raw_from_list", "list_from_raw", "check_raw", "bytes_blob", "output_tensor",
+           "raw_from_list", "list_from_raw", "check_raw", "output_tensor",
            "input_payload"]
 
 
@@ -124,15 +123,6 @@ def raw_from_list(where: str, datatype: str, shape: list[int], data: Any) -> byt
     if spec.dtype is None:
         return bytes_blob(value.reshape(-1).tolist())
     return bytes(encode_data(where, spec, value, math.prod(shape), True))
-
-
-def bytes_blob(items: list[Any]) -> bytes:
-    """BYTES elements (str as UTF-8, or bytes) in the v2 binary form."""
-    parts = []
-    for x in items:
-        b = x.encode("utf-8") if isinstance(x, str) else bytes(x)
-        parts += [struct.pack("<I", len(b)), b]
-    return b"".join(parts)
 
 
 def list_from_raw(where: str, datatype: str, shape: list[int], raw: bytes) -> list[Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "DATATYPES",
     "SPECS",
     "DatatypeSpec",
+    "bytes_blob",
     "cast_array",
     "datatype_of_dtype",
     "decode_data",
@@ -284,6 +285,16 @@ def _numeric_from_raw(where: str, spec: DatatypeSpec, buf: memoryview, count: in
             raise _fail(where, f"raw byte {i} is {int(arr[i])}; BOOL raw bytes must be 0 or 1")
         return arr.astype(np.bool_)
     return arr
+
+
+def bytes_blob(items: list[Any]) -> bytes:
+    """BYTES elements (str as UTF-8, or bytes) in the v2 binary form: each a 4-byte little-endian
+    length, then its bytes (what :func:`_parse_bytes_blob` reads)."""
+    parts = []
+    for x in items:
+        b = x.encode("utf-8") if isinstance(x, str) else bytes(x)
+        parts += [_LEN.pack(len(b)), b]
+    return b"".join(parts)
 
 
 def _parse_bytes_blob(where: str, blob: bytes, count: int) -> list[bytes]:

@@ -9,14 +9,13 @@ bytes). A request's parameter ``data_ref_outputs: true`` asks for every output b
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from asyncinfer.errors import InvalidRequest
-from asyncinfer.wire.datatypes import DatatypeSpec
+from asyncinfer.wire.datatypes import DatatypeSpec, bytes_blob
 
 __all__ = ["DATA_REF", "OUTPUTS_BY_REF", "REFS_ACCEPTED", "binary_form", "element_bytes", "ref_of",
            "ref_payload"]
@@ -30,7 +29,6 @@ OUTPUTS_BY_REF = "data_ref_outputs"
 #: ``data_ref_outputs``, every output comes in the result, whatever its size).
 REFS_ACCEPTED = "data_ref_accepted"
 
-_LEN = struct.Struct("<I")
 
 
 def ref_of(item: Mapping[str, Any], where: str) -> str | None:
@@ -59,11 +57,7 @@ def binary_form(spec: DatatypeSpec, data: Any) -> bytes | memoryview:
     ``binary``: raw bytes, or BYTES' list of elements) in the v2 binary form of a stored object."""
     if spec.kind != "bytes":
         return data if isinstance(data, (bytes, memoryview)) else np.asarray(data).tobytes()
-    parts: list[bytes] = []
-    for element in data:
-        raw = element.encode("utf-8") if isinstance(element, str) else bytes(element)
-        parts += (_LEN.pack(len(raw)), raw)
-    return b"".join(parts)
+    return bytes_blob(list(data))
 
 
 def element_bytes(elements: list[Any]) -> int:

@@ -10,7 +10,8 @@ import pytest
 
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.gateway.generate import generate_call, generate_response, input_shape
-from asyncinfer.gateway.tensors import InferResult, OutputTensor, bytes_blob
+from asyncinfer.gateway.tensors import InferResult, OutputTensor
+from asyncinfer.wire.datatypes import bytes_blob
 
 INPUTS = [{"name": "text_input", "datatype": "BYTES", "shape": [-1, 1]},
           {"name": "max_tokens", "datatype": "INT32", "shape": [-1, 1]},
