@@ -229,6 +229,11 @@ class RedisServer:
                 # every score on each ZADD, ~20 µs of Redis' CPU per request at 256 in flight
                 # against ~2 (the option's Redis 6 name; Redis 7 knows it as an alias)
                 "--zset-max-ziplist-entries", "0",
+                # the same for the leases' holders and device marks (hashes of short values, one
+                # HSET and one HDEL per message): 27k of the ~245k instructions Redis spent per
+                # request serving at full batches went to scanning their compact encoding
+                # (bench/redis_instructions.py)
+                "--hash-max-ziplist-entries", "0",
                 "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -33,7 +33,7 @@ for i = 3, #ARGV, 5 do
     if guard == '1' and settled(key) then
       skipped[#skipped + 1] = key
     else
-      if ttl > 0 then redis.call('SETEX', key, ttl, value) else redis.call('SET', key, value) end
+      if ttl > 0 then redis.call('SETEX', key, ARGV[1], value) else redis.call('SET', key, value) end
       if guard ~= 'q' then  -- 'q': a STARTED state, stored and not announced
         try('PUBLISH', key, value)
         if reply_to ~= '' then

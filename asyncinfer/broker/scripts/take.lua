@@ -69,10 +69,10 @@ local watcher = ARGV[12]
 local watches = tonumber(ARGV[13])
 local max_body = tonumber(ARGV[14 + watches]) or 0
 local first = 5 + 3 * watches  -- the first list's key
-local expiry = 0
+local expiry = 0  -- as text: a number argument is formatted again for each message it scores
 if lease_s > 0 then  -- Redis' clock, not the hosts'
   local t = redis.call('TIME')
-  expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease_s
+  expiry = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease_s)
 end
 
 -- What the take reads of a message (nil: not recorded): its delivery tag; the exchange and
@@ -149,7 +149,7 @@ local function start(f)
      or f.redelivered then return 0 end
   local key = started_prefix .. f.id
   local value = text_head .. cjson.encode(f.id) .. text_tail
-  if started_ttl > 0 then redis.call('SETEX', key, started_ttl, value)
+  if started_ttl > 0 then redis.call('SETEX', key, ARGV[7], value)
   else redis.call('SET', key, value) end
   return 1
 end
@@ -170,6 +170,7 @@ local taken = 0
 local stop = #KEYS + 1  -- where the take stopped when its room ran out
 for i = first, #KEYS do
   local queue = KEYS[i]
+  local held_by = holder .. '\t' .. queue  -- each message's holder entry: made once a list
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
   local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
@@ -190,7 +191,7 @@ for i = first, #KEYS do
              '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', ' .. cjson.encode(f.routing_key) .. ']')
       if lease_s > 0 then
         append(lease_args, expiry, tag)
-        append(holder_args, tag, holder .. '\t' .. KEYS[i])
+        append(holder_args, tag, held_by)
       else
         append(index_args, ARGV[2], tag)
       end
