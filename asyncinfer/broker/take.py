@@ -11,15 +11,19 @@ What a take records depends on how its messages come back if their worker dies:
 
 - A **leased** take (the fast consumer's, ``ASYNCINFER_LEASE_S`` > 0) gives its messages back
   through the leases (leases.py), never through kombu's sweep. It reads the few fields it needs
-  (delivery tag, request ID, task, eta, exchange and routing key) from the envelope's text where
-  the text says each plainly and once, as kombu, Celery and this project's producers write them,
-  without decoding the envelope (the decode and its checks were half of what a take cost Redis);
-  a text with an escape outside its body, a key twice, or a redelivered message is decoded as
-  below, with the same outcome. It records the message in ``unacked`` (kombu's entry: the
-  client's ``whereabouts`` and the lease sweep read it), the leases and their holders, not in
-  kombu's ``unacked_index``: kombu's restore sweep, which loads what the index names, never meets
-  it. A text that names its tag but is no valid envelope is recorded too; the consumer decodes
-  every message, answers it as malformed and acknowledges it under the tag its text names.
+  (delivery tag, request ID, task, eta) from the envelope's text where the text says each
+  plainly, as kombu, Celery and this project's producers write them, without decoding the
+  envelope (the decode and its checks were half of what a take cost Redis); a text with an escape
+  outside its body, its tag or request ID twice, or a redelivered message is decoded as below,
+  with the same outcome. A task or eta said twice is read where the text first says it: they
+  decide only whether the request's STARTED state is stored (each scan for a second costs Redis
+  ~3,000 instructions). It records the message in ``unacked`` (kombu's entry, with no exchange
+  and the queue as its routing key: the leases put it back on the list its holder entry names;
+  the client's ``whereabouts`` and the lease sweep read it), the leases and their holders, not
+  in kombu's ``unacked_index``: kombu's restore sweep, which loads what the index names, never
+  meets it. A text that names its tag but is no valid envelope is recorded too; the consumer
+  decodes every message, answers it as malformed and acknowledges it under the tag its text
+  names.
 - An **unleased** take (kombu's channel, ``ASYNCINFER_LEASE_S=0``: kombu's restore sweep is
   the only way back) records only a well-formed envelope: one whose JSON, apart from its (base64)
   body, decodes to an object with ``properties`` (an object with a string ``delivery_tag``),

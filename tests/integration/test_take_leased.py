@@ -1,6 +1,9 @@
 """The leased take reads a message's fields from its text (no decode) where the text says them
-plainly, and decodes it otherwise: for every message it records, starts and counts deaths exactly
-as the decoding take does; it records in the leases, not in kombu's index."""
+plainly, and decodes it otherwise: for every message of the corpus it records, starts and counts
+deaths exactly as the decoding take does; it records in the leases, not in kombu's index, with
+no exchange and the queue in kombu's entry (the leases put it back). A task or an eta the text
+says twice is read where it first says it (they decide only whether a STARTED state is stored,
+and only ever under the message's own request ID)."""
 
 from __future__ import annotations
 
@@ -101,8 +104,11 @@ def test_a_leased_take_acts_on_a_message_as_the_decoding_take(r, name) -> None:
     raw = CORPUS[name]
     leased, decoding = _take(r, raw, True), _take(r, raw, False)
     assert leased["recorded"] and decoding["recorded"], name
-    for field in ("started", "deaths", "entry", "states"):
+    for field in ("started", "deaths", "states"):
         assert leased[field] == decoding[field], (name, field)
+    # kombu's entry: the message byte for byte; a leased one names no exchange, and its queue
+    assert leased["entry"][0] == decoding["entry"][0], name
+    assert leased["entry"][1:] == ["", QUEUE], name
     assert (leased["leased"], leased["indexed"]) == (True, False)
     assert (decoding["leased"], decoding["indexed"]) == (False, True)
 
@@ -115,10 +121,33 @@ def test_the_corpus_exercises_what_the_take_acts_on(r) -> None:
     assert results["redelivered, one death"]["deaths"] == 1
     assert results["redelivered false"]["deaths"] == 0 and results["redelivered false"]["started"]
     assert not results["another task"]["started"] and not results["an ID null"]["started"]
-    assert results["an exchange"]["entry"][1] == "x"
+    assert _take(r, CORPUS["an exchange"], False)["entry"][1] == "x"
+    assert results["an exchange"]["entry"][1:] == ["", QUEUE]
     assert results["no delivery info"]["entry"][1:] == ["", QUEUE]
     assert results["an ID that needs escaping"]["states"] == {
         b'celery-task-meta-odd"id': b'{"status": "STARTED", "task_id": "odd\\"id"}'}
+
+
+def test_a_task_or_eta_said_twice_is_read_where_the_text_first_says_it(r) -> None:
+    # Given a delayed request whose headers first say a decoy eta (null) and task, nested
+    envelope = _envelope("twice")
+    envelope["headers"] = {"stamps": {"eta": None, "task": "asyncinfer.infer"},
+                           **{k: v for k, v in envelope["headers"].items() if k != "stamps"},
+                           "eta": "2030-01-01T00:00:00+00:00"}
+    raw = json.dumps(envelope, separators=(",", ":"))
+    assert raw.index('"eta":null') < raw.index('"eta":"2030')
+    leased, decoding = _take(r, raw, True), _take(r, raw, False)
+    # Then the decoding take stores no STARTED state (delayed); the leased one reads the first
+    # eta and stores one, under the request's own ID only
+    assert not decoding["started"] and decoding["states"] == {}
+    assert leased["started"] and list(leased["states"]) == [b"celery-task-meta-twice"]
+    # and a request ID said twice (a decoy first) is decoded, never read from the text
+    envelope["headers"]["eta"] = None
+    envelope["headers"]["stamps"] = {"id": "decoy"}
+    raw = json.dumps(envelope, separators=(",", ":"))
+    assert raw.index('"id":"decoy"') < raw.index('"id":"twice"')
+    leased, decoding = _take(r, raw, True), _take(r, raw, False)
+    assert list(leased["states"]) == list(decoding["states"]) == [b"celery-task-meta-twice"]
 
 
 MALFORMED = {

@@ -19,8 +19,9 @@
 -- third while the entry is built and a fourth in the reply.
 --
 -- A leased take (lease > 0) reads what it needs of a message from its text where the text says
--- each field plainly and once (as kombu, Celery and our producers write them), without decoding
--- the envelope, and records it in unacked, the leases and their holders, not in kombu's
+-- each field plainly (as kombu, Celery and our producers write them; its tag and request ID
+-- once), without decoding the envelope, and records it in unacked (with no exchange and the
+-- queue as the routing key: the leases put it back), the leases and their holders, not in kombu's
 -- unacked_index (the leases give it back; kombu's sweep, which loads what the index names, never
 -- meets it). The consumer decodes every message and answers one that is no envelope, recorded
 -- or not. An unleased take (kombu's restore sweep is its only way back) decodes each envelope and
@@ -100,14 +101,15 @@ local function decoded(head, queue)
   return f
 end
 
--- The string value of the one key `quoted` (the key's name in quotes) in head, written plainly
+-- The string value of the key `quoted` (the key's name in quotes) in head, written plainly
 -- ("name":"value" or "name": "value", no escapes in the value): the value; nil when the key is
--- absent or null; false when the text says it more than once or otherwise. In valid JSON a
--- quoted name followed by a colon is always a key: a string cannot hold an unescaped quote.
-local function plain(head, quoted)
+-- absent or null; false otherwise, and, when `once`, when the text says the key more than once.
+-- In valid JSON a quoted name followed by a colon is always a key: a string cannot hold an
+-- unescaped quote.
+local function plain(head, quoted, once)
   local s, e = string.find(head, quoted, 1, true)
   if not s then return nil end
-  if string.find(head, quoted, e + 1, true) then return false end
+  if once and string.find(head, quoted, e + 1, true) then return false end
   local value = string.match(head, '^%s*:%s*"([^"\\]*)"', e + 1)
   if value then return value end
   if string.find(head, '^%s*:%s*null', e + 1) then return nil end
@@ -115,22 +117,24 @@ local function plain(head, quoted)
 end
 
 -- The fields of a message read from its text without decoding it; nil when the text does not
--- say them plainly (an escape anywhere outside the body, a key twice), or the message was
--- redelivered (its death count is read from its decoded headers): the take decodes it then.
-local function read_plainly(head, queue)
+-- say them plainly (an escape anywhere outside the body, its tag or request ID twice), or the
+-- message was redelivered (its death count is read from its decoded headers): the take decodes
+-- it then. Each scan of the text costs Redis ~3,000 instructions, a tenth of a take's work per
+-- message, so only what must be one key's is checked for a second: the tag (the bookkeeping's
+-- key) and the request ID (the STARTED state's key). The task and the eta are read where the text
+-- first says them: they decide only whether a STARTED state is stored. kombu's exchange and
+-- routing key are not read: a leased message goes back on the list its holder entry names.
+local function read_plainly(head)
   -- no backslash: every string in it says what it is, so a key found by its text is that key
   if string.find(head, '\\', 1, true) or string.find(head, '"redelivered"', 1, true) then
     return nil
   end
-  local tag = plain(head, '"delivery_tag"')
+  local tag = plain(head, '"delivery_tag"', true)
   if not tag or tag == '' then return nil end
-  local id, task, eta = plain(head, '"id"'), plain(head, '"task"'), plain(head, '"eta"')
-  local exchange, routing_key = plain(head, '"exchange"'), plain(head, '"routing_key"')
-  if id == false or task == false or eta == false or exchange == false or routing_key == false then
-    return nil
-  end
-  return {tag = tag, id = id, task = task, eta = eta ~= nil and eta ~= '', redelivered = false,
-          exchange = exchange or '', routing_key = routing_key or queue}
+  local id, task = plain(head, '"id"', true), plain(head, '"task"', false)
+  local eta = plain(head, '"eta"', false)
+  if id == false or task == false or eta == false then return nil end
+  return {tag = tag, id = id, task = task, eta = eta ~= nil and eta ~= '', redelivered = false}
 end
 
 -- Worker deaths counted against the request of f while it was on a device (leases.py): only
@@ -173,6 +177,8 @@ for i = first, #KEYS do
   local held_by = holder .. '\t' .. queue  -- each message's holder entry: made once a list
   local sep = string.find(queue, '\6\22', 1, true)
   if sep then queue = string.sub(queue, 1, sep - 1) end
+  -- a leased message's kombu entry ends the same for the whole list (no exchange: the queue)
+  local leased_tail = ', "", ' .. cjson.encode(queue) .. ']'
   local popped = redis.call('RPOP', KEYS[i], room - taken) or {}  -- oldest first; nil: empty
   for _, msg in ipairs(popped) do
     local head = without_body(msg)
@@ -182,13 +188,17 @@ for i = first, #KEYS do
       msg = head
     end
     local f = nil
-    if lease_s > 0 then f = read_plainly(head, queue) end
+    if lease_s > 0 then f = read_plainly(head) end
     if f == nil then f = decoded(head, queue) end
     local recorded, started, died = 0, 0, 0
     if f then
       local tag = f.tag
-      append(unacked_args, tag,
-             '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', ' .. cjson.encode(f.routing_key) .. ']')
+      if lease_s > 0 then
+        append(unacked_args, tag, '[' .. msg .. leased_tail)
+      else
+        append(unacked_args, tag, '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', '
+                                  .. cjson.encode(f.routing_key) .. ']')
+      end
       if lease_s > 0 then
         append(lease_args, expiry, tag)
         append(holder_args, tag, held_by)
