@@ -98,6 +98,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             super().on_connection_error_before_connected(exc)
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
+        # What the lost loop delivered and had not handed over: its hand-over was a callback of
+        # that loop, and kombu's hub, closing, drops the callbacks after one that raises (a read
+        # of the dead socket does): left waiting, nothing delivered later would be handed over
+        self._hand_over_all()
         if not self._refused(exc):
             super().on_connection_error_after_connected(exc)
         device_worker = existing_worker(self.app)
