@@ -191,10 +191,12 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
             killer.result(timeout=ANSWER_WITHIN_S)
         starts = crashy_starts(r, prefix)
         assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
-        # after its first death it ran again with the batch-mates that died with it (suspects
-        # only: no request that saw no death), then alone, so no good request shared its third
+        # after its first death it ran again with batch-mates that died with it only (suspects:
+        # no request that saw no death; on a loaded host the suspects put back can reach the
+        # restarted worker in more than one take, and then do not all share the rerun), then
+        # alone, so no good request shared its third
         killer_batches = [b for b in crashy_batches(r, prefix) if -1 in b]
-        assert sorted(killer_batches[1]) == sorted(killer_batches[0]), killer_batches
+        assert set(killer_batches[1]) <= set(killer_batches[0]), killer_batches
         assert killer_batches[2:] == [[-1]] * (starts[-1] - 2)
         # And it is kept as a dead letter
         dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
