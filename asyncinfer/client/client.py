@@ -27,12 +27,13 @@ from asyncinfer.client.loop_publisher import LoopPublishers
 from asyncinfer.client.model_control import ModelControl
 from asyncinfer.client.outgoing import Outgoing, input_payloads
 from asyncinfer.client.request_lookup import LOOK_GAP_S, look_up, refuse_unknown
-from asyncinfer.client.responses import InferFuture, InferResponse, whereabouts
+from asyncinfer.client.responses import InferFuture, InferResponse
 from asyncinfer.client.result_watcher import ResultWatcher
 from asyncinfer.client.sender import Sender
 from asyncinfer.client.streaming import Streaming
 from asyncinfer.client.streams import Streams
 from asyncinfer.client.submit_span import end_with_error, end_with_future, start_span_for
+from asyncinfer.client.whereabouts import whereabouts
 from asyncinfer.config.settings import Settings
 from asyncinfer.constants import (
     CPU_QUEUE,

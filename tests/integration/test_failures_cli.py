@@ -19,7 +19,7 @@ from celery.exceptions import (
     WorkerLostError,
 )
 
-from asyncinfer.client.responses import whereabouts
+from asyncinfer.client.whereabouts import whereabouts
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.redis_server import free_port
 from asyncinfer.supervision.supervisor import CANNOT_START, Child, Supervisor
