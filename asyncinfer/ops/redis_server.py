@@ -230,9 +230,9 @@ class RedisServer:
                 # against ~2 (the option's Redis 6 name; Redis 7 knows it as an alias)
                 "--zset-max-ziplist-entries", "0",
                 # the same for the leases' holders and device marks (hashes of short values, one
-                # HSET and one HDEL per message): 27k of the ~245k instructions Redis spent per
-                # request serving at full batches went to scanning their compact encoding
-                # (bench/redis_instructions.py)
+                # HSET and one HDEL per message): scanning their compact encoding cost Redis 46k
+                # of the 246k instructions it spent per request serving at full batches
+                # (bench/redis_instructions.py, docs/capacity.md)
                 "--hash-max-ziplist-entries", "0",
                 "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
         self.process = subprocess.Popen(

@@ -195,14 +195,11 @@ for i = first, #KEYS do
       local tag = f.tag
       if lease_s > 0 then
         append(unacked_args, tag, '[' .. msg .. leased_tail)
-      else
-        append(unacked_args, tag, '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', '
-                                  .. cjson.encode(f.routing_key) .. ']')
-      end
-      if lease_s > 0 then
         append(lease_args, expiry, tag)
         append(holder_args, tag, held_by)
       else
+        append(unacked_args, tag, '[' .. msg .. ', ' .. cjson.encode(f.exchange) .. ', '
+                                  .. cjson.encode(f.routing_key) .. ']')
         append(index_args, ARGV[2], tag)
       end
       recorded = 1
