@@ -115,6 +115,15 @@ def _ran(r, *prefixes: str) -> dict[int, int]:
     return ran
 
 
+def _tracebacks(log: str) -> list[str]:
+    """The log's records that hold a traceback, less Celery's own report of the dead socket it
+    read while cleaning up after its event loop (kombu's hub closing on the lost connection; the
+    worker connects again and serves on)."""
+    records = re.split(r"(?m)^(?=\[?\d{4}-\d\d-\d\d )", log)
+    return [r for r in records
+            if "Traceback" in r and "Error cleaning up after event loop" not in r]
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("frees", ["during_cut", "after_heal"])
 def test_a_partitioned_worker_gives_back_what_it_held(redis_db: RedisDatabase, model: str,
@@ -244,7 +253,7 @@ def test_a_partitioned_worker_gives_back_what_it_held(redis_db: RedisDatabase, m
                  "ran_twice_in_all": len(twice)}
         print("RabbitMQ, after the partition healed:", after, "ran twice:", sorted(twice))
         assert 0 < len(later_by_first) < 40, after
-        assert "Traceback" not in first.log(), first.log()[-3000:]
+        assert not _tracebacks(first.log()), first.log()[-3000:]
         # And nothing ran twice, but the batch that was on the cut worker's device when the path
         # healed: it runs on (at least once); what waited behind it is given up
         if frees == "during_cut":
