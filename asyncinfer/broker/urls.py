@@ -12,9 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
-__all__ = ["REDIS_SCHEMES", "SentinelUrl", "is_redis_url", "is_sentinel_url", "parse_sentinel_url",
+__all__ = ["REDIS_SCHEMES", "CLUSTER_SCHEMES", "SentinelUrl", "ClusterUrl", "is_redis_url",
+           "is_sentinel_url", "is_cluster_url", "parse_sentinel_url", "parse_cluster_url",
            "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
 
+#: A Redis Cluster: ``redis+cluster://`` (``rediscluster://`` as go-redis and kombu's proposed
+#: transport write it), ``rediss+cluster://`` over TLS.
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "rediscluster")
 #: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 DEFAULT_SENTINEL_PORT = 26379
@@ -37,6 +41,57 @@ def is_redis_url(url: str) -> bool:
 def is_sentinel_url(url: str) -> bool:
     """Whether ``url`` is Celery's ``sentinel://host:port;sentinel://host:port/db`` form."""
     return _scheme(url) == "sentinel"
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (:data:`CLUSTER_SCHEMES`)."""
+    return _scheme(url) in CLUSTER_SCHEMES
+
+
+@dataclass(frozen=True)
+class ClusterUrl:
+    """What a cluster URL names: some of the cluster's nodes (the client learns the rest from
+    them), the credentials, TLS, and the fleet's shards (broker/shards.py)."""
+
+    seeds: tuple[tuple[str, int], ...]
+    shards: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_cluster_url(url: str) -> ClusterUrl:
+    """Parse ``redis+cluster://[[user]:password@]host:port[,host:port…][/][?shards=N]``
+    (``rediss+cluster://`` over TLS). Raises ValueError naming the rule a URL breaks."""
+    from asyncinfer.broker.shards import DEFAULT_SHARDS, SLOTS
+
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in CLUSTER_SCHEMES:
+        raise ValueError(f"a Redis Cluster URL starts with redis+cluster://, got {masked_url(url)!r}")
+    auth, _, hosts = rest.rpartition("@")
+    hosts, _, query = hosts.partition("?")
+    hosts, _, path = hosts.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has one database (0); the URL names {path!r}")
+    seeds = []
+    for entry in filter(None, (h.strip() for h in hosts.split(","))):
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"Redis Cluster URL entry {entry!r}: host:port expected")
+        seeds.append((host.strip("[]"), int(port)))
+    if not seeds:
+        raise ValueError("a Redis Cluster URL must name at least one node (host:port)")
+    shards = DEFAULT_SHARDS
+    for pair in filter(None, query.split("&")):
+        name, _, value = pair.partition("=")
+        if name != "shards":
+            raise ValueError(f"a Redis Cluster URL takes the option 'shards' only, not {name!r}")
+        if not value.isdigit() or not 1 <= int(value) <= SLOTS:
+            raise ValueError(f"a Redis Cluster URL's shards must be 1 to {SLOTS}, got {value!r}")
+        shards = int(value)
+    user, _, password = auth.partition(":")
+    return ClusterUrl(tuple(seeds), shards, tls=scheme.lower() == "rediss+cluster",
+                      username=unquote(user) or None, password=unquote(password) or None)
 
 
 @dataclass(frozen=True)
