@@ -92,6 +92,7 @@ class AtomicTake:
     def _take_start(self) -> None:
         """Send the take (or, once a take left every list empty, the wait) on the poll
         connection, where kombu sends its BRPOP."""
+        from asyncinfer.broker.keyspace import keyspace
         from asyncinfer.broker.take import TAKE_SCRIPT, take_args, take_keys
 
         ch: Any = self
@@ -114,7 +115,8 @@ class AtomicTake:
             keys = take_keys(lists, ch.unacked_index_key, ch.unacked_key)
             args = (_TAKE, self._take_sha, len(keys), *keys,
                     *take_args(room, lease=self._lease_terms(control_only),
-                               max_body_bytes=int(self.max_body_bytes or 0)))
+                               max_body_bytes=int(self.max_body_bytes or 0),
+                               space=keyspace(ch.client)))
         connection = ch.client.connection
         ch._in_poll = connection
         ch._brpop_sent_at = time.monotonic()
@@ -181,10 +183,12 @@ class AtomicTake:
         if sent != _TAKE:
             self._take_next = _TAKE  # something came, or the wait is over: take from all lists
             raise virtual.Empty()
+        from asyncinfer.broker.keyspace import keyspace
         from asyncinfer.broker.take import parse_taken
 
         taken = [(bytes_to_str(key).rsplit(ch.sep, 1)[0], raw, recorded, int(died))
-                 for key, raw, recorded, _, died in parse_taken(reply or ())[1]]
+                 for key, raw, recorded, _, died in parse_taken(reply or (),
+                                                                keyspace(ch.client))[1]]
         # fewer than it asked for: the lists are empty, it waits (the room grew meanwhile, as
         # acknowledgements came, says nothing of the lists)
         self._take_next = _TAKE if len(taken) >= self._take_room else _WAIT

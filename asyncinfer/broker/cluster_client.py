@@ -223,17 +223,18 @@ class _ShardSSLConnection(_FollowsSlot, SSLConnection):
 
 
 class ShardClient(redis.Redis):
-    """A client of one shard of the fleet on a Redis Cluster (see the module's text)."""
+    """A client of one shard of the fleet on a Redis Cluster (see the module's text), on a pool
+    that :func:`shard_client` made: the replies of it and its pipelines name keys without the
+    shard's tag."""
 
-    key_prefix: bytes = b""
-    shard: int = 0
-
-    def with_unprefixed_replies(self) -> ShardClient:
-        """Take the shard's tag off the key names of replies (its pipelines' too)."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        packer = self.connection_pool.connection_kwargs.get("command_packer")
+        #: What each key of the shard starts with.
+        self.key_prefix: bytes = packer.prefix if isinstance(packer, _ShardPacker) else b""
         for name in KEY_REPLY_COMMANDS:
             self.response_callbacks[name] = _unprefixing(name, self.response_callbacks.get(name),
                                                          self.key_prefix)
-        return self
 
 
 def _unprefixing(name: str, callback: Any, prefix: bytes) -> Any:
@@ -244,7 +245,7 @@ def _unprefixing(name: str, callback: Any, prefix: bytes) -> Any:
 
 
 def shard_client(url: str, shard: int, **kwargs: Any) -> ShardClient:
-    """A client of shard ``shard`` of the cluster ``url`` (``redis+cluster://…``); ``kwargs`` go to
+    """A client of shard ``shard`` of the cluster ``url`` (``rediscluster://…``); ``kwargs`` go to
     redis-py's connections, as for :func:`~asyncinfer.broker.connections.redis_client`."""
     parsed = parse_cluster_url(url)
     if not 0 <= shard < parsed.shards:
@@ -261,7 +262,4 @@ def shard_client(url: str, shard: int, **kwargs: Any) -> ShardClient:
     pool = redis.ConnectionPool(
         connection_class=_ShardSSLConnection if parsed.tls else _ShardConnection,
         slots=slots, slot=tag_slot(tag), command_packer=_ShardPacker(prefix, slots), **kwargs)
-    client = ShardClient(connection_pool=pool, single_connection_client=single)
-    client.key_prefix = prefix
-    client.shard = shard
-    return client.with_unprefixed_replies()
+    return ShardClient(connection_pool=pool, single_connection_client=single)

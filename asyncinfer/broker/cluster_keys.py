@@ -111,7 +111,8 @@ def _with_prefix(prefix: bytes, key: Any) -> bytes:
 
 
 def prefixed_command(args: Sequence[Any], prefix: bytes, table: KeyTable) -> tuple[Any, ...]:
-    """``args`` with ``prefix`` put before each key argument."""
+    """``args`` with ``prefix`` put before each key argument. An empty key (a script's "none",
+    publish.lua) becomes the prefix alone: in the shard's slot, and still no key's name."""
     name = _text(args[0]).upper()
     if name in ("KEYS", "SCAN"):
         return _matching(name, args, prefix)

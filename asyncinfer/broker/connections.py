@@ -30,6 +30,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConn
 from asyncinfer.broker.command_packer import connection_kwargs
 from asyncinfer.broker.refusals import refusal_reason
 from asyncinfer.broker.urls import (
+    is_cluster_url,
     is_sentinel_url,
     parse_sentinel_url,
 )
@@ -162,8 +163,13 @@ def redis_client(url: str, settings: ConnectionSettings | None = None, **kwargs:
     """A client of the Redis server ``url`` names; ``kwargs`` go to redis-py's connections.
 
     For ``sentinel://`` the client is the master's that the Sentinels name
-    (``settings.sentinel_master``, default ``mymaster``), found again after every failover.
+    (``settings.sentinel_master``, default ``mymaster``), found again after every failover; for
+    a Redis Cluster (``rediscluster://``) the fleet's shard's (cluster_client.py).
     """
+    if is_cluster_url(url):
+        from asyncinfer.broker.cluster_client import shard_client
+
+        return shard_client(url, 0, **kwargs)
     kwargs = connection_kwargs(kwargs)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)

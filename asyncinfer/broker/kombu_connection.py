@@ -22,13 +22,18 @@ from typing import Any
 from kombu import Connection as KombuConnection
 from kombu.connection import ConnectionPool, PooledConnection
 
+from asyncinfer.broker.cluster_backend import register_schemes
+
 __all__ = ["Connection", "publish_blocked"]
 
 _TRANSPORTS = "asyncinfer.broker.transport"
 
 #: The project's transport (its import path) for each kombu transport name it replaces, and back.
 _OURS: dict[str, str] = {"redis": f"{_TRANSPORTS}:Transport", "rediss": f"{_TRANSPORTS}:SecureTransport",
-                         "sentinel": f"{_TRANSPORTS}:SentinelTransport"}
+                         "sentinel": f"{_TRANSPORTS}:SentinelTransport",
+                         "rediscluster": f"{_TRANSPORTS}:ClusterTransport",
+                         "redisclusters": f"{_TRANSPORTS}:ClusterTransport"}
+register_schemes()  # kombu resolves a URL's scheme before the connection's own parameters
 
 
 class Connection(KombuConnection):  # type: ignore[misc]

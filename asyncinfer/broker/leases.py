@@ -46,6 +46,7 @@ import redis
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.broker.device_marks import DeviceMarks, OnDevice
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.scripts import script
 from asyncinfer.broker.take import LeaseTerms
 from asyncinfer.supervision.vital import vital_thread
@@ -161,6 +162,8 @@ class Leases:
         self._expired = client.register_script(_EXPIRED)
         self._reclaim = client.register_script(_RECLAIM)
         self._adopt = client.register_script(_ADOPT)
+        #: Key names in the scripts' ARGV, on a cluster's shard as on one Redis (keyspace.py).
+        self._space = keyspace(client)
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-leases")
         #: What is on the device now, on Redis (device_marks.py).
@@ -232,7 +235,8 @@ class Leases:
             return []
         lost, forgotten = ([_text(t) for t in found] for found in self._renew(
             keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_INDEX_KEY],
-            args=[self.lease_s, self.holder, time.time(), RECLAIMED_PREFIX, *tags]))
+            args=[self.lease_s, self.holder, time.time(), self._space.key(RECLAIMED_PREFIX),
+                  *tags]))
         if lost or forgotten:  # those answered since the snapshot are no longer held
             still = set(self._held())
             lost = [t for t in lost if t in still]
@@ -256,9 +260,10 @@ class Leases:
         queue, meanwhile)."""
         if not messages:
             return []
-        args: list[Any] = [self.lease_s, self.holder, RECLAIMED_PREFIX]
-        for message in messages:
-            args += message
+        space = self._space
+        args: list[Any] = [self.lease_s, self.holder, space.key(RECLAIMED_PREFIX)]
+        for tag, list_name, entry in messages:
+            args += (tag, space.key(space.name(list_name)), entry)
         adopted = [_text(t) for t in self._adopt(
             keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_KEY], args=args)]
         self.adopted += len(adopted)
@@ -290,8 +295,9 @@ class Leases:
         # Deaths are counted for whatever another holder marked as on its device, whether or not
         # this holder marks its own (every sweeper of the fleet must count them, or a request
         # that kills its workers would be isolated only when the right worker swept)
-        args: list[Any] = ["1" if expired_only else "0", DEATHS_PREFIX, self.deaths_ttl_s,
-                           RECLAIMED_PREFIX]
+        space = self._space
+        args: list[Any] = ["1" if expired_only else "0", space.key(DEATHS_PREFIX),
+                           self.deaths_ttl_s, space.key(RECLAIMED_PREFIX)]
         for tag, entry, unacked in found:
             came_from = _text(entry).split("\t", 1)
             restored = redelivered_text(unacked) if unacked else None
@@ -303,6 +309,7 @@ class Leases:
             else:
                 text, routing_key = restored
                 list_key = came_from[1] if len(came_from) == 2 and came_from[1] else routing_key
+                list_key = space.key(space.name(list_key))  # either form: as Redis holds it
             args += [tag, entry, list_key, text]
         back, deaths = self._reclaim(keys=list(_RECLAIM_KEYS), args=args)
         self.reclaimed += int(back)

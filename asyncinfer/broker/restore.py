@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.scripts import script
 from asyncinfer.wire.keys import (
     DEATHS_PREFIX,
@@ -43,7 +44,9 @@ def restore(client: redis.Redis, messages: Sequence[Restored], *, holder: str,
     holds, or that nobody holds and no sweep put back; how many went back."""
     if not messages:
         return 0
-    args: list[Any] = [holder, RECLAIMED_PREFIX, DEATHS_PREFIX, max(1, int(deaths_ttl_s))]
-    for message in messages:
-        args += message
+    space = keyspace(client)
+    args: list[Any] = [holder, space.key(RECLAIMED_PREFIX), space.key(DEATHS_PREFIX),
+                       max(1, int(deaths_ttl_s))]
+    for tag, list_name, text, request_id in messages:
+        args += (tag, space.key(space.name(list_name)), text, request_id)
     return int(client.eval(_RESTORE, len(_KEYS), *_KEYS, *args))

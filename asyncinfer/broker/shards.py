@@ -1,6 +1,6 @@
 """The shards of a fleet on a Redis Cluster: their hash tags, and which shard a request is in.
 
-A cluster broker URL (urls.py: ``redis+cluster://host:port,host:port/?shards=12``) splits the
+A cluster broker URL (urls.py: ``rediscluster://host:port/?nodes=host:port&shards=12``) splits the
 fleet's keyspace into shards. Shard ``i`` is one hash slot: each of its keys starts with the hash
 tag ``{<i>.<n>}`` (cluster_keys.py), where ``n`` is the first number that puts the tag's slot in
 the ``i``-th of ``shards`` equal ranges of the 16,384 slots. A cluster whose masters own equal
@@ -24,8 +24,9 @@ __all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "shard_of", "key_prefix", "t
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
-#: Shards of a cluster URL that names none: a multiple of 1, 2, 3, 4 and 6 masters.
-DEFAULT_SHARDS = 12
+#: Shards of a cluster URL that names none. One for now: a fleet serves one shard (its producers
+#: and workers do not spread requests over several yet), on one master of the cluster.
+DEFAULT_SHARDS = 1
 
 
 @lru_cache(maxsize=16)

@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.scripts import script
 from asyncinfer.wire.keys import (
     LEASE_DEVICE_KEY,
@@ -68,6 +69,8 @@ class StoreScript:
 
     def __init__(self, client: redis.Redis, expires_s: int, holder: str = "") -> None:
         self._script = client.register_script(_STORE)
+        #: The result keys go in ARGV: named as Redis holds them (keyspace.py).
+        self._space = keyspace(client)
         self.expires_s = expires_s
         #: The lease holder acknowledging (leases.py's holder name): a tag another holder took
         #: since is left to it ('': acknowledge whoever holds).
@@ -87,7 +90,8 @@ class StoreScript:
                                  client=client)
         except redis.ResponseError as exc:
             raise as_out_of_memory(exc) from None
-        return store_reply(reply)
+        errors, skipped = store_reply(reply)
+        return errors, [self._space.name(key) for key in skipped]
 
     def queue(self, pipe: Any, entries: Sequence[Entry]) -> None:
         """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
@@ -97,6 +101,11 @@ class StoreScript:
 
     def _args(self, entries: Sequence[Entry]) -> list[Any]:
         args: list[Any] = [self.expires_s, self.holder]
+        space = self._space
+        if space.prefix:
+            for key, value, reply_to, tag, guard in entries:
+                args += (space.key(key) if key else "", value, reply_to, tag, guard)
+            return args
         for entry in entries:
             args += entry
         return args
@@ -144,6 +153,7 @@ def execute_writes(pipe: Any, stored: bool) -> list[str]:
             log.error("a result write was refused by Redis: %s", reply)
         elif stored and i == len(replies) - 1:
             errors, left = store_reply(reply)
+            left = [keyspace(pipe).name(key) for key in left]
             log_refusals(errors)
         else:
             log_refusals(error_texts(reply))

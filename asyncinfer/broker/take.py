@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncinfer.broker.keyspace import PLAIN, Keyspace, keyspace
 from asyncinfer.broker.scripts import script
 from asyncinfer.wire.keys import (
     BELL_PREFIX,
@@ -108,24 +109,25 @@ def take_keys(lists: Sequence[str], unacked_index: str = UNACKED_INDEX_KEY,
 
 
 def take_args(room: int, started: StartedText | None = None, lease: LeaseTerms | None = None,
-              watcher: str = "", watched: Sequence[int] = (), max_body_bytes: int = 0) -> list[Any]:
+              watcher: str = "", watched: Sequence[int] = (), max_body_bytes: int = 0,
+              space: Keyspace = PLAIN) -> list[Any]:
     """The take script's arguments (see :meth:`Taker.take`); ``watched`` as given to
-    :func:`take_keys`."""
+    :func:`take_keys`; the prefixes of the keys the script names itself in ``space``."""
     extra: list[Any] = ["", "", "", 0, ""] if started is None else [
-        started.key_prefix, started.head, started.tail, started.expires_s, started.task]
+        space.key(started.key_prefix.decode()), started.head, started.tail, started.expires_s,
+        started.task]
     terms: list[Any] = [0, "", ""] if lease is None else [
-        lease.lease_s, lease.holder, lease.deaths_prefix]
+        lease.lease_s, lease.holder, lease.deaths_prefix and space.key(lease.deaths_prefix)]
     return [room, time.time(), MAX_ENVELOPE_DEPTH, *extra, *terms, watcher, len(watched), *watched,
             max(0, int(max_body_bytes or 0))]
 
 
-def parse_taken(flat: Sequence[Any]) -> tuple[tuple[int, ...], list[Popped]]:
+def parse_taken(flat: Sequence[Any], space: Keyspace = PLAIN) -> tuple[tuple[int, ...], list[Popped]]:
     """The take script's reply: the positions of the lists whose watch the taker gave up, and
-    what it took."""
+    what it took (its lists named as in ``space``'s Python)."""
     taken = []
     for i in range(1, len(flat), 5):
-        key = flat[i]
-        taken.append((key.decode() if isinstance(key, bytes) else str(key), flat[i + 1],
+        taken.append((space.name(flat[i]), flat[i + 1],
                       int(flat[i + 2]), bool(flat[i + 3]), int(flat[i + 4])))
     return (tuple(int(p) for p in flat[0]) if flat else ()), taken
 
@@ -139,6 +141,7 @@ class Taker:
 
     def __init__(self, client: Any) -> None:
         self._take = client.register_script(_TAKE)
+        self._space = keyspace(client)
         #: The positions (in the lists taken from) of the lists whose watch the last take gave
         #: up (the waker claims them again: :meth:`~asyncinfer.broker.wake.Waker.watch_passed`).
         self.passed: tuple[int, ...] = ()
@@ -170,5 +173,6 @@ class Taker:
             watched = ()
         self.passed, taken = parse_taken(self._take(
             keys=take_keys(lists, watched=watched),
-            args=take_args(room, started, lease, watcher, watched, max_body_bytes)))
+            args=take_args(room, started, lease, watcher, watched, max_body_bytes, self._space)),
+            self._space)
         return taken

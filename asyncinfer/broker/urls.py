@@ -9,24 +9,28 @@ take the database and the password of a Sentinel URL from its *first* entry only
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 __all__ = ["REDIS_SCHEMES", "CLUSTER_SCHEMES", "SentinelUrl", "ClusterUrl", "is_redis_url",
-           "is_sentinel_url", "is_cluster_url", "parse_sentinel_url", "parse_cluster_url",
-           "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
+           "is_sentinel_url", "is_cluster_url", "has_asyncio_client", "parse_sentinel_url",
+           "parse_cluster_url", "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
 
-#: A Redis Cluster: ``redis+cluster://`` (``rediscluster://`` as go-redis and kombu's proposed
-#: transport write it), ``rediss+cluster://`` over TLS.
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "rediscluster")
-#: URL schemes served by a Redis server (a Sentinel URL names the Sentinels of one).
-REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+#: A Redis Cluster: ``rediscluster://`` (the name go-redis and kombu's proposed transport give it),
+#: ``redisclusters://`` over TLS (as ``rediss://`` is to ``redis://``). Not ``redis+cluster://``:
+#: kombu reads ``a+b://`` as transport ``a`` for the URL ``b://``.
+CLUSTER_SCHEMES = ("rediscluster", "redisclusters")
+#: URL schemes served by Redis (a Sentinel URL names the Sentinels of one, a cluster URL some nodes
+#: of a Redis Cluster).
+REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel", *CLUSTER_SCHEMES)
 DEFAULT_SENTINEL_PORT = 26379
 _SEPARATOR = ";"
 
 #: What a broker or result backend URL looks like (said when a value is not one).
 URL_EXAMPLES = ("redis://[:password@]host:6379/0, rediss://…, unix:///path/redis.sock, "
-                "sentinel://host:26379;sentinel://host2:26379/0 or amqp://user:password@host:5672//")
+                "sentinel://host:26379;sentinel://host2:26379/0, "
+                "rediscluster://host:7000/?nodes=host2:7000 or amqp://user:password@host:5672//")
 
 
 def _scheme(url: str) -> str:
@@ -34,13 +38,20 @@ def _scheme(url: str) -> str:
 
 
 def is_redis_url(url: str) -> bool:
-    """Whether ``url`` names a Redis server: ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://``."""
+    """Whether ``url`` names Redis: ``redis://``, ``rediss://``, ``unix://``, ``sentinel://`` or a
+    cluster's (:data:`CLUSTER_SCHEMES`)."""
     return _scheme(url) in REDIS_SCHEMES
 
 
 def is_sentinel_url(url: str) -> bool:
     """Whether ``url`` is Celery's ``sentinel://host:port;sentinel://host:port/db`` form."""
     return _scheme(url) == "sentinel"
+
+
+def has_asyncio_client(url: str) -> bool:
+    """Whether asyncinfer reads and writes ``url``'s Redis from an event loop with ``redis.asyncio``
+    (one Redis); a Sentinel group's and a cluster's clients are blocking ones, run in threads."""
+    return is_redis_url(url) and not is_sentinel_url(url) and not is_cluster_url(url)
 
 
 def is_cluster_url(url: str) -> bool:
@@ -61,37 +72,42 @@ class ClusterUrl:
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
-    """Parse ``redis+cluster://[[user]:password@]host:port[,host:port…][/][?shards=N]``
-    (``rediss+cluster://`` over TLS). Raises ValueError naming the rule a URL breaks."""
+    """Parse ``rediscluster://[[user]:password@]host:port[/][?nodes=host:port,…][&shards=N]``
+    (``redisclusters://`` over TLS): one node in the URL's place for a host, as kombu and Celery
+    read a URL, and any others in ``nodes``. Raises ValueError naming the rule a URL breaks."""
     from asyncinfer.broker.shards import DEFAULT_SHARDS, SLOTS
 
-    scheme, _, rest = url.partition("://")
-    if scheme.lower() not in CLUSTER_SCHEMES:
-        raise ValueError(f"a Redis Cluster URL starts with redis+cluster://, got {masked_url(url)!r}")
-    auth, _, hosts = rest.rpartition("@")
-    hosts, _, query = hosts.partition("?")
-    hosts, _, path = hosts.partition("/")
-    if path.strip("/") not in ("", "0"):
-        raise ValueError(f"a Redis Cluster has one database (0); the URL names {path!r}")
-    seeds = []
-    for entry in filter(None, (h.strip() for h in hosts.split(","))):
-        host, _, port = entry.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"Redis Cluster URL entry {entry!r}: host:port expected")
-        seeds.append((host.strip("[]"), int(port)))
-    if not seeds:
-        raise ValueError("a Redis Cluster URL must name at least one node (host:port)")
+    parts = urlsplit(url)
+    shown = re.sub(r"(//[^:@/]*:)[^@/]*@", r"\1**@", url)  # its password hidden
+    if parts.scheme.lower() not in CLUSTER_SCHEMES:
+        raise ValueError(f"a Redis Cluster URL starts with rediscluster://, got {shown!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"Redis Cluster URL {shown!r}: host:port expected (more nodes go in "
+                         "?nodes=host:port,host:port)") from None
+    if not parts.hostname or port is None:
+        raise ValueError(f"Redis Cluster URL {shown!r}: host:port expected")
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has one database (0); the URL names {parts.path!r}")
+    seeds = [(parts.hostname, port)]
     shards = DEFAULT_SHARDS
-    for pair in filter(None, query.split("&")):
-        name, _, value = pair.partition("=")
-        if name != "shards":
-            raise ValueError(f"a Redis Cluster URL takes the option 'shards' only, not {name!r}")
-        if not value.isdigit() or not 1 <= int(value) <= SLOTS:
-            raise ValueError(f"a Redis Cluster URL's shards must be 1 to {SLOTS}, got {value!r}")
-        shards = int(value)
-    user, _, password = auth.partition(":")
-    return ClusterUrl(tuple(seeds), shards, tls=scheme.lower() == "rediss+cluster",
-                      username=unquote(user) or None, password=unquote(password) or None)
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "nodes":
+            for entry in filter(None, (v.strip() for v in value.split(","))):
+                host, _, node_port = entry.rpartition(":")
+                if not host or not node_port.isdigit():
+                    raise ValueError(f"Redis Cluster URL node {entry!r}: host:port expected")
+                seeds.append((host.strip("[]"), int(node_port)))
+        elif name == "shards":
+            if not value.isdigit() or not 1 <= int(value) <= SLOTS:
+                raise ValueError(f"a Redis Cluster URL's shards must be 1 to {SLOTS}, got {value!r}")
+            shards = int(value)
+        else:
+            raise ValueError(f"a Redis Cluster URL takes the options 'nodes' and 'shards', not {name!r}")
+    return ClusterUrl(tuple(seeds), shards, tls=parts.scheme.lower() == "redisclusters",
+                      username=unquote(parts.username) if parts.username else None,
+                      password=unquote(parts.password) if parts.password else None)
 
 
 @dataclass(frozen=True)

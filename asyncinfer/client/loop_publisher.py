@@ -24,7 +24,7 @@ import redis.asyncio
 
 from asyncinfer.broker.connections import never_resend
 from asyncinfer.broker.publisher import _PUBLISH, _Push, _ttl_s
-from asyncinfer.broker.urls import is_sentinel_url
+from asyncinfer.broker.urls import has_asyncio_client
 from asyncinfer.client.grouped import DescribeError, Entry, Group, Pending
 from asyncinfer.wire.sequence import SequenceFlags
 
@@ -136,8 +136,7 @@ class LoopPublishers:
 
     def __init__(self, broker_url: str, describe_error: DescribeError, *, claim_ttl_s: float,
                  replicas: int, connect_timeout_s: float, mark_ttl_s: float = 0.0) -> None:
-        self.usable = (broker_url.startswith(("redis://", "rediss://", "unix://"))
-                       and not is_sentinel_url(broker_url) and not replicas)
+        self.usable = has_asyncio_client(broker_url) and not replicas
         self.broker_url = broker_url
         self.describe_error = describe_error
         self.claim_ttl_s = claim_ttl_s

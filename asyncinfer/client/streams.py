@@ -27,7 +27,7 @@ import redis.asyncio
 from celery import states
 
 from asyncinfer.broker.connections import redis_client
-from asyncinfer.broker.urls import is_redis_url, is_sentinel_url
+from asyncinfer.broker.urls import has_asyncio_client, is_redis_url
 from asyncinfer.client import aio
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.response_stream import AsyncResponseStream, ResponseStream
@@ -93,7 +93,7 @@ class Streams:
     def for_running_loop(self) -> Any | None:
         """The running loop's ``redis.asyncio`` client (None for a Sentinel URL: read in
         threads)."""
-        if is_sentinel_url(self.url):
+        if not has_asyncio_client(self.url):
             return None
         loop = asyncio.get_running_loop()
         client = self._by_loop.get(loop)

@@ -6,6 +6,7 @@ import ssl
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from asyncinfer.broker.cluster_backend import register_schemes
 from asyncinfer.broker.connections import sentinel_kwargs
 from asyncinfer.broker.urls import is_sentinel_url, normalized_url
 from asyncinfer.config.settings import Settings
@@ -61,6 +62,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                  "unacked_restore_throttle": 1,
                  # a sweeper killed mid-sweep must not block every other sweep for 5 minutes
                  "unacked_mutex_expire": 30}
+    register_schemes()  # rediscluster:// for Celery's result backends and kombu's transports
     broker_url = normalized_url(settings.resolved_broker_url())
     backend_url = normalized_url(settings.resolved_result_backend())
     broker_tls, backend_tls = redis_ssl_options(broker_url), redis_ssl_options(backend_url)

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from asyncinfer.broker.urls import URL_EXAMPLES, is_redis_url
+from asyncinfer.broker.urls import URL_EXAMPLES, is_cluster_url, is_redis_url, parse_cluster_url
 from asyncinfer.config.loadable_factories import parse_patterns
 from asyncinfer.config.model_options import parse_model_options
 from asyncinfer.config.routes import parse_routes
@@ -32,6 +32,8 @@ def check_settings(settings: Any) -> None:
         if url and not _URL.match(url):
             shown = url if "@" not in url else "…@" + url.rsplit("@", 1)[1]  # no password
             raise ValueError(f"{where} is not a URL: {shown!r}; a URL looks like {URL_EXAMPLES}")
+        if is_cluster_url(url):
+            _check_cluster_url(url, where, settings)
     for name in ("task_serializer", "result_serializer"):
         if getattr(settings, name) not in ("json", "msgpack"):
             raise ValueError(f"{name} must be 'json' or 'msgpack', got {getattr(settings, name)!r}")
@@ -103,3 +105,15 @@ def json_object(text: str, what: str) -> dict[str, Any]:
     if not isinstance(found, dict):
         raise ValueError(f"{what} must be a JSON object, got {text!r:.80}")
     return found
+
+
+def _check_cluster_url(url: str, where: str, settings: Any) -> None:
+    """A Redis Cluster URL names one shard (the fleet does not spread over several yet) and is
+    read by asyncinfer's own consumer (kombu's event loop does not run on a cluster)."""
+    parsed = parse_cluster_url(url)  # raises ValueError naming the rule broken
+    if parsed.shards != 1:
+        raise ValueError(f"{where}: a fleet on a Redis Cluster serves one shard (shards=1) for "
+                         f"now, not {parsed.shards}")
+    if settings.consumer != "fast":
+        raise ValueError(f"{where}: on a Redis Cluster the workers consume with asyncinfer's own "
+                         "consumer (ASYNCINFER_CONSUMER=fast), not Celery's")

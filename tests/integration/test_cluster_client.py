@@ -33,8 +33,9 @@ def cluster(request: pytest.FixtureRequest,
 
 
 def _url(cluster: LocalCluster, shards: int = 12) -> str:
-    seeds = ",".join(f"{host}:{port}" for host, port in cluster.seeds)
-    return f"redis+cluster://{seeds}/?shards={shards}"
+    (host, port), *others = cluster.seeds
+    nodes = ",".join(f"{h}:{p}" for h, p in others)
+    return f"rediscluster://{host}:{port}/?nodes={nodes}&shards={shards}"
 
 
 def _retrying(call: Callable[[], Any], timeout_s: float = 30.0) -> tuple[Any, int]:

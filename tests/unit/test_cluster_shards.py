@@ -55,17 +55,19 @@ def test_a_request_s_shard_is_crc16_of_its_id_modulo_the_shards_and_spreads_even
 
 
 def test_the_cluster_url_form() -> None:
-    url = parse_cluster_url("redis+cluster://user:p%40ss@10.0.0.1:7000,[::1]:7001/?shards=6")
-    assert url.seeds == (("10.0.0.1", 7000), ("::1", 7001))
+    url = parse_cluster_url("rediscluster://user:p%40ss@10.0.0.1:7000/?nodes=10.0.0.2:7001,[::1]:7002"
+                            "&shards=6")
+    assert url.seeds == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002))
     assert (url.shards, url.tls, url.username, url.password) == (6, False, "user", "p@ss")
-    assert parse_cluster_url("rediss+cluster://h:7000").tls is True
-    assert parse_cluster_url("rediscluster://h:7000/0").shards == 12
-    assert is_cluster_url("redis+cluster://h:1") and not is_cluster_url("redis://h:1")
-    for bad, rule in (("redis+cluster://", "at least one node"), ("redis+cluster://h", "host:port"),
-                      ("redis+cluster://h:1/2", "one database"),
-                      ("redis+cluster://h:1?shards=0", "1 to 16384"),
-                      ("redis+cluster://h:1?db=2", "'shards' only"),
-                      ("redis://h:1", r"starts with redis\+cluster")):
+    assert parse_cluster_url("redisclusters://h:7000").tls is True
+    assert parse_cluster_url("rediscluster://h:7000/0").shards == 1
+    assert is_cluster_url("rediscluster://h:1") and not is_cluster_url("redis://h:1")
+    for bad, rule in (("rediscluster://", "host:port expected"), ("rediscluster://h", "host:port"),
+                      ("rediscluster://h:1,g:2", r"\?nodes="), ("rediscluster://h:1/2", "one database"),
+                      ("rediscluster://h:1?shards=0", "1 to 16384"),
+                      ("rediscluster://h:1?nodes=g", "node 'g'"),
+                      ("rediscluster://h:1?db=2", "'nodes' and 'shards'"),
+                      ("redis://h:1", "starts with rediscluster")):
         with pytest.raises(ValueError, match=rule):
             parse_cluster_url(bad)
 
@@ -78,6 +80,7 @@ def test_keys_get_the_shard_s_tag_and_nothing_else_does() -> None:
     assert prefixed_command(("BRPOP", "q1", b"q2", 5), P, table) == ("BRPOP", P + b"q1", P + b"q2", 5)
     assert prefixed_command(("PUBLISH", "chan", "v"), P, table) == ("PUBLISH", "chan", "v")
     assert prefixed_command(("WAIT", 1, 100), P, table) == ("WAIT", 1, 100)
+    assert prefixed_command(("DEL", "a", ""), P, table) == ("DEL", P + b"a", P)  # "none": in the slot
     assert prefixed_command(("EVALSHA", "sha", 2, "k1", "k2", "arg"), P, table) == (
         "EVALSHA", "sha", 2, P + b"k1", P + b"k2", "arg")
     assert prefixed_command(("XREAD", "COUNT", 5, "STREAMS", "s1", "s2", "0", "0"), P, table) == (

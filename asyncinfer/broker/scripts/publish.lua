@@ -22,6 +22,9 @@
 -- wire/request_identity.py's SEP).
 
 local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+-- On a Redis Cluster shard every key starts with the shard's hash tag (broker/cluster_keys.py): a
+-- result's channel is its key's name without it, the name its waiters know.
+local shard_tag = string.match(KEYS[1], '^{[^}]*}') or ''
 local depth = nil
 local out = {}
 -- The pushes accepted, per list in order, made at the end with one LPUSH per list; a list's
@@ -40,6 +43,9 @@ local function fill(stored, id)
   end
   return table.concat(pieces, id)
 end
+-- Whether a key is given: '' names none (on a Redis Cluster shard it comes as the shard's hash
+-- tag alone, '{...}', every key of a script being in its slot: broker/cluster_keys.py).
+local function named(key) return key ~= '' and not string.find(key, '^{[^}]*}$') end
 local function first_field(member) return string.sub(member, 1, string.find(member, '\t', 1, true) - 1) end
 -- A sequence's push: the list it goes on (its pinned worker's), or a refusal
 local function route(pin_key, workers, mode, ends)
@@ -98,8 +104,8 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
       status = 0
     end
   end
-  if not status and KEYS[k + 4] ~= '' then
-    local generation = KEYS[k + 8] ~= '' and redis.call('GET', KEYS[k + 8])
+  if not status and named(KEYS[k + 4]) then
+    local generation = named(KEYS[k + 8]) and redis.call('GET', KEYS[k + 8])
     local stored = generation and redis.call('GET', KEYS[k + 4] .. ':' .. generation)
     local value = stored and fill(stored, ARGV[a + 3])
     if value then
@@ -109,7 +115,7 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
       else
         redis.call('SET', KEYS[k + 3], value)
       end
-      redis.call('PUBLISH', KEYS[k + 3], value)
+      redis.call('PUBLISH', string.sub(KEYS[k + 3], #shard_tag + 1), value)  -- the key's name: its channel
       if ARGV[a + 4] ~= '' then redis.call('PUBLISH', ARGV[a + 4], value) end
       redis.call('HINCRBY', KEYS[k + 5], 'hits', 1)
       status = 2

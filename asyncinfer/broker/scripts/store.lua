@@ -12,6 +12,9 @@
 -- announced there in one message (wire/reply.py's grouped form when more than one).
 
 local ttl = tonumber(ARGV[1])
+-- On a Redis Cluster shard every key starts with the shard's hash tag (broker/cluster_keys.py); a
+-- result's channel is its key's name without it, the name its waiters know (Celery's, ours).
+local shard_tag = string.match(KEYS[1], '^{[^}]*}') or ''
 local errors, skipped = {}, {}
 local final = {SUCCESS = true, FAILURE = true, REVOKED = true}
 local function try(...)
@@ -35,7 +38,7 @@ for i = 3, #ARGV, 5 do
     else
       if ttl > 0 then redis.call('SETEX', key, ARGV[1], value) else redis.call('SET', key, value) end
       if guard ~= 'q' then  -- 'q': a STARTED state, stored and not announced
-        try('PUBLISH', key, value)
+        try('PUBLISH', shard_tag == '' and key or string.sub(key, #shard_tag + 1), value)
         if reply_to ~= '' then
           local group = replies[reply_to]
           if not group then

@@ -19,6 +19,7 @@ import redis
 from celery import Celery, states
 
 from asyncinfer.broker import response_cache
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.store import Entry, StoreScript, as_out_of_memory, store_reply
 from asyncinfer.constants import TASK_NAME
 from asyncinfer.wire.cache_key import cache_key, entry_key, generation_name
@@ -111,4 +112,5 @@ def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
         return store.call(entries, client)
     if isinstance(stored, redis.ResponseError):
         raise as_out_of_memory(stored)
-    return store_reply(stored)
+    errors, skipped = store_reply(stored)
+    return errors, [keyspace(client).name(key) for key in skipped]

@@ -36,6 +36,7 @@ from typing import Any
 import redis
 from celery import states
 
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.scripts import script
 from asyncinfer.broker.store import as_out_of_memory, error_texts
 from asyncinfer.wire.protocol import Tensor, encode_tensor
@@ -114,6 +115,8 @@ class StreamScript:
     def __init__(self, client: redis.Redis, expires_s: int) -> None:
         self._script = client.register_script(_APPEND)
         self.expires_s = expires_s
+        #: The streams' keys go in ARGV: named as Redis holds them (keyspace.py).
+        self._space = keyspace(client)
 
     def __call__(self, appends: Sequence[StreamAppend], client: Any = None, *,
                  again: bool = False) -> tuple[int, list[str]]:
@@ -122,7 +125,7 @@ class StreamScript:
         tried again after Redis failed to answer (it may have run)."""
         args: list[Any] = [self.expires_s, len(appends) + 1 if again else 0]
         for e in appends:
-            args += [e.key, e.kind, e.part, e.max_parts, *e.values]
+            args += [self._space.key(e.key), e.kind, e.part, e.max_parts, *e.values]
         try:
             reply = self._script(keys=[], args=args, client=client)
         except redis.ResponseError as exc:

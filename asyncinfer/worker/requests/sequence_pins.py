@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from asyncinfer.backoff import Backoff
+from asyncinfer.broker.keyspace import keyspace
 from asyncinfer.broker.publisher import worker_of_pin
 from asyncinfer.broker.scripts import script
 from asyncinfer.broker.take import LeaseTerms, Popped, Taker
@@ -99,6 +100,8 @@ class SequencePins:
         self.grace_s = 3 * lease_s
         self._register = client.register_script(_REGISTER)
         self._lapsed = client.register_script(_LAPSED)
+        #: A member names its list as Redis holds it: the publish script pushes there (keyspace.py).
+        self._space = keyspace(client)
         #: Model → its registration member, for the stateful models this worker serves now.
         self.members: dict[str, str] = {}
         #: The members registered (and not lapsed since, as far as this worker knows).
@@ -121,7 +124,8 @@ class SequencePins:
         for queue in queues:
             model = model_from_queue(queue)
             if model in stateful:
-                members[model] = (f"{sequence_list(queue, self.holder)}\t{self.holder}\t"
+                members[model] = (f"{self._space.key(sequence_list(queue, self.holder))}\t"
+                                  f"{self.holder}\t"
                                   f"{stateful[model]:g}")
         with self._lock:
             gone = {m: v for m, v in self.members.items() if m not in members}
@@ -194,14 +198,15 @@ class SequencePins:
     def sweep(self) -> int:
         """Fail what the lists of lapsed registrations hold (other workers'); how many."""
         flat = self._lapsed(keys=[SEQUENCE_MODELS_KEY],
-                            args=[sequence_workers_key(""), self.grace_s])
+                            args=[self._space.key(sequence_workers_key("")), self.grace_s])
         failed = 0
         own = set(self.members.values())
         for i in range(0, len(flat), 2):
             model, pin = _text(flat[i]), _text(flat[i + 1])
             if pin in own:
                 continue
-            taken = self.taker.take([pin.split("\t", 1)[0]], self.sweep_batch, lease=self.lease)
+            taken = self.taker.take([self._space.name(pin.split("\t", 1)[0])], self.sweep_batch,
+                                    lease=self.lease)
             if not taken:
                 continue
             self.refuse(taken, functools.partial(_lost_error_of, model, pin))
