@@ -40,7 +40,7 @@ from asyncinfer.broker.command_packer import HiredisPacker
 from asyncinfer.broker.shards import key_prefix, shard_tags, tag_slot
 from asyncinfer.broker.urls import ClusterUrl, parse_cluster_url
 
-__all__ = ["SlotMap", "ShardClient", "shard_client", "slot_map_of"]
+__all__ = ["SlotMap", "SlotMoving", "ShardClient", "shard_client", "slot_map_of", "SETTLE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,16 @@ log = logging.getLogger(__name__)
 _SETUP_COMMANDS = {"AUTH", "HELLO", "CLIENT", "COMMAND", "PING", "SELECT", "READONLY", "ECHO"}
 #: The shortest time (seconds) between two readings of the slot map.
 _REFRESH_EVERY_S = 0.1
+#: How long (seconds) a shard's client sends a command again that met its slot moving (``MOVED``,
+#: ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``: it ran nowhere) before it raises SlotMoving: a
+#: resharding moves a slot's keys in well under this, a failover promotes a replica in about the
+#: cluster's node timeout (15 s by default: past this, the caller's own retries go on).
+SETTLE_S = 10.0
+
+
+class SlotMoving(redis.ConnectionError):
+    """The command ran nowhere: its slot has moved or is moving (``MOVED``, ``ASK``, ``TRYAGAIN``),
+    or the cluster is down (``CLUSTERDOWN``). Sending it again is safe."""
 
 
 class SlotMap:
@@ -184,8 +194,11 @@ class _FollowsSlot:
     slot: int
     host: str
     port: int
+    #: A reply said the slot moved: the connection goes to the new master once its replies are read.
+    moved = False
 
     def _connect(self) -> Any:
+        self.moved = False
         self.host, self.port = self.slots.owner(self.slot)
         try:
             return super()._connect()  # type: ignore[misc]
@@ -198,13 +211,11 @@ class _FollowsSlot:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         except redis.exceptions.MovedError as exc:
             self.slots.moved(self.slot, (exc.host, int(exc.port)))
-            self.disconnect()  # type: ignore[attr-defined]
-            raise redis.ConnectionError(f"slot {self.slot} moved to {exc.host}:{exc.port}") from exc
+            self.moved = True  # left once the replies of what was sent are read
+            raise SlotMoving(f"slot {self.slot} moved to {exc.host}:{exc.port}") from exc
         except (redis.exceptions.AskError, redis.exceptions.TryAgainError,
                 redis.exceptions.ClusterDownError) as exc:
-            self.disconnect()  # type: ignore[attr-defined]
-            raise redis.ConnectionError(f"slot {self.slot} is moving or the cluster is down "
-                                        f"({exc})") from exc
+            raise SlotMoving(f"slot {self.slot} is moving or the cluster is down ({exc})") from exc
         except redis.ConnectionError:
             self.slots.stale()
             raise
@@ -225,7 +236,20 @@ class _ShardSSLConnection(_FollowsSlot, SSLConnection):
 class ShardClient(redis.Redis):
     """A client of one shard of the fleet on a Redis Cluster (see the module's text), on a pool
     that :func:`shard_client` made: the replies of it and its pipelines name keys without the
-    shard's tag."""
+    shard's tag, and a command that meets its slot moving is sent again (for up to
+    :data:`SETTLE_S`) where the slot is now. A pipeline's is not (some of its commands may have
+    run): it raises SlotMoving, a ConnectionError, for its caller to retry."""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        deadline, pause_s = time.monotonic() + SETTLE_S, 0.01
+        while True:
+            try:
+                return super().execute_command(*args, **options)
+            except SlotMoving:
+                if time.monotonic() + pause_s > deadline:
+                    raise
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, 0.2)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -15,9 +15,12 @@ resend: a group must never be pushed twice). The connection's own hooks run as w
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
+
+from asyncinfer.broker.cluster_client import SETTLE_S, SlotMoving
 
 __all__ = ["DirectPipeline", "direct_pipeline"]
 
@@ -40,27 +43,48 @@ class DirectPipeline:
 
     def execute(self, raise_on_error: bool = False) -> list[Any]:
         """Each command's reply, in order (a refused command's error in its place; raised, when
-        ``raise_on_error``)."""
+        ``raise_on_error``). On a Redis Cluster shard, the commands that met their slot moving
+        (they ran nowhere) are sent again where it is now, for up to ``SETTLE_S``; past that the
+        first such error is raised (a ConnectionError: the others' fate is their replies')."""
         if not self._commands:
             return []
+        replies: list[Any] = [None] * len(self._commands)
+        pending = list(range(len(self._commands)))
+        deadline, pause_s = 0.0, 0.01
+        while True:
+            for i, reply in zip(pending, self._send([self._commands[i] for i in pending]), strict=True):
+                replies[i] = reply
+            pending = [i for i in pending if isinstance(replies[i], SlotMoving)]
+            if not pending:
+                break
+            deadline = deadline or time.monotonic() + SETTLE_S
+            if time.monotonic() + pause_s > deadline:
+                raise replies[pending[0]]
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.2)
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, redis.ResponseError):
+                    raise reply
+        return replies
+
+    def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         connection = self._pool.get_connection()
         try:
-            connection.send_packed_command(connection.pack_commands(self._commands))
+            connection.send_packed_command(connection.pack_commands(commands))
             replies: list[Any] = []
-            for _ in self._commands:
+            for _ in commands:
                 try:
                     replies.append(connection.read_response())
-                except redis.ResponseError as exc:
+                except (redis.ResponseError, SlotMoving) as exc:
                     replies.append(exc)
+            if any(isinstance(reply, SlotMoving) for reply in replies):
+                connection.disconnect()  # the next connect finds the slot's master now
         except BaseException:
             connection.disconnect()  # a reply may still be on its way: never reuse the socket
             raise
         finally:
             self._pool.release(connection)
-        if raise_on_error:
-            for reply in replies:
-                if isinstance(reply, redis.ResponseError):
-                    raise reply
         return replies
 
 

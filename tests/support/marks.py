@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import redis
 
+from asyncinfer.broker.connections import redis_client
 from tests.support.waiting import wait_for
 
 __all__ = ["FORWARD_MARKS_ENV", "ForwardMarks", "forward_marks_key", "mark_forward", "marks_client"]
@@ -28,7 +29,7 @@ def forward_marks_key(model: str) -> str:
 def marks_client() -> redis.Redis | None:
     """The client a model marks with, from ``FORWARD_MARKS_URL`` (None when unset)."""
     url = os.environ.get(FORWARD_MARKS_ENV)
-    return redis.Redis.from_url(url) if url else None
+    return redis_client(url) if url else None
 
 
 def mark_forward(r: redis.Redis | None, model: str, rows: Sequence[float]) -> None:

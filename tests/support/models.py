@@ -9,6 +9,7 @@ import time
 import redis
 import torch
 
+from asyncinfer.broker.connections import redis_client
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.models.base import Batch, InputSpec, Model
 from tests.support.marks import mark_forward, marks_client
@@ -124,7 +125,7 @@ class Gated(Model):
     def __init__(self) -> None:
         url = os.environ.get("GATED_REDIS_URL")
         self.prefix = os.environ.get("GATED_PREFIX", "gated")
-        self.redis = redis.Redis.from_url(url) if url else None
+        self.redis = redis_client(url) if url else None
 
     def forward(self, batch: Batch) -> Batch:
         index = batch["index"]
@@ -156,7 +157,7 @@ class Flaky(Model):
 
     def __init__(self) -> None:
         url = os.environ.get("FLAKY_REDIS_URL")
-        self.redis = redis.Redis.from_url(url) if url else None
+        self.redis = redis_client(url) if url else None
         self.prefix = os.environ.get("FLAKY_PREFIX", "flaky")
 
     def forward(self, batch: Batch) -> Batch:
@@ -208,7 +209,7 @@ class Crashy(Model):
         self.prefix = os.environ.get("CRASHY_PREFIX", "crashy")
         self.sleep_s = float(os.environ.get("CRASHY_SLEEP_S", "0"))
         self.crash_log = os.environ.get("CRASHY_CRASH_LOG", "")
-        self.redis = redis.Redis.from_url(url) if url else None
+        self.redis = redis_client(url) if url else None
 
     def forward(self, batch: Batch) -> Batch:
         rows = [int(v) for v in batch["index"].reshape(-1).tolist()]

@@ -1,0 +1,233 @@
+"""The fleet's faults on a real Redis Cluster (3 masters of real redis-server processes, with their
+replicas), at the shipped defaults: a worker killed holding requests, the shard's master killed
+while requests stream (its replica promoted), and the shard's slot migrated to another master
+while requests stream. Each counts sent / accepted / answered / lost / ran twice and prints them
+(``pytest -s`` shows them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncinfer.broker.cluster_client import shard_client
+from asyncinfer.broker.shards import shard_tags, tag_slot
+from asyncinfer.client import Client
+from asyncinfer.config.settings import Settings
+from asyncinfer.errors import BrokerUnavailable, NotReplicated
+from asyncinfer.wire.keys import LEASES_KEY, UNACKED_KEY
+from tests.support.crashy import (
+    crashy_batches,
+    crashy_env,
+    crashy_index,
+    crashy_starts,
+    report_counts,
+    two_crashy_workers,
+)
+from tests.support.processes import start_worker, stop_together
+from tests.support.redis_cluster import LocalCluster
+from tests.support.waiting import wait_for
+
+#: As in test_fleet.py: the lease (10 s) and a sweep and the work, far below the visibility timeout.
+ANSWER_WITHIN_S = 60
+#: The slot of the fleet's one shard.
+SLOT = tag_slot(shard_tags(1)[0])
+
+
+def _url(cluster: LocalCluster) -> str:
+    (host, port), *others = cluster.seeds
+    return f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
+
+
+def _row(i: float) -> dict[str, np.ndarray]:
+    return {"input": np.array([[float(i)]], np.float32)}
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_holding_requests_on_a_cluster_another_answers_them(tmp_path: Path) -> None:
+    # Given two workers on a cluster at the default settings, the first on a slow kernel (15 s a
+    # batch), and 12 requests held by the first: a batch on its device, the others waiting
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        url = _url(cluster)
+        r = shard_client(url, 0)
+        prefix, slow = crashy_env(url, "held", 15)
+        first, second = two_crashy_workers(url, url, tmp_path, slow, {**slow, "CRASHY_SLEEP_S": "0.2"})
+        client = Client(broker_url=url)
+        try:
+            os.kill(second.pid, signal.SIGSTOP)
+            futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
+            wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
+                     "the first worker to hold all 12")
+            wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
+            os.kill(second.pid, signal.SIGCONT)
+            assert r.zcard(LEASES_KEY) == 12
+            # When the first is killed outright
+            struck = time.monotonic()
+            first.process.kill()
+            first.process.wait()
+            # Then the second answers every one within the lease and a sweep; those on the
+            # first's device ran once more each, the others once
+            answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
+            last_s = time.monotonic() - struck
+            assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
+            assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
+            on_device = crashy_batches(r, prefix)[0]
+            starts = crashy_starts(r, prefix)
+            assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
+            report_counts("kill -9 of a worker holding 12, on a cluster", 12, len(answers), starts,
+                          last_s)
+        finally:
+            client.close()
+            for w in (first, second):
+                if w.process.poll() is None:
+                    os.kill(w.pid, signal.SIGCONT)
+            stop_together([first, second])
+            r.close()
+
+
+def _stream_through(client: Client, model: str, rate_hz: float, fault: Callable[[], None],
+                    before: int, after: int) -> dict[str, Any]:
+    """Send requests at ``rate_hz`` from a pool of threads (a submit waiting out the fault holds up
+    no other): ``before`` of them, then ``fault()`` in its own thread, and on until ``after``
+    were sent once it returned. sent / refused (at the submit) / answered / lost by phase
+    (before the fault, during it, after it), and how long the fault took."""
+    def send(index: int) -> tuple[str, Any]:
+        request_id = f"{index}-{uuid.uuid4().hex[:8]}"
+        try:
+            return request_id, client.submit(model, _row(index), request_id=request_id).sent()
+        except (BrokerUnavailable, NotReplicated) as exc:
+            return request_id, exc
+
+    phases: list[tuple[str, Any]] = []
+    began, ended = 0.0, []
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        faulting = None
+        while sum(1 for phase, _ in phases if phase == "after") < after:
+            if len(phases) == before:
+                began, faulting = time.monotonic(), pool.submit(lambda: (fault(), ended.append(
+                    time.monotonic())))
+            phase = "before" if faulting is None else ("after" if ended else "during")
+            phases.append((phase, pool.submit(send, len(phases))))
+            time.sleep(1.0 / rate_hz)
+        assert faulting is not None
+        faulting.result(timeout=60)
+        outcomes = [(phase, f.result()) for phase, f in phases]
+    deadline = time.monotonic() + 60.0
+    counts: dict[str, Any] = {p: {"sent": 0, "refused": 0, "answered": 0, "lost": 0}
+                              for p in ("before", "during", "after")}
+    lost = []
+    for phase, (request_id, outcome) in outcomes:
+        row = counts[phase]
+        row["sent"] += 1
+        if isinstance(outcome, Exception):
+            row["refused"] += 1
+            continue
+        try:
+            outcome.result(timeout=max(0.1, deadline - time.monotonic()))
+            row["answered"] += 1
+        except Exception as exc:  # noqa: BLE001 - counted
+            row["lost"] += 1
+            lost.append(f"{request_id}: {type(exc).__name__}: {exc}"[:200])
+    counts["lost_ids"] = lost[:5]
+    counts["fault_s"] = round(ended[0] - began, 2)
+    return counts
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_the_fleet_follows_its_shard_s_master_failing_over_while_requests_stream(
+        tmp_path: Path, replicas: int) -> None:
+    # Given a worker and a client on a cluster whose masters have 1 + replicas replicas each (one
+    # left after the promotion, to confirm durable submits); with replicas=1 every submit and
+    # result write waits for a replica
+    with LocalCluster(tmp_path / "cluster", replicas_per_master=1 + replicas) as cluster:
+        url = _url(cluster)
+        env = {"ASYNCINFER_SUBMIT_REPLICAS": str(replicas), "ASYNCINFER_SUBMIT_REPLICAS_TIMEOUT_S": "5"}
+        worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                              "identity", "--concurrency", "32", **env)
+        client = Client(settings=Settings(broker_url=url, connect_timeout_s=2.0,
+                                          submit_replicas=replicas, submit_replicas_timeout_s=5.0))
+        try:
+            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            old = cluster.master_of_slot(SLOT)
+
+            def fail_over() -> None:
+                cluster.kill_master(old)
+                cluster.wait_failover(old)
+
+            # When the shard's master is SIGKILLed in the middle of a paced stream of requests
+            counts = _stream_through(client, "identity", 40, fail_over, before=40, after=60)
+            print(f"failover of the shard's master, replicas={replicas}:", counts)
+            # Then the same worker process (never restarted) and client follow the promoted
+            # replica: every request sent after the promotion is accepted and answered; those
+            # sent before it are answered (with durable submits every one: a write confirmed by
+            # a replica survives its master)
+            assert worker.process.poll() is None
+            assert counts["after"] == {"sent": 60, "refused": 0, "answered": 60, "lost": 0}, counts
+            if replicas:
+                assert counts["before"] == {"sent": 40, "refused": 0, "answered": 40, "lost": 0}
+                assert counts["during"]["lost"] == 0, counts
+            else:
+                assert counts["before"]["answered"] >= 30, counts
+        finally:
+            client.close()
+            worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_the_fleet_follows_its_shard_s_slot_migrating_while_requests_stream(tmp_path: Path) -> None:
+    # Given a worker on a cluster, serving a model that counts each value's starts on the device
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        url = _url(cluster)
+        r = shard_client(url, 0)
+        prefix, env = crashy_env(url, "migrating", 0.05)
+        worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "crashy",
+                              **env)
+        client = Client(broker_url=url)
+        try:
+            source = cluster.master_of_slot(SLOT)
+            target = next(m for m in cluster.masters() if m.port != source.port)
+            moved: list[int] = []
+
+            def migrate() -> None:  # the slot's keys moved a few at a time, then the slot
+                cluster.begin_migration(SLOT, target)
+                while True:
+                    step = cluster.move_keys(SLOT, 3)
+                    moved.append(step)
+                    if not step:
+                        break
+                    time.sleep(0.05)
+                cluster.finish_migration(SLOT, target)
+
+            # When the shard's slot migrates to another master while requests stream in
+            sent = time.monotonic()
+            futures = []
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                for i in range(150):
+                    if i == 30:
+                        migrating = pool.submit(migrate)
+                    futures.append(client.submit("crashy", crashy_index(i)))
+                    time.sleep(0.02)
+                migrating.result(timeout=60)
+            answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
+            last_s = time.monotonic() - sent
+            # Then every request is answered once, by the same worker process, from the new master
+            assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(150)]
+            starts = crashy_starts(r, prefix)
+            report_counts(f"the shard's slot migrated ({sum(moved)} keys moved)", 150, len(answers),
+                          starts, last_s)
+            assert starts == {i: 1 for i in range(150)}
+            assert sum(moved) > 0 and cluster.master_of_slot(SLOT).port == target.port
+            assert worker.process.poll() is None
+        finally:
+            client.close()
+            worker.stop()
+            r.close()
