@@ -6,6 +6,7 @@ while requests stream. Each counts sent / accepted / answered / lost / ran twice
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -22,13 +23,15 @@ from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.errors import BrokerUnavailable, NotReplicated
+from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost, WorkerLost
 from asyncinfer.wire.keys import LEASES_KEY, UNACKED_KEY
 from tests.support.crashy import (
+    burst_with_killer,
     crashy_batches,
     crashy_env,
     crashy_index,
     crashy_starts,
+    crashy_under_up,
     report_counts,
     two_crashy_workers,
 )
@@ -231,3 +234,77 @@ def test_the_fleet_follows_its_shard_s_slot_migrating_while_requests_stream(tmp_
             client.close()
             worker.stop()
             r.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_request_that_kills_its_worker_on_a_cluster_is_isolated_then_fails(tmp_path: Path) -> None:
+    # Given `asyncinfer up` on a cluster with one worker and a model that keeps its dead letters
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        url = _url(cluster)
+        r = shard_client(url, 0)
+        prefix, env = crashy_env(url, "killer", 0.1)
+        env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
+        with crashy_under_up(url, env, tmp_path) as (client, _):
+            # When 40 good requests and one that kills its worker are sent in one burst
+            good, killer = burst_with_killer(client, 20, 20)
+            sent_at = time.monotonic()
+            # Then every good one is answered, and the killer fails for good after its deaths,
+            # kept as a dead letter
+            answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
+            last_s = time.monotonic() - sent_at
+            assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
+            with pytest.raises(WorkerLost, match="died 3 times"):
+                killer.result(timeout=ANSWER_WITHIN_S)
+            starts = crashy_starts(r, prefix)
+            assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
+            dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
+            assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
+            report_counts("a request that kills its worker, among 40, on a cluster", 41,
+                          len(answers) + 1, starts, last_s)
+        r.close()
+
+
+@pytest.mark.timeout(180)
+def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Path) -> None:
+    # Given a cluster whose shard's replica stopped taking its master's writes (frozen), and 20
+    # requests accepted by the master alone (no worker serves them yet)
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        url = _url(cluster)
+        client = Client(settings=Settings(broker_url=url, lost_after_s=4.0, connect_timeout_s=2.0))
+        worker = None
+        try:
+            kept = [client.submit("identity", _row(i)) for i in range(5)]
+            master = cluster.master_of_slot(SLOT)
+            with master.client() as m:
+                assert m.wait(1, 5000) == 1  # the 5 kept are on the replica
+            replica = cluster.replicas(of=master)[0]
+            os.kill(replica.pid, signal.SIGSTOP)
+            # (32 MB written first fill the sockets to the frozen replica: what follows stays in
+            # the master's output buffer, and dies with it)
+            with shard_client(url, 0) as r:
+                r.set("filler", b"x" * (32 << 20))
+            lost = [client.submit("identity", _row(i)) for i in range(20)]
+            # When the master dies, and the replica, thawed, is promoted without them
+            cluster.kill_master(master)
+            os.kill(replica.pid, signal.SIGCONT)
+            promoted = cluster.wait_failover(master)
+            assert promoted.port == replica.port
+            worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                                  "identity")
+            # Then the kept are answered, and each lost one's future ends with RequestLost
+            assert [f.result(timeout=60)["input"].tolist() for f in kept] == [
+                [[float(i)]] for i in range(5)]
+            outcomes = []
+            for f in lost:
+                try:
+                    f.result(timeout=60)
+                    outcomes.append("answered")
+                except RequestLost:
+                    outcomes.append("lost")
+            print("a failover to a replica behind: kept 5 answered;",
+                  {k: outcomes.count(k) for k in ("answered", "lost")})
+            assert outcomes == ["lost"] * 20
+        finally:
+            client.close()
+            if worker is not None:
+                worker.stop()

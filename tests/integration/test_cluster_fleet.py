@@ -1,6 +1,7 @@
 """The fleet on a real Redis Cluster (3 masters, 3 replicas of real redis-server processes), through
-a ``rediscluster://`` URL: a worker, the ``Client``, Celery's ``AsyncResult`` and ``send_task``,
-every key of the fleet in its shard's hash slot on that slot's master."""
+a ``rediscluster://`` URL: a worker, the ``Client``, Celery's ``AsyncResult`` and ``send_task``, a
+stream of parts, the gateway through tritonclient, every key of the fleet in its shard's hash slot
+on that slot's master."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from celery import Celery
 
 from asyncinfer.broker.cluster_backend import register_schemes
@@ -16,7 +19,7 @@ from asyncinfer.broker.shards import key_prefix, shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.ops.status import queue_depths
-from tests.support.processes import start_worker
+from tests.support.processes import start_gateway, start_worker
 from tests.support.redis_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,4 +73,35 @@ def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
         assert queue_depths(client.app, {"identity"}) == {"identity": 0}
     finally:
         client.close()
+        worker.stop()
+
+
+def test_a_stream_and_the_gateway_on_a_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    url = _url(cluster)
+    worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "identity,echo-stream", "--hostname", "streams@%h")
+    gateway = start_gateway(url, tmp_path / "gateway.log")
+    client = Client(broker_url=url)
+    try:
+        # When a decoupled model streams its parts, and tritonclient calls through the gateway
+        words = [f"w{i}" for i in range(30)]
+        with client.stream("echo-stream", {"text_input": [" ".join(words)]}) as parts:
+            got = [(part.index, str(part["text_output"].reshape(-1)[0])) for part in parts]
+        http = httpclient.InferenceServerClient(gateway.http_url)
+        x = httpclient.InferInput("input", [1, 1], "FP32")
+        x.set_data_from_numpy(np.array([[2.5]], np.float32))
+        by_http = http.infer("identity", [x]).as_numpy("input")
+        grpc = grpcclient.InferenceServerClient(gateway.grpc_url)
+        g = grpcclient.InferInput("input", [1, 1], "FP32")
+        g.set_data_from_numpy(np.array([[3.5]], np.float32))
+        by_grpc = grpc.infer("identity", [g]).as_numpy("input")
+        # Then every part arrives once, in order, and each gateway call is answered
+        assert got == list(enumerate(words, start=1))
+        assert by_http.tolist() == [[2.5]] and by_grpc.tolist() == [[3.5]]
+        assert http.is_model_ready("identity")
+        http.close()
+        grpc.close()
+    finally:
+        client.close()
+        gateway.stop()
         worker.stop()
