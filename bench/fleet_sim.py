@@ -211,6 +211,33 @@ def _attribution(producers: list[Producer], meter_args: tuple[Any, ...], in_flig
                                                for k, v in idle["sent_by_clients"].items()}}}
 
 
+class _Cluster:
+    """A local Redis Cluster (tests/support/redis_cluster.py) in the shape of a RedisServer: its
+    ``rediscluster://`` URL, and the process and a plain client of the master of the fleet's shard."""
+
+    def __init__(self, folder: Path, binary: str) -> None:
+        from asyncinfer.broker.shards import shard_tags, tag_slot
+        from tests.support.redis_cluster import LocalCluster
+
+        self.cluster = LocalCluster(folder, binary=binary).start()
+        (host, port), *others = self.cluster.seeds
+        self.url = f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
+        self.master = self.cluster.master_of_slot(tag_slot(shard_tags(1)[0]))
+        self.process = self.master.process
+        for node in self.cluster.masters():  # as the embedded Redis keeps them (redis_server.py)
+            with node.client() as c:
+                c.config_set("zset-max-ziplist-entries", 0)
+                c.config_set("hash-max-ziplist-entries", 0)
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.master.port)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
 def _fleet(batch: int, args: argparse.Namespace,
            log_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every point of one batch size (one Redis, workers added step by step), and where Redis'
@@ -222,14 +249,20 @@ def _fleet(batch: int, args: argparse.Namespace,
 
     points: list[dict[str, Any]] = []
     attribution: dict[str, Any] = {}
-    server = RedisServer(log_dir / f"redis-{batch}", appendonly=args.appendonly, die_with_parent=True,
-                         binary=redis_server_binary(prefer_system=args.system_redis)).start()
+    server: Any
+    if args.cluster:  # the figures are those of the shard's master
+        server = _Cluster(log_dir / f"cluster-{batch}",
+                          redis_server_binary(prefer_system=args.system_redis))
+    else:
+        server = RedisServer(log_dir / f"redis-{batch}", appendonly=args.appendonly,
+                             die_with_parent=True,
+                             binary=redis_server_binary(prefer_system=args.system_redis)).start()
     workers: list[Any] = []
     producers: list[Producer] = []
     try:
         assert server.process is not None
         env = _env(server.url, args.device, batch, args.env)
-        info = redis.Redis.from_url(server.url)
+        info = server.client() if args.cluster else redis.Redis.from_url(server.url)
         version = info.info("server")["redis_version"]
         with Client(broker_url=server.url) as control:
             for n in args.workers:
@@ -392,6 +425,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--appendonly", action="store_true",
                    help="Redis with its append-only file (asyncinfer up's embedded broker)")
     p.add_argument("--system-redis", action="store_true", help="the system's redis-server binary")
+    p.add_argument("--cluster", action="store_true",
+                   help="a local Redis Cluster (3 masters, a replica each) through a rediscluster:// "
+                        "URL: the figures are those of the master that owns the fleet's shard")
     p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
                    help="for the workers and producers (repeatable), e.g. ASYNCINFER_LOST_AFTER_S=0")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

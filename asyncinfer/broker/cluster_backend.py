@@ -36,7 +36,7 @@ class ClusterBackend(RedisBackend):  # type: ignore[misc]
     def _create_client(self, **params: Any) -> Any:
         from asyncinfer.broker.cluster_client import shard_client
 
-        return shard_client(self.cluster_url, 0, **{k: v for k, v in params.items()
+        return shard_client(self.cluster_url, **{k: v for k, v in params.items()
                                                    if k in _PASSED and v is not None})
 
 

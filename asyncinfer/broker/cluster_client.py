@@ -158,11 +158,12 @@ _maps_lock = threading.Lock()
 
 
 def slot_map_of(url: ClusterUrl) -> SlotMap:
-    """The process' one :class:`SlotMap` of the cluster ``url`` names."""
+    """The process' one :class:`SlotMap` of the cluster ``url`` names (whichever its shard)."""
+    cluster = url.cluster()
     with _maps_lock:
-        found = _maps.get(url)
+        found = _maps.get(cluster)
         if found is None:
-            found = _maps[url] = SlotMap(url)
+            found = _maps[cluster] = SlotMap(cluster)
         return found
 
 
@@ -268,10 +269,12 @@ def _unprefixing(name: str, callback: Any, prefix: bytes) -> Any:
     return parse
 
 
-def shard_client(url: str, shard: int, **kwargs: Any) -> ShardClient:
-    """A client of shard ``shard`` of the cluster ``url`` (``rediscluster://…``); ``kwargs`` go to
-    redis-py's connections, as for :func:`~asyncinfer.broker.connections.redis_client`."""
+def shard_client(url: str, shard: int | None = None, **kwargs: Any) -> ShardClient:
+    """A client of shard ``shard`` (default: the one the URL names) of the cluster ``url``
+    (``rediscluster://…``); ``kwargs`` go to redis-py's connections, as for
+    :func:`~asyncinfer.broker.connections.redis_client`."""
     parsed = parse_cluster_url(url)
+    shard = parsed.shard if shard is None else shard
     if not 0 <= shard < parsed.shards:
         raise ValueError(f"shard {shard} of a cluster URL with {parsed.shards} shards")
     slots = slot_map_of(parsed)

@@ -169,7 +169,7 @@ def redis_client(url: str, settings: ConnectionSettings | None = None, **kwargs:
     if is_cluster_url(url):
         from asyncinfer.broker.cluster_client import shard_client
 
-        return shard_client(url, 0, **kwargs)
+        return shard_client(url, **kwargs)
     kwargs = connection_kwargs(kwargs)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)

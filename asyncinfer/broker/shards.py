@@ -24,8 +24,9 @@ __all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "shard_of", "key_prefix", "t
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
-#: Shards of a cluster URL that names none. One for now: a fleet serves one shard (its producers
-#: and workers do not spread requests over several yet), on one master of the cluster.
+#: Shards of a cluster URL that names none: one, on one master of the cluster. A URL names one
+#: shard (``shard=K`` of ``shards=N``): the routing table puts groups of models on shards of
+#: their own, and so on masters of their own.
 DEFAULT_SHARDS = 1
 
 

@@ -430,7 +430,7 @@ class ClusterChannel(Channel):
         from asyncinfer.broker.cluster_client import shard_client
 
         params = {k: getattr(self, k, None) for k in _SHARD_PARAMS}
-        pool = shard_client(self.connection.client.hostname, 0, parser_class=_PARSER,
+        pool = shard_client(self.connection.client.hostname, parser_class=_PARSER,
                             **{k: v for k, v in params.items() if v is not None}).connection_pool
         if asynchronous:  # as kombu's: a connection that drops leaves the channel's poller
             channel, shard_connection = self, pool.connection_class

@@ -62,19 +62,25 @@ def is_cluster_url(url: str) -> bool:
 @dataclass(frozen=True)
 class ClusterUrl:
     """What a cluster URL names: some of the cluster's nodes (the client learns the rest from
-    them), the credentials, TLS, and the fleet's shards (broker/shards.py)."""
+    them), the credentials, TLS, and which ``shard`` of ``shards`` its keys are (broker/shards.py)."""
 
     seeds: tuple[tuple[str, int], ...]
     shards: int
     tls: bool = False
     username: str | None = None
     password: str | None = None
+    shard: int = 0
+
+    def cluster(self) -> ClusterUrl:
+        """The cluster alone: the same nodes, credentials and TLS, whatever the shard."""
+        return ClusterUrl(self.seeds, 1, self.tls, self.username, self.password)
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
-    """Parse ``rediscluster://[[user]:password@]host:port[/][?nodes=host:port,…][&shards=N]``
+    """Parse ``rediscluster://[[user]:password@]host:port[/][?nodes=host:port,…][&shards=N][&shard=K]``
     (``redisclusters://`` over TLS): one node in the URL's place for a host, as kombu and Celery
-    read a URL, and any others in ``nodes``. Raises ValueError naming the rule a URL breaks."""
+    read a URL, and any others in ``nodes``; the URL's keys are shard ``K`` (0 to N - 1; default
+    0) of ``N`` (default 1). Raises ValueError naming the rule a URL breaks."""
     from asyncinfer.broker.shards import DEFAULT_SHARDS, SLOTS
 
     parts = urlsplit(url)
@@ -91,7 +97,7 @@ def parse_cluster_url(url: str) -> ClusterUrl:
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"a Redis Cluster has one database (0); the URL names {parts.path!r}")
     seeds = [(parts.hostname, port)]
-    shards = DEFAULT_SHARDS
+    shards, shard = DEFAULT_SHARDS, 0
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "nodes":
             for entry in filter(None, (v.strip() for v in value.split(","))):
@@ -103,11 +109,18 @@ def parse_cluster_url(url: str) -> ClusterUrl:
             if not value.isdigit() or not 1 <= int(value) <= SLOTS:
                 raise ValueError(f"a Redis Cluster URL's shards must be 1 to {SLOTS}, got {value!r}")
             shards = int(value)
+        elif name == "shard":
+            if not value.isdigit():
+                raise ValueError(f"a Redis Cluster URL's shard must be a number, got {value!r}")
+            shard = int(value)
         else:
-            raise ValueError(f"a Redis Cluster URL takes the options 'nodes' and 'shards', not {name!r}")
+            raise ValueError(f"a Redis Cluster URL takes the options 'nodes', 'shards' and 'shard', "
+                             f"not {name!r}")
+    if shard >= shards:
+        raise ValueError(f"a Redis Cluster URL's shard is 0 to shards - 1 ({shards - 1}), got {shard}")
     return ClusterUrl(tuple(seeds), shards, tls=parts.scheme.lower() == "redisclusters",
                       username=unquote(parts.username) if parts.username else None,
-                      password=unquote(parts.password) if parts.password else None)
+                      password=unquote(parts.password) if parts.password else None, shard=shard)
 
 
 @dataclass(frozen=True)

@@ -108,12 +108,9 @@ def json_object(text: str, what: str) -> dict[str, Any]:
 
 
 def _check_cluster_url(url: str, where: str, settings: Any) -> None:
-    """A Redis Cluster URL names one shard (the fleet does not spread over several yet) and is
-    read by asyncinfer's own consumer (kombu's event loop does not run on a cluster)."""
-    parsed = parse_cluster_url(url)  # raises ValueError naming the rule broken
-    if parsed.shards != 1:
-        raise ValueError(f"{where}: a fleet on a Redis Cluster serves one shard (shards=1) for "
-                         f"now, not {parsed.shards}")
+    """A Redis Cluster URL is read by asyncinfer's own consumer (kombu's event loop does not
+    follow a slot)."""
+    parse_cluster_url(url)  # raises ValueError naming the rule broken
     if settings.consumer != "fast":
         raise ValueError(f"{where}: on a Redis Cluster the workers consume with asyncinfer's own "
                          "consumer (ASYNCINFER_CONSUMER=fast), not Celery's")

@@ -66,9 +66,8 @@ def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
         tag = shard_tags(1)[0]
         master = cluster.master_of_slot(tag_slot(tag)).client()
         assert master.exists(key_prefix(tag) + f"celery-task-meta-{futures[0].id}".encode())
-        others = [m.client() for m in cluster.masters() if m.port != master.connection_pool.
-                  connection_kwargs["port"]]
-        assert all(other.dbsize() == 0 for other in others)  # nothing outside the shard
+        every = [k for m in cluster.masters() for k in m.client().keys("*")]
+        assert every and all(k.startswith(b"{") for k in every)  # nothing outside a shard
         assert "fast consumer on infer.identity" in worker.log()
         assert queue_depths(client.app, {"identity"}) == {"identity": 0}
     finally:
@@ -105,3 +104,34 @@ def test_a_stream_and_the_gateway_on_a_cluster(cluster: LocalCluster, tmp_path: 
         client.close()
         gateway.stop()
         worker.stop()
+
+
+def test_the_routing_table_puts_models_on_shards_of_their_own_on_masters_of_their_own(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    # Given two models routed to two shards of three of one cluster, a worker each
+    url = _url(cluster)
+    shard_url = [f"{url}&shards=3&shard={k}" for k in range(3)]
+    first = start_worker(shard_url[1], tmp_path / "first.log", "--device", "cpu", "--models",
+                         "identity", "--hostname", "first@%h")
+    second = start_worker(shard_url[2], tmp_path / "second.log", "--device", "cpu", "--models",
+                          "sleep", "--hostname", "second@%h")
+    client = Client(settings=Settings(broker_url=shard_url[1],
+                                      broker_routes=f"sleep={shard_url[2]}"))
+    try:
+        # When one client sends requests of both
+        ones = [client.submit("identity", _row(i)) for i in range(10)]
+        twos = [client.submit("sleep", _row(0.01)) for _ in range(10)]
+        assert [float(f.result(timeout=30).as_numpy("input")[0, 0]) for f in ones] == list(range(10))
+        assert all(f.result(timeout=30) is not None for f in twos)
+        # Then each model's requests and results are on its shard's master, two masters apart
+        tags = shard_tags(3)
+        masters = [cluster.master_of_slot(tag_slot(tags[k])) for k in (1, 2)]
+        assert masters[0].port != masters[1].port
+        for master, k, futures in ((masters[0], 1, ones), (masters[1], 2, twos)):
+            keys = [key_prefix(tags[k]) + f"celery-task-meta-{f.id}".encode() for f in futures]
+            with master.client() as c:
+                assert c.exists(*keys) == 10
+    finally:
+        client.close()
+        first.stop()
+        second.stop()

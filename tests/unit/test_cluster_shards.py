@@ -61,12 +61,17 @@ def test_the_cluster_url_form() -> None:
     assert (url.shards, url.tls, url.username, url.password) == (6, False, "user", "p@ss")
     assert parse_cluster_url("redisclusters://h:7000").tls is True
     assert parse_cluster_url("rediscluster://h:7000/0").shards == 1
+    sharded = parse_cluster_url("rediscluster://h:7000/?shards=12&shard=5")
+    assert (sharded.shards, sharded.shard) == (12, 5)
+    assert sharded.cluster() == parse_cluster_url("rediscluster://h:7000").cluster()
     assert is_cluster_url("rediscluster://h:1") and not is_cluster_url("redis://h:1")
     for bad, rule in (("rediscluster://", "host:port expected"), ("rediscluster://h", "host:port"),
                       ("rediscluster://h:1,g:2", r"\?nodes="), ("rediscluster://h:1/2", "one database"),
                       ("rediscluster://h:1?shards=0", "1 to 16384"),
                       ("rediscluster://h:1?nodes=g", "node 'g'"),
-                      ("rediscluster://h:1?db=2", "'nodes' and 'shards'"),
+                      ("rediscluster://h:1?db=2", "'nodes', 'shards' and 'shard'"),
+                      ("rediscluster://h:1?shard=1", r"0 to shards - 1 \(0\), got 1"),
+                      ("rediscluster://h:1?shards=3&shard=x", "shard must be a number"),
                       ("redis://h:1", "starts with rediscluster")):
         with pytest.raises(ValueError, match=rule):
             parse_cluster_url(bad)
