@@ -23,21 +23,20 @@ from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost, WorkerLost
-from asyncinfer.wire.keys import LEASES_KEY, UNACKED_KEY
+from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost
 from tests.support.crashy import (
-    burst_with_killer,
-    crashy_batches,
+    answered_by_second,
     crashy_env,
     crashy_index,
     crashy_starts,
     crashy_under_up,
+    held_by_first,
+    killer_isolated,
     report_counts,
     two_crashy_workers,
 )
 from tests.support.processes import start_worker, stop_together
 from tests.support.redis_cluster import LocalCluster
-from tests.support.waiting import wait_for
 
 #: As in test_fleet.py: the lease (10 s) and a sweep and the work, far below the visibility timeout.
 ANSWER_WITHIN_S = 60
@@ -65,28 +64,14 @@ def test_a_worker_killed_holding_requests_on_a_cluster_another_answers_them(tmp_
         first, second = two_crashy_workers(url, url, tmp_path, slow, {**slow, "CRASHY_SLEEP_S": "0.2"})
         client = Client(broker_url=url)
         try:
-            os.kill(second.pid, signal.SIGSTOP)
-            futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
-            wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
-                     "the first worker to hold all 12")
-            wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
-            os.kill(second.pid, signal.SIGCONT)
-            assert r.zcard(LEASES_KEY) == 12
+            futures = held_by_first(client, r, prefix, second.pid)
             # When the first is killed outright
             struck = time.monotonic()
             first.process.kill()
             first.process.wait()
             # Then the second answers every one within the lease and a sweep; those on the
-            # first's device ran once more each, the others once
-            answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
-            last_s = time.monotonic() - struck
-            assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
-            assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
-            on_device = crashy_batches(r, prefix)[0]
-            starts = crashy_starts(r, prefix)
-            assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
-            report_counts("kill -9 of a worker holding 12, on a cluster", 12, len(answers), starts,
-                          last_s)
+            # first's device ran once more each, together, the others once
+            answered_by_second(futures, r, prefix, struck, ANSWER_WITHIN_S, "kill -9, on a cluster,")
         finally:
             client.close()
             for w in (first, second):
@@ -245,22 +230,9 @@ def test_a_request_that_kills_its_worker_on_a_cluster_is_isolated_then_fails(tmp
         prefix, env = crashy_env(url, "killer", 0.1)
         env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
         with crashy_under_up(url, env, tmp_path) as (client, _):
-            # When 40 good requests and one that kills its worker are sent in one burst
-            good, killer = burst_with_killer(client, 20, 20)
-            sent_at = time.monotonic()
-            # Then every good one is answered, and the killer fails for good after its deaths,
-            # kept as a dead letter
-            answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
-            last_s = time.monotonic() - sent_at
-            assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
-            with pytest.raises(WorkerLost, match="died 3 times"):
-                killer.result(timeout=ANSWER_WITHIN_S)
-            starts = crashy_starts(r, prefix)
-            assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
-            dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
-            assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
-            report_counts("a request that kills its worker, among 40, on a cluster", 41,
-                          len(answers) + 1, starts, last_s)
+            # When 40 good requests and one that kills its worker are sent in one burst, then
+            # every good one is answered and the killer isolated, failed for good and kept
+            killer_isolated(client, r, prefix, ANSWER_WITHIN_S, "asyncinfer up, on a cluster")
         r.close()
 
 

@@ -25,12 +25,15 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.errors import WorkerLost
 from asyncinfer.wire.keys import DEATHS_PREFIX, LEASES_KEY, UNACKED_KEY
 from tests.support.crashy import (
+    answered_by_second,
     burst_with_killer,
     crashy_batches,
     crashy_env,
     crashy_index,
     crashy_starts,
     crashy_under_up,
+    held_by_first,
+    killer_isolated,
     report_counts,
     two_crashy_workers,
 )
@@ -65,13 +68,7 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
     client = Client(broker_url=url)
     try:
         # And 12 requests held by the first: a batch on its device, the others waiting
-        os.kill(second.pid, signal.SIGSTOP)
-        futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
-        wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
-                 "the first worker to hold all 12")
-        wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
-        os.kill(second.pid, signal.SIGCONT)
-        assert r.zcard(LEASES_KEY) == 12
+        futures = held_by_first(client, r, prefix, second.pid)
         # When the first is killed outright, frozen, or cut off from Redis
         struck = time.monotonic()
         if fault.startswith("kill -9"):
@@ -81,21 +78,10 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
             os.kill(first.pid, signal.SIGSTOP)
         else:
             link.cut()
-        # Then the second answers every one, within the lease and a sweep, not the hour
-        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in futures]
-        last_s = time.monotonic() - struck
-        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
-        assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
-        # And those on the first's device ran once more each (together, as the suspects they are,
-        # on the fast consumer, which counts deaths on the device: a lost worker costs a batch
-        # time, not one per row); the others once
-        on_device = crashy_batches(r, prefix)[0]
-        starts = crashy_starts(r, prefix)
-        assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
-        if not stock:
-            later = crashy_batches(r, prefix)[1:]
-            assert [sorted(b) for b in later if set(b) & set(on_device)] == [sorted(on_device)], later
-        report_counts(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
+        # Then the second answers every one, within the lease and a sweep, not the hour; those
+        # on the first's device ran once more each (together, on the fast consumer), the others
+        # once
+        answered_by_second(futures, r, prefix, struck, ANSWER_WITHIN_S, fault, together=not stock)
         if not fault.startswith("kill -9"):
             # When the worker wakes or the link heals, it learns that its leases went to another
             # worker; what it answers again keeps a valid final state
@@ -179,30 +165,9 @@ def test_a_request_that_kills_its_worker_is_isolated_then_fails_with_worker_lost
     prefix, env = crashy_env(url, "killer", 0.1)
     env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
     with crashy_under_up(url, env, tmp_path) as (client, _):
-        # When 40 good requests and one that kills its worker (-1) are sent in one burst
-        good, killer = burst_with_killer(client, 20, 20)
-        sent_at = time.monotonic()
-        # Then every good one is answered, none started more than twice
-        answers = [f.result(timeout=ANSWER_WITHIN_S) for f in good]
-        last_s = time.monotonic() - sent_at
-        assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
-        # And the killer fails for good, naming the deaths, after at most N + 1 of them
-        with pytest.raises(WorkerLost, match="died 3 times"):
-            killer.result(timeout=ANSWER_WITHIN_S)
-        starts = crashy_starts(r, prefix)
-        assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
-        # after its first death it ran again with batch-mates that died with it only (suspects:
-        # no request that saw no death; on a loaded host the suspects put back can reach the
-        # restarted worker in more than one take, and then do not all share the rerun), then
-        # alone, so no good request shared its third
-        killer_batches = [b for b in crashy_batches(r, prefix) if -1 in b]
-        assert set(killer_batches[1]) <= set(killer_batches[0]), killer_batches
-        assert killer_batches[2:] == [[-1]] * (starts[-1] - 2)
-        # And it is kept as a dead letter
-        dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
-        assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
-        report_counts("a request that kills its worker, among 40 (asyncinfer up)", 41,
-                len(answers) + 1, starts, last_s)
+        # When 40 good requests and one that kills its worker are sent in one burst, then every
+        # good one is answered and the killer isolated, failed for good and kept as a dead letter
+        killer_isolated(client, r, prefix, ANSWER_WITHIN_S, "asyncinfer up")
 
 
 @pytest.mark.timeout(240)

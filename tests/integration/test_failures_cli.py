@@ -201,8 +201,8 @@ def test_a_broker_url_that_is_no_url_is_one_line(tmp_path) -> None:
     assert error_lines(out) == [
         "asyncinfer status: ValueError: ASYNCINFER_BROKER_URL (or --broker-url) is not a URL: "
         "'notaurl'; a URL looks like redis://[:password@]host:6379/0, rediss://…, "
-        "unix:///path/redis.sock, sentinel://host:26379;sentinel://host2:26379/0 or "
-        "amqp://user:password@host:5672//"]
+        "unix:///path/redis.sock, sentinel://host:26379;sentinel://host2:26379/0, "
+        "rediscluster://host:7000/?nodes=host2:7000 or amqp://user:password@host:5672//"]
 
 
 # -- workers that cannot start -------------------------------------------------------------------

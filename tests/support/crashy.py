@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
 
 from asyncinfer.client import Client
+from asyncinfer.errors import WorkerLost
 from asyncinfer.ops.status import cluster_status
+from asyncinfer.wire.keys import LEASES_KEY, UNACKED_KEY
 from tests.support.processes import launch_worker, ready_together, start_up, stop_up, worker_env
 from tests.support.waiting import wait_for
 
@@ -89,3 +94,61 @@ def crashy_under_up(url: str, env: dict[str, str], tmp_path) -> Iterator[tuple[C
         client.close()
         stop_up(up, sorted(set(seen)))
         log.close()
+
+
+def killer_isolated(client: Client, r: redis.Redis, prefix: str, within_s: float, where: str) -> None:
+    """Send 40 good "crashy" requests and one that kills every worker that runs it (-1) in one
+    burst, and check what the fleet (``asyncinfer up``, restarting its worker; the model keeps its
+    dead letters) makes of them: every good one answered, none started more than twice; the
+    killer failed for good, naming its deaths, after at most N + 1 of them; after its first death
+    it ran again only with batch-mates that died with it (on a loaded host the suspects put back
+    can reach the restarted worker in more than one take), then alone; kept as a dead letter.
+    Prints the counts, naming ``where``."""
+    good, killer = burst_with_killer(client, 20, 20)
+    sent_at = time.monotonic()
+    answers = [f.result(timeout=within_s) for f in good]
+    last_s = time.monotonic() - sent_at
+    assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(40)]
+    with pytest.raises(WorkerLost, match="died 3 times"):
+        killer.result(timeout=within_s)
+    starts = crashy_starts(r, prefix)
+    assert 3 <= starts[-1] <= 4 and all(starts[i] <= 3 for i in range(40))
+    killer_batches = [b for b in crashy_batches(r, prefix) if -1 in b]
+    assert set(killer_batches[1]) <= set(killer_batches[0]), killer_batches
+    assert killer_batches[2:] == [[-1]] * (starts[-1] - 2)
+    dead = [json.loads(e) for e in r.lrange("asyncinfer:dead:crashy", 0, -1)]
+    assert [(d["request_id"], d["reason_type"]) for d in dead] == [(killer.id, "WorkerLost")]
+    report_counts(f"a request that kills its worker, among 40 ({where})", 41, len(answers) + 1,
+                  starts, last_s)
+
+
+def held_by_first(client: Client, r: redis.Redis, prefix: str, second_pid: int) -> list[Any]:
+    """12 "crashy" requests held by the first of two workers (the second frozen meanwhile): a
+    batch on its device, the others waiting, all leased; their futures, in value order."""
+    os.kill(second_pid, signal.SIGSTOP)
+    futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
+    wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
+             "the first worker to hold all 12")
+    wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
+    os.kill(second_pid, signal.SIGCONT)
+    assert r.zcard(LEASES_KEY) == 12
+    return futures
+
+
+def answered_by_second(futures: list[Any], r: redis.Redis, prefix: str, struck: float,
+                       within_s: float, fault: str, *, together: bool = True) -> None:
+    """The 12 of :func:`held_by_first`, answered by the second worker within ``within_s``; those
+    on the first's device ran once more each (``together``: in one batch, as the suspects they
+    are, where deaths on the device are counted: a lost worker costs a batch time, not one per
+    row), the others once. Prints the counts, naming ``fault``."""
+    answers = [f.result(timeout=within_s) for f in futures]
+    last_s = time.monotonic() - struck
+    assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
+    assert {a.parameters["worker"].split("@")[0] for a in answers} == {"second"}
+    on_device = crashy_batches(r, prefix)[0]
+    starts = crashy_starts(r, prefix)
+    assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
+    if together:
+        later = crashy_batches(r, prefix)[1:]
+        assert [sorted(b) for b in later if set(b) & set(on_device)] == [sorted(on_device)], later
+    report_counts(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
