@@ -5,6 +5,10 @@ on that slot's master."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +22,9 @@ from asyncinfer.broker.cluster_backend import register_schemes
 from asyncinfer.broker.shards import key_prefix, shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
+from asyncinfer.errors import ModelError
 from asyncinfer.ops.status import queue_depths
-from tests.support.processes import start_gateway, start_worker
+from tests.support.processes import start_gateway, start_worker, worker_env
 from tests.support.redis_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,3 +140,47 @@ def test_the_routing_table_puts_models_on_shards_of_their_own_on_masters_of_thei
         client.close()
         first.stop()
         second.stop()
+
+
+def _cli(url: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "asyncinfer", *args], env=worker_env(url),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    # Given a worker of "poison" (doubles its input; fails on a negative row) that caches its
+    # answers and keeps its dead letters, on a shard of its own
+    url = _url(cluster) + "&shards=3&shard=0"
+    options = json.dumps({"poison": {"response_cache": True, "dead_letter": True}})
+    worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "poison",
+                          ASYNCINFER_MODEL_OPTIONS=options)
+    client = Client(settings=Settings(broker_url=url, model_options=options))
+    try:
+        # When a request is sent twice, one with a high priority, and one that fails
+        first = client.infer("poison", _row(1.5), timeout_s=30)
+        again = client.submit("poison", _row(1.5), priority=0).result(timeout=30)
+        failed = client.submit("poison", _row(-1.0))
+        with pytest.raises(ModelError):
+            failed.result(timeout=30)
+        # Then the second is answered from the cache, and the failure kept as a dead letter
+        assert first.as_numpy("output").tolist() == again.as_numpy("output").tolist() == [[3.0]]
+        assert again.raw["parameters"]["cache_hit"] is True
+        assert "cache_hit" not in first.raw["parameters"]
+        # And the commands read the cluster: status, models, stats, dead letters, purge, cancel
+        assert "infer.poison" in _cli(url, "status")
+        assert "poison" in _cli(url, "models")
+        stats = _cli(url, "stats", "poison")
+        # one inference on the device, one batch; two successes (the hit is one), one failure
+        assert re.search(r"poison\s+1\s+1\s+2\s+1\s", stats), stats
+        dead = _cli(url, "dead", "list", "poison")
+        assert failed.id in dead, dead
+        worker.stop()
+        waiting = [client.submit("poison", _row(float(i))) for i in range(4)]
+        assert "4" in _cli(url, "purge", "poison", "--yes")
+        assert f"revoked {waiting[0].id}" in _cli(url, "cancel", waiting[0].id)
+    finally:
+        client.close()
+        worker.stop()
