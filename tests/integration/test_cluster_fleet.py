@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,10 +23,11 @@ from asyncinfer.broker.cluster_backend import register_schemes
 from asyncinfer.broker.shards import key_prefix, shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.errors import ModelError
+from asyncinfer.errors import ModelError, SequenceNotStarted
 from asyncinfer.ops.status import queue_depths
-from tests.support.processes import start_gateway, start_worker, worker_env
+from tests.support.processes import TEST_FACTORIES, start_gateway, start_worker, worker_env
 from tests.support.redis_cluster import LocalCluster
+from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,6 +183,31 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
         waiting = [client.submit("poison", _row(float(i))) for i in range(4)]
         assert "4" in _cli(url, "purge", "poison", "--yes")
         assert f"revoked {waiting[0].id}" in _cli(url, "cancel", waiting[0].id)
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_a_sequence_on_a_cluster_accumulates_on_its_worker(cluster: LocalCluster, tmp_path: Path) -> None:
+    # Given a worker hosting the stateful accumulator on a cluster's shard
+    url = _url(cluster) + "&shards=3&shard=2"
+    worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "accumulator", ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},"
+                                                                    f"{ACCUMULATOR_FACTORY}")
+    client = Client(broker_url=url)
+    try:
+        def step(value: int, **flags: Any) -> int:
+            r = client.infer("accumulator", {"INPUT": np.array([[value]], np.int64)},
+                             parameters={"sequence_id": "cluster-seq", **flags}, timeout_s=30)
+            return int(r["SUM"][0, 0])
+
+        # When a sequence's requests are sent, then one more after its end
+        sums = [step(3, sequence_start=True), step(4), step(5, sequence_end=True)]
+        # Then they accumulate on the worker the sequence is pinned to (its registration and the
+        # pin in the shard), and the one after the end is refused
+        assert sums == [3, 7, 12]
+        with pytest.raises(SequenceNotStarted):
+            step(1)
     finally:
         client.close()
         worker.stop()
