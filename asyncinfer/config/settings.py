@@ -41,14 +41,15 @@ class Settings:
 
     broker_url: str = _setting(
         "", "ASYNCINFER_BROKER_URL",
-        "Broker URL (`redis://`, `rediss://`, `unix://`, `sentinel://`, `amqp://`). Unset: the URL "
-        f"that `asyncinfer up` published in the state dir, else `{DEFAULT_BROKER_URL}`. Redis "
+        "Broker URL (`redis://`, `rediss://`, `unix://`, `sentinel://`, `rediscluster://`, "
+        "`amqp://`). Unset: the URL that `asyncinfer up` published in the state dir, else "
+        f"`{DEFAULT_BROKER_URL}`. Redis "
         "Sentinel: Celery's `sentinel://[:password@]host:port;sentinel://host:port/db` (the "
         "password is the master's; the database may stand in any entry).")
     result_backend: str = _setting(
         "", "ASYNCINFER_RESULT_BACKEND",
-        "Result backend URL (Redis, or `sentinel://` as for the broker). Unset: the broker URL when "
-        "it is a Redis URL.")
+        "Result backend URL (Redis, or `sentinel://` or `rediscluster://` as for the broker). "
+        "Unset: the broker URL when it is a Redis URL.")
     broker_routes: str = _setting(
         "", "ASYNCINFER_BROKER_ROUTES",
         "Routing table of a fleet sharded by model: `MODEL=URL` entries separated by `;` (a "

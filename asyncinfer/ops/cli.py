@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -313,10 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Commands that serve until stopped.
-_SERVERS = ("worker", "up", "gateway")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncinfer`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -333,14 +328,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command not in _SERVERS:
-        # `asyncinfer infer ... | head` ends quietly; a server keeps Python's SIG_IGN, so a write
-        # to a socket whose peer died (a Redis that failed over, say) raises instead of killing it
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # Python's SIG_IGN for SIGPIPE stays, for every command: a write to a socket whose peer died
+    # (a Redis that failed over, a connection Redis closed) raises, to be retried or reported,
+    # instead of killing the process without a word; `asyncinfer infer ... | head` ends quietly
+    # below, where the write to the pipe raises.
     from asyncinfer.errors import AsyncInferError
 
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # our reader left (`| head`): what is left to print goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (AsyncInferError, TimeoutError, ValueError, OSError) as exc:
         print(f"asyncinfer {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -105,10 +106,26 @@ def test_worker_flags_pick_device_and_models(redis_url, client, tmp_path) -> Non
 
 def test_a_worker_ignores_sigpipe_so_a_dead_redis_peer_cannot_kill_it(worker) -> None:
     # A write to a socket whose peer died (a Redis master killed during a failover) must raise
-    # in the worker, not end it; only the printing commands restore the default (`| head`).
+    # in the worker, not end it (so must it in every command: below).
     status = open(f"/proc/{worker.pid}/status").read()
     ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (13 - 1)), "SIGPIPE (13) is not ignored by the worker"
+
+
+def test_a_printing_command_whose_reader_leaves_ends_quietly_and_ignores_sigpipe() -> None:
+    # Given `asyncinfer config --table | head -c 10`: the reader leaves after 10 bytes
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinfer", "config", "--table"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    fcntl.fcntl(proc.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: the table does not fit in it
+    first = proc.stdout.read(10)
+    proc.stdout.close()
+    # Then the command ends by itself, not by SIGPIPE (which would also end it on a socket
+    # whose Redis peer died), and says nothing of the pipe
+    rc = proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    assert first.startswith(b"| Variable")
+    assert rc == 1 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err)
 
 
 def test_infer_input_file_answers_every_line_in_order_and_names_the_bad_ones(worker, redis_url,
