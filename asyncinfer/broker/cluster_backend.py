@@ -47,4 +47,4 @@ def register_schemes() -> None:
 
     for scheme in CLUSTER_SCHEMES:
         backends.BACKEND_ALIASES.setdefault(scheme, f"{__name__}:ClusterBackend")
-        TRANSPORT_ALIASES.setdefault(scheme, "asyncinfer.broker.transport:ClusterTransport")
+        TRANSPORT_ALIASES.setdefault(scheme, "asyncinfer.broker.cluster_transport:ClusterTransport")

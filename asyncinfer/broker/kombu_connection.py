@@ -31,8 +31,8 @@ _TRANSPORTS = "asyncinfer.broker.transport"
 #: The project's transport (its import path) for each kombu transport name it replaces, and back.
 _OURS: dict[str, str] = {"redis": f"{_TRANSPORTS}:Transport", "rediss": f"{_TRANSPORTS}:SecureTransport",
                          "sentinel": f"{_TRANSPORTS}:SentinelTransport",
-                         "rediscluster": f"{_TRANSPORTS}:ClusterTransport",
-                         "redisclusters": f"{_TRANSPORTS}:ClusterTransport"}
+                         "rediscluster": "asyncinfer.broker.cluster_transport:ClusterTransport",
+                         "redisclusters": "asyncinfer.broker.cluster_transport:ClusterTransport"}
 register_schemes()  # kombu resolves a URL's scheme before the connection's own parameters
 
 

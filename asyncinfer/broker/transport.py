@@ -63,7 +63,7 @@ from asyncinfer.wire.envelope import (
 from asyncinfer.wire.keys import LEASE_HOLDERS_KEY, LEASES_KEY
 
 __all__ = ["Transport", "SecureTransport", "Channel", "SentinelTransport", "SentinelChannel",
-           "ClusterTransport", "ClusterChannel", "OnMalformed"]
+           "OnMalformed", "REFUSING_PARSER", "answering"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ _Empty = virtual.Empty
 
 
 @functools.cache
-def _answering(client_cls: type) -> type:
+def answering(client_cls: type) -> type:
     """``client_cls`` whose ``ping`` counts a refusal (``MISCONF`` refuses even PING) as an answer."""
 
     class Client(client_cls):  # type: ignore[misc, valid-type]
@@ -189,14 +189,14 @@ class Channel(AtomicTake, kombu_redis.Channel):
         # MISCONF, BUSY, ... becomes a RedisRefusal, a connection error here)
         kwargs = getattr(pool, "connection_kwargs", None)
         if isinstance(kwargs, dict):
-            kwargs.setdefault("parser_class", _PARSER)
+            kwargs.setdefault("parser_class", REFUSING_PARSER)
         return pool
 
     def _get_client(self) -> Any:
         client = super()._get_client()
         if isinstance(client, functools.partial):  # a global key prefix
-            return functools.partial(_answering(client.func), *client.args, **client.keywords)
-        return _answering(client)
+            return functools.partial(answering(client.func), *client.args, **client.keywords)
+        return answering(client)
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -380,7 +380,8 @@ class _BadBody(ValueError):
     """A message body that does not decode by its ``body_encoding``."""
 
 
-_PARSER = refusing_parser()
+#: The parser of every connection of the transports: Redis' refusals are connection errors.
+REFUSING_PARSER = refusing_parser()
 
 
 class Transport(kombu_redis.Transport):
@@ -415,44 +416,3 @@ class SentinelTransport(Transport):
 class SecureTransport(Transport):
     """:class:`Transport` for ``rediss://`` URLs (named so in a connection's URL)."""
 
-
-#: kombu's connection settings that a cluster shard's connections take as they are.
-_SHARD_PARAMS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                 "socket_keepalive_options", "health_check_interval", "retry_on_timeout",
-                 "client_name", "max_connections")
-
-
-class ClusterChannel(Channel):
-    """:class:`Channel` on a shard of a Redis Cluster (``rediscluster://`` URLs,
-    broker/cluster_client.py): its keys in the shard's hash slot, on the slot's master."""
-
-    def _get_pool(self, asynchronous: bool = False) -> Any:
-        from asyncinfer.broker.cluster_client import shard_client
-
-        params = {k: getattr(self, k, None) for k in _SHARD_PARAMS}
-        pool = shard_client(self.connection.client.hostname, parser_class=_PARSER,
-                            **{k: v for k, v in params.items() if v is not None}).connection_pool
-        if asynchronous:  # as kombu's: a connection that drops leaves the channel's poller
-            channel, shard_connection = self, pool.connection_class
-
-            class Connection(shard_connection):  # type: ignore[misc, valid-type]
-                def disconnect(self, *args: Any, **kwargs: Any) -> None:
-                    super().disconnect(*args, **kwargs)
-                    if channel._registered:
-                        channel._on_connection_disconnect(self)
-
-            pool.connection_class = Connection
-        return pool
-
-    def _get_client(self) -> Any:
-        from asyncinfer.broker.cluster_client import ShardClient
-
-        return _answering(ShardClient)
-
-
-class ClusterTransport(Transport):
-    """:class:`Transport` for ``rediscluster://`` and ``redisclusters://`` URLs: it reads the URL
-    itself (kombu would refuse its options, ``nodes`` and ``shards``)."""
-
-    Channel = ClusterChannel
-    can_parse_url = True
