@@ -117,3 +117,19 @@ def test_replies_that_name_keys_lose_the_tag() -> None:
     assert unprefixed("XREAD", {P + b"s": [[b"1-0", [b"f", b"v"]]]}, P) == {
         b"s": [[b"1-0", [b"f", b"v"]]]}
     assert unprefixed("KEYS", ["{3.48}a"], P) == ["a"]  # a client that decodes replies
+
+
+def test_key_names_outside_key_arguments_are_placed_by_the_client_s_keyspace() -> None:
+    from asyncinfer.broker.cluster_client import shard_client
+    from asyncinfer.broker.keyspace import PLAIN, Keyspace, keyspace
+
+    shard = shard_client("rediscluster://127.0.0.1:1/?shards=3&shard=1")  # connects on first use
+    tag = "{" + shard_tags(3)[1] + "}"
+    space = keyspace(shard)
+    assert space == Keyspace(tag) and keyspace(shard.pipeline()) == space
+    assert space.key("infer.m") == tag + "infer.m"
+    assert space.key(b"celery-task-meta-1") == tag.encode() + b"celery-task-meta-1"
+    assert space.name(tag + "infer.m") == "infer.m" and space.name(b"other") == "other"
+    assert space.key(space.name(tag + "x")) == space.key(space.name("x")) == tag + "x"
+    assert keyspace(redis.Redis()) is PLAIN and PLAIN.key("k") == "k" and PLAIN.name(b"k") == "k"
+    shard.close()
