@@ -6,15 +6,16 @@ with one Redis: its scripts, transactions, blocking pops, ``WAIT`` and ``TIME`` 
 the slot's master. The client is a ``redis.Redis``; its connections
 
 - ask the cluster who owns the slot whenever they open a socket (``CLUSTER SLOTS`` of a node they
-  know: the URL's seeds, then every node a reply named);
+  know: the URL's seeds, then every node a reply named; a client reads it, and the servers'
+  ``COMMAND`` table, ~50 KB, on its first connect);
 - add the shard's hash tag to each key argument as they pack a command (cluster_keys.py), and the
   client takes it off the key names its replies carry;
-- turn a ``MOVED`` reply (the slot has a new master: a failover promoted a replica, or a
-  resharding moved it) into a ConnectionError after closing the socket and noting the new owner,
-  so the retry that every asyncinfer loop makes goes there, as for a Sentinel failover
-  (connections.py). ``ASK`` and ``TRYAGAIN`` (the slot is migrating now, and a key the command
-  names is on the target already) and ``CLUSTERDOWN`` are ConnectionErrors too: the command ran
-  nowhere, and its retry meets the slot settled. A ``MOVED`` command never ran either, so none is
+- turn a reply that says the command ran nowhere into :class:`SlotMoving`, a ConnectionError:
+  ``MOVED`` (the slot has a new master: a failover promoted a replica, or a resharding moved it;
+  the new owner is noted, and the next connect goes there), ``ASK`` and ``TRYAGAIN`` (the slot is
+  migrating now, and a key the command names is on the target already), ``CLUSTERDOWN``. The
+  client sends such a command again, for up to :data:`SETTLE_S`; a pipeline raises it, for the
+  retry that every asyncinfer loop makes, as after a Sentinel failover (connections.py). None is
   ever run twice by this.
 """
 
@@ -40,7 +41,7 @@ from asyncinfer.broker.command_packer import HiredisPacker
 from asyncinfer.broker.shards import key_prefix, shard_tags, tag_slot
 from asyncinfer.broker.urls import ClusterUrl, parse_cluster_url
 
-__all__ = ["SlotMap", "SlotMoving", "ShardClient", "shard_client", "slot_map_of", "SETTLE_S"]
+__all__ = ["SlotMap", "SlotMoving", "ShardClient", "shard_client", "SETTLE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -153,20 +154,6 @@ class SlotMap:
         self._stale = False
 
 
-_maps: dict[ClusterUrl, SlotMap] = {}
-_maps_lock = threading.Lock()
-
-
-def slot_map_of(url: ClusterUrl) -> SlotMap:
-    """The process' one :class:`SlotMap` of the cluster ``url`` names (whichever its shard)."""
-    cluster = url.cluster()
-    with _maps_lock:
-        found = _maps.get(cluster)
-        if found is None:
-            found = _maps[cluster] = SlotMap(cluster)
-        return found
-
-
 class _ShardPacker(HiredisPacker):
     """Packs a command with the shard's hash tag before each key."""
 
@@ -195,11 +182,8 @@ class _FollowsSlot:
     slot: int
     host: str
     port: int
-    #: A reply said the slot moved: the connection goes to the new master once its replies are read.
-    moved = False
 
     def _connect(self) -> Any:
-        self.moved = False
         self.host, self.port = self.slots.owner(self.slot)
         try:
             return super()._connect()  # type: ignore[misc]
@@ -212,7 +196,6 @@ class _FollowsSlot:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         except redis.exceptions.MovedError as exc:
             self.slots.moved(self.slot, (exc.host, int(exc.port)))
-            self.moved = True  # left once the replies of what was sent are read
             raise SlotMoving(f"slot {self.slot} moved to {exc.host}:{exc.port}") from exc
         except (redis.exceptions.AskError, redis.exceptions.TryAgainError,
                 redis.exceptions.ClusterDownError) as exc:
@@ -277,7 +260,7 @@ def shard_client(url: str, shard: int | None = None, **kwargs: Any) -> ShardClie
     shard = parsed.shard if shard is None else shard
     if not 0 <= shard < parsed.shards:
         raise ValueError(f"shard {shard} of a cluster URL with {parsed.shards} shards")
-    slots = slot_map_of(parsed)
+    slots = SlotMap(parsed)  # read on the first connect: the owners, the servers' COMMAND table
     tag = shard_tags(parsed.shards)[shard]
     prefix = key_prefix(tag)
     single = bool(kwargs.pop("single_connection_client", False))

@@ -1,26 +1,22 @@
-"""The shards of a fleet on a Redis Cluster: their hash tags, and which shard a request is in.
+"""The shards of a Redis Cluster the fleet's keys go in: their hash tags.
 
-A cluster broker URL (urls.py: ``rediscluster://host:port/?nodes=host:port&shards=12``) splits the
-fleet's keyspace into shards. Shard ``i`` is one hash slot: each of its keys starts with the hash
-tag ``{<i>.<n>}`` (cluster_keys.py), where ``n`` is the first number that puts the tag's slot in
-the ``i``-th of ``shards`` equal ranges of the 16,384 slots. A cluster whose masters own equal
+A cluster URL (urls.py: ``rediscluster://host:port/?nodes=host:port&shards=3&shard=1``) names one
+shard of several. Shard ``i`` of ``shards`` is one hash slot: each of its keys starts with the
+hash tag ``{<i>.<n>}`` (cluster_keys.py), where ``n`` is the first number that puts the tag's slot
+in the ``i``-th of ``shards`` equal ranges of the 16,384 slots. A cluster whose masters own equal
 ranges of slots (as ``redis-cli --cluster create`` makes them) so holds ``shards / masters``
-shards on each master, and a resharding moves a shard with its slot.
-
-A request lives in one shard, the one its ID names: ``CRC16(ID) mod shards``, Redis' own CRC16
-(XMODEM) of the ID's UTF-8 bytes. Its queue entry, lease, result, stream and idempotency claim are
-all there, so every step of a request stays one script on one slot, and a reader that knows only
-the ID (Celery's ``AsyncResult(id)``, another process) finds its result.
+shards on each master, and a resharding moves a shard with its slot. Everything of a request
+(its queue entry, lease, result, stream, idempotency claim) is in its URL's shard, so every step
+of it stays one script on one slot.
 """
 
 from __future__ import annotations
 
-import binascii
 from functools import lru_cache
 
 from redis.crc import key_slot
 
-__all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "shard_of", "key_prefix", "tag_slot"]
+__all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "key_prefix", "tag_slot"]
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
@@ -54,8 +50,3 @@ def key_prefix(tag: str) -> bytes:
     """What each key of the shard tagged ``tag`` starts with."""
     return b"{" + tag.encode() + b"}"
 
-
-def shard_of(request_id: str, shards: int) -> int:
-    """The shard of the request ``request_id``: CRC16 (XMODEM, Redis' own) of its UTF-8 bytes,
-    modulo ``shards``."""
-    return binascii.crc_hqx(request_id.encode(), 0) % shards

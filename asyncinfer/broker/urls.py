@@ -71,10 +71,6 @@ class ClusterUrl:
     password: str | None = None
     shard: int = 0
 
-    def cluster(self) -> ClusterUrl:
-        """The cluster alone: the same nodes, credentials and TLS, whatever the shard."""
-        return ClusterUrl(self.seeds, 1, self.tls, self.username, self.password)
-
 
 def parse_cluster_url(url: str) -> ClusterUrl:
     """Parse ``rediscluster://[[user]:password@]host:port[/][?nodes=host:port,…][&shards=N][&shard=K]``

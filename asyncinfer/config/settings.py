@@ -41,10 +41,9 @@ class Settings:
 
     broker_url: str = _setting(
         "", "ASYNCINFER_BROKER_URL",
-        "Broker URL (`redis://`, `rediss://`, `unix://`, `sentinel://`, `rediscluster://`, "
-        "`amqp://`). Unset: the URL that `asyncinfer up` published in the state dir, else "
-        f"`{DEFAULT_BROKER_URL}`. Redis "
-        "Sentinel: Celery's `sentinel://[:password@]host:port;sentinel://host:port/db` (the "
+        "Broker URL (`redis://`, `rediss://`, `unix://`, `sentinel://`, `rediscluster://`, `amqp://`). "
+        f"Unset: the URL that `asyncinfer up` published in the state dir, else `{DEFAULT_BROKER_URL}`. "
+        "Redis Sentinel: Celery's `sentinel://[:password@]host:port;sentinel://host:port/db` (the "
         "password is the master's; the database may stand in any entry).")
     result_backend: str = _setting(
         "", "ASYNCINFER_RESULT_BACKEND",

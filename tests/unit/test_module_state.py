@@ -36,11 +36,6 @@ ALLOWED = {
         "by every worker and client of the process",
     ("asyncinfer.broker.clock_skew", "CLOCK_FOLLOWER"):
         "keeps BROKER_CLOCK measured: one thread a process, for the process' one clock",
-    ("asyncinfer.broker.cluster_client", "_maps"):
-        "which master of a Redis Cluster owns each slot, and where its commands' keys stand: facts "
-        "of the cluster, read once for every client of the process (as Sentinel's answers would "
-        "be), corrected by the MOVED replies any of them meets",
-    ("asyncinfer.broker.cluster_client", "_maps_lock"): "guards _maps",
     ("asyncinfer.wire.messages", "_random"):
         "os.urandom's bytes read ahead for request IDs: the process's randomness, as os.urandom's "
         "own; a forked child drops it",
