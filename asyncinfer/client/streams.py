@@ -91,8 +91,8 @@ class Streams:
             return self._blocking
 
     def for_running_loop(self) -> Any | None:
-        """The running loop's ``redis.asyncio`` client (None for a Sentinel URL: read in
-        threads)."""
+        """The running loop's ``redis.asyncio`` client (None for a Sentinel or a cluster URL:
+        read in threads)."""
         if not has_asyncio_client(self.url):
             return None
         loop = asyncio.get_running_loop()
