@@ -16,13 +16,14 @@ from functools import lru_cache
 
 from redis.crc import key_slot
 
-__all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "key_prefix", "tag_slot"]
+__all__ = ["SLOTS", "DEFAULT_SHARDS", "shard_tags", "key_prefix", "tag_slot", "request_shard"]
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
 #: Shards of a cluster URL that names none: one, on one master of the cluster. A URL names one
-#: shard (``shard=K`` of ``shards=N``): the routing table puts groups of models on shards of
-#: their own, and so on masters of their own.
+#: shard (``shard=K`` of ``shards=N``: the routing table puts groups of models on shards of their
+#: own, and so on masters of their own), or spreads every model over all N (``shards=N`` alone:
+#: one model on every master).
 DEFAULT_SHARDS = 1
 
 
@@ -50,3 +51,11 @@ def key_prefix(tag: str) -> bytes:
     """What each key of the shard tagged ``tag`` starts with."""
     return b"{" + tag.encode() + b"}"
 
+
+
+def request_shard(request_id: str, shards: int) -> int:
+    """The shard of ``shards`` that request ``request_id`` lives on when a URL spreads requests:
+    the one whose slot range holds the slot its ID hashes to (as a key named by the ID would), so
+    any process finds a request's queue entry, result and stream from its ID alone, and IDs
+    (random) fall on the shards evenly."""
+    return int(key_slot(request_id.encode())) * shards // SLOTS if shards > 1 else 0

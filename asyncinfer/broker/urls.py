@@ -15,7 +15,8 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 __all__ = ["REDIS_SCHEMES", "CLUSTER_SCHEMES", "SentinelUrl", "ClusterUrl", "is_redis_url",
            "is_sentinel_url", "is_cluster_url", "has_asyncio_client", "parse_sentinel_url",
-           "parse_cluster_url", "masked_url", "normalized_url", "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
+           "parse_cluster_url", "pinned_url", "shard_urls", "masked_url", "normalized_url",
+           "DEFAULT_SENTINEL_PORT", "URL_EXAMPLES"]
 
 #: A Redis Cluster: ``rediscluster://`` (the name go-redis and kombu's proposed transport give it),
 #: ``redisclusters://`` over TLS (as ``rediss://`` is to ``redis://``). Not ``redis+cluster://``:
@@ -70,13 +71,39 @@ class ClusterUrl:
     username: str | None = None
     password: str | None = None
     shard: int = 0
+    #: Whether the URL spreads each model's requests over all its shards (``shards=N`` and no
+    #: ``shard``): a request lives on the shard its ID falls in (shards.py's
+    #: :func:`~asyncinfer.broker.shards.request_shard`); what is not a request's (the catalogue,
+    #: statistics, model control, Celery's own) on shard 0.
+    spread: bool = False
+
+
+def pinned_url(url: str, shard: int) -> str:
+    """Cluster URL ``url`` naming shard ``shard`` alone (``&shard=K``; a spread URL's shard)."""
+    base, _, fragment = url.partition("#")
+    kept = [(n, v) for n, v in parse_qsl(urlsplit(base).query, keep_blank_values=True)
+            if n != "shard"]
+    head = base.split("?", 1)[0]
+    query = "&".join(f"{n}={v}" for n, v in [*kept, ("shard", str(shard))])
+    return f"{head}?{query}" + (f"#{fragment}" if fragment else "")
+
+
+def shard_urls(url: str) -> list[str]:
+    """The URL of each shard a broker URL serves requests on: every shard of a spread cluster URL
+    (shard 0 first), else ``url`` itself."""
+    if not is_cluster_url(url):
+        return [url]
+    parsed = parse_cluster_url(url)
+    return [pinned_url(url, k) for k in range(parsed.shards)] if parsed.spread else [url]
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
     """Parse ``rediscluster://[[user]:password@]host:port[/][?nodes=host:port,…][&shards=N][&shard=K]``
     (``redisclusters://`` over TLS): one node in the URL's place for a host, as kombu and Celery
-    read a URL, and any others in ``nodes``; the URL's keys are shard ``K`` (0 to N - 1; default
-    0) of ``N`` (default 1). Raises ValueError naming the rule a URL breaks."""
+    read a URL, and any others in ``nodes``; the URL's keys are shard ``K`` (0 to N - 1) of ``N``
+    (default 1), or — ``shards=N`` without ``shard`` — all N, each request on the shard its ID
+    falls in (``spread``; shard 0 for what is not a request's). Raises ValueError naming the rule
+    a URL breaks."""
     from asyncinfer.broker.shards import DEFAULT_SHARDS, SLOTS
 
     parts = urlsplit(url)
@@ -93,7 +120,7 @@ def parse_cluster_url(url: str) -> ClusterUrl:
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"a Redis Cluster has one database (0); the URL names {parts.path!r}")
     seeds = [(parts.hostname, port)]
-    shards, shard = DEFAULT_SHARDS, 0
+    shards, shard, named = DEFAULT_SHARDS, 0, False
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "nodes":
             for entry in filter(None, (v.strip() for v in value.split(","))):
@@ -108,7 +135,7 @@ def parse_cluster_url(url: str) -> ClusterUrl:
         elif name == "shard":
             if not value.isdigit():
                 raise ValueError(f"a Redis Cluster URL's shard must be a number, got {value!r}")
-            shard = int(value)
+            shard, named = int(value), True
         else:
             raise ValueError(f"a Redis Cluster URL takes the options 'nodes', 'shards' and 'shard', "
                              f"not {name!r}")
@@ -116,7 +143,8 @@ def parse_cluster_url(url: str) -> ClusterUrl:
         raise ValueError(f"a Redis Cluster URL's shard is 0 to shards - 1 ({shards - 1}), got {shard}")
     return ClusterUrl(tuple(seeds), shards, tls=parts.scheme.lower() == "redisclusters",
                       username=unquote(parts.username) if parts.username else None,
-                      password=unquote(parts.password) if parts.password else None, shard=shard)
+                      password=unquote(parts.password) if parts.password else None, shard=shard,
+                      spread=shards > 1 and not named)
 
 
 @dataclass(frozen=True)

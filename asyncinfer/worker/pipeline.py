@@ -57,10 +57,10 @@ from asyncinfer.wire.envelope import (
 from asyncinfer.wire.messages import SENT_AT
 from asyncinfer.wire.protocol import request_kwargs
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.lifecycle import admit, answered_before, count_started
+from asyncinfer.worker.lifecycle import admit, count_started
 from asyncinfer.worker.output.cache_write import cache_key_of
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.output.shard_writers import ShardWriters
 from asyncinfer.worker.requests.first_attempts import FirstAttempts
 from asyncinfer.worker.requests.holdings import SCHEDULED, Holding, Holdings
 from asyncinfer.worker.requests.taken import TakenMessage
@@ -80,7 +80,7 @@ class Pipeline:
     """
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, policy: Policy, *, hostname: str,
-                 holdings: Holdings, outcomes: Outcomes, writer: ResultWriter, events: TaskEvents,
+                 holdings: Holdings, outcomes: Outcomes, writer: ShardWriters, events: TaskEvents,
                  stopping: Callable[[], bool], traced: bool = False) -> None:
         self.app = app
         self.runtime = runtime
@@ -98,33 +98,36 @@ class Pipeline:
         self.traced = traced
         #: The last hang noted against a request ('' for none: policy/hangs.py), named when
         #: its deaths fail it.
-        self.death_note: Callable[[str], str] = lambda request_id: ""
+        self.death_note: Callable[[TakenMessage], str] = lambda d: ""
 
     # -- 1-3: take, parse, answered before ---------------------------------------------------------
 
-    def took(self, taken: list[Popped]) -> None:
-        """Start what the take script popped and recorded; store the STARTED states it did not."""
-        self._go(self._taken(taken))
+    def took(self, taken: list[Popped], shard: int = 0) -> None:
+        """Start what the take script popped and recorded on ``shard``; store the STARTED states
+        it did not."""
+        self._go(self._taken(taken, shard))
 
-    def _taken(self, taken: list[Popped]) -> list[TakenMessage]:
-        """What the take script popped, parsed and held (each message that is not a kombu
-        envelope answered alone)."""
+    def _taken(self, taken: list[Popped], shard: int) -> list[TakenMessage]:
+        """What the take script popped on ``shard``, parsed and held (each message that is not a
+        kombu envelope answered alone)."""
         received_at = time.perf_counter()
         deliveries: list[TakenMessage] = []
         for key, group in groupby(taken, key=itemgetter(0)):  # the script takes list by list
             queue = queue_of_list(key)
             deliveries += self._parse([(TakenMessage(raw=raw, queue=queue, received_at=received_at,
                                                      key=key, started=started, deaths=died,
+                                                     shard=shard,
                                                      body_cut_bytes=max(0, -rec)), rec != 0)
                                        for _, raw, rec, started, died in group])
         return deliveries
 
     def refuse(self, taken: list[Popped],
-               error_of: Callable[[TakenMessage, Mapping[str, Any]], BaseException]) -> None:
+               error_of: Callable[[TakenMessage, Mapping[str, Any]], BaseException],
+               shard: int = 0) -> None:
         """Fail what the take script popped and recorded, without running any of it (the
         requests a dead worker's own list held: worker/requests/sequence_pins.py); ``error_of(d,
         v2)`` is each one's error (``v2``: its request, ``{}`` when it does not decode)."""
-        deliveries = self._taken(taken)
+        deliveries = self._taken(taken, shard)
         with self.writer.gathering():
             for d in deliveries:
                 try:
@@ -211,8 +214,7 @@ class Pipeline:
         again = [d for d in deliveries if d.headers.get("redelivered") and d.request_id]
         if not again:
             return deliveries
-        answered = answered_before(self.app.backend, [d.request_id for d in again],
-                                   self.writer.results)
+        answered = self.writer.answered_before(self.app.backend, again)
         if not answered:
             return deliveries
         for d in again:
@@ -258,8 +260,8 @@ class Pipeline:
         and not answered yet (an answer stored is acknowledged as it is)."""
         forgotten = set(tags)
         held = [h.delivery for h in self.holdings.held() if h.delivery.tag in forgotten]
-        answered = answered_before(self.app.backend, [d.request_id for d in held if d.request_id],
-                                   self.writer.results)
+        answered = self.writer.answered_before(self.app.backend,
+                                               [d for d in held if d.request_id])
         return [(d.tag, d.list_key, d.unacked_entry) for d in held
                 if d.request_id not in answered]
 
@@ -322,7 +324,7 @@ class Pipeline:
             return
         # a hang is never the host's fault: it counts as two deaths (the rerun with its batch-mates
         # is skipped), and names itself when the request fails for its deaths
-        note = self.death_note(d.request_id) if d.deaths else ""
+        note = self.death_note(d) if d.deaths else ""
         lost = policy.deaths.judge(d.request_id, d.deaths, hung=bool(note))
         if lost is not None:
             error = lost.error or WorkerLost(d.request_id)

@@ -24,7 +24,7 @@ from asyncinfer.policy.retries import RetryPolicy
 from asyncinfer.wire.messages import task_message
 from asyncinfer.wire.result_json import encode_meta
 from asyncinfer.worker.events import TaskEvents
-from asyncinfer.worker.lifecycle import Settlement
+from asyncinfer.worker.lifecycle import Settlement, answered_before
 from asyncinfer.worker.metrics import WorkerMetrics
 from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.outcomes import Outcomes
@@ -67,6 +67,9 @@ class Writer:
 
     def store_started(self, deliveries: list[Any], hostname: str) -> None:
         self.started += [d.request_id for d in deliveries]
+
+    def answered_before(self, backend: Any, deliveries: list[Any]) -> dict[str, str]:
+        return answered_before(backend, [d.request_id for d in deliveries], self.results)
 
     def state_of(self, request_id: str) -> tuple[str, Any]:
         [found] = [(o.state, o.result) for o in self.outcomes if o.delivery.request_id == request_id]

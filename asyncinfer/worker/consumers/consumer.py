@@ -34,7 +34,7 @@ from asyncinfer.worker.events import TaskEvents
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcome import Outcome
 from asyncinfer.worker.output.outcomes import Outcomes
-from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.output.shard_writers import ShardWriters
 from asyncinfer.worker.output.trace_spans import WorkerSpans
 from asyncinfer.worker.pipeline import Pipeline
 from asyncinfer.worker.requests.holdings import Holdings
@@ -57,13 +57,13 @@ STOP_GRACE_S = 10.0
 class PipelineConsumer:
     """The pipeline of ``runtime``'s requests on worker ``hostname``, and its output side.
 
-    ``results``: the writer's Redis (the broker's; with a broker that is not Redis, the results');
-    ``shared``: whether the results live on ``results`` too (None: when the result backend's URL
-    is the broker's).
+    ``results``: the writers' Redis, one per shard its requests are taken from (the broker's;
+    with a broker that is not Redis, the results'); ``shared``: whether the results live there
+    too (None: when the result backend's URL is the broker's).
     """
 
     def __init__(self, app: Celery, runtime: WorkerRuntime, *, hostname: str, policy: Policy,
-                 send_events: bool, results: redis.Redis, shared: bool | None = None,
+                 send_events: bool, results: Sequence[redis.Redis], shared: bool | None = None,
                  tracing: Tracing | None = None) -> None:
         self.app = app
         self.runtime = runtime
@@ -80,13 +80,15 @@ class PipelineConsumer:
         self.events = TaskEvents(app, hostname, enabled=send_events)
         self.settlement = Settlement(hostname, runtime.device.label, policy, events=self.events,
                                      metrics=runtime.metrics)
-        self.writer = ResultWriter(app, results, worker=hostname,
+        self.writer = ShardWriters(app, results, worker=hostname,
                                    before_write=lambda batch: self.outcomes.before_write(batch),
                                    on_written=self._written,
                                    shared=shared,
                                    spans=WorkerSpans(tracing, hostname) if tracing else None)
         self.outcomes = Outcomes(self.writer, self.settlement, self.holdings, runtime.response)
         self._stopping = threading.Event()
+        #: Set once it stops taking (its intakes' threads read it).
+        self.stopped_event = self._stopping
         #: What happens to each request taken, from the take to the write.
         self.pipeline = Pipeline(app, runtime, policy, hostname=hostname, holdings=self.holdings,
                                  outcomes=self.outcomes, writer=self.writer, events=self.events,

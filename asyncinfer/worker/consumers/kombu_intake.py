@@ -69,7 +69,7 @@ class KombuIntake(PipelineConsumer):
         self._channel_bound = not on_redis
         super().__init__(app, runtime, hostname=hostname, policy=policy, send_events=send_events,
                          tracing=tracing,
-                         results=results, shared=None if on_redis else True)
+                         results=[results], shared=None if on_redis else True)
         # On Redis the channel that took a message leases it (broker/atomic_take.py): a batch
         # on the device is marked in those leases, so a death counts against its requests
         self.use_device(self._give_back_all,

@@ -24,7 +24,7 @@ from asyncinfer.wire.protocol import Request
 from asyncinfer.worker.celery_errors import as_celery
 from asyncinfer.worker.lifecycle import Settlement
 from asyncinfer.worker.output.outcome import Outcome
-from asyncinfer.worker.output.result_writer import ResultWriter
+from asyncinfer.worker.output.shard_writers import ShardWriters
 from asyncinfer.worker.requests.holdings import Holdings
 from asyncinfer.worker.requests.taken import TakenMessage
 
@@ -41,7 +41,7 @@ def model_of(d: TakenMessage) -> str:
 class Outcomes:
     """Outcomes of one consumer's requests, from the model's future to the writer."""
 
-    def __init__(self, writer: ResultWriter, settlement: Settlement, holdings: Holdings,
+    def __init__(self, writer: ShardWriters, settlement: Settlement, holdings: Holdings,
                  response: Any) -> None:
         self.writer = writer
         self.settlement = settlement

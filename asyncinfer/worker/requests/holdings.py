@@ -179,11 +179,12 @@ class Holdings:
         with self._cond:
             return list(self._held.values())
 
-    def tags(self) -> list[str]:
-        """The delivery tags of everything held from the Redis lists (what the leases renew)."""
+    def tags(self, shard: int = 0) -> list[str]:
+        """The delivery tags of everything held from the Redis lists of ``shard`` (what its
+        leases renew)."""
         with self._cond:
             return [h.delivery.tag for h in self._held.values()
-                    if h.delivery.tag and h.delivery.message is None]
+                    if h.delivery.tag and h.delivery.message is None and h.delivery.shard == shard]
 
     def tags_of(self, items: Sequence[WorkItem]) -> list[tuple[str, str, WorkItem]]:
         """(delivery tag, request ID, item) of each of ``items`` whose request is held under a tag."""

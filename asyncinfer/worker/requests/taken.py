@@ -18,6 +18,9 @@ class TakenMessage(Message):
 
     #: ``time.perf_counter()`` when the worker took it (the start of its ``queue_ms``).
     received_at: float = 0.0
+    #: The shard it was taken from (its worker's intake: worker/consumers/shard_intake.py), where
+    #: its result and bookkeeping live; 0 but on a cluster that spreads requests.
+    shard: int = 0
     #: Whether its STARTED state is stored already (by the take).
     started: bool = False
     #: Worker deaths counted against its request while it was on a device (leases).
