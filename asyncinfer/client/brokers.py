@@ -18,7 +18,7 @@ from celery import Celery
 from asyncinfer.broker.catalogue import Catalogue, CatalogueEntry
 from asyncinfer.broker.connections import bounded_client, broker_error
 from asyncinfer.broker.fleet_stats import FleetStats
-from asyncinfer.broker.urls import is_redis_url, masked_url
+from asyncinfer.broker.urls import is_redis_url, masked_url, shard_urls
 from asyncinfer.celery_app import create_app
 from asyncinfer.client.known_models import KnownModels
 from asyncinfer.client.pinger import Pinger
@@ -48,8 +48,12 @@ class BrokerGroup:
                           if is_redis_url(backend_url) else None)
         self.known = (KnownModels(self.catalogue, settings.model_retention_s)
                       if self.catalogue is not None else None)
-        #: What every submit, blocking or asyncio, stands on (client/sender.py).
-        self.sender = Sender(settings, self.app, self.known)
+        #: What every submit, blocking or asyncio, stands on (client/sender.py); on a cluster URL
+        #: that spreads requests, with a sender (and a Celery app) per shard.
+        self._lane_apps = [create_app(settings.for_broker(url))
+                           for url in shard_urls(str(self.app.conf.broker_url))[1:]]
+        self.sender = Sender(settings, self.app, self.known,
+                             lanes=[Sender(settings, app, self.known) for app in self._lane_apps])
         self.pinger = Pinger(settings)
 
     def models(self) -> dict[str, CatalogueEntry]:
@@ -83,6 +87,8 @@ class BrokerGroup:
         self.sender.close()
         self.pinger.close()
         self.app.close()
+        for app in self._lane_apps:
+            app.close()
 
 
 class RoutedGroups:

@@ -338,7 +338,7 @@ class Client(ModelControl, Streaming, AsyncCalls):
     def future(self, request_id: str, *, model: str | None = None) -> InferFuture:
         """The future of a request sent by anyone, looked up by its ID (with routes, on the
         broker of ``model``; without a model, the default broker's)."""
-        sender = self._group_for(model).sender
+        sender = self._group_for(model).sender.lane(request_id)
         future = sender.future_of(request_id)
         sender.watcher.watch(request_id, future._settle)
         if sender.broker is not None:  # judged only if a look finds its trace
@@ -362,21 +362,22 @@ class Client(ModelControl, Streaming, AsyncCalls):
         group.ping()
         future = self.future(request_id, model=model)
         began_s = time.monotonic()
+        sender = group.sender.lane(request_id)  # its shard's, on a cluster that spreads requests
         try:
             if self._routes is None or model is not None:  # else another broker may hold it
-                backend, broker = group.app.backend, group.sender.broker
+                backend, broker = sender.app.backend, sender.broker
                 refuse_unknown(request_id, lambda: look_up(request_id, backend.client, backend, broker),
                                future, LOOK_GAP_S if timeout_s is None else min(LOOK_GAP_S, timeout_s))
             left_s = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - began_s))
             return future.result(timeout=left_s)
         except RequestUnknown:
-            group.sender.watcher.unwatch(request_id, future._settle)
+            sender.watcher.unwatch(request_id, future._settle)
             raise
         except RequestTimeout:
-            group.sender.watcher.unwatch(request_id, future._settle)
+            sender.watcher.unwatch(request_id, future._settle)
             try:
-                where = whereabouts(request_id, group.app.backend.client, group.app.backend,
-                                    group.sender.broker)
+                where = whereabouts(request_id, sender.app.backend.client, sender.app.backend,
+                                    sender.broker)
             except redis.RedisError as exc:
                 where = f"where it is could not be read ({type(exc).__name__}: {exc})"
             raise RequestTimeout(f"request {request_id}: no result within {timeout_s:g} s; "

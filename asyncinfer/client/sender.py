@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -25,6 +25,7 @@ from asyncinfer.broker.connections import broker_error, never_resend, redis_clie
 from asyncinfer.broker.kombu_connection import publish_blocked
 from asyncinfer.broker.publisher import DUPLICATE, Publisher
 from asyncinfer.broker.scripts import script
+from asyncinfer.broker.shards import request_shard
 from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.input_check import refuse_unfit
@@ -67,11 +68,17 @@ _RELEASE = script("release_request_id")
 class Sender:
     """Sends requests of the app ``app`` (built from ``settings``) and watches their results.
 
-    ``known``: the unknown-model check (None: every model passes).
+    ``known``: the unknown-model check (None: every model passes). ``lanes``: on a cluster URL
+    that spreads requests over N shards, the senders of shards 1 to N - 1 (this one sends on
+    shard 0): a request goes out on, and is watched from, the shard its ID falls in (a
+    sequence's request: its sequence's), where the workers store its result.
     """
 
-    def __init__(self, settings: Settings, app: Celery, known: KnownModels | None = None) -> None:
+    def __init__(self, settings: Settings, app: Celery, known: KnownModels | None = None,
+                 lanes: Sequence[Sender] = ()) -> None:
         self.settings = settings
+        #: The sender of each shard (index: the shard); [self] but on a spread cluster URL.
+        self.lanes: list[Sender] = [self, *lanes]
         self.app = app
         self.known = known
         self._store: object = _UNOPENED
@@ -177,6 +184,19 @@ class Sender:
         """Send one ``asyncinfer.infer`` request (:meth:`submission`'s options); its future."""
         return self.send_watched(self.submission(model, inputs, **options))
 
+    def lane(self, request_id: str) -> Sender:
+        """The sender of request ``request_id``'s shard (this one but on a spread cluster URL)."""
+        lanes = self.lanes
+        return lanes[request_shard(request_id, len(lanes))] if len(lanes) > 1 else self
+
+    def lane_of(self, outgoing: Outgoing) -> Sender:
+        """The sender of ``outgoing``'s shard: its sequence's (all of a sequence's requests go to
+        one shard, where its worker is registered), else its ID's."""
+        if len(self.lanes) == 1:
+            return self
+        sequence = outgoing.sequence
+        return self.lane(sequence.key if sequence is not None else outgoing.request_id)
+
     def send_watched(self, outgoing: Outgoing) -> InferFuture:
         """Watch ``outgoing``'s request, then send it; its future.
 
@@ -186,6 +206,9 @@ class Sender:
         and raises it. On another broker it is sent before this returns (errors raised here).
         With tracing on, the request's ``asyncinfer.submit`` span (client/submit_span.py) starts
         here and ends with its future."""
+        lane = self.lane_of(outgoing)
+        if lane is not self:
+            return lane.send_watched(outgoing)
         if self.tracing is None:
             return self._send_watched(outgoing)
         span = start_submit_span(self.tracing, outgoing)
@@ -246,6 +269,9 @@ class Sender:
     def watched(self, outgoing: Outgoing) -> InferFuture:
         """The future of ``outgoing``'s request, watched on this sender's reply channel (before
         it is sent, so its answer cannot come first)."""
+        lane = self.lane_of(outgoing)
+        if lane is not self:
+            return lane.watched(outgoing)
         future = self.future_of(outgoing.request_id)
         self.watcher.watch(outgoing.request_id, future._settle, announced=True)
         return future
@@ -399,6 +425,8 @@ class Sender:
             self.broker.close()
         if self.tracing is not None:
             self.tracing.close()
+        for lane in self.lanes[1:]:
+            lane.close()
 
 
 def _skip_on_task_call(producer: Any, task_id: str) -> None:

@@ -67,7 +67,9 @@ class Streams:
         self._timeouts: dict[str, Any] = {
             "socket_connect_timeout": settings.connect_timeout_s,
             "socket_timeout": MAX_BLOCK_S + max(settings.connect_timeout_s, 1.0) + 5}
-        self._blocking: redis.Redis | None = None
+        #: Result backend URL → the blocking client read there (one per shard of a cluster URL
+        #: that spreads requests: a request's stream is on its shard).
+        self._blocking: dict[str, redis.Redis] = {}
         self._lock = threading.Lock()
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary())
@@ -83,12 +85,15 @@ class Streams:
                                   f"result backend's Redis, and this client's result backend is "
                                   f"not Redis ({self.url.split(':', 1)[0]}://)")
 
-    def blocking(self) -> redis.Redis:
-        """The blocking client that sync readers read on (made on first use)."""
+    def blocking(self, request_id: str) -> redis.Redis:
+        """The blocking client that sync readers of ``request_id`` read on (made on first use)."""
+        url = str(self.group.sender.lane(request_id).app.conf.result_backend)
         with self._lock:
-            if self._blocking is None:
-                self._blocking = redis_client(self.url, self.group.settings, **self._timeouts)
-            return self._blocking
+            client = self._blocking.get(url)
+            if client is None:
+                client = self._blocking[url] = redis_client(url, self.group.settings,
+                                                            **self._timeouts)
+            return client
 
     def for_running_loop(self) -> Any | None:
         """The running loop's ``redis.asyncio`` client (None for a Sentinel or a cluster URL:
@@ -158,7 +163,7 @@ class Streams:
         if decoupled is False:
             return ResponseStream(request_id, _one_part(future, timeout_s),
                                   ended=future.done, interruptions=[], revoke=future.cancel)
-        reader = StreamReader(self.blocking(), request_id, **self._reader_options(
+        reader = StreamReader(self.blocking(request_id), request_id, **self._reader_options(
             request_id, 0, check_s, on_interrupted, timeout_s, _lost(future)))
         return ResponseStream(request_id, iter(reader), ended=lambda: reader.ended,
                               interruptions=reader.interruptions, revoke=future.cancel)
@@ -167,7 +172,7 @@ class Streams:
              on_interrupted: OnInterrupted | None, check_s: float) -> ResponseStream:
         """Read ``request_id``'s parts after part ``after``; sends and revokes nothing."""
         self._usable(request_id)
-        reader = StreamReader(self.blocking(), request_id, **self._reader_options(
+        reader = StreamReader(self.blocking(request_id), request_id, **self._reader_options(
             request_id, after, check_s, on_interrupted, timeout_s, None))
         return ResponseStream(request_id, iter(reader), ended=lambda: reader.ended,
                               interruptions=reader.interruptions)
@@ -234,7 +239,7 @@ class Streams:
                 loop.call_soon_threadsafe(noted, interruption)
 
             options = self._reader_options(request_id, after, check_s, on_loop, timeout_s, lost)
-            return _InThreads(StreamReader(self.blocking(), request_id, **options))
+            return _InThreads(StreamReader(self.blocking(request_id), request_id, **options))
         options = self._reader_options(request_id, after, check_s, noted, timeout_s, lost)
         return AsyncStreamReader(client, request_id, **options)
 
@@ -249,8 +254,8 @@ class Streams:
     def close(self) -> None:
         """Close the blocking client's connections."""
         with self._lock:
-            client, self._blocking = self._blocking, None
-        if client is not None:
+            clients, self._blocking = list(self._blocking.values()), {}
+        for client in clients:
             client.close()
 
 

@@ -208,11 +208,11 @@ class _Run:
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=self.table.rows, initial=self.written, desc=self.job.model, unit="row",
                    disable=not show, file=sys.stderr, dynamic_ncols=True)
-        watcher = self.client.sender_for(self.job.model).watcher
+        sender = self.client.sender_for(self.job.model)
 
         def forget(row: _Row) -> None:
-            if row.future is not None:
-                watcher.unwatch(row.future.id, row.future._settle)
+            if row.future is not None:  # watched on its shard's sender (a spread cluster URL)
+                sender.lane(row.future.id).watcher.unwatch(row.future.id, row.future._settle)
 
         rows = windowed(self._send, self._numbered(), window=window, timeout_s=None, forget=forget)
         part_at = reported_at = time.monotonic()
