@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -122,16 +122,20 @@ def killer_isolated(client: Client, r: redis.Redis, prefix: str, within_s: float
                   starts, last_s)
 
 
-def held_by_first(client: Client, r: redis.Redis, prefix: str, second_pid: int) -> list[Any]:
+def held_by_first(client: Client, r: redis.Redis, prefix: str, second_pid: int,
+                  shards: Sequence[redis.Redis] = ()) -> list[Any]:
     """12 "crashy" requests held by the first of two workers (the second frozen meanwhile): a
-    batch on its device, the others waiting, all leased; their futures, in value order."""
+    batch on its device, the others waiting, all leased (on ``r``, or across ``shards``: the
+    clients of every shard of a spread cluster URL); their futures, in value order."""
+    every = list(shards) or [r]
     os.kill(second_pid, signal.SIGSTOP)
     futures = [client.submit("crashy", crashy_index(i)) for i in range(12)]
-    wait_for(lambda: r.hlen(UNACKED_KEY) == 12 and r.llen("infer.crashy") == 0, 30,
+    wait_for(lambda: sum(s.hlen(UNACKED_KEY) for s in every) == 12
+             and sum(s.llen("infer.crashy") for s in every) == 0, 30,
              "the first worker to hold all 12")
     wait_for(lambda: crashy_batches(r, prefix), 30, "a batch on the first worker's device")
     os.kill(second_pid, signal.SIGCONT)
-    assert r.zcard(LEASES_KEY) == 12
+    assert sum(s.zcard(LEASES_KEY) for s in every) == 12
     return futures
 
 
