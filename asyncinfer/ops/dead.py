@@ -110,6 +110,20 @@ class DeadLetters:
         client = redis_client(results, settings, socket_connect_timeout=settings.connect_timeout_s)
         return cls(client, model, results_shared=True, publish=_kombu_publisher(broker))
 
+    @classmethod
+    def of_every_shard(cls, settings: Settings, model: str) -> list[DeadLetters]:
+        """The dead letters of ``model`` on each shard its requests live on: one
+        :meth:`from_settings` but on a cluster URL that spreads requests (a request's dead letter
+        is kept on its shard, in the step that acknowledges it)."""
+        from asyncinfer.broker.connections import redis_client
+        from asyncinfer.broker.urls import shard_urls
+
+        urls = shard_urls(settings.resolved_broker_url())
+        if len(urls) == 1:
+            return [cls.from_settings(settings, model)]
+        return [cls(redis_client(url, settings, socket_connect_timeout=settings.connect_timeout_s),
+                    model) for url in urls]
+
     def entries(self) -> list[tuple[bytes, DeadLetter]]:
         """Every entry, newest first, with its stored text; unreadable ones are skipped (logged)."""
         out = []
@@ -181,6 +195,38 @@ class DeadLetters:
         return entry.queue if queue_of_list(entry.queue) == queue else queue
 
 
+class AllDeadLetters:
+    """The dead letters of one model on every shard (:meth:`DeadLetters.of_every_shard`), as one."""
+
+    def __init__(self, shards: list[DeadLetters]) -> None:
+        self.shards = shards
+
+    def entries(self) -> list[tuple[bytes, DeadLetter]]:
+        """Every shard's entries, newest first."""
+        every = [e for shard in self.shards for e in shard.entries()]
+        return sorted(every, key=lambda e: e[1].failed_at, reverse=True) if len(self.shards) > 1 else every
+
+    def find(self, request_id: str) -> DeadLetter | None:
+        return next((e for _, e in self.entries() if e.request_id == request_id), None)
+
+    def requeue(self, request_ids: Iterable[str] | None = None) -> Requeued:
+        """Each shard's :meth:`DeadLetters.requeue`; an ID is not found when no shard has it."""
+        wanted = None if request_ids is None else list(request_ids)
+        done: list[str] = []
+        refused: dict[str, str] = {}
+        missing: set[str] | None = None
+        for shard in self.shards:
+            got = shard.requeue(wanted)
+            done += got.requeued
+            refused.update(got.refused)
+            missing = set(got.not_found) if missing is None else missing & set(got.not_found)
+        return Requeued(done, [i for i in dict.fromkeys(wanted or ()) if i in (missing or set())],
+                        refused)
+
+    def purge(self) -> int:
+        return sum(shard.purge() for shard in self.shards)
+
+
 def run_dead(args: argparse.Namespace) -> int:
     """Run one ``asyncinfer dead`` action; the exit status."""
     import redis
@@ -189,7 +235,7 @@ def run_dead(args: argparse.Namespace) -> int:
         print("asyncinfer dead requeue: name request IDs or --all (not both)", file=sys.stderr)
         return 2
     settings = Settings.from_env(broker_url=args.broker_url).for_models([args.model])  # its route
-    dead = DeadLetters.from_settings(settings, args.model)
+    dead = AllDeadLetters(DeadLetters.of_every_shard(settings, args.model))
     try:
         if args.action == "list":
             for _, e in dead.entries():

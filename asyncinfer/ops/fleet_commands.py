@@ -64,7 +64,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     """Remove every request waiting on ``infer.MODEL`` (and its priority lists); each gets REVOKED,
     so whoever waits for it hears."""
     from asyncinfer.broker.connections import redis_client
-    from asyncinfer.broker.urls import is_redis_url
+    from asyncinfer.broker.urls import is_redis_url, shard_urls
     from asyncinfer.ops.purge import purge_queue, waiting
 
     with _client(args) as client:
@@ -74,8 +74,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
         if not is_redis_url(url):
             raise ValueError("purge reads Redis lists; on RabbitMQ use `celery -A asyncinfer purge -Q "
                              f"infer.{args.model}`")
-        broker = redis_client(url, client.settings)
-        count = waiting(broker, args.model)
+        brokers = [redis_client(u, client.settings) for u in shard_urls(url)]  # a spread URL's all
+        count = sum(waiting(broker, args.model) for broker in brokers)
         if not count:
             print(f"infer.{args.model}: nothing waiting")
             return 0
@@ -84,7 +84,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
             if answer.strip().lower() not in ("y", "yes"):
                 print("nothing removed")
                 return 1
-        removed = purge_queue(broker, app.backend, args.model)
+        removed = sum(purge_queue(broker, app.backend, args.model) for broker in brokers)
         print(f"infer.{args.model}: removed {removed} requests (REVOKED)")
     return 0
 

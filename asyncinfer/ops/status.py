@@ -44,14 +44,30 @@ def queue_depths(app: Celery, models: set[str]) -> dict[str, int]:
     with app.connection_for_read() as conn:
         if conn.transport.driver_type != "redis":
             return {m: _declared_depth(conn, QUEUE_PREFIX + m) for m in sorted(models)}
-        client = conn.default_channel.client
-        names = {m for k in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000)
-                 if (m := model_from_queue(k.decode() if isinstance(k, bytes) else k))
-                 and PRIORITY_SEP not in m}
-        for model in sorted(models | names):
-            queue = QUEUE_PREFIX + model
-            depths[model] = sum(int(client.llen(key)) for key in priority_lists([queue]))
+        clients = shard_clients(str(app.conf.broker_url)) or [conn.default_channel.client]
+        try:
+            names = {m for client in clients
+                     for k in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000)
+                     if (m := model_from_queue(k.decode() if isinstance(k, bytes) else k))
+                     and PRIORITY_SEP not in m}
+            for model in sorted(models | names):
+                lists = priority_lists([QUEUE_PREFIX + model])
+                depths[model] = sum(int(c.llen(key)) for c in clients for key in lists)
+        finally:
+            if len(clients) > 1:
+                for client in clients:
+                    client.close()
     return depths
+
+
+def shard_clients(url: str) -> list[Any]:
+    """A client of each shard of a cluster URL that spreads requests ([] for any other URL: its
+    one Redis is the caller's)."""
+    from asyncinfer.broker.connections import redis_client
+    from asyncinfer.broker.urls import shard_urls
+
+    urls = shard_urls(url)
+    return [redis_client(u) for u in urls] if len(urls) > 1 else []
 
 
 def _declared_depth(conn: Any, queue: str) -> int:

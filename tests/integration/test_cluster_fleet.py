@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import ModelError, SequenceNotStarted
 from asyncinfer.ops.status import queue_depths
-from tests.support.processes import TEST_FACTORIES, start_gateway, start_worker, worker_env
+from tests.support.processes import TEST_FACTORIES, run_cli, start_gateway, start_worker
 from tests.support.redis_cluster import LocalCluster
 from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
@@ -144,13 +142,6 @@ def test_the_routing_table_puts_models_on_shards_of_their_own_on_masters_of_thei
         second.stop()
 
 
-def _cli(url: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "asyncinfer", *args], env=worker_env(url),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
 def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given a worker of "poison" (doubles its input; fails on a negative row) that caches its
@@ -172,17 +163,17 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
         assert again.raw["parameters"]["cache_hit"] is True
         assert "cache_hit" not in first.raw["parameters"]
         # And the commands read the cluster: status, models, stats, dead letters, purge, cancel
-        assert "infer.poison" in _cli(url, "status")
-        assert "poison" in _cli(url, "models")
-        stats = _cli(url, "stats", "poison")
+        assert "infer.poison" in run_cli(url, "status")
+        assert "poison" in run_cli(url, "models")
+        stats = run_cli(url, "stats", "poison")
         # one inference on the device, one batch; two successes (the hit is one), one failure
         assert re.search(r"poison\s+1\s+1\s+2\s+1\s", stats), stats
-        dead = _cli(url, "dead", "list", "poison")
+        dead = run_cli(url, "dead", "list", "poison")
         assert failed.id in dead, dead
         worker.stop()
         waiting = [client.submit("poison", _row(float(i))) for i in range(4)]
-        assert "4" in _cli(url, "purge", "poison", "--yes")
-        assert f"revoked {waiting[0].id}" in _cli(url, "cancel", waiting[0].id)
+        assert "4" in run_cli(url, "purge", "poison", "--yes")
+        assert f"revoked {waiting[0].id}" in run_cli(url, "cancel", waiting[0].id)
     finally:
         client.close()
         worker.stop()

@@ -6,29 +6,36 @@ worker killed holding requests of every shard."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from celery import Celery
 
 from asyncinfer.broker.cluster_backend import register_schemes
 from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import request_shard
 from asyncinfer.client import Client
+from asyncinfer.errors import ModelError, SequenceNotStarted
 from tests.support.crashy import (
     answered_by_second,
     crashy_env,
     held_by_first,
     two_crashy_workers,
 )
-from tests.support.processes import start_worker, stop_together
+from tests.support.processes import TEST_FACTORIES, run_cli, start_gateway, start_worker, stop_together
 from tests.support.redis_cluster import LocalCluster
+from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,3 +147,69 @@ def test_a_worker_killed_holding_requests_of_every_shard_another_answers_them(
         stop_together([first, second])
         for s in shards:
             s.close()
+
+
+def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shard(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    # Given a worker of four models on the spread URL, and the gateway
+    url = _url(cluster)
+    options = json.dumps({"poison": {"dead_letter": True}})
+    worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                          "identity,echo-stream,accumulator,poison",
+                          ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},{ACCUMULATOR_FACTORY}",
+                          ASYNCINFER_MODEL_OPTIONS=options)
+    gateway = start_gateway(url, tmp_path / "gateway.log")
+    client = Client(broker_url=url)
+    try:
+        # When streams, two sequences, gateway calls and failing requests fall on every shard
+        words = [f"w{i}" for i in range(20)]
+        streamed = []
+        for _ in range(3):
+            with client.stream("echo-stream", {"text_input": [" ".join(words)]}) as parts:
+                streamed.append([str(p["text_output"].reshape(-1)[0]) for p in parts])
+
+        def step(sequence: str, value: int, **flags: Any) -> int:
+            r = client.infer("accumulator", {"INPUT": np.array([[value]], np.int64)},
+                             parameters={"sequence_id": sequence, **flags}, timeout_s=30)
+            return int(r["SUM"][0, 0])
+
+        sequences = {name: [step(name, 3, sequence_start=True), step(name, 4),
+                            step(name, 5, sequence_end=True)] for name in ("seq-a", "seq-b")}
+        http = httpclient.InferenceServerClient(gateway.http_url)
+        grpc = grpcclient.InferenceServerClient(gateway.grpc_url)
+        by_gateway = []
+        for i in range(6):
+            x = httpclient.InferInput("input", [1, 1], "FP32")
+            x.set_data_from_numpy(np.array([[float(i)]], np.float32))
+            by_gateway.append(float(http.infer("identity", [x]).as_numpy("input")[0, 0]))
+            g = grpcclient.InferInput("input", [1, 1], "FP32")
+            g.set_data_from_numpy(np.array([[float(i)]], np.float32))
+            by_gateway.append(float(grpc.infer("identity", [g]).as_numpy("input")[0, 0]))
+        http.close()
+        grpc.close()
+        failed = [client.submit("poison", _row(-1.0)) for _ in range(9)]
+        for f in failed:
+            with pytest.raises(ModelError):
+                f.result(timeout=30)
+        # Then each stream's parts arrive once, in order; each sequence accumulates on its worker
+        assert streamed == [words] * 3
+        assert sequences == {"seq-a": [3, 7, 12], "seq-b": [3, 7, 12]}
+        with pytest.raises(SequenceNotStarted):
+            step("seq-a", 1)
+        assert by_gateway == [float(i) for i in range(6) for _ in range(2)]
+        # and the commands see every shard: the dead letters of all, then what waits on all
+        assert {request_shard(f.id, SHARDS) for f in failed} == {0, 1, 2}
+        dead = run_cli(url, "dead", "list", "poison")
+        assert all(f.id in dead for f in failed), dead
+        worker.stop()
+        waiting = [client.submit("identity", _row(float(i))) for i in range(12)]
+        for f in waiting:
+            f.sent()
+        assert {request_shard(f.id, SHARDS) for f in waiting} == {0, 1, 2}
+        assert re.search(r"infer\.identity\s+12\b", run_cli(url, "status")) is not None
+        assert "removed 12 requests" in run_cli(url, "purge", "identity", "--yes")
+        assert "requeued 9" in run_cli(url, "dead", "requeue", "poison", "--all")
+    finally:
+        client.close()
+        gateway.stop()
+        worker.stop()

@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Sequence, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 

@@ -206,3 +206,11 @@ def embedded_up_env(state_dir: Path) -> dict[str, str]:
     env = worker_env("", ASYNCINFER_STATE_DIR=str(state_dir), **gateway_ports_env())
     del env["ASYNCINFER_BROKER_URL"]
     return env
+
+
+def run_cli(url: str, *args: str) -> str:
+    """What ``asyncinfer ARGS`` prints on broker ``url`` (it must succeed)."""
+    out = subprocess.run([sys.executable, "-m", "asyncinfer", *args], env=worker_env(url),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout

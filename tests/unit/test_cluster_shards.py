@@ -10,8 +10,8 @@ import redis
 from redis.crc import key_slot
 
 from asyncinfer.broker.cluster_keys import KeyTable, prefixed_command, unprefixed
-from asyncinfer.broker.shards import SLOTS, key_prefix, shard_tags, tag_slot
-from asyncinfer.broker.urls import is_cluster_url, parse_cluster_url
+from asyncinfer.broker.shards import SLOTS, key_prefix, request_shard, shard_tags, tag_slot
+from asyncinfer.broker.urls import is_cluster_url, parse_cluster_url, pinned_url, shard_urls
 
 P = b"{3.48}"
 
@@ -123,3 +123,25 @@ def test_key_names_outside_key_arguments_are_placed_by_the_client_s_keyspace() -
     assert space.key(space.name(tag + "x")) == space.key(space.name("x")) == tag + "x"
     assert keyspace(redis.Redis()) is PLAIN and PLAIN.key("k") == "k" and PLAIN.name(b"k") == "k"
     shard.close()
+
+
+def test_a_url_with_shards_and_no_shard_spreads_requests_over_all_of_them() -> None:
+    spread = "rediscluster://h:7000/?nodes=g:7001&shards=3"
+    assert parse_cluster_url(spread).spread is True
+    assert parse_cluster_url(spread + "&shard=1").spread is False
+    assert parse_cluster_url("rediscluster://h:7000").spread is False  # one shard: nothing to spread
+    assert shard_urls(spread) == [f"{spread}&shard={k}" for k in range(3)]
+    assert [parse_cluster_url(u).shard for u in shard_urls(spread)] == [0, 1, 2]
+    assert shard_urls(spread + "&shard=2") == [spread + "&shard=2"]  # a pinned URL is its own
+    assert shard_urls("redis://h:6379/0") == ["redis://h:6379/0"]
+    assert pinned_url("rediscluster://h:1/?shards=4&shard=1#x", 3) == (
+        "rediscluster://h:1/?shards=4&shard=3#x")
+
+
+def test_a_request_s_shard_is_the_one_whose_slots_hold_its_id_s_slot() -> None:
+    ids = [f"request-{i}" for i in range(9000)]
+    shards = [request_shard(i, 3) for i in ids]
+    assert shards == [key_slot(i.encode()) * 3 // SLOTS for i in ids]
+    assert all(request_shard(i, 1) == 0 for i in ids[:50])
+    counts = Counter(shards)
+    assert sorted(counts) == [0, 1, 2] and all(2800 < n < 3200 for n in counts.values()), counts
