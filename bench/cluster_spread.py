@@ -114,9 +114,17 @@ def point(cluster: Any, url: str, args: argparse.Namespace, log_dir: Path) -> di
         cpu_s = a["proc_cpu_s"] - b["proc_cpu_s"]
         calls = sum(n - b["commands"].get(name, (0, 0))[0] for name, (n, _) in a["commands"].items())
         held = results[port] - results_before[port]
+        top = sorted(((name, n - b["commands"].get(name, (0, 0))[0],
+                       us - b["commands"].get(name, (0, 0))[1])
+                      for name, (n, us) in a["commands"].items()), key=lambda t: -t[2])[:8]
         per_master[port] = {"requests": held, "cpu_share_of_core": round(cpu_s / seconds, 3),
                             "cpu_ms_per_request": round(cpu_s * 1e3 / held, 4) if held else None,
-                            "commands_per_request": round(calls / held, 2) if held else None}
+                            "commands_per_request": round(calls / held, 2) if held else None,
+                            "net_in_bytes_per_request": round((a["net_in"] - b["net_in"]) / held)
+                            if held else None,
+                            "top_commands_per_request": {
+                                name: {"calls": round(n / held, 3), "usec": round(us / held, 2)}
+                                for name, n, us in top} if held else {}}
     return {"answered": answered, "failures": sum(o["failures"] for o in outcomes),
             "requests_per_s": round(answered / elapsed, 1), "mean_rows_per_batch": round(rows, 2),
             "per_master": per_master}
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-cpu-share", type=float, default=0.0,
                    help="cap each master at this share of a core (0: no cap)")
     p.add_argument("--repeat", type=int, default=1, help="alternations of the two forms")
+    p.add_argument("--forms", default="one,spread", help="which forms: one (master), spread")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
@@ -151,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 version = c.info("server")["redis_version"]
             try:
                 for i in range(args.repeat):
-                    for form, url in (("one master", base), ("spread over 3", base + "&shards=3")):
+                    forms = [(f, u) for f, u, k in (("one master", base, "one"),
+                                                    ("spread over 3", base + "&shards=3", "spread"))
+                             if k in args.forms.split(",")]
+                    for form, url in forms:
                         row = {"form": form, "run": i + 1, **point(cluster, url, args, folder)}
                         runs.append(row)
                         masters = ", ".join(
