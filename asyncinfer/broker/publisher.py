@@ -71,7 +71,8 @@ from asyncinfer.wire.keys import (
 from asyncinfer.wire.request_identity import reused_message
 from asyncinfer.wire.sequence import SequenceFlags, not_started_message
 
-__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments", "worker_of_pin"]
+__all__ = ["Publisher", "PUBLISHED", "DUPLICATE", "CACHED", "script_arguments",
+           "trace_push_arguments", "TRACE_PUSH", "worker_of_pin"]
 
 PUBLISHED, DUPLICATE, FULL, CONFLICT, CACHED, LEVEL_FULL, REUSED = 1, 0, -1, -2, 2, -3, -4
 #: A sequence's request refused: not started, no live worker to start it on, its state lost.
@@ -80,6 +81,8 @@ NOT_STARTED, NO_SEQUENCE_WORKER, STATE_LOST = -5, -6, -7
 _PIN_FIELDS = 3
 
 _PUBLISH = script("publish")
+#: Pushes that need nothing but their trace (_Push.trace_only): one small script per list.
+TRACE_PUSH = script("trace_push")
 
 
 class Publisher:
@@ -98,6 +101,7 @@ class Publisher:
         self.replicas_timeout_ms = max(1, int(replicas_timeout_s * 1000))
         self.claim_ttl_s = max(1, int(claim_ttl_s)) if claim_ttl_s else 0
         self._publish = client.register_script(_PUBLISH)
+        self._trace_push = client.register_script(TRACE_PUSH)
 
     def prepare(self, queue: str, request_id: str, message: str, *, claim: bool,
                 result_key: str | None = None, max_queue_size: int = 0, timeout_s: float = 0.0,
@@ -134,6 +138,14 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
                  push.result_ttl_s, push.level_max_queue_size, push.identity,
                  push.sequence_mode, int(push.sequence is not None and push.sequence.end)]
     return keys, args
+
+
+def trace_push_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of trace_push.lua for ``pushes`` (each :attr:`_Push.trace_only`, all onto
+    one list), in order."""
+    first = pushes[0]
+    return ([first.list_key, *(p.claim_key for p in pushes)],
+            [first.mark_ttl_s, first.queue, *(p.message for p in pushes)])
 
 
 def worker_of_pin(pin: str) -> str:
@@ -201,7 +213,11 @@ class _Push:
         self.scripted = (claim or self.max_queue_size > 0 or publisher.mark_ttl_s > 0
                          or bool(self.cache_key) or self.level_max_queue_size > 0
                          or sequence is not None)
-        #: Nothing to check, only the trace to write with the push.
+        #: Nothing to check, only the trace to write with the push (trace_push.lua, not the
+        #: publish script's rules for each request).
+        self.trace_only = (self.scripted and not claim and publisher.mark_ttl_s > 0
+                           and not self.cache_key and not self.max_queue_size
+                           and not self.level_max_queue_size and sequence is None)
         self.deadline = time.monotonic() + max(0.0, timeout_s)
         self._pause_s = Publisher.poll_s[0]
 

@@ -49,7 +49,15 @@ import redis
 
 from asyncinfer.broker.connections import not_replicated, wait_replicas
 from asyncinfer.broker.direct_pipeline import direct_pipeline
-from asyncinfer.broker.publisher import _PUBLISH, PUBLISHED, Publisher, _Push, script_arguments
+from asyncinfer.broker.publisher import (
+    _PUBLISH,
+    PUBLISHED,
+    TRACE_PUSH,
+    Publisher,
+    _Push,
+    script_arguments,
+    trace_push_arguments,
+)
 
 __all__ = ["GroupedPublisher", "Pending", "Group", "Entry", "Done", "DescribeError"]
 
@@ -141,7 +149,8 @@ class Group:
                  *, script_lost: bool = False) -> None:
         self.taken, self.publisher, self.describe_error = taken, publisher, describe_error
         self._by_text = script_lost
-        self._calls: list[tuple[bool, list[Entry]]] = []  # (scripted, its requests) per command
+        #: (scripted: its replies a status per request, its requests) per command
+        self._calls: list[tuple[bool, list[Entry]]] = []
         #: Sent requests and their status, told once :meth:`confirm` knows the replicas'.
         self.sent: list[tuple[Entry, int]] = []
         #: Requests to send again (one queue's each, in order) and after how long.
@@ -152,6 +161,15 @@ class Group:
     def fill(self, pipe: Any) -> Any:
         """Queue the group's commands on ``pipe`` (a redis-py pipeline, blocking or asyncio)."""
         for entries in self.taken:
+            list_key = entries[0].push.list_key
+            if all(e.push.trace_only and e.push.list_key == list_key for e in entries):
+                keys, args = trace_push_arguments([e.push for e in entries])
+                if self._by_text:
+                    pipe.eval(TRACE_PUSH, len(keys), *keys, *args)
+                else:
+                    pipe.evalsha(self.publisher._trace_push.sha, len(keys), *keys, *args)
+                self._calls.append((False, entries))
+                continue
             if any(e.push.scripted for e in entries):
                 keys, args = script_arguments([e.push for e in entries])
                 if self._by_text:

@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio
 
 from asyncinfer.broker.connections import never_resend
-from asyncinfer.broker.publisher import _PUBLISH, _Push, _ttl_s
+from asyncinfer.broker.publisher import _PUBLISH, TRACE_PUSH, _Push, _ttl_s
 from asyncinfer.broker.urls import has_asyncio_client
 from asyncinfer.client.grouped import DescribeError, Entry, Group, Pending
 from asyncinfer.wire.sequence import SequenceFlags
@@ -46,6 +46,7 @@ class AsyncPublisher:
         self.replicas = 0
         self.claim_ttl_s = _ttl_s(claim_ttl_s)
         self._publish = client.register_script(_PUBLISH)
+        self._trace_push = client.register_script(TRACE_PUSH)
         self._pending = Pending()
         self._arrived = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
