@@ -15,11 +15,14 @@ rules run in turn, by Redis atomically:
   behind it), then ends with QueueFull. Nothing is dropped: a request is either on the queue or
   refused. A priority level's own ``max_queue_size`` (``priority_queue_policy``,
   config/priority_policy.py) bounds its list the same way (its pushes go in calls of their own);
-- the trace: with ``mark_ttl_s`` (``ASYNCINFER_LOST_AFTER_S`` > 0), a generated ID also gets the
-  claim key, written in the same script as the push. Redis keeps a script's writes together (its
-  append-only file and its replicas get them as one MULTI), so after a crash or a failover the key
-  is there exactly when the message was kept: the client's lost check (lost_check.py) reads "no
-  key and no result" as "the broker lost this request".
+- the trace: with ``mark_ttl_s`` (``ASYNCINFER_LOST_AFTER_S`` > 0), a generated ID gets a field
+  of the traces hash (``asyncinfer:traces``: ID → queue), written in the same script as the push
+  (trace_push.lua when nothing else is checked: one LPUSH and one HSET for a group). Redis keeps a
+  script's writes together (its append-only file and its replicas get them as one MULTI), so
+  after a crash or a failover the trace is there exactly when the message was kept: the client's
+  lost check (lost_check.py) reads "no trace and no result" as "the broker lost this request".
+  The store script removes a request's trace when it stores its result (any state): a request
+  costs one key (its result), not two, for the results' lifetime.
 
 - the response cache: a request of a model with ``response_cache`` carries its cache key; found,
   the cached answer is stored under the request's ID and announced as a worker would, the model's
@@ -64,6 +67,7 @@ from asyncinfer.errors import (
 from asyncinfer.wire.cache_key import generation_key
 from asyncinfer.wire.keys import (
     CLAIM_PREFIX,
+    TRACES_KEY,
     response_cache_stats_key,
     sequence_pin_key,
     sequence_workers_key,
@@ -134,9 +138,11 @@ def script_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]:
     for push in pushes:
         keys += [push.list_key, push.claim_key, push.result_key, push.cache_key,
                  push.cache_stats_key, push.pin_key, push.workers_key, push.cache_generation_key]
-        args += [push.message, push.claim_ttl_s, push.mark_ttl_s, push.quoted_id, push.reply_to,
+        args += [push.message, push.claim_ttl_s, push.request_id if push.mark_ttl_s else "",
+                 push.quoted_id, push.reply_to,
                  push.result_ttl_s, push.level_max_queue_size, push.identity,
                  push.sequence_mode, int(push.sequence is not None and push.sequence.end)]
+    keys.append(TRACES_KEY)
     return keys, args
 
 
@@ -144,8 +150,10 @@ def trace_push_arguments(pushes: Sequence[_Push]) -> tuple[list[str], list[Any]]
     """KEYS and ARGV of trace_push.lua for ``pushes`` (each :attr:`_Push.trace_only`, all onto
     one list), in order."""
     first = pushes[0]
-    return ([first.list_key, *(p.claim_key for p in pushes)],
-            [first.mark_ttl_s, first.queue, *(p.message for p in pushes)])
+    args: list[Any] = [first.queue]
+    for push in pushes:
+        args += (push.request_id, push.message)
+    return [first.list_key, TRACES_KEY], args
 
 
 def worker_of_pin(pin: str) -> str:

@@ -37,6 +37,7 @@ from asyncinfer.wire.keys import (
     LEASE_DEVICE_KEY,
     LEASE_HOLDERS_KEY,
     LEASES_KEY,
+    TRACES_KEY,
     UNACKED_INDEX_KEY,
     UNACKED_KEY,
 )
@@ -61,7 +62,8 @@ _STORE = script("store")
 
 
 #: The keys the store script writes: kombu's bookkeeping, then the leases' (leases.py).
-_KEYS = (UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY)
+_KEYS = (UNACKED_INDEX_KEY, UNACKED_KEY, LEASES_KEY, LEASE_HOLDERS_KEY, LEASE_DEVICE_KEY,
+         TRACES_KEY)
 
 
 class StoreScript:
@@ -76,31 +78,34 @@ class StoreScript:
         #: since is left to it ('': acknowledge whoever holds).
         self.holder = holder
 
-    def __call__(self, entries: Sequence[Entry], client: Any = None) -> list[str]:
+    def __call__(self, entries: Sequence[Entry], client: Any = None,
+                 untraced: Sequence[str] = ()) -> list[str]:
         """Store ``entries``; with ``client`` a pipeline, queue it there (its reply is the
-        script's: see :func:`store_reply`). The error replies (as text) of the announcements and
-        acknowledgements."""
-        return self.call(entries, client)[0]
+        script's: see :func:`store_reply`); remove the traces of ``untraced`` (request IDs whose
+        result this call or an earlier one stores). The error replies (as text) of the
+        announcements and acknowledgements."""
+        return self.call(entries, client, untraced)[0]
 
-    def call(self, entries: Sequence[Entry], client: Any = None) -> tuple[list[str], list[str]]:
+    def call(self, entries: Sequence[Entry], client: Any = None,
+             untraced: Sequence[str] = ()) -> tuple[list[str], list[str]]:
         """:meth:`__call__`, and the result keys of the guarded entries left out (a final state
         was stored already)."""
         try:
-            reply = self._script(keys=list(_KEYS), args=self._args(entries),
+            reply = self._script(keys=list(_KEYS), args=self._args(entries, untraced),
                                  client=client)
         except redis.ResponseError as exc:
             raise as_out_of_memory(exc) from None
         errors, skipped = store_reply(reply)
         return errors, [self._space.name(key) for key in skipped]
 
-    def queue(self, pipe: Any, entries: Sequence[Entry]) -> None:
+    def queue(self, pipe: Any, entries: Sequence[Entry], untraced: Sequence[str] = ()) -> None:
         """Add the call to ``pipe`` (a plain pipeline) as a bare EVALSHA, without the existence
         check redis-py's pipelines make per execute: its reply is a ``NoScriptError`` when Redis
         has not loaded the script (a restarted or new master); :meth:`load` it then."""
-        pipe.evalsha(self._script.sha, len(_KEYS), *_KEYS, *self._args(entries))
+        pipe.evalsha(self._script.sha, len(_KEYS), *_KEYS, *self._args(entries, untraced))
 
-    def _args(self, entries: Sequence[Entry]) -> list[Any]:
-        args: list[Any] = [self.expires_s, self.holder]
+    def _args(self, entries: Sequence[Entry], untraced: Sequence[str] = ()) -> list[Any]:
+        args: list[Any] = [self.expires_s, self.holder, len(untraced), *untraced]
         space = self._space
         if space.prefix:
             for key, value, reply_to, tag, guard in entries:

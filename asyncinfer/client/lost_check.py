@@ -42,7 +42,7 @@ from typing import Any
 import redis
 
 from asyncinfer.errors import RequestLost
-from asyncinfer.wire.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX, TRACES_KEY
 
 __all__ = ["LostCheck", "lost_error", "trace_ttl_s"]
 
@@ -172,7 +172,12 @@ class LostCheck:
         for start in range(0, len(ids), self.chunk):
             chunk = ids[start:start + self.chunk]
             try:
-                traces = self.broker.mget([CLAIM_PREFIX + i for i in chunk])
+                # a caller-chosen ID's claim is its trace; a generated ID's, a field (keys.py)
+                pipe = self.broker.pipeline(transaction=False)
+                pipe.mget([CLAIM_PREFIX + i for i in chunk])
+                pipe.hmget(TRACES_KEY, chunk)
+                claims, fields = pipe.execute()
+                traces = [c if c is not None else f for c, f in zip(claims, fields, strict=True)]
                 untraced = [i for i, trace in zip(chunk, traces, strict=True) if trace is None]
                 stored = self._stored(untraced)
             except (redis.RedisError, OSError) as exc:

@@ -47,6 +47,7 @@ from asyncinfer.wire.keys import (
     DEATHS_PREFIX,
     LEASE_DEVICE_KEY,
     STREAM_PREFIX,
+    TRACES_KEY,
     UNACKED_KEY,
 )
 
@@ -160,7 +161,8 @@ def _keys(request_id: str, results: Any, backend: Any, broker: Any | None) -> st
     """Which of the request's own keys exist: stored result or stream, trace or death count."""
     if results.exists(backend.get_key_for_task(request_id), STREAM_PREFIX + request_id):
         return "its stored result or stream"
-    if broker is not None and broker.exists(CLAIM_PREFIX + request_id, DEATHS_PREFIX + request_id):
+    if broker is not None and (broker.exists(CLAIM_PREFIX + request_id, DEATHS_PREFIX + request_id)
+                               or broker.hexists(TRACES_KEY, request_id)):
         return "its trace (claim)"
     return ""
 

@@ -12,7 +12,7 @@ from celery import states
 
 from asyncinfer.client.responses import decode_stored
 from asyncinfer.constants import QUEUE_PREFIX, priority_lists, queue_of_list
-from asyncinfer.wire.keys import CLAIM_PREFIX, UNACKED_KEY
+from asyncinfer.wire.keys import CLAIM_PREFIX, TRACES_KEY, UNACKED_KEY
 from asyncinfer.wire.request_identity import queue_of
 
 __all__ = ["whereabouts"]
@@ -43,7 +43,7 @@ def whereabouts(request_id: str, results: Any, backend: Any, broker: Any | None)
         if needle in entry and _envelope_id(entry) == request_id:
             return (f"it is taken by a worker (unacknowledged, delivery tag "
                     f"{tag.decode(errors='replace')}) and not started yet")
-    claim = broker.get(CLAIM_PREFIX + request_id)
+    claim = broker.get(CLAIM_PREFIX + request_id) or broker.hget(TRACES_KEY, request_id)
     claimed = queue_of(claim.decode(errors="replace")) if claim else ""
     queues = ([claimed] if claimed else
               sorted({queue_of_list(k.decode(errors="replace"))

@@ -15,6 +15,7 @@ from celery.app.task import Context
 
 from asyncinfer.constants import priority_lists, queue_for
 from asyncinfer.wire.envelope import request_id_in
+from asyncinfer.wire.keys import TRACES_KEY
 from asyncinfer.wire.reply import REPLY_TO, reply_channel_of
 
 __all__ = ["waiting", "purge_queue"]
@@ -39,11 +40,15 @@ def purge_queue(broker: Any, backend: Any, model: str) -> int:
         pipe.delete(key)
     replies = pipe.execute()
     raws = [raw for reply in replies[:len(_lists(model))] for raw in reply]
+    purged = []
     for raw in raws:
         request_id, reply_to = _request_of(raw)
         if request_id:  # its reply channel, if it names one, hears of it too (broker/result_announcements.py)
             backend.mark_as_revoked(request_id, reason="purged",
                                     request=Context({REPLY_TO: reply_to}) if reply_to else None)
+            purged.append(request_id)
+    for start in range(0, len(purged), 1000):  # their REVOKED says they existed: traces go
+        broker.hdel(TRACES_KEY, *purged[start:start + 1000])
     return len(raws)
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "UNACKED_KEY",
     "UNACKED_INDEX_KEY",
     "CLAIM_PREFIX",
+    "TRACES_KEY",
     "DEAD_LETTER_PREFIX",
     "RESPONSE_CACHE_PREFIX",
     "response_cache_index_key",
@@ -59,6 +60,10 @@ UNACKED_INDEX_KEY = "unacked_index"
 
 #: A caller-chosen request ID claimed at submit (idempotency); the value is the queue it went to.
 CLAIM_PREFIX = KEY_PREFIX + "request:"
+#: The traces of requests with generated IDs, while they are in flight: a hash of request ID →
+#: the queue it went to, written with its push and removed when its result (any state) is
+#: stored (client/lost_check.py reads "no result and no trace" as "the broker lost it").
+TRACES_KEY = KEY_PREFIX + "traces"
 
 #: Leases of taken requests (broker/leases.py): ``…:leases`` sorted set of delivery tag →
 #: the lease's expiry (Redis' clock, seconds); ``…:leases:holders`` hash of tag → the holding

@@ -27,6 +27,7 @@ from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import request_shard
 from asyncinfer.client import Client
 from asyncinfer.errors import ModelError, SequenceNotStarted
+from asyncinfer.wire.keys import TRACES_KEY
 from tests.support.crashy import (
     answered_by_second,
     crashy_env,
@@ -110,7 +111,7 @@ def test_one_model_is_served_by_every_master_each_within_ten_percent_of_the_mean
         # and nothing is left on any shard's queue, nothing held
         for shard in range(SHARDS):
             r = shard_client(url, shard)
-            assert (r.llen("infer.identity"), r.hlen("unacked")) == (0, 0)
+            assert (r.llen("infer.identity"), r.hlen("unacked"), r.hlen(TRACES_KEY)) == (0, 0, 0)
             r.close()
         assert "fast consumer on infer.identity (3 shards)" in worker.log()
     finally:

@@ -16,6 +16,7 @@ import torch
 
 from asyncinfer.errors import UnknownModel
 from asyncinfer.models.builtin import MLP
+from asyncinfer.wire.keys import CLAIM_PREFIX, TRACES_KEY
 from tests.support.marks import ForwardMarks
 from tests.support.processes import ROOT, worker_env
 
@@ -98,6 +99,20 @@ def test_map_returns_results_in_input_order(client) -> None:
     results = list(client.map("identity", values, timeout_s=60))
     assert [r["input"][0, 0] for r in results] == [float(i) for i in range(40)]
     assert [r["input"].shape[0] for r in results] == [1 + i % 3 for i in range(40)]
+
+
+def test_a_request_s_trace_is_gone_once_its_result_is_stored(
+        client, redis_url) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    # Given requests with generated IDs (the lost check on: each traced with its push)
+    futures = [client.submit("identity", np.array([[float(i)]], np.float32)) for i in range(30)]
+    # Then each one is answered, and its result, not its trace, says from then on it existed
+    assert [float(f.result(timeout=60)["input"][0, 0]) for f in futures] == [float(i) for i in range(30)]
+    assert r.hmget(TRACES_KEY, [f.id for f in futures]) == [None] * 30
+    assert not any(r.exists(CLAIM_PREFIX + f.id) for f in futures)
+    r.close()
 
 
 def test_map_answers_the_first_rows_while_later_ones_are_unsent_and_shows_progress(

@@ -22,7 +22,7 @@ from asyncinfer.client import Client, aio
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import AsyncInferError, BrokerUnavailable, InvalidRequest, QueueFull
 from asyncinfer.ops.benchmark.latency_proxy import LatencyProxy
-from asyncinfer.wire.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX, TRACES_KEY
 from tests.support.databases import RedisDatabase
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,7 +139,7 @@ def test_requests_far_from_redis_go_in_groups_in_submit_order(
         # in a few groups (one script call each), not one round trip per request
         assert 1 <= _script_calls(redis_db) - before <= 30
         # each traced for the lost check, as a request sent alone is
-        assert redis_db.client.get(CLAIM_PREFIX + outcomes[-1][0]) == b"infer.m"
+        assert redis_db.client.hget(TRACES_KEY, outcomes[-1][0]) == b"infer.m"
     finally:
         client.close()
 

@@ -13,7 +13,7 @@ import redis
 from asyncinfer.broker.publisher import PUBLISHED, Publisher
 from asyncinfer.client.lost_check import LostCheck, lost_error, trace_ttl_s
 from asyncinfer.errors import AsyncInferError, RequestLost
-from asyncinfer.wire.keys import CLAIM_PREFIX
+from asyncinfer.wire.keys import CLAIM_PREFIX, TRACES_KEY
 from tests.support.publishing import publish_one
 
 
@@ -63,6 +63,19 @@ def test_a_request_whose_trace_and_result_are_gone_is_lost_after_two_looks(r: re
     assert len(check) == 0 and look_every_period(check, clock, 3) == []
 
 
+def test_a_generated_id_s_trace_is_its_field_of_the_traces_hash(r: redis.Redis) -> None:
+    # Given a request with a generated ID, traced in the hash (its claim key never written)
+    clock = Clock()
+    check = make_check(r, clock)
+    r.hset(TRACES_KEY, "g", "infer.m")
+    check.trace("g")
+    assert look_every_period(check, clock, 3) == []  # traced: never lost while it is there
+    # When the broker loses the field (and no result was stored)
+    r.hdel(TRACES_KEY, "g")
+    # Then it is lost after two looks
+    assert look_every_period(check, clock, 2) == ["g"]
+
+
 def test_traced_or_finished_requests_are_never_lost(r: redis.Redis) -> None:
     clock = Clock()
     check = make_check(r, clock)
@@ -105,7 +118,7 @@ def test_a_request_never_seen_with_a_trace_is_not_judged(r: redis.Redis) -> None
 
 def test_looks_that_fail_say_nothing(r: redis.Redis) -> None:
     class Down:
-        def mget(self, keys: list[str]) -> list[Any]:
+        def pipeline(self, transaction: bool = True) -> Any:
             raise redis.ConnectionError("restarting")
 
     clock = Clock()
@@ -159,9 +172,9 @@ def test_the_publisher_writes_the_trace_with_the_push(r: redis.Redis) -> None:
     # Given a publisher that traces (the lost check on) and a generated request ID
     publisher = Publisher(r, claim_ttl_s=3600, mark_ttl_s=120)
     assert publish_one(publisher, "infer.m", "gen-1", "msg", claim=False) == PUBLISHED
-    # Then the trace is there beside the message, with its own TTL
-    assert r.get(CLAIM_PREFIX + "gen-1") == b"infer.m"
-    assert 0 < r.ttl(CLAIM_PREFIX + "gen-1") <= 120
+    # Then the trace is there beside the message: a field of the traces hash, no key of its own
+    assert r.hget(TRACES_KEY, "gen-1") == b"infer.m"
+    assert not r.exists(CLAIM_PREFIX + "gen-1")
     assert r.lrange("infer.m", 0, -1) == [b"msg"]
     # and a caller-chosen ID keeps its claim's TTL (the result's expiry)
     assert publish_one(publisher, "infer.m", "mine", "msg2", claim=True) == PUBLISHED

@@ -4,10 +4,10 @@
 -- on, its claim key, its result key, its response cache key's stem ('' for none), the model's cache
 -- counts ('' for none), its sequence's pin and the model's sequence workers ('' for none), its
 -- cache key's generation ('' for none: the token of the weights answering it now, appended to the
--- stem with ':' to give the entry; none stored, a miss).
+-- stem with ':' to give the entry; none stored, a miss); last, the traces hash.
 -- ARGV: the number of the queue's lists, max queue size (0: none), queue name, then per push: its
--- message, claim TTL (0: none), trace TTL (0: none; the claim key written without the duplicate
--- check, for a generated ID), its request ID as JSON, its reply channel, the result TTL (0: none),
+-- message, claim TTL (0: none), the ID to trace ('' for none: a generated ID's trace, a field of
+-- the traces hash, written with its push), its request ID as JSON, its reply channel, the result TTL (0: none),
 -- the bound of the list it goes on (its priority level's max_queue_size; 0: none), its identity
 -- (the claim's value, wire/request_identity.py: the queue, then its fingerprint), its sequence
 -- (0: none, 1: it starts one, 2: a later request of one), 1 if it ends its sequence (else 0).
@@ -25,6 +25,7 @@ local lists, bound, queue = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 -- On a Redis Cluster shard every key starts with the shard's hash tag (broker/cluster_keys.py): a
 -- result's channel is its key's name without it, the name its waiters know.
 local shard_tag = string.match(KEYS[1], '^{[^}]*}') or ''
+local traces = KEYS[#KEYS]
 local depth = nil
 local out = {}
 -- The pushes accepted, per list in order, made at the end with one LPUSH per list; a list's
@@ -143,8 +144,8 @@ for i = 0, (#ARGV - 3) / 10 - 1 do
   if not status then
     if claim_ttl > 0 then
       redis.call('SET', KEYS[k + 2], ARGV[a + 7], 'EX', claim_ttl)
-    elseif tonumber(ARGV[a + 2]) > 0 then
-      redis.call('SET', KEYS[k + 2], queue, 'EX', ARGV[a + 2])
+    elseif ARGV[a + 2] ~= '' then
+      redis.call('HSET', traces, ARGV[a + 2], queue)
     end
     if not pending[target] then
       pending[target] = {}

@@ -1,7 +1,9 @@
 -- Store a batch of results and their acknowledgements (asyncinfer/broker/store.py).
--- KEYS: unacked_index, unacked, leases, lease holders, lease device marks. ARGV: seconds a result
--- lives (0: for ever), the storing worker's lease holder name ('' : acknowledge whoever holds),
--- then five values per request (see Entry in store.py). A tag leased to another holder now (its
+-- KEYS: unacked_index, unacked, leases, lease holders, lease device marks, the traces hash. ARGV:
+-- seconds a result lives (0: for ever), the storing worker's lease holder name ('' : acknowledge
+-- whoever holds), the number N of traces to remove (the requests whose result is stored: from now
+-- on the result says the request exists), those N request IDs, then five values per request (see
+-- Entry in store.py). A tag leased to another holder now (its
 -- lease lapsed here, the message went back and another worker took it) is not acknowledged: its
 -- bookkeeping is the new holder's. Returns {the error
 -- replies of the announcements and acknowledgements, the result keys not written}: a guarded
@@ -29,7 +31,11 @@ local function settled(key)
 end
 local tags = {}
 local replies, channels = {}, {}  -- the values announced on each reply channel, in order
-for i = 3, #ARGV, 5 do
+local untraced = tonumber(ARGV[3])
+for from = 4, 3 + untraced, 1000 do
+  try('HDEL', KEYS[6], unpack(ARGV, from, math.min(from + 999, 3 + untraced)))
+end
+for i = 4 + untraced, #ARGV, 5 do
   local key, value, reply_to, tag = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local guard = ARGV[i + 4]
   if key ~= '' then

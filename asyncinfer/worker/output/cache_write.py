@@ -95,21 +95,22 @@ class CacheWrites:
 
 
 def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
-                     writes: CacheWrites) -> tuple[list[str], list[str]]:
+                     writes: CacheWrites,
+                     untraced: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Store ``entries`` with ``store`` and write the gathered cache answers, in one round trip
     on ``client`` (the broker): the cache writes first, so a request repeated once its answer is
-    out finds it. The error replies of the store and the result keys it left out (as text:
-    store.py's :func:`store_reply`); a refused cache write is logged and dropped (a later
-    miss). Raises what a refused store raises (out of memory: the writer splits the part)."""
+    out finds it; the traces of ``untraced`` go (store.py). The error replies of the store and
+    the result keys it left out (as text: store.py's :func:`store_reply`); a refused cache write
+    is logged and dropped (a later miss). Raises what a refused store raises (out of memory: the writer splits the part)."""
     pipe = client.pipeline(transaction=False)
     writes.queue(pipe)
-    store.queue(pipe, entries)
+    store.queue(pipe, entries, untraced or ())
     *cached, stored = pipe.execute(raise_on_error=False)
     for error in (r for r in cached if isinstance(r, Exception)):
         log.warning("writing answers to the response cache failed: %s", error)
     if isinstance(stored, redis.exceptions.NoScriptError):  # a restarted or new master
         store.load(client)
-        return store.call(entries, client)
+        return store.call(entries, client, untraced or ())
     if isinstance(stored, redis.ResponseError):
         raise as_out_of_memory(stored)
     errors, skipped = store_reply(stored)

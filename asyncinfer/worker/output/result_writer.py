@@ -273,6 +273,9 @@ class ResultWriter:
         entries = [e for e in (self._add_safely(pushes, outcome) for outcome in part)
                    if e[0] or e[3]]  # a result to store or a message to acknowledge
         self._appends.append(part, self.streams)
+        # their traces go (a stored result of any state says from now on that each exists):
+        # on the broker, where the producers wrote them (publisher.py)
+        untraced = [o.delivery.request_id for o in part if o.store and o.delivery.request_id]
         acks = entries
         left: list[str] = []  # the result keys the store left out (store.py: guarded entries)
         if not self.shared:
@@ -283,18 +286,18 @@ class ResultWriter:
             acks = [("", "", "", tag, "") for _, _, _, tag, _ in entries if tag]
         if self._cache_writes and not pushes.command_stack:
             errors, more = cache_write.store_with_cache(self.broker, self.store, acks,
-                                                        self._cache_writes)
+                                                        self._cache_writes, untraced)
             log_refusals(errors)
         elif not pushes.command_stack:
             more = []
-            if acks:
-                errors, more = self.store.call(acks, self.broker)
+            if acks or untraced:
+                errors, more = self.store.call(acks, self.broker, untraced)
                 log_refusals(errors)
         else:
             self._cache_writes.queue(pushes)
-            if acks:
-                self.store(acks, pushes)
-            more = execute_writes(pushes, stored=bool(acks))
+            if acks or untraced:
+                self.store(acks, pushes, untraced)
+            more = execute_writes(pushes, stored=bool(acks or untraced))
         self._superseded(part, left + more)
 
     def _superseded(self, part: list[Outcome], keys: list[str]) -> None:
