@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         with LocalCluster(folder / "cluster", binary=redis_server_binary(prefer_system=True)) as cluster:
             capped = [cap_cpu(m.process.pid, args.redis_cpu_share) for m in cluster.masters()
                       if args.redis_cpu_share > 0]
-            (host, port), *others = cluster.seeds
-            base = f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
+            base = cluster.fleet_url()
             with cluster.masters()[0].client() as c:
                 version = c.info("server")["redis_version"]
             try:

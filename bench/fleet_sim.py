@@ -220,8 +220,7 @@ class _Cluster:
         from tests.support.redis_cluster import LocalCluster
 
         self.cluster = LocalCluster(folder, binary=binary).start()
-        (host, port), *others = self.cluster.seeds
-        self.url = f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
+        self.url = self.cluster.fleet_url()
         self.master = self.cluster.master_of_slot(tag_slot(shard_tags(1)[0]))
         self.process = self.master.process
         for node in self.cluster.masters():  # as the embedded Redis keeps them (redis_server.py)

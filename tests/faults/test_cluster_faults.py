@@ -44,9 +44,6 @@ ANSWER_WITHIN_S = 60
 SLOT = tag_slot(shard_tags(1)[0])
 
 
-def _url(cluster: LocalCluster) -> str:
-    (host, port), *others = cluster.seeds
-    return f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
 
 
 def _row(i: float) -> dict[str, np.ndarray]:
@@ -58,7 +55,7 @@ def test_a_worker_killed_holding_requests_on_a_cluster_another_answers_them(tmp_
     # Given two workers on a cluster at the default settings, the first on a slow kernel (15 s a
     # batch), and 12 requests held by the first: a batch on its device, the others waiting
     with LocalCluster(tmp_path / "cluster") as cluster:
-        url = _url(cluster)
+        url = cluster.fleet_url()
         r = shard_client(url, 0)
         prefix, slow = crashy_env(url, "held", 15)
         first, second = two_crashy_workers(url, url, tmp_path, slow, {**slow, "CRASHY_SLEEP_S": "0.2"})
@@ -137,7 +134,7 @@ def test_the_fleet_follows_its_shard_s_master_failing_over_while_requests_stream
     # left after the promotion, to confirm durable submits); with replicas=1 every submit and
     # result write waits for a replica
     with LocalCluster(tmp_path / "cluster", replicas_per_master=1 + replicas) as cluster:
-        url = _url(cluster)
+        url = cluster.fleet_url()
         env = {"ASYNCINFER_SUBMIT_REPLICAS": str(replicas), "ASYNCINFER_SUBMIT_REPLICAS_TIMEOUT_S": "5"}
         worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                               "identity", "--concurrency", "32", **env)
@@ -175,7 +172,7 @@ def test_one_model_spread_over_three_masters_one_master_killed_while_requests_st
         tmp_path: Path) -> None:
     # Given one model spread over 3 shards (one a master), a worker taking from all three
     with LocalCluster(tmp_path / "cluster") as cluster:
-        url = _url(cluster) + "&shards=3"
+        url = cluster.fleet_url("&shards=3")
         worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                               "identity", "--concurrency", "32")
         client = Client(settings=Settings(broker_url=url, connect_timeout_s=2.0))
@@ -208,7 +205,7 @@ def test_one_model_spread_over_three_masters_one_master_killed_while_requests_st
 def test_the_fleet_follows_its_shard_s_slot_migrating_while_requests_stream(tmp_path: Path) -> None:
     # Given a worker on a cluster, serving a model that counts each value's starts on the device
     with LocalCluster(tmp_path / "cluster") as cluster:
-        url = _url(cluster)
+        url = cluster.fleet_url()
         r = shard_client(url, 0)
         prefix, env = crashy_env(url, "migrating", 0.05)
         worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "crashy",
@@ -259,7 +256,7 @@ def test_the_fleet_follows_its_shard_s_slot_migrating_while_requests_stream(tmp_
 def test_a_request_that_kills_its_worker_on_a_cluster_is_isolated_then_fails(tmp_path: Path) -> None:
     # Given `asyncinfer up` on a cluster with one worker and a model that keeps its dead letters
     with LocalCluster(tmp_path / "cluster") as cluster:
-        url = _url(cluster)
+        url = cluster.fleet_url()
         r = shard_client(url, 0)
         prefix, env = crashy_env(url, "killer", 0.1)
         env["ASYNCINFER_MODEL_OPTIONS"] = json.dumps({"crashy": {"dead_letter": True}})
@@ -275,7 +272,7 @@ def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Pat
     # Given a cluster whose shard's replica stopped taking its master's writes (frozen), and 20
     # requests accepted by the master alone (no worker serves them yet)
     with LocalCluster(tmp_path / "cluster") as cluster:
-        url = _url(cluster)
+        url = cluster.fleet_url()
         client = Client(settings=Settings(broker_url=url, lost_after_s=4.0, connect_timeout_s=2.0))
         worker = None
         try:

@@ -34,9 +34,7 @@ def cluster(request: pytest.FixtureRequest,
 
 
 def _url(cluster: LocalCluster, shards: int = 12) -> str:
-    (host, port), *others = cluster.seeds
-    nodes = ",".join(f"{h}:{p}" for h, p in others)
-    return f"rediscluster://{host}:{port}/?nodes={nodes}&shards={shards}"
+    return cluster.fleet_url(f"&shards={shards}")
 
 
 def _retrying(call: Callable[[], Any], timeout_s: float = 30.0) -> tuple[Any, int]:

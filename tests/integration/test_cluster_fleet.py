@@ -36,9 +36,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def _url(cluster: LocalCluster) -> str:
-    (host, port), *others = cluster.seeds
-    return f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
 
 
 def _row(i: float) -> dict[str, np.ndarray]:
@@ -47,7 +44,7 @@ def _row(i: float) -> dict[str, np.ndarray]:
 
 def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
         cluster: LocalCluster, tmp_path: Path) -> None:
-    url = _url(cluster)
+    url = cluster.fleet_url()
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "identity",
                           "--concurrency", "4")
     client = Client(settings=Settings(broker_url=url))
@@ -81,7 +78,7 @@ def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
 
 
 def test_a_stream_and_the_gateway_on_a_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
-    url = _url(cluster)
+    url = cluster.fleet_url()
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                           "identity,echo-stream", "--hostname", "streams@%h")
     gateway = start_gateway(url, tmp_path / "gateway.log")
@@ -114,7 +111,7 @@ def test_a_stream_and_the_gateway_on_a_cluster(cluster: LocalCluster, tmp_path: 
 def test_the_routing_table_puts_models_on_shards_of_their_own_on_masters_of_their_own(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given two models routed to two shards of three of one cluster, a worker each
-    url = _url(cluster)
+    url = cluster.fleet_url()
     shard_url = [f"{url}&shards=3&shard={k}" for k in range(3)]
     first = start_worker(shard_url[1], tmp_path / "first.log", "--device", "cpu", "--models",
                          "identity", "--hostname", "first@%h")
@@ -146,7 +143,7 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given a worker of "poison" (doubles its input; fails on a negative row) that caches its
     # answers and keeps its dead letters, on a shard of its own
-    url = _url(cluster) + "&shards=3&shard=0"
+    url = cluster.fleet_url("&shards=3&shard=0")
     options = json.dumps({"poison": {"response_cache": True, "dead_letter": True}})
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "poison",
                           ASYNCINFER_MODEL_OPTIONS=options)
@@ -181,7 +178,7 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
 
 def test_a_sequence_on_a_cluster_accumulates_on_its_worker(cluster: LocalCluster, tmp_path: Path) -> None:
     # Given a worker hosting the stateful accumulator on a cluster's shard
-    url = _url(cluster) + "&shards=3&shard=2"
+    url = cluster.fleet_url("&shards=3&shard=2")
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                           "accumulator", ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},"
                                                                     f"{ACCUMULATOR_FACTORY}")

@@ -49,10 +49,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def _url(cluster: LocalCluster) -> str:
-    (host, port), *others = cluster.seeds
-    return (f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
-            + f"&shards={SHARDS}")
 
 
 def _row(i: float) -> dict[str, np.ndarray]:
@@ -72,7 +68,7 @@ def _results_per_master(cluster: LocalCluster, ids: set[str]) -> dict[int, int]:
 def test_one_model_is_served_by_every_master_each_within_ten_percent_of_the_mean(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given one worker of one model on a URL that spreads requests over 3 shards (one a master)
-    url = _url(cluster)
+    url = cluster.fleet_url(f"&shards={SHARDS}")
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models", "identity",
                           "--concurrency", "4")
     client = Client(broker_url=url)
@@ -124,7 +120,7 @@ def test_a_worker_killed_holding_requests_of_every_shard_another_answers_them(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given two workers on the spread URL at the default settings, the first on a slow kernel
     # (15 s a batch), and 12 requests of all three shards held by the first
-    url = _url(cluster)
+    url = cluster.fleet_url(f"&shards={SHARDS}")
     shards = [shard_client(url, shard) for shard in range(SHARDS)]
     r = shards[0]  # where the test model records its runs
     prefix, slow = crashy_env(url, "spread", 15)
@@ -153,7 +149,7 @@ def test_a_worker_killed_holding_requests_of_every_shard_another_answers_them(
 def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shard(
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given a worker of four models on the spread URL, and the gateway
-    url = _url(cluster)
+    url = cluster.fleet_url(f"&shards={SHARDS}")
     options = json.dumps({"poison": {"dead_letter": True}})
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                           "identity,echo-stream,accumulator,poison",
@@ -219,7 +215,7 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
 def test_an_idle_worker_killed_leaves_every_shard_to_the_other(cluster: LocalCluster,
                                                                 tmp_path: Path) -> None:
     # Given two idle workers on the spread URL, each watching every shard's lists
-    url = _url(cluster)
+    url = cluster.fleet_url(f"&shards={SHARDS}")
     first = start_worker(url, tmp_path / "first.log", "--device", "cpu", "--models", "identity",
                          "--hostname", "idle-first@%h")
     second = start_worker(url, tmp_path / "second.log", "--device", "cpu", "--models", "identity",

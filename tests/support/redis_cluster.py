@@ -204,6 +204,13 @@ class LocalCluster:
         """URL of the first node (a master at start), for ``RedisCluster.from_url``."""
         return f"redis://{HOST}:{self.ports[0]}"
 
+    def fleet_url(self, query: str = "") -> str:
+        """The fleet's ``rediscluster://`` URL of this cluster: the first node, the others in
+        ``nodes``, then ``query`` (``&shards=3``…)."""
+        (host, port), *others = self.seeds
+        return (f"rediscluster://{host}:{port}/?nodes=" + ",".join(f"{h}:{p}" for h, p in others)
+                + query)
+
     def cluster_client(self, **kwargs: Any) -> redis.cluster.RedisCluster:
         """A cluster client (bytes replies unless ``kwargs`` say otherwise) seeded with the live
         nodes."""

@@ -101,7 +101,8 @@ def store_with_cache(client: Any, store: StoreScript, entries: list[Entry],
     on ``client`` (the broker): the cache writes first, so a request repeated once its answer is
     out finds it; the traces of ``untraced`` go (store.py). The error replies of the store and
     the result keys it left out (as text: store.py's :func:`store_reply`); a refused cache write
-    is logged and dropped (a later miss). Raises what a refused store raises (out of memory: the writer splits the part)."""
+    is logged and dropped (a later miss). Raises what a refused store raises (out of memory: the
+    writer splits the part)."""
     pipe = client.pipeline(transaction=False)
     writes.queue(pipe)
     store.queue(pipe, entries, untraced or ())
