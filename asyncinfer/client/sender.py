@@ -24,9 +24,9 @@ from asyncinfer.broker.clock_skew import CLOCK_FOLLOWER
 from asyncinfer.broker.connections import broker_error, never_resend, redis_client
 from asyncinfer.broker.kombu_connection import publish_blocked
 from asyncinfer.broker.publisher import DUPLICATE, Publisher
-from asyncinfer.broker.scripts import script
 from asyncinfer.broker.shards import request_shard
 from asyncinfer.broker.urls import is_redis_url
+from asyncinfer.client.backend_claims import claim_on_backend, release_claim
 from asyncinfer.client.grouped import GroupedPublisher
 from asyncinfer.client.input_check import refuse_unfit
 from asyncinfer.client.known_models import KnownModels
@@ -45,14 +45,11 @@ from asyncinfer.errors import (
     BrokerRefused,
     BrokerUnavailable,
     InvalidRequest,
-    RequestIdReused,
 )
 from asyncinfer.store.tensor_store import TensorStore, store_from_settings
 from asyncinfer.tracing import tracing_for
 from asyncinfer.wire.cache_key import cache_key
-from asyncinfer.wire.keys import CLAIM_PREFIX
 from asyncinfer.wire.messages import uuid4_text
-from asyncinfer.wire.request_identity import reused_message, same_request
 from asyncinfer.wire.tensor_refs import REFS_ACCEPTED
 
 __all__ = ["Sender"]
@@ -61,8 +58,6 @@ log = logging.getLogger(__name__)
 
 #: A sender's tensor store before it is first asked for (opening one imports fsspec).
 _UNOPENED = object()
-_CLAIM = script("claim_request_id")
-_RELEASE = script("release_request_id")
 
 
 class Sender:
@@ -305,7 +300,9 @@ class Sender:
                     f"request {request_id}: RabbitMQ blocks publishing ({blocked}: a memory or "
                     f"disk alarm is raised on the broker, which takes no message until it "
                     f"clears); not sent{waited} (timeout_s, default submit_timeout_s)")
-            if outgoing.claim and not self._claim(outgoing):
+            if outgoing.claim and not claim_on_backend(
+                    self.app.backend.client, outgoing, self.watcher.key(outgoing.request_id),
+                    max(1, int(self.settings.result_expires_s or 86400))):
                 # already sent, perhaps by another producer: wait on its own channel
                 self.watcher.watch_own_channel(request_id)
                 return
@@ -317,7 +314,7 @@ class Sender:
         except BaseException as exc:
             sent_maybe = _timed_out(exc)
             if outgoing.claim and not sent_maybe:  # the ID may be sent again: not claimed
-                self._release_claim(outgoing)
+                release_claim(self.app.backend.client, outgoing)
             if not isinstance(exc, OperationalError):
                 raise
             # kombu's: unreachable, refused, or a write timed out
@@ -385,33 +382,6 @@ class Sender:
             options = self.settings.options_for(model, ModelOptions()) if model else ModelOptions()
             self._options[model] = options
         return options
-
-    def _claim(self, outgoing: Outgoing) -> bool:
-        """Claim a caller-chosen request ID on the result backend (brokers other than Redis), in
-        one round trip; False when it was sent before as the same request. Raises
-        RequestIdReused when it was sent with another identity (wire/request_identity.py)."""
-        client = self.app.backend.client
-        ttl_s = max(1, int(self.settings.result_expires_s or 86400))
-        mine = outgoing.identity()
-        stored = client.eval(_CLAIM, 2, CLAIM_PREFIX + outgoing.request_id,
-                             self.watcher.key(outgoing.request_id), mine, ttl_s)
-        if stored is None:
-            return True
-        stored = stored.decode() if isinstance(stored, bytes) else str(stored)
-        if stored and not same_request(mine, stored):
-            raise RequestIdReused(reused_message(outgoing.request_id, mine, stored))
-        return False
-
-    def _release_claim(self, outgoing: Outgoing) -> None:
-        """The send of a claimed ID failed, not sent: its claim goes (while it is still this
-        producer's), so the same request can be submitted again. A failure to release is logged:
-        the send's own error is what the caller hears."""
-        try:
-            self.app.backend.client.eval(_RELEASE, 1, CLAIM_PREFIX + outgoing.request_id,
-                                         outgoing.identity())
-        except Exception:  # noqa: BLE001 - the caller hears the send's error
-            log.warning("request %s: its ID stays claimed after its send failed (the claim "
-                        "could not be released)", outgoing.request_id, exc_info=True)
 
     def close(self) -> None:
         """Send what is still pending, stop the result watcher and close the broker's
