@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.broker.cluster_client import shard_client
-from asyncinfer.broker.shards import shard_tags, tag_slot
+from asyncinfer.broker.shards import request_shard, shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost
@@ -197,6 +197,59 @@ def test_one_model_spread_over_three_masters_one_master_killed_while_requests_st
             survivors = [cluster.master_of_slot(tag_slot(shard_tags(3)[k])).port for k in (0, 2)]
             assert sorted(survivors) == sorted(others)
         finally:
+            client.close()
+            worker.stop()
+
+
+def _ids_on(shard: int, count: int, shards: int = 3) -> list[str]:
+    """``count`` request IDs that fall on ``shard`` of ``shards`` (shards.py's request_shard)."""
+    ids: list[str] = []
+    while len(ids) < count:
+        candidate = str(uuid.uuid4())
+        if request_shard(candidate, shards) == shard:
+            ids.append(candidate)
+    return ids
+
+
+@pytest.mark.timeout(180)
+def test_one_master_frozen_the_other_shards_requests_are_answered_meanwhile(tmp_path: Path) -> None:
+    # Given one model spread over 3 shards, a worker taking from all three, on a cluster that
+    # would fail a master over only after 30 s
+    with LocalCluster(tmp_path / "cluster", node_timeout_ms=30_000) as cluster:
+        url = cluster.fleet_url("&shards=3")
+        worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                              "identity", "--concurrency", "4")
+        client = Client(broker_url=url)
+        frozen = cluster.master_of_slot(tag_slot(shard_tags(3)[1]))
+        try:
+            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            # When shard 1's master freezes (SIGSTOP) long enough that the worker's intake of it
+            # is past its blocking wait and into a take that hangs there, and then requests come
+            # for every shard
+            os.kill(frozen.pid, signal.SIGSTOP)
+            time.sleep(12.0)  # the watch's socket timeout (block_s + 5 s) and a backoff
+            struck = time.monotonic()
+            others = [client.submit("identity", _row(i), request_id=rid)
+                      for i, rid in enumerate(_ids_on(0, 15) + _ids_on(2, 15))]
+            stuck = [client.submit("identity", _row(100 + i), request_id=rid)
+                     for i, rid in enumerate(_ids_on(1, 10))]
+            # Then the requests of the other shards are answered while it is still frozen
+            answers = [f.result(timeout=20) for f in others]
+            answered_s = time.monotonic() - struck
+            assert [float(a["input"][0, 0]) for a in answers] == [float(i) for i in range(30)]
+            assert not any(f.done() for f in stuck)
+            # and once it thaws, its own, none lost
+            os.kill(frozen.pid, signal.SIGCONT)
+            thawed = time.monotonic()
+            later = [float(f.result(timeout=60)["input"][0, 0]) for f in stuck]
+            assert later == [100.0 + i for i in range(10)]
+            print(f"\none of three masters frozen: 30 requests of the other shards answered in "
+                  f"{answered_s:.1f} s while it was; its 10 answered {time.monotonic() - thawed:.1f} s "
+                  f"after it thawed; lost 0")
+            assert worker.process.poll() is None
+        finally:
+            if frozen.alive():
+                os.kill(frozen.pid, signal.SIGCONT)
             client.close()
             worker.stop()
 

@@ -87,6 +87,26 @@ def _delivery(request_id: str = "r1", task: str = TASK_NAME, retries: int = 0) -
     return d
 
 
+def test_takes_under_way_reserve_their_share_of_the_room_and_never_take_more_together() -> None:
+    # Given a bound of 10, one held, and three intakes (a spread cluster URL's shards)
+    holdings = Holdings(max_in_flight=10)
+    holdings.add(_delivery("held"))
+    # When three takes are under way at once, each reserving its share (at most a third: 4)
+    shares = [holdings.reserve(lambda: True, shares=3) for _ in range(3)]
+    # Then together they never count on more than the room, the last getting what is left
+    assert shares == [4, 4, 1] and holdings.room(stopping=lambda: True) == 0
+    # and as what the first took (2 of its 4) is held and its reservation given back, the rest frees
+    holdings.add(_delivery("t1"))
+    holdings.add(_delivery("t2"))
+    holdings.unreserve(4)
+    assert holdings.room(stopping=lambda: True) == 2 and holdings.in_flight == 3
+    holdings.unreserve(4)
+    holdings.unreserve(1)
+    assert holdings.room(stopping=lambda: True) == 7
+    # One intake (one Redis) reserves the whole room, as one take did
+    assert holdings.reserve(lambda: True) == 7
+
+
 def test_holdings_count_what_is_held_and_not_scheduled() -> None:
     holdings = Holdings(max_in_flight=2)
     a, b, c = _delivery("a"), _delivery("b"), _delivery("c")

@@ -75,11 +75,9 @@ class FastConsumer(PipelineConsumer):
                          results=[redis_client(url, settings, health_check_interval=30,
                                                single_connection_client=True) for url in urls])
         self._settings = settings
-        #: Held while an intake reads the worker's room and fills it (shard_intake.py).
-        self.take_lock = threading.Lock()
         self._retarget_lock = threading.Lock()
         #: One per shard it takes from (index: the shard).
-        self.intakes = [ShardIntake(self, url, shard, settings, queues)
+        self.intakes = [ShardIntake(self, url, shard, settings, queues, shards=len(urls))
                         for shard, url in enumerate(urls)]
         #: The batch that stalls the device, while it is there: takes wait (engine/hangs.py).
         self._stall: Sequence[WorkItem] = ()

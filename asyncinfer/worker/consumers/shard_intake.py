@@ -5,9 +5,10 @@ the lists, the give-back. A worker whose broker URL spreads requests over a clus
 has one (fast_consumer.py).
 
 Each intake runs its own thread: take what fits the worker's room, wait on its lists when they
-are empty. The room is the worker's (one in-flight bound for all its intakes): a take reads it and
-hands what it took to the pipeline under one lock, so intakes never take more together than the
-bound allows; whichever intake finds work when room frees takes it, so a shard no other worker
+are empty. The room is the worker's (one in-flight bound for all its intakes): a take reserves
+what it may take (Holdings.reserve) until what it took is held, so intakes never take more
+together than the bound allows, and a shard whose master is slow or frozen holds up no other
+shard's take; whichever intake finds work when room frees takes it, so a shard no other worker
 serves is never left behind a busy one (a strict "home shard first" would starve it).
 """
 
@@ -57,8 +58,6 @@ class Fed(Protocol):
     writer: ShardWriters
     #: Set once the consumer stops taking.
     stopped_event: threading.Event
-    #: Held while an intake reads the worker's room and fills it.
-    take_lock: threading.Lock
 
     def stalled(self) -> bool:
         """Whether a stalled batch is on the device (no take until it comes off)."""
@@ -69,10 +68,12 @@ class ShardIntake:
     intakes) into its pipeline, until the consumer stops."""
 
     def __init__(self, consumer: Fed, url: str, shard: int, settings: Settings,
-                 queues: Sequence[str]) -> None:
+                 queues: Sequence[str], shards: int = 1) -> None:
         self.consumer = consumer
         self.url = url
         self.shard = shard
+        #: The worker's intakes: a take reserves at most this share of its room.
+        self.shards = shards
         self._settings = settings
         policy, hostname = consumer.policy, consumer.hostname
         self.queues = list(queues)
@@ -220,27 +221,28 @@ class ShardIntake:
                 if consumer.stalled():
                     stopping.wait(0.1)
                     continue
-                if holdings.room(self._interrupted) <= 0 or self._next_queues is not None:
-                    continue
                 waker = self.waker
                 if waker is None:  # it takes from no queue (every model unloaded)
                     stopping.wait(1.0)
                     continue
-                # Take atomically with the bookkeeping; once a take leaves the lists empty, wait
-                # for the watchers (which never pop) and take again.
-                waker.clear()
-                started = (writer.started_for_take(consumer.hostname) if policy.track_started
-                           else None)
-                with consumer.take_lock:  # the room is the worker's: read and filled at once
-                    room = holdings.room(_now)
-                    if room <= 0:
+                # the room is the worker's: this take's share reserved until what it took is held
+                room = holdings.reserve(self._interrupted, shares=self.shards)
+                try:
+                    if room <= 0 or self._next_queues is not None:
                         continue
+                    # Take atomically with the bookkeeping; once a take leaves the lists empty,
+                    # wait for the watchers (which never pop) and take again.
+                    waker.clear()
+                    started = (writer.started_for_take(consumer.hostname)
+                               if policy.track_started else None)
                     taken = self.taker.take(self._lists, room, started,
                                             self.leases.terms if self.leases is not None else None,
                                             watcher=waker.token, watched=waker.passable(),
                                             max_body_bytes=policy.max_payload_bytes or 0)
                     if taken:
                         consumer.pipeline.took(taken, self.shard)
+                finally:
+                    holdings.unreserve(room)
                 if self.taker.passed:
                     waker.watch_passed(self.taker.passed)
                 backoff.reset()
@@ -259,11 +261,6 @@ class ShardIntake:
                 wait_s = backoff.failed()
                 log.exception("consumer error; going on in %.1f s", wait_s)
                 stopping.wait(wait_s)
-
-
-def _now() -> bool:
-    """(Holdings.room's ``stopping``.) Do not wait: the room now."""
-    return True
 
 
 #: Waits (a stop's) for a thread between two takes, in steps of this long (seconds).

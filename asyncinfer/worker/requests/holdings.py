@@ -57,6 +57,8 @@ class Holdings:
         #: that a batch's launch marks its requests without a look at everything held.
         self._by_request: dict[str, list[Holding]] = {}
         self._in_flight = 0
+        #: Room reserved by takes under way (:meth:`reserve`): several intakes, one bound.
+        self._reserved = 0
         self._cond = threading.Condition()
 
     @property
@@ -156,11 +158,32 @@ class Holdings:
             del self._by_request[request_id]
 
     def room(self, stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
-        """Wait until fewer than ``max_in_flight`` are in flight (or ``stopping()``); the room."""
+        """Wait until fewer than ``max_in_flight`` are in flight or reserved (or ``stopping()``);
+        the room."""
         with self._cond:
-            while self._in_flight >= (bound := self._bound()) and not stopping():
+            while self._in_flight + self._reserved >= (bound := self._bound()) and not stopping():
                 self._cond.wait(poll_s)
-            return bound - self._in_flight
+            return bound - self._in_flight - self._reserved
+
+    def reserve(self, stopping: Callable[[], bool], poll_s: float = 0.5, *, shares: int = 1) -> int:
+        """:meth:`room` (at most a ``shares``-th of the bound), reserved for one take: no other
+        take counts on it until :meth:`unreserve` gives it back (after what the take brought is
+        held). The worker's intakes (one per shard, ``shares`` of them) share the bound this way,
+        each take's round trip its own: a shard's master that is slow or frozen holds up no
+        other shard's take."""
+        with self._cond:
+            while self._in_flight + self._reserved >= (bound := self._bound()) and not stopping():
+                self._cond.wait(poll_s)
+            room = max(0, min(bound - self._in_flight - self._reserved, -(-bound // shares)))
+            self._reserved += room
+            return room
+
+    def unreserve(self, count: int) -> None:
+        """Give back ``count`` reserved by :meth:`reserve`."""
+        if count:
+            with self._cond:
+                self._reserved -= count
+                self._cond.notify_all()
 
     def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for nothing to be in flight; how many still are."""
