@@ -42,7 +42,7 @@ from typing import Any
 
 from asyncinfer.broker import response_cache
 from asyncinfer.broker.connections import bounded_client
-from asyncinfer.broker.urls import is_redis_url
+from asyncinfer.broker.urls import is_redis_url, shard_urls
 from asyncinfer.config.bound import settings_of
 from asyncinfer.config.model_options import ModelOptions
 from asyncinfer.config.settings import Settings
@@ -73,7 +73,9 @@ def generations_of(app: Any) -> CacheGenerations | None:
             or str(app.conf.result_backend) != str(app.conf.broker_url)):
         setattr(app, _ATTRIBUTE, False)
         return None
-    made = CacheGenerations(settings, lambda: bounded_client(broker, settings))
+    # on every shard a cluster URL spreads requests over: each shard's publish script reads them
+    made = CacheGenerations(settings, lambda: [bounded_client(url, settings)
+                                               for url in shard_urls(broker)])
     setattr(app, _ATTRIBUTE, made)
     return made
 
@@ -81,13 +83,14 @@ def generations_of(app: Any) -> CacheGenerations | None:
 class CacheGenerations:
     """What answers each generation name on this worker, recorded in Redis (see the module).
 
-    ``connect``: makes the broker's Redis client, on the first change to record.
+    ``connect``: makes the broker's Redis clients (one, or one per shard of a cluster URL that
+    spreads requests), on the first change to record.
     """
 
     def __init__(self, settings: Settings, connect: Any) -> None:
         self.settings = settings
         self._connect = connect
-        self._client: Any = None
+        self._clients: list[Any] | None = None
         self._lock = threading.Lock()
         #: Odd while the routes change; read before and after a request's token.
         self._seq = 0
@@ -159,9 +162,10 @@ class CacheGenerations:
         if not set_tokens and not removed:
             return
         try:
-            if self._client is None:
-                self._client = self._connect()
-            response_cache.record_generations(self._client, set_tokens, removed)
+            if self._clients is None:
+                self._clients = self._connect()
+            for client in self._clients:
+                response_cache.record_generations(client, set_tokens, removed)
         except Exception as exc:  # noqa: BLE001 - the routes change all the same; retried
             log.warning("response cache: the generations of %s could not be recorded (%s); "
                         "tried again every %g s", ", ".join(sorted({**set_tokens, **removed})),

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.broker.cluster_client import shard_client
-from asyncinfer.broker.shards import request_shard, shard_tags, tag_slot
+from asyncinfer.broker.shards import shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
 from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost
@@ -36,7 +36,7 @@ from tests.support.crashy import (
     two_crashy_workers,
 )
 from tests.support.processes import start_worker, stop_together
-from tests.support.redis_cluster import LocalCluster
+from tests.support.redis_cluster import LocalCluster, ids_on_shard
 
 #: As in test_fleet.py: the lease (10 s) and a sweep and the work, far below the visibility timeout.
 ANSWER_WITHIN_S = 60
@@ -201,16 +201,6 @@ def test_one_model_spread_over_three_masters_one_master_killed_while_requests_st
             worker.stop()
 
 
-def _ids_on(shard: int, count: int, shards: int = 3) -> list[str]:
-    """``count`` request IDs that fall on ``shard`` of ``shards`` (shards.py's request_shard)."""
-    ids: list[str] = []
-    while len(ids) < count:
-        candidate = str(uuid.uuid4())
-        if request_shard(candidate, shards) == shard:
-            ids.append(candidate)
-    return ids
-
-
 @pytest.mark.timeout(180)
 def test_one_master_frozen_the_other_shards_requests_are_answered_meanwhile(tmp_path: Path) -> None:
     # Given one model spread over 3 shards, a worker taking from all three, on a cluster that
@@ -230,9 +220,9 @@ def test_one_master_frozen_the_other_shards_requests_are_answered_meanwhile(tmp_
             time.sleep(12.0)  # the watch's socket timeout (block_s + 5 s) and a backoff
             struck = time.monotonic()
             others = [client.submit("identity", _row(i), request_id=rid)
-                      for i, rid in enumerate(_ids_on(0, 15) + _ids_on(2, 15))]
+                      for i, rid in enumerate(ids_on_shard(0, 15) + ids_on_shard(2, 15))]
             stuck = [client.submit("identity", _row(100 + i), request_id=rid)
-                     for i, rid in enumerate(_ids_on(1, 10))]
+                     for i, rid in enumerate(ids_on_shard(1, 10))]
             # Then the requests of the other shards are answered while it is still frozen
             answers = [f.result(timeout=20) for f in others]
             answered_s = time.monotonic() - struck

@@ -26,6 +26,7 @@ from asyncinfer.broker.cluster_backend import register_schemes
 from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import request_shard
 from asyncinfer.client import Client
+from asyncinfer.config.settings import Settings
 from asyncinfer.errors import ModelError, SequenceNotStarted
 from asyncinfer.wire.keys import TRACES_KEY
 from tests.support.crashy import (
@@ -35,7 +36,7 @@ from tests.support.crashy import (
     two_crashy_workers,
 )
 from tests.support.processes import TEST_FACTORIES, run_cli, start_gateway, start_worker, stop_together
-from tests.support.redis_cluster import LocalCluster
+from tests.support.redis_cluster import LocalCluster, ids_on_shard
 from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
 pytestmark = pytest.mark.timeout(180)
@@ -150,13 +151,13 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
         cluster: LocalCluster, tmp_path: Path) -> None:
     # Given a worker of four models on the spread URL, and the gateway
     url = cluster.fleet_url(f"&shards={SHARDS}")
-    options = json.dumps({"poison": {"dead_letter": True}})
+    options = json.dumps({"poison": {"dead_letter": True, "response_cache": True}})
     worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
                           "identity,echo-stream,accumulator,poison",
                           ASYNCINFER_MODEL_FACTORIES=f"{TEST_FACTORIES},{ACCUMULATOR_FACTORY}",
                           ASYNCINFER_MODEL_OPTIONS=options)
     gateway = start_gateway(url, tmp_path / "gateway.log")
-    client = Client(broker_url=url)
+    client = Client(settings=Settings(broker_url=url, model_options=options))
     try:
         # When streams, two sequences, gateway calls and failing requests fall on every shard
         words = [f"w{i}" for i in range(20)]
@@ -184,6 +185,9 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
             by_gateway.append(float(grpc.infer("identity", [g]).as_numpy("input")[0, 0]))
         http.close()
         grpc.close()
+        # the same input 4 times on each shard: each shard answers it once, then from its cache
+        cached = [client.submit("poison", _row(2.0), request_id=rid).result(timeout=30)
+                  for shard in range(SHARDS) for rid in ids_on_shard(shard, 4, SHARDS)]
         failed = [client.submit("poison", _row(-1.0)) for _ in range(9)]
         for f in failed:
             with pytest.raises(ModelError):
@@ -194,6 +198,9 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
         with pytest.raises(SequenceNotStarted):
             step("seq-a", 1)
         assert by_gateway == [float(i) for i in range(6) for _ in range(2)]
+        assert [a.as_numpy("output").tolist() for a in cached] == [[[4.0]]] * 12
+        assert [bool(a.raw["parameters"].get("cache_hit")) for a in cached] == (
+            [False, True, True, True] * SHARDS)
         # and the commands see every shard: the dead letters of all, then what waits on all
         assert {request_shard(f.id, SHARDS) for f in failed} == {0, 1, 2}
         dead = run_cli(url, "dead", "list", "poison")

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,16 @@ class LocalCluster:
             return True
         except redis.RedisError:
             return False
+
+
+def ids_on_shard(shard: int, count: int, shards: int = 3) -> list[str]:
+    """``count`` request IDs that fall on ``shard`` of ``shards`` (a URL that spreads requests:
+    broker/shards.py's ``request_shard``)."""
+    from asyncinfer.broker.shards import request_shard
+
+    ids: list[str] = []
+    while len(ids) < count:
+        candidate = str(uuid.uuid4())
+        if request_shard(candidate, shards) == shard:
+            ids.append(candidate)
+    return ids

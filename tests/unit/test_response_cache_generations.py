@@ -114,7 +114,7 @@ def test_a_removal_leaves_another_workers_weights(client: fakeredis.FakeRedis) -
 
 def _generations(client: fakeredis.FakeRedis) -> CacheGenerations:
     settings = dataclasses.replace(Settings.from_env(device="cpu"), model_options=OPTIONS)
-    return CacheGenerations(settings, lambda: client)
+    return CacheGenerations(settings, lambda: [client])
 
 
 def test_a_request_taken_before_a_change_of_routes_gets_no_token(client: fakeredis.FakeRedis) -> None:
@@ -177,7 +177,7 @@ def _save(path: Path, k: float) -> str:
 def _runtime(tmp_path: Path, client: fakeredis.FakeRedis, models: tuple[str, ...]) -> WorkerRuntime:
     settings = dataclasses.replace(Settings.from_env(device="cpu"), models=models, metrics_port=0,
                                    model_dir=str(tmp_path), model_options=OPTIONS)
-    runtime = WorkerRuntime(settings, cache_generations=CacheGenerations(settings, lambda: client))
+    runtime = WorkerRuntime(settings, cache_generations=CacheGenerations(settings, lambda: [client]))
     runtime.load(models)
     return runtime
 
