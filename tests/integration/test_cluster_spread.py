@@ -135,8 +135,9 @@ def test_a_worker_killed_holding_requests_of_every_shard_another_answers_them(
         first.process.kill()
         first.process.wait()
         # Then the second answers every one, from every shard, within the lease and a sweep;
-        # those on the first's device ran once more each, together, the others once
-        answered_by_second(futures, r, prefix, struck, 60, "kill -9, over 3 shards,")
+        # those on the first's device ran once more each, each shard's together, the others once
+        answered_by_second(futures, r, prefix, struck, 60, "kill -9, over 3 shards,",
+                           shard_of=lambda request_id: request_shard(request_id, SHARDS))
     finally:
         client.close()
         for w in (first, second):

@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -140,11 +140,14 @@ def held_by_first(client: Client, r: redis.Redis, prefix: str, second_pid: int,
 
 
 def answered_by_second(futures: list[Any], r: redis.Redis, prefix: str, struck: float,
-                       within_s: float, fault: str, *, together: bool = True) -> None:
+                       within_s: float, fault: str, *, together: bool = True,
+                       shard_of: Callable[[str], int] | None = None) -> None:
     """The 12 of :func:`held_by_first`, answered by the second worker within ``within_s``; those
     on the first's device ran once more each (``together``: in one batch, as the suspects they
     are, where deaths on the device are counted: a lost worker costs a batch time, not one per
-    row), the others once. Prints the counts, naming ``fault``."""
+    row; with ``shard_of``, a request ID's shard of a spread URL: one batch per shard at most,
+    each shard's suspects put back and taken on their own), the others once. Prints the counts,
+    naming ``fault``."""
     answers = [f.result(timeout=within_s) for f in futures]
     last_s = time.monotonic() - struck
     assert [a["output"].tolist() for a in answers] == [[[float(i)]] for i in range(12)]
@@ -153,6 +156,14 @@ def answered_by_second(futures: list[Any], r: redis.Redis, prefix: str, struck: 
     starts = crashy_starts(r, prefix)
     assert starts == {i: 2 if i in on_device else 1 for i in range(12)}
     if together:
-        later = crashy_batches(r, prefix)[1:]
-        assert [sorted(b) for b in later if set(b) & set(on_device)] == [sorted(on_device)], later
+        later = [sorted(b) for b in crashy_batches(r, prefix)[1:] if set(b) & set(on_device)]
+        if shard_of is None:
+            assert later == [sorted(on_device)], later
+        else:
+            # only suspects in those batches, at most one a shard, each shard's suspects in one
+            shards = {shard_of(futures[i].id) for i in on_device}
+            assert set().union(*later) == set(on_device) and len(later) <= len(shards), later
+            for shard in shards:
+                mine = {i for i in on_device if shard_of(futures[i].id) == shard}
+                assert any(mine <= set(b) for b in later), (shard, mine, later)
     report_counts(f"{fault} of a worker holding 12", 12, len(answers), starts, last_s)
