@@ -13,9 +13,10 @@ for Redis to confirm, and only then reads every watched key. A request watched a
 is covered by the live subscription.
 
 The backstop, for a result stored by something that does not announce it (a worker of an older
-release during a rolling upgrade, a tool writing results itself): a request watched through the
-reply channel is also looked up ``sweep_first_s`` after it was watched, then at doubling intervals
-up to ``sweep_max_s``. When a look-up finds a result that its announcement should have brought
+release during a rolling upgrade, a tool writing results itself), and for a result stored between
+the read of a key and its subscription (commands of two connections reach Redis in either order;
+on a cluster a PUBLISH reaches the other nodes later): every watched request is also looked up
+``sweep_first_s`` after it was watched, then at doubling intervals up to ``sweep_max_s``. When a look-up finds a result that its announcement should have brought
 (stored more than ``late_s`` earlier), the watcher logs it and watches new requests on their own
 channels for ``fallback_for_s``. It blocks in ``select`` on the pub/sub socket and a wake-up pipe.
 
@@ -64,7 +65,7 @@ class ResultWatcher:
 
     #: How long the rest of a message that has begun to arrive may take (seconds).
     read_timeout_s = 30.0
-    #: A request announced on the reply channel is looked up this long after it was watched …
+    #: A watched request is looked up this long after it was watched …
     sweep_first_s = 2.0
     #: … then at doubling intervals up to this (seconds).
     sweep_max_s = 30.0
@@ -118,9 +119,9 @@ class ResultWatcher:
                 raise RuntimeError("result watcher is closed")
             self._callbacks.setdefault(request_id, []).append(callback)
             now = time.monotonic()
+            heapq.heappush(self._sweeps, (now + self.sweep_first_s, self.sweep_first_s,
+                                          request_id))
             if announced and now >= self._fallback_until:
-                heapq.heappush(self._sweeps, (now + self.sweep_first_s, self.sweep_first_s,
-                                              request_id))
                 return  # the reply channel's subscription covers it: nothing to wake for
             self._keyed.add(request_id)
             self._new.append(request_id)
@@ -311,7 +312,15 @@ class ResultWatcher:
                 if request_id in self._callbacks:
                     due[request_id] = interval_s
         if due:
-            pending = self._look_up(list(due), late_after_s=self.late_s)
+            with self._lock:
+                keyed = [i for i in due if i in self._keyed]
+            announced = [i for i in due if i not in keyed]
+            # a request watched on its own channel: not announced, so never late; looked up all
+            # the same (its key is read as its subscription is sent, and Redis orders the two
+            # connections' commands as it pleases: on a cluster, a node's PUBLISH reaches the
+            # others later still)
+            pending = (self._look_up(announced, late_after_s=self.late_s)
+                       + self._look_up(keyed))
             with self._lock:
                 for request_id in pending:
                     if request_id in self._callbacks:

@@ -114,6 +114,31 @@ def test_a_result_stored_without_an_announcement_is_found_and_the_watcher_falls_
         c.close()
 
 
+def test_a_result_stored_unheard_after_its_key_was_read_is_found_by_a_look_up(
+        redis_url: str, worker: WorkerProcess, redis_client: redis.Redis) -> None:
+    # Given a request watched by ID on its own channel: its key read (nothing there yet) and
+    # its channel subscribed
+    c = Client(broker_url=redis_url)
+    c.watcher.sweep_first_s = 0.2
+    try:
+        request_id, heard = f"unheard-{uuid.uuid4()}", []
+        c.watcher.watch(request_id, heard.append)
+        key = c.watcher.key(request_id)
+        wait_for(lambda: _subscribers(redis_client, key) == 1, 10, "its channel subscribed")
+        # When its result is stored and its announcement missed (as when Redis ran the read
+        # after the store and the subscription after the publish: two connections, no order)
+        meta = {"status": states.SUCCESS, "result": {"late": True}, "task_id": request_id,
+                "date_done": "2026-01-01T00:00:00+00:00"}
+        redis_client.set(key, c.app.backend.encode(meta))
+        # Then a look-up finds it, and a result never announced on the reply channel is no
+        # sign of an older worker (the watcher does not fall back)
+        wait_for(lambda: bool(heard), 10, "the result found by a look-up")
+        assert heard[0]["result"] == {"late": True}
+        assert c.watcher._fallback_until == 0.0
+    finally:
+        c.close()
+
+
 def test_a_cut_pub_sub_connection_loses_no_result(
         quiet_client: Client, redis_client: redis.Redis) -> None:
     # Given requests running while the watcher's pub/sub connection is cut twice
