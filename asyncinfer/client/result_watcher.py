@@ -16,9 +16,10 @@ The backstop, for a result stored by something that does not announce it (a work
 release during a rolling upgrade, a tool writing results itself), and for a result stored between
 the read of a key and its subscription (commands of two connections reach Redis in either order;
 on a cluster a PUBLISH reaches the other nodes later): every watched request is also looked up
-``sweep_first_s`` after it was watched, then at doubling intervals up to ``sweep_max_s``. When a look-up finds a result that its announcement should have brought
-(stored more than ``late_s`` earlier), the watcher logs it and watches new requests on their own
-channels for ``fallback_for_s``. It blocks in ``select`` on the pub/sub socket and a wake-up pipe.
+``sweep_first_s`` after it was watched, then at doubling intervals up to ``sweep_max_s``. When a
+look-up finds a result that its announcement on the reply channel should have brought (stored more
+than ``late_s`` earlier), the watcher logs it and watches new requests on their own channels for
+``fallback_for_s``. It blocks in ``select`` on the pub/sub socket and a wake-up pipe.
 
 A request the broker lost (no result, and its trace gone: lost_check.py) is ended with
 :class:`~asyncinfer.errors.RequestLost` by the same thread, from its :class:`LostCheck`'s looks.
