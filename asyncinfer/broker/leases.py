@@ -166,6 +166,11 @@ class Leases:
         self._space = keyspace(client)
         self._stopped = threading.Event()
         self._thread = vital_thread(self._run, "asyncinfer-leases")
+        #: One renewal at a time (the lease thread's, and the launch gate's: lease_gate.py).
+        self._renewing = threading.Lock()
+        #: When (``time.perf_counter``) the last renewal that Redis answered was sent: every
+        #: lease this worker held then runs ``lease_s`` from about that moment.
+        self.renewed_at = time.perf_counter()
         #: What is on the device now, on Redis (device_marks.py).
         self.device_marks = DeviceMarks(marks)
         #: Counts for the note and the tests: put back by this worker's sweeps, deaths counted,
@@ -230,13 +235,17 @@ class Leases:
     def renew(self) -> list[str]:
         """Renew the lease of everything held; the tags found leased to another holder (or gone
         back to their queue). Those that Redis forgot go to ``on_forgotten``."""
-        tags = [t for t in self._held() if t]
-        if not tags:
-            return []
-        lost, forgotten = ([_text(t) for t in found] for found in self._renew(
-            keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_INDEX_KEY],
-            args=[self.lease_s, self.holder, time.time(), self._space.key(RECLAIMED_PREFIX),
-                  *tags]))
+        with self._renewing:
+            sent_at = time.perf_counter()
+            tags = [t for t in self._held() if t]
+            if not tags:
+                self.renewed_at = sent_at
+                return []
+            lost, forgotten = ([_text(t) for t in found] for found in self._renew(
+                keys=[LEASES_KEY, LEASE_HOLDERS_KEY, UNACKED_INDEX_KEY],
+                args=[self.lease_s, self.holder, time.time(), self._space.key(RECLAIMED_PREFIX),
+                      *tags]))
+            self.renewed_at = sent_at
         if lost or forgotten:  # those answered since the snapshot are no longer held
             still = set(self._held())
             lost = [t for t in lost if t in still]

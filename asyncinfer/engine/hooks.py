@@ -17,17 +17,25 @@ from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.completion import settle
 from asyncinfer.engine.hangs import Hung, HungHandler
 
-__all__ = ["DeviceHooks", "LaunchObserver", "WedgedHandler", "ignore_batch", "ignore_hung",
-           "ignore_launch", "settle_wedged"]
+__all__ = ["DeviceHooks", "LaunchGate", "LaunchObserver", "WedgedHandler", "admit_all",
+           "ignore_batch", "ignore_hung", "ignore_launch", "settle_wedged"]
 
 #: Called when a request's hard time limit passes while its batch is on the device.
 WedgedHandler = Callable[[WorkItem, BaseException], None]
 #: Called with a batch's items on the device thread just before the batch goes onto the device.
 LaunchObserver = Callable[[Sequence[WorkItem]], None]
+#: Called with a batch's items before it is prepared for the device: those that may run (it may
+#: block: worker/requests/lease_gate.py).
+LaunchGate = Callable[[Sequence[WorkItem]], list[WorkItem]]
 
 
 def ignore_launch(items: Sequence[WorkItem]) -> None:
     """No one hears of batches going onto the device."""
+
+
+def admit_all(items: Sequence[WorkItem]) -> list[WorkItem]:
+    """Every request of a batch may run."""
+    return list(items)
 
 
 def ignore_batch(model: str, device: str, rows: int, compute_s: float,
@@ -55,6 +63,8 @@ class DeviceHooks:
     settling: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     #: A batch goes onto the device (the leases mark it, so a death counts against it).
     on_launch: LaunchObserver = ignore_launch
+    #: Which of a batch's requests are still this worker's to run (the leases' launch gate).
+    admit: LaunchGate = admit_all
     #: A batch stayed on the device past the hang limit (engine/hangs.py): once per runner.
     on_hung: HungHandler = ignore_hung
     #: A batch stayed on the device past the stall limit (engine/hangs.py): once per batch.

@@ -290,6 +290,8 @@ class ModelRunner:
                 self._slots.release()
             elif not drop_revoked(job.items, self.is_revoked):  # revoked while it was being prepared
                 self._slots.release()
+            elif (job := self._admitted(job)) is None:  # none of it is this worker's to run now
+                self._slots.release()
             elif not self._run_stage(job, lambda j: self._launch(j, stream, graphs)):
                 self._slots.release()
             elif self._post_always or len(self.batcher) or not self._to_device.empty():
@@ -378,9 +380,26 @@ class ModelRunner:
         self._deliver_batch(job.items, outputs, job.started, job.device_s, job.launched)
 
     def _whole(self, job: Job, stream: Any, graphs: GraphSet | None = None) -> None:
+        items = self._hooks().admit(job.items)
+        if not items:
+            return
+        if len(items) < len(job.items):
+            job = Job(items=items, started=job.started, isolated=job.isolated)
         self._prepare(job)
         self._launch(job, stream, graphs)
         self._finish(job)
+
+    def _admitted(self, job: Job) -> Job | None:
+        """``job`` (prepared) with only the requests the worker's gate admits now (hooks.py:
+        those whose leases are still this worker's); prepared again without the others; None when
+        none is left (or its preparation failed: its requests were answered)."""
+        items = self._hooks().admit(job.items)
+        if len(items) == len(job.items):
+            return job
+        if not items:
+            return None
+        again = Job(items=items, started=job.started, isolated=job.isolated)
+        return again if self._run_stage(again, self._prepare) else None
 
     def _isolate(self, items: Sequence[WorkItem], exc: Exception) -> None:
         if len(items) == 1:

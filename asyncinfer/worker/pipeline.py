@@ -229,7 +229,10 @@ class Pipeline:
         once, there. Those on the device run on (at least once). Nothing is written or
         acknowledged for them here. How many were given up."""
         lost = set(tags)
-        return self._give_up([h for h in self.holdings.held() if h.delivery.tag in lost])
+        taken = [h for h in self.holdings.held() if h.delivery.tag in lost]
+        for h in taken:  # those in a batch formed already stop at the launch gate
+            h.delivery.lost = True
+        return self._give_up(taken)
 
     def forget_kombu(self) -> int:
         """kombu's connection to a broker whose acknowledgements belong to the channel that

@@ -319,7 +319,7 @@ def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Pat
         client = Client(settings=Settings(broker_url=url, lost_after_s=4.0, connect_timeout_s=2.0))
         worker = None
         try:
-            kept = [client.submit("identity", _row(i)) for i in range(5)]
+            kept = [client.submit("identity", _row(i)).sent(timeout_s=30) for i in range(5)]
             master = cluster.master_of_slot(SLOT)
             with master.client() as m:
                 assert m.wait(1, 5000) == 1  # the 5 kept are on the replica
@@ -330,6 +330,8 @@ def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Pat
             with shard_client(url, 0) as r:
                 r.set("filler", b"x" * (32 << 20))
             lost = [client.submit("identity", _row(i)) for i in range(20)]
+            for f in lost:  # accepted by the master before it dies (a submit goes apart)
+                f.sent(timeout_s=30)
             # When the master dies, and the replica, thawed, is promoted without them
             cluster.kill_master(master)
             os.kill(replica.pid, signal.SIGCONT)

@@ -105,6 +105,47 @@ def test_a_worker_killed_frozen_or_cut_off_holding_requests_another_answers_them
         link.close()
 
 
+@pytest.mark.timeout(180)
+def test_a_worker_cut_off_past_its_lease_starts_nothing_more_and_gives_it_up_once_healed(
+        redis_db, tmp_path) -> None:
+    # Given two workers at the default settings, the first on an 8 s kernel and talking to Redis
+    # through a link that can be cut, and 12 requests held by the first: a batch on its device,
+    # the others waiting behind it
+    url, r = redis_db.url, redis_db.client
+    link = Partition(urlsplit(url).port or 6379)
+    prefix, slow = crashy_env(url, "gate", 8)
+    first, second = two_crashy_workers(link.url(redis_db.number), url, tmp_path, slow,
+                                       {**slow, "CRASHY_SLEEP_S": "0.2"})
+    client = Client(broker_url=url)
+    try:
+        futures = held_by_first(client, r, prefix, second.pid)
+        # When the first is cut off from Redis, and its device frees during the cut (8 s: over
+        # half the lease after the last renewal the first could make)
+        struck = time.monotonic()
+        link.cut()
+        # Then the second answers every one after the lease: those on the first's device ran
+        # once more, the others once
+        answered_by_second(futures, r, prefix, struck, ANSWER_WITHIN_S, "a cut past the lease")
+        on_device = set(crashy_batches(r, prefix)[0])
+        wait_for(lambda: "the device waits" in first.log(), 30, "the first's device to wait")
+        # When the link heals, the first learns its leases went to the second
+        link.heal()
+        wait_for(lambda: "leased to another worker" in first.log(), 30, "the lost leases seen")
+        wait_for(lambda: sum(int(n) for n in re.findall(r"gave up (\d+)", first.log()))
+                 == 12 - len(on_device), 30, "what waited behind the batch given up")
+        stop_together([first])
+        # Then what waited behind its batch never started there: each ran once, on the second
+        starts = crashy_starts(r, prefix)
+        assert starts == {i: 2 if i in on_device else 1 for i in range(12)}, starts
+        report_counts("a worker cut off past its lease, then healed", 12, len(futures), starts,
+                      time.monotonic() - struck)
+    finally:
+        client.close()
+        link.heal()
+        stop_together([first, second])
+        link.close()
+
+
 @pytest.mark.timeout(150)
 def test_a_live_worker_on_a_kernel_longer_than_its_lease_keeps_its_request(redis_db, tmp_path) -> None:
     # Given two workers at the default settings (a 10 s lease), and a client that declares a

@@ -24,7 +24,7 @@ from celery import Celery
 
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hangs import Hung
-from asyncinfer.engine.hooks import DeviceHooks, LaunchObserver, ignore_launch
+from asyncinfer.engine.hooks import DeviceHooks, LaunchGate, LaunchObserver, admit_all, ignore_launch
 from asyncinfer.policy.hangs import Hang
 from asyncinfer.policy.policy import Policy
 from asyncinfer.policy.time_limits import Wedge
@@ -159,16 +159,19 @@ class PipelineConsumer:
                    on_launch: LaunchObserver = ignore_launch,
                    give_back_but: Callable[[set[str]], None] | None = None,
                    note_hang: Callable[[Hung], None] = lambda hung: None,
-                   on_stalled: Callable[[Hung], None] = lambda stall: None) -> None:
+                   on_stalled: Callable[[Hung], None] = lambda stall: None,
+                   admit: LaunchGate = admit_all) -> None:
         """Hook this consumer to the device: a wedged device's request fails and ``give_back()``
         hands back what is held; a batch's results are written at once; ``on_launch`` sees each
         batch go onto the device; a hung device (policy/hangs.py) is noted (``note_hang``) and
         what is held but the requests on the device goes back (``give_back_but(keep)``; default:
         everything, ``give_back()``); ``on_stalled`` hears of a batch far slower than the model's
-        batches (engine/hangs.py)."""
+        batches (engine/hangs.py); ``admit`` says which of a batch's requests may still run here
+        (worker/requests/lease_gate.py)."""
         but = give_back_but or (lambda keep: give_back())
         self.runtime.use(DeviceHooks(on_wedged=Wedge(self._fail_wedged, give_back),
                                      settling=self.writer.gathering, on_launch=on_launch,
+                                     admit=admit,
                                      on_hung=Hang(note_hang, but), on_stalled=on_stalled))
 
     def kombu_connection_lost(self) -> None:

@@ -36,12 +36,13 @@ from asyncinfer.config.bound import settings_of
 from asyncinfer.config.settings import Settings
 from asyncinfer.engine.batcher import WorkItem
 from asyncinfer.engine.hangs import Hung
-from asyncinfer.engine.hooks import ignore_launch
+from asyncinfer.engine.hooks import admit_all, ignore_launch
 from asyncinfer.policy.policy import Policy
 from asyncinfer.worker.consumers.consumer import STOP_GRACE_S, PipelineConsumer
 from asyncinfer.worker.consumers.shard_intake import ShardIntake, wait_retargeted
 from asyncinfer.worker.output.shard_writers import by_shard
 from asyncinfer.worker.requests.holdings import SCHEDULED
+from asyncinfer.worker.requests.lease_gate import LeaseGate
 from asyncinfer.worker.requests.taken import TakenMessage
 from asyncinfer.worker.runtime import WorkerRuntime
 
@@ -83,10 +84,14 @@ class FastConsumer(PipelineConsumer):
         self._stall: Sequence[WorkItem] = ()
         first = self.intakes[0].leases
         counting = first is not None and first.count_deaths
+        #: A batch launches with what is still leased here (a worker cut off past its lease).
+        self.gate = LeaseGate(self.holdings, [intake.leases for intake in self.intakes],
+                              self._stopping)
         self.use_device(self._give_back_all,
                         on_launch=self._on_launch if counting else ignore_launch,
                         give_back_but=self._give_back_but if counting else None,
-                        note_hang=self._note_hang, on_stalled=self._on_stalled)
+                        note_hang=self._note_hang, on_stalled=self._on_stalled,
+                        admit=self.gate.admit if first is not None else admit_all)
         if first is not None:  # a request failed for its deaths names its last hang
             self.pipeline.death_note = self._hang_note
 

@@ -25,6 +25,9 @@ class TakenMessage(Message):
     started: bool = False
     #: Worker deaths counted against its request while it was on a device (leases).
     deaths: int = 0
+    #: Leased to another worker now (this one renewed too late): it must not start here
+    #: (worker/requests/lease_gate.py).
+    lost: bool = False
     #: kombu's message, when Celery's consumer received it: acknowledged through kombu
     #: (output/kombu_acks.py). None: taken from the Redis lists by the take script, recorded in
     #: their bookkeeping (acknowledged by the store script, leased, given back by the consumer).
