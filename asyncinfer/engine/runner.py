@@ -380,26 +380,22 @@ class ModelRunner:
         self._deliver_batch(job.items, outputs, job.started, job.device_s, job.launched)
 
     def _whole(self, job: Job, stream: Any, graphs: GraphSet | None = None) -> None:
-        items = self._hooks().admit(job.items)
-        if not items:
-            return
-        if len(items) < len(job.items):
-            job = Job(items=items, started=job.started, isolated=job.isolated)
-        self._prepare(job)
-        self._launch(job, stream, graphs)
-        self._finish(job)
+        if (admitted := self._admitted(job, prepared=False)) is not None:
+            self._prepare(admitted)
+            self._launch(admitted, stream, graphs)
+            self._finish(admitted)
 
-    def _admitted(self, job: Job) -> Job | None:
-        """``job`` (prepared) with only the requests the worker's gate admits now (hooks.py:
-        those whose leases are still this worker's); prepared again without the others; None when
-        none is left (or its preparation failed: its requests were answered)."""
+    def _admitted(self, job: Job, prepared: bool = True) -> Job | None:
+        """``job`` with only the requests the worker's gate admits now (hooks.py: those whose
+        leases are still this worker's), ``prepared`` again without the others; None when none
+        is left (or its preparation failed: its requests were answered)."""
         items = self._hooks().admit(job.items)
         if len(items) == len(job.items):
             return job
         if not items:
             return None
         again = Job(items=items, started=job.started, isolated=job.isolated)
-        return again if self._run_stage(again, self._prepare) else None
+        return again if not prepared or self._run_stage(again, self._prepare) else None
 
     def _isolate(self, items: Sequence[WorkItem], exc: Exception) -> None:
         if len(items) == 1:
