@@ -23,7 +23,7 @@ from asyncinfer.broker.cluster_client import shard_client
 from asyncinfer.broker.shards import shard_tags, tag_slot
 from asyncinfer.client import Client
 from asyncinfer.config.settings import Settings
-from asyncinfer.errors import BrokerUnavailable, NotReplicated, RequestLost
+from asyncinfer.errors import BrokerRefused, BrokerUnavailable, NotReplicated, RequestLost
 from tests.support.crashy import (
     answered_by_second,
     crashy_env,
@@ -240,6 +240,65 @@ def test_one_master_frozen_the_other_shards_requests_are_answered_meanwhile(tmp_
         finally:
             if frozen.alive():
                 os.kill(frozen.pid, signal.SIGCONT)
+            client.close()
+            worker.stop()
+
+
+@pytest.mark.timeout(180)
+def test_one_master_full_refuses_its_own_shard_s_submits_and_holds_up_nothing_else(
+        tmp_path: Path) -> None:
+    # Given one model spread over 3 shards and a worker taking from all three, with 5 requests of
+    # shard 1 accepted and waiting (the worker frozen meanwhile)
+    with LocalCluster(tmp_path / "cluster") as cluster:
+        url = cluster.fleet_url("&shards=3")
+        worker = start_worker(url, tmp_path / "worker.log", "--device", "cpu", "--models",
+                              "identity")
+        client = Client(broker_url=url)
+        full = cluster.master_of_slot(tag_slot(shard_tags(3)[1]))
+        m = full.client()
+        try:
+            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            os.kill(worker.pid, signal.SIGSTOP)
+            waiting = [client.submit("identity", _row(200 + i), request_id=rid).sent(timeout_s=30)
+                       for i, rid in enumerate(ids_on_shard(1, 5))]
+            # When shard 1's master is full (maxmemory below what it holds, noeviction, as
+            # Celery requires), and requests come for every shard
+            m.config_set("maxmemory-policy", "noeviction")
+            m.config_set("maxmemory", max(1, int(m.info("memory")["used_memory"]) - (1 << 20)))
+            os.kill(worker.pid, signal.SIGCONT)
+            struck = time.monotonic()
+            others = [client.submit("identity", _row(i), request_id=rid)
+                      for i, rid in enumerate(ids_on_shard(0, 15) + ids_on_shard(2, 15))]
+            refused = []
+            for rid in ids_on_shard(1, 10):
+                with pytest.raises(BrokerRefused, match=rf"request {rid}: broker is out of memory"):
+                    client.submit("identity", _row(100), request_id=rid).sent(timeout_s=30)
+                refused.append(rid)
+            # Then the other shards' requests are answered meanwhile, and each of shard 1's new
+            # submits is refused naming itself and Redis' reason
+            answers = [f.result(timeout=30) for f in others]
+            answered_s = time.monotonic() - struck
+            assert [float(a["input"][0, 0]) for a in answers] == [float(i) for i in range(30)]
+            # (the 5 accepted there may be answered even now: the take's first write, its pop,
+            # frees memory, and Redis lets a script that has written go on)
+            while_full = sum(1 for f in waiting if f.done())
+            # When memory is given back, the 5 are answered by the same worker, none lost
+            m.config_set("maxmemory", 0)
+            freed = time.monotonic()
+            later = [float(f.result(timeout=60)["input"][0, 0]) for f in waiting]
+            assert later == [200.0 + i for i in range(5)]
+            again = client.infer("identity", _row(7), timeout_s=30, request_id=ids_on_shard(1, 1)[0])
+            assert float(again["input"][0, 0]) == 7.0
+            assert worker.process.poll() is None
+            print(f"\none of three masters full: sent 45, accepted 35, refused 10 (its shard's, "
+                  f"each naming itself), answered 35 (30 of the other shards in {answered_s:.1f} s "
+                  f"while it was full, {while_full} of its 5 accepted before it filled; all 5 "
+                  f"{time.monotonic() - freed:.1f} s after memory came back), lost 0")
+        finally:
+            if worker.process.poll() is None:
+                os.kill(worker.pid, signal.SIGCONT)
+            m.config_set("maxmemory", 0)
+            m.close()
             client.close()
             worker.stop()
 
