@@ -30,6 +30,7 @@ from tests.support.processes import (
     WorkerProcess,
     start_worker,
 )
+from tests.support.redis_cluster import LocalCluster
 
 #: The fast tier's folder: what is in it is marked ``unit``, and nothing else may be.
 UNIT_TESTS = Path(__file__).resolve().parent / "unit"
@@ -131,3 +132,10 @@ def client(redis_url: str, worker: WorkerProcess) -> Iterator[object]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A local Redis Cluster (3 masters, a replica each) for a test file's tests."""
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from asyncinfer.broker.cluster_client import shard_client
@@ -37,6 +36,7 @@ from tests.support.crashy import (
 )
 from tests.support.processes import start_worker, stop_together
 from tests.support.redis_cluster import LocalCluster, ids_on_shard
+from tests.support.rows import identity_row
 
 #: As in test_fleet.py: the lease (10 s) and a sweep and the work, far below the visibility timeout.
 ANSWER_WITHIN_S = 60
@@ -45,9 +45,6 @@ SLOT = tag_slot(shard_tags(1)[0])
 
 
 
-
-def _row(i: float) -> dict[str, np.ndarray]:
-    return {"input": np.array([[float(i)]], np.float32)}
 
 
 @pytest.mark.timeout(180)
@@ -87,7 +84,7 @@ def _stream_through(client: Client, model: str, rate_hz: float, fault: Callable[
     def send(index: int) -> tuple[str, Any]:
         request_id = f"{index}-{uuid.uuid4().hex[:8]}"
         try:
-            return request_id, client.submit(model, _row(index), request_id=request_id).sent()
+            return request_id, client.submit(model, identity_row(index), request_id=request_id).sent()
         except (BrokerUnavailable, NotReplicated) as exc:
             return request_id, exc
 
@@ -141,7 +138,7 @@ def test_the_fleet_follows_its_shard_s_master_failing_over_while_requests_stream
         client = Client(settings=Settings(broker_url=url, connect_timeout_s=2.0,
                                           submit_replicas=replicas, submit_replicas_timeout_s=5.0))
         try:
-            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            assert client.infer("identity", identity_row(0), timeout_s=30) is not None
             old = cluster.master_of_slot(SLOT)
 
             def fail_over() -> None:
@@ -177,7 +174,7 @@ def test_one_model_spread_over_three_masters_one_master_killed_while_requests_st
                               "identity", "--concurrency", "32")
         client = Client(settings=Settings(broker_url=url, connect_timeout_s=2.0))
         try:
-            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            assert client.infer("identity", identity_row(0), timeout_s=30) is not None
             old = cluster.master_of_slot(tag_slot(shard_tags(3)[1]))
             others = [m.port for m in cluster.masters() if m.port != old.port]
 
@@ -212,16 +209,16 @@ def test_one_master_frozen_the_other_shards_requests_are_answered_meanwhile(tmp_
         client = Client(broker_url=url)
         frozen = cluster.master_of_slot(tag_slot(shard_tags(3)[1]))
         try:
-            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            assert client.infer("identity", identity_row(0), timeout_s=30) is not None
             # When shard 1's master freezes (SIGSTOP) long enough that the worker's intake of it
             # is past its blocking wait and into a take that hangs there, and then requests come
             # for every shard
             os.kill(frozen.pid, signal.SIGSTOP)
             time.sleep(12.0)  # the watch's socket timeout (block_s + 5 s) and a backoff
             struck = time.monotonic()
-            others = [client.submit("identity", _row(i), request_id=rid)
+            others = [client.submit("identity", identity_row(i), request_id=rid)
                       for i, rid in enumerate(ids_on_shard(0, 15) + ids_on_shard(2, 15))]
-            stuck = [client.submit("identity", _row(100 + i), request_id=rid)
+            stuck = [client.submit("identity", identity_row(100 + i), request_id=rid)
                      for i, rid in enumerate(ids_on_shard(1, 10))]
             # Then the requests of the other shards are answered while it is still frozen
             answers = [f.result(timeout=20) for f in others]
@@ -257,9 +254,9 @@ def test_one_master_full_refuses_its_own_shard_s_submits_and_holds_up_nothing_el
         full = cluster.master_of_slot(tag_slot(shard_tags(3)[1]))
         m = full.client()
         try:
-            assert client.infer("identity", _row(0), timeout_s=30) is not None
+            assert client.infer("identity", identity_row(0), timeout_s=30) is not None
             os.kill(worker.pid, signal.SIGSTOP)
-            waiting = [client.submit("identity", _row(200 + i), request_id=rid).sent(timeout_s=30)
+            waiting = [client.submit("identity", identity_row(200 + i), request_id=rid).sent(timeout_s=30)
                        for i, rid in enumerate(ids_on_shard(1, 5))]
             # When shard 1's master is full (maxmemory below what it holds, noeviction, as
             # Celery requires), and requests come for every shard
@@ -267,12 +264,12 @@ def test_one_master_full_refuses_its_own_shard_s_submits_and_holds_up_nothing_el
             m.config_set("maxmemory", max(1, int(m.info("memory")["used_memory"]) - (1 << 20)))
             os.kill(worker.pid, signal.SIGCONT)
             struck = time.monotonic()
-            others = [client.submit("identity", _row(i), request_id=rid)
+            others = [client.submit("identity", identity_row(i), request_id=rid)
                       for i, rid in enumerate(ids_on_shard(0, 15) + ids_on_shard(2, 15))]
             refused = []
             for rid in ids_on_shard(1, 10):
                 with pytest.raises(BrokerRefused, match=rf"request {rid}: broker is out of memory"):
-                    client.submit("identity", _row(100), request_id=rid).sent(timeout_s=30)
+                    client.submit("identity", identity_row(100), request_id=rid).sent(timeout_s=30)
                 refused.append(rid)
             # Then the other shards' requests are answered meanwhile, and each of shard 1's new
             # submits is refused naming itself and Redis' reason
@@ -287,7 +284,7 @@ def test_one_master_full_refuses_its_own_shard_s_submits_and_holds_up_nothing_el
             freed = time.monotonic()
             later = [float(f.result(timeout=60)["input"][0, 0]) for f in waiting]
             assert later == [200.0 + i for i in range(5)]
-            again = client.infer("identity", _row(7), timeout_s=30, request_id=ids_on_shard(1, 1)[0])
+            again = client.infer("identity", identity_row(7), timeout_s=30, request_id=ids_on_shard(1, 1)[0])
             assert float(again["input"][0, 0]) == 7.0
             assert worker.process.poll() is None
             print(f"\none of three masters full: sent 45, accepted 35, refused 10 (its shard's, "
@@ -378,7 +375,7 @@ def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Pat
         client = Client(settings=Settings(broker_url=url, lost_after_s=4.0, connect_timeout_s=2.0))
         worker = None
         try:
-            kept = [client.submit("identity", _row(i)).sent(timeout_s=30) for i in range(5)]
+            kept = [client.submit("identity", identity_row(i)).sent(timeout_s=30) for i in range(5)]
             master = cluster.master_of_slot(SLOT)
             with master.client() as m:
                 assert m.wait(1, 5000) == 1  # the 5 kept are on the replica
@@ -388,7 +385,7 @@ def test_requests_a_failover_lost_end_with_request_lost_not_a_hang(tmp_path: Pat
             # the master's output buffer, and dies with it)
             with shard_client(url, 0) as r:
                 r.set("filler", b"x" * (32 << 20))
-            lost = [client.submit("identity", _row(i)) for i in range(20)]
+            lost = [client.submit("identity", identity_row(i)) for i in range(20)]
             for f in lost:  # accepted by the master before it dies (a submit goes apart)
                 f.sent(timeout_s=30)
             # When the master dies, and the replica, thawed, is promoted without them

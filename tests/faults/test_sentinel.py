@@ -15,7 +15,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 from celery.result import AsyncResult
@@ -31,6 +30,7 @@ from asyncinfer.config.settings import Settings
 from asyncinfer.errors import BrokerUnavailable, NotReplicated
 from asyncinfer.ops.status import queue_depths
 from tests.support.processes import start_worker
+from tests.support.rows import identity_row
 from tests.support.sentinel import SentinelGroup
 from tests.support.waiting import wait_for
 
@@ -51,9 +51,6 @@ def _settings(url: str, **extra: object) -> Settings:
 BATCH_S = 0.25
 
 
-def _row(i: float) -> dict[str, np.ndarray]:
-    return {"input": np.array([[float(i)]], np.float32)}
-
 
 @pytest.mark.timeout(60)
 def test_round_trip_through_sentinel_with_passwords_and_a_database(tmp_path: Path) -> None:
@@ -69,7 +66,7 @@ def test_round_trip_through_sentinel_with_passwords_and_a_database(tmp_path: Pat
                                            sentinel_password="sentinelpw"))
         try:
             # When requests go through the fast path and through Celery's AsyncResult
-            futures = [client.submit("identity", _row(i)) for i in range(20)]
+            futures = [client.submit("identity", identity_row(i)) for i in range(20)]
             answers = [f.result(timeout=30) for f in futures]
             stored = AsyncResult(futures[0].id, app=client.app).get(timeout=10)
             # Then each comes back, and the results live in database 2 of the master
@@ -99,7 +96,7 @@ def _stream(client: Client, group: SentinelGroup, *, rate_hz: float, before_kill
     def send(index: int, phase: str) -> tuple[str, str, object]:
         request_id = f"{phase}-{index}-{uuid.uuid4().hex[:8]}"
         try:
-            return phase, request_id, client.submit("sleep", _row(BATCH_S),
+            return phase, request_id, client.submit("sleep", identity_row(BATCH_S),
                                                     request_id=request_id).sent()
         except (BrokerUnavailable, NotReplicated) as exc:
             return phase, request_id, exc
@@ -161,7 +158,7 @@ def test_worker_and_client_follow_a_failover_without_restart(tmp_path: Path, rep
     client = Client(settings=_settings(url, submit_replicas=replicas,
                                        submit_replicas_timeout_s=5.0))
     try:
-        assert client.infer("identity", _row(0), timeout_s=30) is not None
+        assert client.infer("identity", identity_row(0), timeout_s=30) is not None
         # When the master is SIGKILLed in the middle of a paced stream of requests (each batch
         # takes BATCH_S on the device, so some are in flight at the kill)
         counts = _stream(client, group, rate_hz=40, before_kill=40, after_promotion=60,
@@ -218,12 +215,12 @@ def test_submit_replicas_makes_submits_and_result_writes_wait_for_a_replica(
     client = Client(settings=_settings(url, submit_replicas=1, submit_replicas_timeout_s=0.3))
     replica = group.data[group.replica_port].process.pid
     try:
-        assert client.infer("identity", _row(1), timeout_s=30) is not None
+        assert client.infer("identity", identity_row(1), timeout_s=30) is not None
         # When the replica stops acknowledging and a request is submitted
         os.kill(replica, signal.SIGSTOP)
         try:
             with pytest.raises(NotReplicated, match=r"request r-stopped: .* 0 of 1 replicas"):
-                client.submit("identity", _row(2), request_id="r-stopped").sent()
+                client.submit("identity", identity_row(2), request_id="r-stopped").sent()
             # Then the submit said so; the request is on the master all the same, and the worker
             # answers it, logging that its result write was not confirmed either
             stored = AsyncResult("r-stopped", app=client.app).get(timeout=30)
@@ -234,7 +231,7 @@ def test_submit_replicas_makes_submits_and_result_writes_wait_for_a_replica(
             os.kill(replica, signal.SIGCONT)
         # And once the replica is back, submitting the same ID again is confirmed and is the
         # same request (sent once)
-        again = client.submit("identity", _row(2), request_id="r-stopped")
+        again = client.submit("identity", identity_row(2), request_id="r-stopped")
         assert float(again.result(timeout=30).as_numpy()[0, 0]) == 2.0
     finally:
         client.close()

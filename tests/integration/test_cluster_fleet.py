@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +24,10 @@ from asyncinfer.errors import ModelError, SequenceNotStarted
 from asyncinfer.ops.status import queue_depths
 from tests.support.processes import TEST_FACTORIES, run_cli, start_gateway, start_worker
 from tests.support.redis_cluster import LocalCluster
+from tests.support.rows import identity_row
 from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
-        yield c
-
-
-
-
-def _row(i: float) -> dict[str, np.ndarray]:
-    return {"input": np.array([[float(i)]], np.float32)}
 
 
 def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
@@ -54,7 +42,7 @@ def test_a_worker_and_its_producers_on_a_cluster_keep_every_key_in_the_shard(
                        result_accept_content=["json"])
     try:
         # When the Client sends requests, and a plain Celery producer sends one
-        futures = [client.submit("identity", _row(i)) for i in range(20)]
+        futures = [client.submit("identity", identity_row(i)) for i in range(20)]
         answers = [f.result(timeout=30) for f in futures]
         sent = celery.send_task("asyncinfer.infer", queue="infer.identity", kwargs={
             "model": "identity",
@@ -121,8 +109,8 @@ def test_the_routing_table_puts_models_on_shards_of_their_own_on_masters_of_thei
                                       broker_routes=f"sleep={shard_url[2]}"))
     try:
         # When one client sends requests of both
-        ones = [client.submit("identity", _row(i)) for i in range(10)]
-        twos = [client.submit("sleep", _row(0.01)) for _ in range(10)]
+        ones = [client.submit("identity", identity_row(i)) for i in range(10)]
+        twos = [client.submit("sleep", identity_row(0.01)) for _ in range(10)]
         assert [float(f.result(timeout=30).as_numpy("input")[0, 0]) for f in ones] == list(range(10))
         assert all(f.result(timeout=30) is not None for f in twos)
         # Then each model's requests and results are on its shard's master, two masters apart
@@ -150,9 +138,9 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
     client = Client(settings=Settings(broker_url=url, model_options=options))
     try:
         # When a request is sent twice, one with a high priority, and one that fails
-        first = client.infer("poison", _row(1.5), timeout_s=30)
-        again = client.submit("poison", _row(1.5), priority=0).result(timeout=30)
-        failed = client.submit("poison", _row(-1.0))
+        first = client.infer("poison", identity_row(1.5), timeout_s=30)
+        again = client.submit("poison", identity_row(1.5), priority=0).result(timeout=30)
+        failed = client.submit("poison", identity_row(-1.0))
         with pytest.raises(ModelError):
             failed.result(timeout=30)
         # Then the second is answered from the cache, and the failure kept as a dead letter
@@ -168,7 +156,7 @@ def test_the_cache_priorities_dead_letters_and_commands_on_a_cluster(
         dead = run_cli(url, "dead", "list", "poison")
         assert failed.id in dead, dead
         worker.stop()
-        waiting = [client.submit("poison", _row(float(i))) for i in range(4)]
+        waiting = [client.submit("poison", identity_row(float(i))) for i in range(4)]
         assert "4" in run_cli(url, "purge", "poison", "--yes")
         assert f"revoked {waiting[0].id}" in run_cli(url, "cancel", waiting[0].id)
     finally:

@@ -12,7 +12,6 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +36,12 @@ from tests.support.crashy import (
 )
 from tests.support.processes import TEST_FACTORIES, run_cli, start_gateway, start_worker, stop_together
 from tests.support.redis_cluster import LocalCluster, ids_on_shard
+from tests.support.rows import identity_row
 from tests.support.sequence_models import ACCUMULATOR_FACTORY
 
 pytestmark = pytest.mark.timeout(180)
 
 SHARDS = 3
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
-        yield c
-
-
-
-
-def _row(i: float) -> dict[str, np.ndarray]:
-    return {"input": np.array([[float(i)]], np.float32)}
 
 
 def _results_per_master(cluster: LocalCluster, ids: set[str]) -> dict[int, int]:
@@ -79,7 +67,7 @@ def test_one_model_is_served_by_every_master_each_within_ten_percent_of_the_mean
                        result_accept_content=["json"])
     try:
         # When the Client sends 3,000 requests, and the plain Celery producer 30
-        futures = [client.submit("identity", _row(i)) for i in range(3000)]
+        futures = [client.submit("identity", identity_row(i)) for i in range(3000)]
         answers = [f.result(timeout=60) for f in futures]
         sent = [celery.send_task("asyncinfer.infer", queue="infer.identity", kwargs={
             "model": "identity",
@@ -187,9 +175,9 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
         http.close()
         grpc.close()
         # the same input 4 times on each shard: each shard answers it once, then from its cache
-        cached = [client.submit("poison", _row(2.0), request_id=rid).result(timeout=30)
+        cached = [client.submit("poison", identity_row(2.0), request_id=rid).result(timeout=30)
                   for shard in range(SHARDS) for rid in ids_on_shard(shard, 4, SHARDS)]
-        failed = [client.submit("poison", _row(-1.0)) for _ in range(9)]
+        failed = [client.submit("poison", identity_row(-1.0)) for _ in range(9)]
         for f in failed:
             with pytest.raises(ModelError):
                 f.result(timeout=30)
@@ -207,7 +195,7 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
         dead = run_cli(url, "dead", "list", "poison")
         assert all(f.id in dead for f in failed), dead
         worker.stop()
-        waiting = [client.submit("identity", _row(float(i))) for i in range(12)]
+        waiting = [client.submit("identity", identity_row(float(i))) for i in range(12)]
         for f in waiting:
             f.sent()
         assert {request_shard(f.id, SHARDS) for f in waiting} == {0, 1, 2}
@@ -230,13 +218,13 @@ def test_an_idle_worker_killed_leaves_every_shard_to_the_other(cluster: LocalClu
                           "--hostname", "idle-second@%h")
     client = Client(broker_url=url)
     try:
-        assert client.infer("identity", _row(-1), timeout_s=30) is not None
+        assert client.infer("identity", identity_row(-1), timeout_s=30) is not None
         time.sleep(2.0)  # both idle: blocked in Redis, or waiting for a bell
         # When the first is killed outright while idle, and 60 requests come on all shards
         first.process.kill()
         first.process.wait()
         sent_at = time.monotonic()
-        futures = [client.submit("identity", _row(i)) for i in range(60)]
+        futures = [client.submit("identity", identity_row(i)) for i in range(60)]
         answers = [f.result(timeout=60) for f in futures]
         last_s = time.monotonic() - sent_at
         # Then the second answers every one (whatever watches the dead one held), each once
