@@ -25,7 +25,7 @@ from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import Message, decode_body
 from asyncinfer.wire.request_identity import identity
 
-__all__ = ["CeleryClaims", "claims_message"]
+__all__ = ["CeleryClaims", "claims_message", "claims_on"]
 
 
 def claims_message(message: Mapping[str, Any]) -> bool:
@@ -33,6 +33,17 @@ def claims_message(message: Mapping[str, Any]) -> bool:
     headers = message.get("headers")
     return (isinstance(headers, Mapping) and headers.get("task") == TASK_NAME
             and not headers.get("retries") and isinstance(headers.get("id"), str))
+
+
+def claims_on(channel: Any, queue: str, message: Mapping[str, Any]) -> bool:
+    """Whether kombu's Redis ``channel`` publishes ``message`` on ``queue`` through the claim:
+    a first send of an ``asyncinfer.infer`` request (:func:`claims_message`), on a queue kombu
+    does not expire after each push (``x-expires``: the queues of the remote control's replies),
+    with no global key prefix. Another queue's expiry is no reason: a producer whose app had run
+    ``control.inspect()`` (its reply queue expires) published every later request unclaimed."""
+    expiring = getattr(channel, "_expires", None) or {}
+    return (claims_message(message) and queue not in expiring
+            and not getattr(channel, "global_keyprefix", None))
 
 
 class CeleryClaims:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kombu.utils import json as kombu_json
 
-from asyncinfer.broker.celery_claims import CeleryClaims, claims_message
+from asyncinfer.broker.celery_claims import CeleryClaims, claims_on
 from asyncinfer.broker.shards import request_shard
 from asyncinfer.broker.transport import REFUSING_PARSER, Channel, Transport, answering
 from asyncinfer.broker.urls import parse_cluster_url
@@ -63,7 +63,7 @@ class ClusterChannel(Channel):
         client, claims = self._shard(shard)
         priority = self._get_message_priority(message, reverse=False)
         text = kombu_json.dumps(message)
-        if not (claims_message(message) and not self._expires and not self.global_keyprefix
+        if not (claims_on(self, queue, message)
                 and claims.put(client, queue, message, text, priority)):
             client.lpush(self._q_for_pri(queue, priority), text)
         return None

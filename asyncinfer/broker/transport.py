@@ -50,7 +50,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from asyncinfer.backoff import Backoff
 from asyncinfer.broker.atomic_take import AtomicTake
-from asyncinfer.broker.celery_claims import CeleryClaims, claims_message
+from asyncinfer.broker.celery_claims import CeleryClaims, claims_on
 from asyncinfer.broker.refusals import REFUSED_CLASSES, refusal_reason, refusing_parser
 from asyncinfer.errors import InvalidRequest
 from asyncinfer.wire.envelope import (
@@ -204,8 +204,7 @@ class Channel(AtomicTake, kombu_redis.Channel):
         """kombu's publish; a first send of an ``asyncinfer.infer`` request claims its task ID
         in the same round trip (broker/celery_claims.py): the same ID sent again as the same
         request is not pushed again, as another request raises RequestIdReused."""
-        if (kwargs.get("_publish_batch") is not None or self._expires or self.global_keyprefix
-                or not claims_message(message)):
+        if kwargs.get("_publish_batch") is not None or not claims_on(self, queue, message):
             return super()._put(queue, message, **kwargs)
         if self._claims is None:
             self._claims = CeleryClaims(self.client, float(self.claim_ttl_s or 86400))

@@ -282,6 +282,24 @@ def test_celery_send_task_claims_its_task_id(client: Any, redis_client: Any,
     assert redis_client.llen("infer.identity") == 0
 
 
+def test_celery_send_task_claims_after_the_app_ran_an_inspect(client: Any, redis_client: Any) -> None:
+    # Given a producer's app that ran a remote-control inspect (its reply queue expires: kombu
+    # notes the expiry on the channel the app publishes on)
+    client.app.control.inspect(timeout=0.5).ping()
+    # When it sends a request with its own task ID, then the same ID with other inputs
+    rid = f"celery-after-inspect-{uuid.uuid4().hex}"
+    send = client.app.send_task
+    first = send("asyncinfer.infer", kwargs=_celery_kwargs([4, 5]), task_id=rid,
+                 queue="infer.identity")
+    first.get(timeout=30)
+    # Then the first claimed its ID (it did not, before: every request after an inspect went out
+    # unclaimed) and the second is refused
+    assert redis_client.exists(CLAIM_PREFIX + rid)
+    with pytest.raises(RequestIdReused, match=rf"^request {rid}: "):
+        send("asyncinfer.infer", kwargs=_celery_kwargs([6, 6]), task_id=rid,
+             queue="infer.identity")
+
+
 def test_celery_retry_of_a_claimed_request_goes_on_its_queue(client: Any) -> None:
     # Given a claimed request, answered
     rid = f"celery-retry-{uuid.uuid4().hex}"
