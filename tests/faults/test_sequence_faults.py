@@ -450,8 +450,9 @@ def _held_batch_frozen_past_the_lease(fleet: Fleet) -> bool:
     victim_proc = fleet.workers[victim]
     # and a request of each of the victim's sequences held on its device
     fleet.gate(victim, closed=True)
+    victim_marks = fleet.marks(victim)  # before the sends: a batch marked first would not count
     held = [ledger.send(s, _value(s, 3)) for s in on_victim]
-    fleet.marks(victim).wait_on_device(_value(on_victim[0], 3))
+    victim_marks.wait_on_device(_value(on_victim[0], 3))
     # When the victim is frozen past the lease, its device let go (it sees that once thawed)
     os.kill(victim_proc.pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -514,8 +515,9 @@ def test_sigterm_with_requests_in_flight_never_runs_a_sequence_on_a_fresh_state(
     # and requests of the victim's sequences in flight: one batch on its device, the next three
     # requests of each queued behind it
     fleet.gate(victim, closed=True)
+    victim_marks = fleet.marks(victim)  # before the sends: a batch marked first would not count
     on_device = [ledger.send(s, _value(s, 3)) for s in on_victim]
-    fleet.marks(victim).wait_on_device(_value(on_victim[0], 3))
+    victim_marks.wait_on_device(_value(on_victim[0], 3))
     queued = [ledger.send(s, _value(s, step)) for step in (4, 5, 6) for s in on_victim]
     # When it is stopped cleanly (SIGTERM), its device let go
     victim_proc.process.send_signal(signal.SIGTERM)
@@ -559,8 +561,9 @@ def test_sigterm_with_its_device_stuck_fails_what_it_held_state_lost(fleet: Flee
     # and a batch of the victim's sequences stuck on its device (its gate stays closed), two more
     # requests of each queued behind it
     fleet.gate(victim, closed=True)
+    victim_marks = fleet.marks(victim)  # before the sends: a batch marked first would not count
     on_device = [ledger.send(s, _value(s, 3)) for s in on_victim]
-    fleet.marks(victim).wait_on_device(_value(on_victim[0], 3))
+    victim_marks.wait_on_device(_value(on_victim[0], 3))
     queued = [ledger.send(s, _value(s, step)) for step in (4, 5) for s in on_victim]
     # When it is stopped cleanly (SIGTERM)
     victim_proc.process.send_signal(signal.SIGTERM)
