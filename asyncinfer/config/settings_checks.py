@@ -83,6 +83,8 @@ def check_settings(settings: Any) -> None:
         value = float(getattr(settings, name))
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {getattr(settings, name)!r}")
+    if not 0 <= float(settings.refill_fraction) < 1:
+        raise ValueError(f"refill_fraction must be a number in [0, 1), got {settings.refill_fraction!r}")
     for name in ("gateway_header_timeout_s", "gateway_body_timeout_s"):
         value = float(getattr(settings, name))
         if not (math.isfinite(value) and value > 0):

@@ -55,6 +55,9 @@ class Policy:
     #: holds (policy/backpressure.py).
     hold_batches: int = 2
     hold_s: float = 0.25
+    #: The share of what it holds at most that a consumer at its bound waits to have free before
+    #: it takes again (policy/backpressure.py).
+    refill_fraction: float = 0.25
     #: Deadlines and revocation (policy/expiry.py).
     expiry: Expiry = field(default_factory=Expiry)
     #: Deaths on a device a request may see (policy/deaths.py; 0: not counted).
@@ -64,7 +67,7 @@ class Policy:
     def backpressure(self) -> Backpressure:
         """How much the worker takes and holds."""
         return Backpressure(self.max_in_flight, self.hold_batches, self.hold_s,
-                            self.max_payload_bytes)
+                            self.max_payload_bytes, self.refill_fraction)
 
     @cached_property
     def retries(self) -> Retries:
@@ -82,7 +85,8 @@ class Policy:
                    max_payload_bytes=settings.max_payload_bytes or None,
                    track_started=bool(app.conf.task_track_started),
                    budget=retry_budget_for(app), deaths=WorkerDeaths(settings.max_worker_deaths),
-                   hold_batches=settings.hold_batches, hold_s=settings.hold_s)
+                   hold_batches=settings.hold_batches, hold_s=settings.hold_s,
+                   refill_fraction=settings.refill_fraction)
 
     def limits_for(self, timelimit: Any) -> TimeLimits:
         """The limits of a request whose message carries ``timelimit`` (``[hard, soft]``)."""

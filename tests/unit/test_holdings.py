@@ -52,7 +52,8 @@ def test_the_workers_policy_holds_by_its_own_hold_settings() -> None:
 
 
 def _taken(request_id: str) -> SimpleNamespace:
-    return SimpleNamespace(request_id=request_id, tag=f"tag-{request_id}", message=None)
+    return SimpleNamespace(request_id=request_id, tag=f"tag-{request_id}", message=None,
+                           list_key="infer.m", envelope={})
 
 
 def test_a_batch_that_runs_alone_waits_for_what_ran_before_it_and_no_more() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -105,6 +106,63 @@ def test_takes_under_way_reserve_their_share_of_the_room_and_never_take_more_tog
     assert holdings.room(stopping=lambda: True) == 7
     # One intake (one Redis) reserves the whole room, as one take did
     assert holdings.reserve(lambda: True) == 7
+
+
+def test_a_take_at_the_bound_waits_for_a_quarter_of_it_free_and_then_takes_all_the_room() -> None:
+    from asyncinfer.policy.backpressure import Backpressure
+
+    # Given a consumer's bound of 20 at the default refill (a quarter: takes of at least 5)
+    least = Backpressure(max_in_flight=64, refill_fraction=0.25).least_take
+    holdings = Holdings(max_in_flight=20, least_take=least)
+    held = [_delivery(f"r{i}") for i in range(20)]
+    holdings.add(*held)
+    # When answers free the room one at a time, no take is worth it before 5 are free
+    for answered in range(1, 5):
+        holdings.release([held[answered - 1]])
+        assert holdings.room(stopping=lambda: True) == answered
+    waiter = threading.Thread(target=lambda: got.append(holdings.reserve(lambda: False)))
+    got: list[int] = []
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and got == []  # a take waits with 4 free
+    holdings.release([held[4]])
+    waiter.join(10)
+    # Then the fifth answer lets one take reserve all 5
+    assert got == [5] and holdings.room(stopping=lambda: True) == 0
+    # A bound under 4 takes at each answer, and so does a refill fraction of 0
+    assert least(20) == 5 and least(3) == 1 and Backpressure(64).least_take(1000) == 1
+
+
+@pytest.mark.parametrize("below", ["priority 3", "a lower level's list"])
+def test_while_anything_a_better_request_may_pass_is_held_a_take_comes_at_each_answer(
+        below: str) -> None:
+    from asyncinfer.constants import priority_list
+    from asyncinfer.policy.backpressure import Backpressure
+
+    least = Backpressure(max_in_flight=64, refill_fraction=0.25).least_take
+    holdings = Holdings(max_in_flight=20, least_take=least)
+    held = [_delivery(f"r{i}") for i in range(19)]
+    low = _delivery("low")
+    if below == "priority 3":
+        low.envelope["properties"]["priority"] = 3
+    else:
+        low.key = priority_list("infer.m", 6)
+    holdings.add(*held, low)
+    # When one answer frees one place while the low one is held, one take reserves it
+    holdings.release([held[0]])
+    assert holdings.reserve(lambda: False) == 1
+    holdings.unreserve(1)
+    # and once the low one is answered, a take waits for a quarter of the bound again
+    holdings.release([low])
+    assert holdings.room(stopping=lambda: True) == 2
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(holdings.reserve(lambda: False)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and got == []
+    holdings.release(held[1:4])
+    waiter.join(10)
+    assert got == [5]
 
 
 def test_holdings_count_what_is_held_and_not_scheduled() -> None:

@@ -72,7 +72,8 @@ class PipelineConsumer:
         self.policy = policy
         #: Everything taken and not yet answered: the one in-flight account.
         self.holdings = Holdings(lambda: policy.backpressure.held_at_most(runtime.runners()),
-                                 on_scheduled=self._on_scheduled)
+                                 on_scheduled=self._on_scheduled,
+                                 least_take=self._least_take)
         #: ``qos()``: the prefetch window of the Celery consumer that hands over kombu's messages
         #: (a new one after each reconnection); None until one does.
         self.kombu_qos: Callable[[], Any] | None = None
@@ -122,6 +123,14 @@ class PipelineConsumer:
                                            received_at=received_at, deaths=taken_deaths(message),
                                            body_cut_bytes=body_cut_bytes(message)))
         self.pipeline.received(deliveries)
+
+    def _least_take(self, bound: int) -> int:
+        """The least room a take waits for: the policy's for a worker of one model; 1 (a take at
+        each answer) for a worker of several, whose models' requests share one bound and no
+        order (holdings.py)."""
+        if len(self.runtime.runners()) != 1:
+            return 1
+        return self.policy.backpressure.least_take(bound)
 
     def _on_scheduled(self, n: int) -> None:
         """``n`` more (or fewer) of kombu's held messages wait for their eta: the prefetch window

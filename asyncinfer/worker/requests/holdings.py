@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from asyncinfer.constants import PRIORITY_SEP
 from asyncinfer.engine.batcher import WorkItem
+from asyncinfer.wire.envelope import priority_in
 from asyncinfer.worker.requests.taken import TakenMessage
 
 __all__ = ["Holding", "Holdings", "RESERVED", "ACTIVE", "SCHEDULED"]
@@ -39,13 +41,25 @@ class Holding:
     launched: bool = False
 
 
+def _below_best(d: TakenMessage) -> bool:
+    """Whether a request of the best priority may go before ``d`` in the batcher: ``d`` came from
+    a list below its queue's top one (a lower level, a sequence's list) or has a priority > 0."""
+    return PRIORITY_SEP in d.list_key or priority_in(d.envelope.get("properties")) > 0
+
+
 class Holdings:
     """The one in-flight account of a consumer, safe to use from any thread."""
 
     def __init__(self, max_in_flight: int | Callable[[], int],
-                 on_scheduled: Callable[[int], None] | None = None) -> None:
+                 on_scheduled: Callable[[int], None] | None = None,
+                 least_take: Callable[[int], int] | None = None) -> None:
         #: The bound: a number, or asked each time (it follows the device's pace).
         self._bound = max_in_flight if callable(max_in_flight) else (lambda: max_in_flight)
+        #: The least room a take waits for under a bound (policy/backpressure.py): 1 unless told,
+        #: and 1 while anything below a queue's top priority level is held (:meth:`reserve`).
+        self._least_take = least_take or (lambda bound: 1)
+        #: How many held messages a request of the best priority may go before (:func:`_below_best`).
+        self._below_top = 0
         #: Told ``+1`` when a held message kombu delivered starts waiting for its eta, ``-1`` when
         #: it no longer does (kombu's prefetch window grows and shrinks with them, as Celery's
         #: does for its ETA tasks).
@@ -77,6 +91,8 @@ class Holdings:
                     holding = self._held[id(d)] = Holding(d)
                     self._by_request.setdefault(d.request_id, []).append(holding)
                     self._in_flight += 1
+                    if _below_best(d):
+                        self._below_top += 1
                     if d.tag and d.request_id and d.message is None:  # the lists' bookkeeping
                         self._tags[d.request_id] = d.tag
 
@@ -138,6 +154,8 @@ class Holdings:
                 holding = self._held.pop(id(d), None)
                 if holding is not None:
                     self._unindex(holding)
+                    if _below_best(d):
+                        self._below_top -= 1
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
                 elif holding is not None and d.message is not None:
@@ -166,17 +184,28 @@ class Holdings:
             return bound - self._in_flight - self._reserved
 
     def reserve(self, stopping: Callable[[], bool], poll_s: float = 0.5, *, shares: int = 1) -> int:
-        """:meth:`room` (at most a ``shares``-th of the bound), reserved for one take: no other
-        take counts on it until :meth:`unreserve` gives it back (after what the take brought is
-        held). The worker's intakes (one per shard, ``shares`` of them) share the bound this way,
+        """:meth:`room` (at most a ``shares``-th of the bound), once it is at least the least take,
+        reserved for one take: no other take counts on it until :meth:`unreserve` gives it back
+        (after what the take brought is held). The worker's intakes (one per shard, ``shares`` of them) share the bound this way,
         each take's round trip its own: a shard's master that is slow or frozen holds up no
-        other shard's take."""
+        other shard's take.
+
+        The least take is ``least_take(bound)`` while everything held is of the best priority (0,
+        on its queue's top list), and 1 (a take at each answer) while anything else is held: a
+        request waiting with a better priority than something held may go before it, and is taken
+        at the next answer. A request of the best priority goes before nothing held (the batcher
+        runs a priority in arrival order), so a take may wait for more room at no request's cost (the consumer's ``least_take`` is 1 for
+        a worker of several models: one model's request may not wait for another's backlog)."""
         with self._cond:
-            while self._in_flight + self._reserved >= (bound := self._bound()) and not stopping():
+            while (self._in_flight + self._reserved
+                   > (bound := self._bound()) - self._least(bound)) and not stopping():
                 self._cond.wait(poll_s)
             room = max(0, min(bound - self._in_flight - self._reserved, -(-bound // shares)))
             self._reserved += room
             return room
+
+    def _least(self, bound: int) -> int:
+        return 1 if self._below_top else self._least_take(bound)
 
     def unreserve(self, count: int) -> None:
         """Give back ``count`` reserved by :meth:`reserve`."""
