@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         wrapper = tmp / "redis-server"
         wrapper.write_text("#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no "
                            f"--callgrind-out-file={dumps}/callgrind.out.%p "
-                           f"{redis_server_binary(prefer_system=bool(os.environ.get('SYSTEM_REDIS')))} \"$@\"\n")
+                           f"{redis_server_binary()} \"$@\"\n")
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         server = RedisServer(tmp / "redis", appendonly=False, binary=str(wrapper),
                              die_with_parent=True).start(timeout_s=120)

@@ -186,16 +186,17 @@ class Holdings:
     def reserve(self, stopping: Callable[[], bool], poll_s: float = 0.5, *, shares: int = 1) -> int:
         """:meth:`room` (at most a ``shares``-th of the bound), once it is at least the least take,
         reserved for one take: no other take counts on it until :meth:`unreserve` gives it back
-        (after what the take brought is held). The worker's intakes (one per shard, ``shares`` of them) share the bound this way,
-        each take's round trip its own: a shard's master that is slow or frozen holds up no
-        other shard's take.
+        (after what the take brought is held). The worker's intakes (one per shard, ``shares`` of
+        them) share the bound this way, each take's round trip its own: a shard's master that is
+        slow or frozen holds up no other shard's take.
 
-        The least take is ``least_take(bound)`` while everything held is of the best priority (0,
-        on its queue's top list), and 1 (a take at each answer) while anything else is held: a
-        request waiting with a better priority than something held may go before it, and is taken
-        at the next answer. A request of the best priority goes before nothing held (the batcher
-        runs a priority in arrival order), so a take may wait for more room at no request's cost (the consumer's ``least_take`` is 1 for
-        a worker of several models: one model's request may not wait for another's backlog)."""
+        The least take is ``least_take(bound)`` while everything held is of the best priority (0, on
+        its queue's top list), and 1 (a take at each answer) while anything else is held: a request
+        waiting with a better priority than something held may go before it, and is taken at the
+        next answer. A request of the best priority goes before nothing held (the batcher runs a
+        priority in arrival order), so a take may wait for more room at no request's cost (the
+        consumer's ``least_take`` is 1 for a worker of several models: one model's request may not
+        wait for another's backlog)."""
         with self._cond:
             while (self._in_flight + self._reserved
                    > (bound := self._bound()) - self._least(bound)) and not stopping():
