@@ -28,7 +28,7 @@ demo: setup
 # Three processes, each with its own Redis and session worker (on 2 cores: most tests wait on real
 # time, so a third overlaps them: 11 min against 15.5 with two); a file's tests stay in one process
 # (they share its fixtures). Tests that wait on real time (leases, kills, failovers) overlap.
-TEST_PROCESSES ?= 3
+TEST_PROCESSES ?= 4
 
 test: setup
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)

@@ -177,7 +177,10 @@ def test_streams_sequences_the_gateway_dead_letters_and_commands_over_every_shar
         # the same input 4 times on each shard: each shard answers it once, then from its cache
         cached = [client.submit("poison", identity_row(2.0), request_id=rid).result(timeout=30)
                   for shard in range(SHARDS) for rid in ids_on_shard(shard, 4, SHARDS)]
-        failed = [client.submit("poison", identity_row(-1.0)) for _ in range(9)]
+        failed: list[Any] = []  # 9 at least, and until every shard has some (the IDs are random)
+        while len(failed) < 9 or {request_shard(f.id, SHARDS) for f in failed} != set(range(SHARDS)):
+            assert len(failed) < 60, "60 generated IDs missed a shard"
+            failed.append(client.submit("poison", identity_row(-1.0)))
         for f in failed:
             with pytest.raises(ModelError):
                 f.result(timeout=30)

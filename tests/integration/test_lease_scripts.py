@@ -71,6 +71,26 @@ def test_the_take_leases_what_it_records_and_the_store_ends_the_lease(r) -> None
     assert not r.hexists(UNACKED_KEY, first) and r.zcard(LEASES_KEY) == 1
 
 
+def test_a_worker_s_store_ends_an_unleased_take_s_index_entry_and_a_leased_take_s_lease(r) -> None:
+    # Given a worker's leased take of one request and an unleased take (kombu's index) of another
+    r.lpush(QUEUE, _message("leased"))
+    leases = _leases(r, [], lease_s=10)
+    [(_, leased_raw, *_)] = Taker(r).take([QUEUE], 1, lease=leases.terms)
+    r.lpush(QUEUE, _message("indexed"))
+    [(_, indexed_raw, *_)] = Taker(r).take([QUEUE], 1)
+    leased, indexed = _tag(leased_raw), _tag(indexed_raw)
+    assert r.zscore(UNACKED_INDEX_KEY, indexed) is not None
+    assert r.zscore(UNACKED_INDEX_KEY, leased) is None and r.zscore(LEASES_KEY, leased) is not None
+    # When the worker (its holder name given) stores both results in one call
+    store = StoreScript(r, 60, leases.holder)
+    store([("celery-task-meta-leased", "{}", "", leased, ""),
+           ("celery-task-meta-indexed", "{}", "", indexed, "")])
+    # Then each is acknowledged where it was recorded: the index entry, the lease and its holder
+    assert r.zcard(UNACKED_INDEX_KEY) == 0 and r.zcard(LEASES_KEY) == 0
+    assert r.hlen(UNACKED_KEY) == 0 and r.hlen(LEASE_HOLDERS_KEY) == 0
+    assert r.get("celery-task-meta-leased") == b"{}" and r.get("celery-task-meta-indexed") == b"{}"
+
+
 def test_an_expired_lease_goes_back_to_the_front_of_its_list_marked_redelivered(r) -> None:
     # Given a request taken under a 1 s lease whose holder never renews, and one queued after it
     r.lpush(f"{QUEUE}{PRIORITY_SEP}3", _message("held"))

@@ -72,27 +72,35 @@ for _, channel in ipairs(channels) do
     try('PUBLISH', channel, table.concat(parts))
   end
 end
--- Only the tags this holder (or nobody) holds: one HMGET per 1,000 tags
+-- Only the tags this holder (or nobody) holds: one HMGET per 1,000 tags. A leased tag (one with
+-- a holder) was never in kombu's unacked_index (the take records it there only unleased): only
+-- the tags nobody holds are removed from the index.
 local holder = ARGV[2]
+local indexed = tags
 if holder ~= '' and #tags > 0 then
-  local mine, prefix = {}, holder .. '\t'
+  local mine, unheld, prefix = {}, {}, holder .. '\t'
   for from = 1, #tags, 1000 do
     local last = math.min(from + 999, #tags)
     local entries = redis.call('HMGET', KEYS[4], unpack(tags, from, last))
     for j = from, last do
       local entry = entries[j - from + 1]
-      if not entry or entry == holder or string.sub(entry, 1, #prefix) == prefix then
+      if not entry then
+        mine[#mine + 1] = tags[j]
+        unheld[#unheld + 1] = tags[j]
+      elseif entry == holder or string.sub(entry, 1, #prefix) == prefix then
         mine[#mine + 1] = tags[j]
       end
     end
   end
-  tags = mine
+  tags, indexed = mine, unheld
 end
 -- The acknowledgements: one variadic command per key for the whole batch, in calls of at most
 -- 1,000 tags (unpack's stack has a limit).
+for from = 1, #indexed, 1000 do
+  try('ZREM', KEYS[1], unpack(indexed, from, math.min(from + 999, #indexed)))
+end
 for from = 1, #tags, 1000 do
   local last = math.min(from + 999, #tags)
-  try('ZREM', KEYS[1], unpack(tags, from, last))
   try('HDEL', KEYS[2], unpack(tags, from, last))
   try('ZREM', KEYS[3], unpack(tags, from, last))
   try('HDEL', KEYS[4], unpack(tags, from, last))
