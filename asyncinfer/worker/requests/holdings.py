@@ -39,6 +39,8 @@ class Holding:
     started_at: float | None = None
     #: Whether a batch with it went onto the device (its model ran, or runs, on it).
     launched: bool = False
+    #: Whether a request of the best priority may go before it (:func:`_below_best`, read once).
+    below_best: bool = False
 
 
 def _below_best(d: TakenMessage) -> bool:
@@ -59,7 +61,7 @@ class Holdings:
         #: and 1 while anything below a queue's top priority level is held (:meth:`reserve`).
         self._least_take = least_take or (lambda bound: 1)
         #: How many held messages a request of the best priority may go before (:func:`_below_best`).
-        self._below_top = 0
+        self._held_below_best = 0
         #: Told ``+1`` when a held message kombu delivered starts waiting for its eta, ``-1`` when
         #: it no longer does (kombu's prefetch window grows and shrinks with them, as Celery's
         #: does for its ETA tasks).
@@ -88,11 +90,11 @@ class Holdings:
         with self._cond:
             for d in deliveries:
                 if id(d) not in self._held:
-                    holding = self._held[id(d)] = Holding(d)
+                    holding = self._held[id(d)] = Holding(d, below_best=_below_best(d))
                     self._by_request.setdefault(d.request_id, []).append(holding)
                     self._in_flight += 1
-                    if _below_best(d):
-                        self._below_top += 1
+                    if holding.below_best:
+                        self._held_below_best += 1
                     if d.tag and d.request_id and d.message is None:  # the lists' bookkeeping
                         self._tags[d.request_id] = d.tag
 
@@ -154,8 +156,8 @@ class Holdings:
                 holding = self._held.pop(id(d), None)
                 if holding is not None:
                     self._unindex(holding)
-                    if _below_best(d):
-                        self._below_top -= 1
+                    if holding.below_best:
+                        self._held_below_best -= 1
                 if holding is not None and holding.state != SCHEDULED:
                     self._in_flight -= 1
                 elif holding is not None and d.message is not None:
@@ -206,7 +208,7 @@ class Holdings:
             return room
 
     def _least(self, bound: int) -> int:
-        return 1 if self._below_top else self._least_take(bound)
+        return 1 if self._held_below_best else self._least_take(bound)
 
     def unreserve(self, count: int) -> None:
         """Give back ``count`` reserved by :meth:`reserve`."""
