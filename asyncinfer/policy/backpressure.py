@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Backpressure", "held_at_most", "least_take"]
+__all__ = ["Backpressure", "held_at_most"]
 
 
 def held_at_most(max_in_flight: int, hold_batches: int, hold_s: float, runners: Sequence[Any]) -> int:
@@ -58,10 +58,6 @@ class Backpressure:
         return held_at_most(self.max_in_flight, self.hold_batches, self.hold_s, runners)
 
     def least_take(self, bound: int) -> int:
-        """The least room a consumer holding at most ``bound`` waits for before it takes."""
-        return least_take(bound, self.refill_fraction)
-
-
-def least_take(bound: int, refill_fraction: float) -> int:
-    """The least room worth a take under ``bound``: ``refill_fraction`` of it, at least 1."""
-    return max(1, int(bound * refill_fraction))
+        """The least room a consumer holding at most ``bound`` waits for before it takes:
+        ``refill_fraction`` of it, at least 1."""
+        return max(1, int(bound * self.refill_fraction))
