@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,8 @@ from asyncinfer.broker.urls import is_redis_url
 from asyncinfer.config.model_options import ModelOptions, parse_model_options
 from asyncinfer.config.published import published_url
 from asyncinfer.config.routes import Routes
+from asyncinfer.config.setting_values import parse_value
+from asyncinfer.config.setting_values import setting as _setting
 from asyncinfer.config.settings_checks import check_settings
 
 __all__ = ["Settings", "default_state_dir", "DEFAULT_BROKER_URL"]
@@ -29,10 +31,6 @@ def default_state_dir() -> Path:
     """Where ``asyncinfer up`` keeps its embedded Redis (data, log) and publishes the broker URL."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "asyncinfer"
-
-
-def _setting(default: Any, env: str, doc: str) -> Any:
-    return field(default=default, metadata={"env": env, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -349,7 +347,7 @@ class Settings:
         for f in dataclasses.fields(cls):
             raw = env.get(f.metadata["env"])
             if raw is not None and raw != "":
-                values[f.name] = _parse(f, raw)
+                values[f.name] = parse_value(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -411,23 +409,3 @@ class Settings:
             return broker
         raise ValueError(
             f"ASYNCINFER_RESULT_BACKEND must be set when the broker is not Redis (broker: {broker})")
-
-
-def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = type(f.default)
-    if kind is bool:
-        if raw.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{f.metadata['env']} must be true or false, got {raw!r}")
-    try:
-        if kind is tuple:
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"{f.metadata['env']} must be a {kind.__name__}, got {raw!r}") from None
-    return raw
